@@ -1,0 +1,14 @@
+"""llmkernels: readable Triton kernels for LLM inference, and a small engine for GGUF models.
+
+On a machine with no CUDA device, importing llmkernels (before triton) selects Triton's interpreter, so the kernels
+run on CPU tensors: slow, for tests and study.
+"""
+from ._runtime import configure as _configure
+
+_configure()
+
+from .quant import (GGUFError, QuantizedTensor, dequantize, quantize, read_gguf, write_gguf)  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["GGUFError", "QuantizedTensor", "dequantize", "quantize", "read_gguf", "write_gguf"]

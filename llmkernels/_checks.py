@@ -1,0 +1,99 @@
+"""Input checks for the public boundary.
+
+Every public function validates its tensors here, so kernels can assume what the wrapper checked. Each check raises
+``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, device, layout or value) with a message that names
+the argument, what it got and what was expected.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+
+def interpreter_mode() -> bool:
+    """True when Triton kernels run through the interpreter (TRITON_INTERPRET=1): tensors then live on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype] | None = None, ndim: int | None = None,
+                 shape: Sequence[int | None] | None = None, last_dim_contiguous: bool = False,
+                 contiguous: bool = False) -> torch.Tensor:
+    """Check one tensor argument. ``shape`` entries that are None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        want = tuple("*" if s is None else s for s in shape)
+        if t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape)):
+            raise ValueError(f"{name} must have shape {want} ('*' = any), got {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    return t
+
+
+def check_device(**tensors) -> torch.device:
+    """All given tensors (None entries skipped) on one device, CUDA unless kernels run through the interpreter."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    dev = first.device
+    for n, t in items[1:]:
+        if t.device != dev:
+            raise ValueError(f"{n} is on {t.device} but {first_name} is on {dev}: all tensors must be on one device")
+    if dev.type != "cuda" and not interpreter_mode():
+        raise ValueError(f"{first_name} is on {dev}: kernels need CUDA tensors "
+                         "(or TRITON_INTERPRET=1 to run them on the CPU through Triton's interpreter)")
+    return dev
+
+
+def check_cu_seqlens(name: str, t, batch: int | None = None, total: int | None = None,
+                     validate_values: bool = True) -> torch.Tensor:
+    """int32 [batch+1] prefix sums: starts at 0, non-decreasing, ends at ``total`` (value checks cost a sync)."""
+    check_tensor(name, t, dtypes=(torch.int32,), ndim=1)
+    if t.shape[0] < 2:
+        raise ValueError(f"{name} must have batch+1 >= 2 entries, got shape {tuple(t.shape)}")
+    if batch is not None and t.shape[0] != batch + 1:
+        raise ValueError(f"{name} must have shape ({batch + 1},) (batch+1), got {tuple(t.shape)}")
+    if validate_values and not _capturing():
+        v = t.cpu()
+        if int(v[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0, got {int(v[0])}")
+        if bool((v[1:] < v[:-1]).any()):
+            raise ValueError(f"{name} must be non-decreasing, got {v.tolist()[:16]}")
+        if total is not None and int(v[-1]) != total:
+            raise ValueError(f"{name}[-1] must equal the number of tokens {total}, got {int(v[-1])}")
+    return t
+
+
+def check_choice(name: str, value, choices: Iterable) -> None:
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _capturing() -> bool:
+    """Inside CUDA-graph capture or a torch.compile trace, value checks (which sync) are skipped."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # older torch
+        return False

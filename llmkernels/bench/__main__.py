@@ -1,0 +1,69 @@
+"""Run benchmark suites on a GPU; print one table per suite and write JSON to bench/results/.
+
+    python -m llmkernels.bench                 # every suite
+    python -m llmkernels.bench prefill decode  # some suites
+    python -m llmkernels.bench --plot bench/results/FILE.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from .suites import SUITES
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmkernels.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suites", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
+    p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.add_argument("--plot", metavar="RESULTS_JSON", help="draw a PNG chart of a results file and exit")
+    args = p.parse_args(argv)
+
+    from .harness import Context, format_table, measure_copy_bandwidth, measure_matmul_tflops, \
+        measure_read_bandwidth, plot, write_results
+
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        p.error(f"unknown suite(s) {unknown}; known: {list(SUITES)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("python -m llmkernels.bench needs a CUDA GPU (timings through the interpreter mean nothing).",
+              file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    suites = args.suites or list(SUITES)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    ctx = Context(read_bw_TBps=measure_read_bandwidth(), copy_bw_TBps=measure_copy_bandwidth(),
+                  matmul_TFLOPs=measure_matmul_tflops(), quick=args.quick)
+    print(f"measured: read {ctx.read_bw_TBps:.3f} TB/s, copy (read+write) {ctx.copy_bw_TBps:.3f} TB/s, "
+          f"bf16 matmul {ctx.matmul_TFLOPs:.1f} TFLOP/s", flush=True)
+    cases = []
+    for name in suites:
+        mod = importlib.import_module(SUITES[name])
+        cases += [(name, case, thunk) for case, thunk in mod.cases(ctx)]
+    rows, failures = [], 0
+    for suite, case, thunk in tqdm(cases, desc="bench", unit="case", file=sys.stderr, mininterval=2):
+        try:
+            out = thunk()
+            rows += out if isinstance(out, list) else [out]
+        except Exception:  # one broken case must not hide the others' figures
+            failures += 1
+            print(f"\n[{suite}] {case} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        torch.cuda.empty_cache()
+    print(format_table(rows))
+    path = write_results(rows, ctx, args.out, suites)
+    print(f"wrote {path}" + (f"  ({failures} case(s) failed)" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

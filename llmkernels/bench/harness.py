@@ -1,0 +1,188 @@
+"""Timing, roofline measurements and the results file for ``python -m llmkernels.bench``.
+
+Times are medians of CUDA-event timings after warm-up (``triton.testing.do_bench``, which also flushes L2 between
+runs so memory-bound kernels are timed from HBM). The GPU's own ceilings (read bandwidth, copy bandwidth, bf16
+matmul rate) are measured in the same run, so ratios never lean on datasheet numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+@dataclasses.dataclass
+class Row:
+    suite: str
+    case: str
+    metric: str  # "TB/s" | "TFLOP/s" | "tokens/s"
+    value: float | None
+    roofline_pct: float | None = None
+    anchors: dict = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+
+def time_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cuda_graph: bool = False) -> float:
+    """Median milliseconds per call of ``fn`` (CUDA events; L2 flushed between calls unless cuda_graph)."""
+    import triton.testing
+
+    if cuda_graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        # Each program reads ITERS contiguous blocks with 16-byte vector loads and keeps one partial sum,
+        # so the only traffic is the read itself.
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * BLOCK * ITERS
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return read_sum
+
+
+def measure_read_bandwidth(nbytes: int = 2 << 30) -> float:
+    """TB/s of a streaming read of ``nbytes`` (best of a few block shapes and torch.sum)."""
+    import triton
+
+    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    kernel = _read_kernel()
+    best = float("inf")
+    for block, iters, warps in ((2048, 8, 8), (4096, 4, 8), (1024, 16, 4)):
+        grid = triton.cdiv(n, block * iters)
+        out = torch.empty(grid, device="cuda", dtype=torch.float32)
+        best = min(best, time_ms(lambda: kernel[(grid,)](x, out, n, BLOCK=block, ITERS=iters, num_warps=warps)))
+    best = min(best, time_ms(lambda: x.sum(dtype=torch.float32)))
+    return nbytes / (best * 1e-3) / 1e12
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """TB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def measure_matmul_tflops(n: int = 8192) -> float:
+    """bf16 TFLOP/s of an n x n x n product on random data through cuBLAS."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, rep_ms=300)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+@dataclasses.dataclass
+class Context:
+    """What every suite needs: the measured ceilings and the options of this run."""
+    read_bw_TBps: float
+    copy_bw_TBps: float
+    matmul_TFLOPs: float
+    quick: bool = False
+
+    def bw_pct(self, tbps: float | None) -> float | None:
+        return None if tbps is None else 100.0 * tbps / self.read_bw_TBps
+
+
+def git_commit() -> str:
+    if os.environ.get("LLMK_COMMIT"):
+        return os.environ["LLMK_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=Path(__file__).parent).decode().strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: list[str]) -> Path:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "read_bandwidth_TBps": round(ctx.read_bw_TBps, 4),
+        "copy_bandwidth_TBps": round(ctx.copy_bw_TBps, 4),
+        "bf16_matmul_TFLOPs": round(ctx.matmul_TFLOPs, 2),
+        "rows": [{k: v for k, v in dataclasses.asdict(r).items() if k != "note" or v} for r in rows],
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
+    path = out_dir / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{slug}-{'-'.join(suites)}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def format_table(rows: list[Row]) -> str:
+    """One table per suite: figure, each anchor's figure, ratio to it, percent of roofline."""
+    out = []
+    for suite in dict.fromkeys(r.suite for r in rows):
+        srows = [r for r in rows if r.suite == suite]
+        names = list(dict.fromkeys(a for r in srows for a in r.anchors))
+        head = f"{'case':<46} {'metric':>7} {'ours':>9} {'%roof':>6}" + "".join(
+            f" {n[:14]:>14} {'ratio':>6}" for n in names)
+        out += [f"== {suite}", head, "-" * len(head)]
+        for r in srows:
+            val = "-" if r.value is None else f"{r.value:9.3f}"
+            pct = "-" if r.roofline_pct is None else f"{r.roofline_pct:6.1f}"
+            line = f"{r.case[:46]:<46} {r.metric:>7} {val:>9} {pct:>6}"
+            for n in names:
+                a = r.anchors.get(n)
+                if a is None:
+                    line += f" {'-':>14} {'-':>6}"
+                else:
+                    ratio = "-" if (r.value is None or not a) else f"{r.value / a:6.2f}"
+                    line += f" {a:14.3f} {ratio:>6}"
+            if r.note:
+                line += f"  # {r.note}"
+            out.append(line)
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(results_path: str | Path, png_path: str | Path | None = None) -> Path:
+    """Bar chart of a results file: our figure beside each anchor's, one panel per suite."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(Path(results_path).read_text())
+    rows = doc["rows"]
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    fig, axes = plt.subplots(len(suites), 1, figsize=(14, 4 * len(suites)), squeeze=False)
+    for ax, suite in zip(axes[:, 0], suites):
+        srows = [r for r in rows if r["suite"] == suite]
+        names = ["ours"] + list(dict.fromkeys(a for r in srows for a in r["anchors"]))
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            vals = [(r["value"] if name == "ours" else r["anchors"].get(name)) or 0.0 for r in srows]
+            ax.bar([i + j * width for i in range(len(srows))], vals, width, label=name)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(srows))])
+        ax.set_xticklabels([r["case"] for r in srows], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel(srows[0]["metric"])
+        ax.set_title(f"{suite} on {doc['gpu']} (read bw {doc['read_bandwidth_TBps']:.2f} TB/s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png_path = Path(png_path or Path(results_path).with_suffix(".png"))
+    fig.savefig(png_path, dpi=110)
+    return png_path

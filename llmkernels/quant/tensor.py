@@ -1,0 +1,139 @@
+"""QuantizedTensor and the public ``quantize`` / ``dequantize``."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import check_tensor
+from .formats import GGUF_FORMATS, MLX_BITS, MLX_GROUP_SIZES, GGUFFormat
+from .gguf_codec import dequantize_blocks, quantize_blocks
+from .mlx import dequantize_mlx, quantize_mlx
+
+FORMATS = tuple(GGUF_FORMATS) + ("mlx",)
+
+
+class QuantizedTensor:
+    """A weight matrix in a stored format, with its logical shape [..., N, K] (K last, the reduction dim).
+
+    GGUF formats: ``data`` is uint8 [..., N, bytes_per_row] holding each row's blocks, byte for byte as in a GGUF file.
+    MLX: ``data`` is uint32 [N, K*bits/32], ``scales`` and ``biases`` are fp16/bf16 [N, K/group_size].
+    """
+
+    def __init__(self, format: str, shape, data: torch.Tensor, scales: torch.Tensor | None = None,
+                 biases: torch.Tensor | None = None, bits: int | None = None, group_size: int | None = None):
+        self.format = format
+        self.shape = torch.Size(shape)
+        self.data = data
+        self.scales = scales
+        self.biases = biases
+        self.bits = bits
+        self.group_size = group_size
+
+    @property
+    def gguf(self) -> GGUFFormat | None:
+        """The GGUF format record (block size, bytes, fields), or None for MLX."""
+        return GGUF_FORMATS.get(self.format)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored weights (what a GEMV must read)."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.biases) if t is not None)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / max(1, math.prod(self.shape))
+
+    def to(self, device) -> "QuantizedTensor":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QuantizedTensor(self.format, self.shape, mv(self.data), mv(self.scales), mv(self.biases), self.bits,
+                               self.group_size)
+
+    def cuda(self) -> "QuantizedTensor":
+        return self.to("cuda")
+
+    def __repr__(self) -> str:
+        fmt = f"mlx{self.bits} g{self.group_size}" if self.format == "mlx" else self.format
+        return (f"QuantizedTensor({fmt}, shape={tuple(self.shape)}, {self.bits_per_weight:.3g} bits/weight, "
+                f"{self.nbytes / 2**20:.2f} MiB, device={self.device})")
+
+    @staticmethod
+    def from_raw(data, format: str, shape) -> "QuantizedTensor":
+        """Wrap existing GGUF block bytes (uint8 [..., N, bytes_per_row], tensor or numpy array) without copying."""
+        if format not in GGUF_FORMATS:
+            raise ValueError(f"format must be a GGUF format {tuple(GGUF_FORMATS)}, got {format!r}")
+        if not isinstance(data, torch.Tensor):
+            data = torch.from_numpy(data)
+        if data.dtype != torch.uint8:
+            data = data.view(torch.uint8)
+        shape = torch.Size(shape)
+        fmt = GGUF_FORMATS[format]
+        if len(shape) < 1 or shape[-1] % fmt.block_size:
+            raise ValueError(f"shape {tuple(shape)}: last dim K must be a multiple of {format}'s block size "
+                             f"{fmt.block_size}")
+        want = (*shape[:-1], fmt.bytes_per_row(shape[-1]))
+        if tuple(data.shape) != want:
+            if data.numel() != math.prod(want):
+                raise ValueError(f"data has {data.numel()} bytes, {format} shape {tuple(shape)} needs "
+                                 f"{math.prod(want)} (uint8 {want})")
+            data = data.reshape(want)
+        return QuantizedTensor(format, shape, data)
+
+
+def quantize(w: torch.Tensor, format: str, *, bits: int = 4, group_size: int = 64,
+             scale_dtype: torch.dtype | None = None) -> QuantizedTensor:
+    """Quantize weights w [..., N, K] (float) into ``format``.
+
+    GGUF formats: ``f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k``; K must be a multiple of the
+    block size (32 for legacy formats, 256 for K-quants). ``"mlx"``: affine with ``bits`` in (2, 3, 4, 5, 6, 8) and
+    ``group_size`` in (32, 64, 128); scales/biases in ``scale_dtype`` (default: w's dtype if fp16/bf16, else fp16).
+
+    >>> qt = quantize(torch.randn(64, 256), "q4_k")
+    >>> qt.data.shape
+    torch.Size([64, 144])
+    """
+    check_tensor("w", w, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    if w.dim() < 1:
+        raise ValueError(f"w must have at least 1 dim, got shape {tuple(w.shape)}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    K = w.shape[-1]
+    if format == "mlx":
+        if bits not in MLX_BITS:
+            raise ValueError(f"bits must be one of {MLX_BITS} for mlx, got {bits}")
+        if group_size not in MLX_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {MLX_GROUP_SIZES} for mlx, got {group_size}")
+        if w.dim() != 2:
+            raise ValueError(f"w must be 2-D [N, K] for mlx, got shape {tuple(w.shape)}")
+        if K % group_size:
+            raise ValueError(f"w's last dim K={K} must be a multiple of group_size={group_size}")
+        sd = scale_dtype or (w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+        if sd not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"scale_dtype must be float16 or bfloat16, got {sd}")
+        data, scales, biases = quantize_mlx(w, bits, group_size, sd)
+        return QuantizedTensor("mlx", w.shape, data, scales, biases, bits, group_size)
+    fmt = GGUF_FORMATS[format]
+    if K % fmt.block_size:
+        raise ValueError(f"w's last dim K={K} must be a multiple of {format}'s block size {fmt.block_size}")
+    if fmt.family != "dense" and not bool(torch.isfinite(w).all()):
+        raise ValueError(f"w contains NaN or inf; {format} cannot represent them")
+    blocks = w.float().reshape(-1, fmt.block_size)
+    data = quantize_blocks(blocks, format).reshape(*w.shape[:-1], fmt.bytes_per_row(K))
+    return QuantizedTensor(format, w.shape, data)
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """QuantizedTensor -> dense [..., N, K] in ``dtype`` (computed in float32 on qt's device)."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a QuantizedTensor, got {type(qt).__name__}")
+    if qt.format == "mlx":
+        out = dequantize_mlx(qt.data, qt.scales, qt.biases, qt.bits, qt.group_size, qt.shape[-1])
+    else:
+        fmt = GGUF_FORMATS[qt.format]
+        blocks = qt.data.reshape(-1, fmt.block_bytes)
+        out = dequantize_blocks(blocks, qt.format)
+    return out.reshape(qt.shape).to(dtype)
