@@ -1,0 +1,187 @@
+"""Host side of varlen prefill attention: checks, config choice, launch, torch.library registration."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .._checks import check_cu_seqlens, check_device, check_tensor, interpreter_mode
+from .._runtime import gpu_name
+from ..tuning import lookup
+
+HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from the tuned table, keyed on GPU, dtype, head dim, causal."""
+    if interpreter_mode():
+        return 32, 32, 4, 1
+    key = f"{str(dtype).replace('torch.', '')}/{head_dim}/{'causal' if causal else 'full'}"
+    entry = lookup("prefill", gpu_name(), key)
+    if entry is not None:
+        return tuple(entry)
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 64, 4, 2
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if any(w < -1 for w in window_size):
+        raise ValueError(f"window_size entries must be >= 0 or -1 (unbounded), got {tuple(window_size)}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_attention_inputs(q, k, v, *, sinks=None, kv_dtypes=_DTYPES, q_name="q", k_name="k", v_name="v"):
+    """Shared checks for q [T, Hq, D] and k/v [..., Hkv, D]: dtypes, head counts, head dim, devices, last-dim strides."""
+    check_tensor(q_name, q, dtypes=_DTYPES, last_dim_contiguous=True)
+    check_tensor(k_name, k, dtypes=kv_dtypes, last_dim_contiguous=True)
+    check_tensor(v_name, v, dtypes=kv_dtypes, last_dim_contiguous=True)
+    if q.dim() != 3:
+        raise ValueError(f"{q_name} must be [total_q, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dtype != v.dtype:
+        raise TypeError(f"{k_name} and {v_name} must have one dtype, got {k.dtype} and {v.dtype}")
+    if kv_dtypes == _DTYPES and k.dtype != q.dtype:
+        raise TypeError(f"{k_name} must have {q_name}'s dtype {q.dtype}, got {k.dtype}")
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k.shape[-2]
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(f"head dims differ: {q_name} {D}, {k_name} {k.shape[-1]}, {v_name} {v.shape[-1]}")
+    if v.shape != k.shape:
+        raise ValueError(f"{v_name} must have {k_name}'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"num_q_heads ({Hq}) must be a multiple of num_kv_heads ({Hkv}) (Hq % Hkv == 0)")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(Hq,))
+    check_device(**{q_name: q, k_name: k, v_name: v, "sinks": sinks})
+    return Hq, Hkv, D
+
+
+def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, causal, softmax_scale, left, right,
+                    softcap, sinks):
+    total_q, Hq, D = q.shape
+    Hkv = k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or max_seqlen_q == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return
+    BLOCK_M, BLOCK_N, num_warps, num_stages = prefill_config(q.dtype, D, causal)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    softcap = float(softcap)
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
+    grid = (batch * Hq, triton.cdiv(max_seqlen_q, BLOCK_M))
+    from .prefill_kernel import flash_fwd_kernel
+
+    flash_fwd_kernel[grid](
+        q, k, v, out, lse if lse is not None else out, sinks if sinks is not None else out,
+        cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        Hq, Hq // Hkv, qk_scale, softcap, left, right,
+        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0, HAS_SINK=sinks is not None,
+        WRITE_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages)
+
+
+@torch.library.custom_op("llmkernels::flash_attn_varlen_out", mutates_args=("out", "lse"))
+def _flash_attn_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor,
+                          write_lse: bool, causal: bool, softmax_scale: float, left: int, right: int, softcap: float,
+                          sinks: torch.Tensor | None) -> None:
+    _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse if write_lse else None, causal,
+                    softmax_scale, left, right, softcap, sinks)
+
+
+@_flash_attn_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, write_lse, causal, softmax_scale, left, right,
+      softcap, sinks):
+    return None
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, causal=False,
+                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False, out=None):
+    """Attention over concatenated variable-length sequences (prefill), FlashAttention style.
+
+    Args:
+        q: [total_q, Hq, D] fp16/bf16; k, v: [total_k, Hkv, D], same dtype, Hq % Hkv == 0. Views with a
+            contiguous last dim are fine (e.g. slices of one fused QKV projection).
+        cu_seqlens_q, cu_seqlens_k: int32 [batch+1] prefix sums of the query and key lengths.
+        max_seqlen_q, max_seqlen_k: the longest query / key length (host ints; they size the grid).
+        causal: query i of a sequence sits at kv position k_len - q_len + i and sees keys j <= that position.
+        softmax_scale: default D ** -0.5.
+        window_size: (left, right); the query at position p sees p - left <= j <= p + right; -1 is unbounded.
+        softcap: > 0 maps scaled scores s to softcap * tanh(s / softcap).
+        sinks: float32 [Hq], one extra logit per head in the softmax denominator (no value).
+        return_lse: also return float32 [total_q, Hq], the natural-log sum of exp of the scaled scores
+            (sink included); -inf for a query that sees nothing.
+        out: optional [total_q, Hq, D] output buffer of q's dtype.
+
+    Returns o [total_q, Hq, D] (and lse). D in (32, 64, 80, 96, 128, 192, 256).
+
+    >>> q = torch.randn(7, 4, 64, dtype=torch.float16, device="cuda")
+    >>> k = v = torch.randn(9, 2, 64, dtype=torch.float16, device="cuda")
+    >>> cu_q = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda")
+    >>> cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device="cuda")
+    >>> o = flash_attn_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True)
+    """
+    Hq, Hkv, D = check_attention_inputs(q, k, v, sinks=sinks)
+    if k.dim() != 3:
+        raise ValueError(f"k must be [total_k, num_kv_heads, head_dim], got shape {tuple(k.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0])
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=cu_seqlens_q.shape[0] - 1, total=k.shape[0])
+    check_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {val!r}")
+    left, right = _check_window(window_size)
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be >= 0 and finite, got {softcap}")
+    if out is None:
+        out = torch.empty(q.shape[0], Hq, D, dtype=q.dtype, device=q.device)
+    else:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=(q.shape[0], Hq, D), last_dim_contiguous=True)
+    lse = torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device) if return_lse else \
+        torch.empty(0, dtype=torch.float32, device=q.device)
+    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+    _flash_attn_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), out, lse, bool(return_lse),
+                          bool(causal), scale, left, right, float(softcap), sinks)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,
+               return_lse=False, out=None):
+    """Dense batched attention: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> o [B, Sq, Hq, D] (lse [B, Sq, Hq]).
+
+    A convenience over ``flash_attn_varlen`` with equal lengths; same keyword arguments.
+
+    >>> o = flash_attn(torch.randn(2, 128, 8, 64, dtype=torch.bfloat16, device="cuda"),
+    ...                torch.randn(2, 128, 2, 64, dtype=torch.bfloat16, device="cuda"),
+    ...                torch.randn(2, 128, 2, 64, dtype=torch.bfloat16, device="cuda"), causal=True)
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"q, k, v must share the batch dim, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (B + 1) * Sk, Sk, dtype=torch.int32, device=q.device)
+    out_flat = None if out is None else out.view(B * Sq, Hq, D)
+    res = flash_attn_varlen(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, *k.shape[2:]),
+                            v.reshape(B * Sk, *v.shape[2:]), cu_q, cu_k, Sq, Sk, causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, sinks=sinks,
+                            return_lse=return_lse, out=out_flat)
+    if return_lse:
+        return res[0].view(B, Sq, Hq, D), res[1].view(B, Sq, Hq)
+    return res.view(B, Sq, Hq, D)

@@ -1,0 +1,120 @@
+"""Varlen FlashAttention forward (Triton): one program per (query block, query head) of one sequence.
+
+Q tiles stream over K/V tiles with the online softmax; the score matrix never leaves registers. Key blocks are cut
+into three ranges: blocks that some query cannot see (window left edge, causal diagonal, sequence end) take the
+masked path, blocks every query sees take a path with no per-element mask, and blocks no query sees are not loaded.
+"""
+import triton
+import triton.language as tl
+
+from ._softmax import finalize, online_softmax_update, scale_scores, window_mask
+
+
+@triton.jit
+def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, start, end,
+                   qk_scale, softcap, left, right, offs_n, offs_d,
+                   MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start_n in range(start, end, BLOCK_N):
+        k_pos = start_n + offs_n
+        k_ptrs = k_base + k_pos[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + k_pos[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:
+            ld_mask = (k_pos[:, None] < k_len) & d_ok
+            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+        else:
+            k = tl.load(k_ptrs)  # the fast path: every key of the block is in range, no mask at all
+        s = scale_scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
+        if MASKED:
+            s = tl.where(window_mask(q_pos, k_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        # masked-off V rows must be 0, not garbage: p is 0 there, but 0 * NaN would poison the sum
+        if MASKED:
+            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _align_down(x, BLOCK: tl.constexpr):
+    return (tl.maximum(x, 0) // BLOCK) * BLOCK
+
+
+@triton.jit
+def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                     num_heads, group, qk_scale, softcap, left, right,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr):
+    # axis 0 (fastest) walks (sequence, head); axis 1 walks query blocks from the last one, whose causal work is the
+    # largest, so the heaviest programs start first and the tail of the launch is short ones.
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    k_start = tl.load(CU_K + b)
+    k_len = tl.load(CU_K + b + 1) - k_start
+    hk = h // group
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
+
+    # bottom-right alignment: query i sits at kv position k_len - q_len + i
+    q_pos = offs_m + (k_len - q_len)
+    first_pos = m0 + k_len - q_len
+    last_pos = tl.minimum(m0 + BLOCK_M, q_len) - 1 + k_len - q_len
+    hi = k_len
+    if HAS_RIGHT:
+        hi = tl.maximum(tl.minimum(hi, last_pos + right + 1), 0)
+    lo = 0
+    full_lo = 0
+    if HAS_LEFT:
+        lo = _align_down(first_pos - left, BLOCK_N)
+        # every row sees key j >= last_pos - left: round up to the next block
+        full_lo = _align_down(last_pos - left + BLOCK_N - 1, BLOCK_N)
+    full_hi = _align_down(k_len, BLOCK_N)
+    if HAS_RIGHT:
+        full_hi = tl.minimum(full_hi, _align_down(first_pos + right + 1, BLOCK_N))
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, lo, mid_lo,
+                                   qk_scale, softcap, left, right, offs_n, offs_d, True, SOFTCAP, HAS_LEFT, HAS_RIGHT,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, mid_lo,
+                                   mid_hi, qk_scale, softcap, left, right, offs_n, offs_d, False, SOFTCAP, HAS_LEFT,
+                                   HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, mid_hi, hi,
+                                   qk_scale, softcap, left, right, offs_n, offs_d, True, SOFTCAP, HAS_LEFT, HAS_RIGHT,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N)
+    sink_log2 = 0.0
+    if HAS_SINK:
+        sink_log2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    o, lse = finalize(acc, l_i, m_i, sink_log2, HAS_SINK)
+    o_ptrs = O + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(LSE + (q_start + offs_m).to(tl.int64) * num_heads + h, lse, mask=row_ok)
