@@ -1,0 +1,182 @@
+"""Host side of paged attention: checks, launches per plan, split-KV combine, torch.library registration."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .._checks import _capturing, check_device, check_tensor
+from ..kv_cache import FP8_DTYPES, as_scale_tensor
+from .plan import PagedAttentionPlan, plan_paged_attention
+from .prefill import _check_window, check_attention_inputs
+
+
+def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
+                num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
+                v_scale_f, custom_mask):
+    from .paged_kernel import combine_kernel, paged_attn_kernel
+
+    total_q, Hq, D = q.shape
+    Hkv, page_size = k_cache.shape[2], k_cache.shape[1]
+    if total_q == 0:
+        return
+    if causal and custom_mask is None:
+        right = 0 if right < 0 else min(right, 0)
+    split = num_splits > 1
+    o_buf, lse_buf = (ws_o, ws_lse) if split else (out, lse)
+    qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
+    scale_ptrs = k_scale is not None
+    mask = custom_mask.view(torch.uint8) if custom_mask is not None else q
+    for i in range(len(configs) // 6):
+        block_q, block_m, block_n, warps, stages, cap = configs[6 * i:6 * i + 6]
+        tile_seq, tile_q, num_tiles = tiles[3 * i:3 * i + 3]
+        paged_attn_kernel[(cap, Hkv, num_splits)](
+            q, k_cache, v_cache, o_buf, lse_buf, sinks if sinks is not None else q,
+            k_scale if scale_ptrs else q, v_scale if scale_ptrs else q, mask, page_table, seq_lens,
+            cu_seqlens_q, tile_seq, tile_q, num_tiles,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            o_buf.stride(0) if split else 0, o_buf.stride(-3), o_buf.stride(-2),
+            lse_buf.stride(0) if split else 0, page_table.stride(0),
+            custom_mask.stride(0) if custom_mask is not None else 0,
+            Hq, qk_scale, softcap, left, right, k_scale_f, v_scale_f,
+            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_Q=block_q,
+            BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
+            HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
+            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, num_warps=warps, num_stages=stages)
+    if split:
+        combine_kernel[(total_q, Hq)](
+            ws_o, ws_lse, out, lse, sinks if sinks is not None else q,
+            ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), out.stride(0), out.stride(1), Hq,
+            NUM_SPLITS=num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=sinks is not None, WRITE_LSE=write_lse,
+            num_warps=4)
+
+
+@torch.library.custom_op("llmkernels::paged_attention_out", mutates_args=("out", "lse"))
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        write_lse: bool, tiles: list[torch.Tensor], configs: list[int], num_splits: int,
+                        ws_o: torch.Tensor | None, ws_lse: torch.Tensor | None, causal: bool, scale: float,
+                        left: int, right: int, softcap: float, sinks: torch.Tensor | None,
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_scale_f: float,
+                        v_scale_f: float, custom_mask: torch.Tensor | None) -> None:
+    _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
+                num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
+                v_scale_f, custom_mask)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs, num_splits,
+      ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f, v_scale_f, custom_mask):
+    return None
+
+
+def _validate_pages(page_table, seq_lens, cu_seqlens_q, num_pages, page_size, total_q):
+    """Checks that cost a device sync (skipped inside CUDA-graph capture and torch.compile)."""
+    max_pages = page_table.shape[1]
+    lens = seq_lens.long()
+    if bool((lens > max_pages * page_size).any()):
+        b = int(torch.nonzero(lens > max_pages * page_size)[0])
+        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} needs more than the page table's {max_pages} pages of "
+                         f"{page_size}")
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    if int(cu_seqlens_q[-1]) != total_q:
+        raise ValueError(f"cu_seqlens_q[-1] = {int(cu_seqlens_q[-1])} must equal q's {total_q} tokens")
+    if bool((q_lens > lens).any()) or bool((q_lens < 0).any()):
+        b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
+        raise ValueError(f"sequence {b}: q_len {int(q_lens[b])} must be in [0, seq_lens[{b}] = {int(lens[b])}]")
+    used = torch.arange(max_pages, device=page_table.device)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
+    bad = used & ((page_table < 0) | (page_table >= num_pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"page_table[{b}, {i}] = {int(page_table[b, i])} is outside [0, num_pages = {num_pages})")
+
+
+def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max_seqlen_q: int, *, causal=True,
+                    softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, k_scale=None, v_scale=None,
+                    custom_mask=None, num_splits=0, plan: PagedAttentionPlan | None = None, return_lse=False,
+                    out=None, validate=True):
+    """Attention of new queries over a paged KV cache: decode, extend and mixed batches in one call.
+
+    The new tokens' K/V must already be in the cache (``store_kv``) and counted by ``seq_lens``.
+
+    Args:
+        q: [total_q, Hq, D] fp16/bf16, last dim contiguous (may be a view of a fused QKV output).
+        k_cache, v_cache: [num_pages, page_size, Hkv, D], q's dtype or fp8 (then k_scale/v_scale are needed).
+        page_table: int32 [batch, max_pages_per_seq]; seq_lens: int32 [batch]; cu_seqlens_q: int32 [batch+1].
+        max_seqlen_q: the longest q_len (host int).
+        causal, softmax_scale, window_size, softcap, sinks: as in ``flash_attn_varlen``; queries are the last
+            q_len positions of their sequence.
+        k_scale, v_scale: fp8 caches hold K / k_scale and V / v_scale (float or 1-element tensor).
+        custom_mask: bool [total_q, max_seqlen_q]; row r (query i of sequence b), column j: sees the j-th new token
+            of b. Cached positions stay visible; it replaces the causal rule among new tokens.
+        num_splits: 0 = the plan chooses split-KV; a fixed count gives batch-invariant results.
+        plan: from ``plan_paged_attention`` (made here when None, which costs a host sync per call).
+        validate: check page ids and lengths against the cache (a device sync; skipped during CUDA-graph capture
+            and torch.compile tracing, where the caller guarantees them).
+
+    Returns o [total_q, Hq, D] in q's dtype (and lse float32 [total_q, Hq] if return_lse).
+
+    >>> store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
+    >>> o = paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max_seqlen_q=1)
+    """
+    kv_dtypes = (q.dtype,) + FP8_DTYPES if isinstance(q, torch.Tensor) else None
+    Hq, Hkv, D = check_attention_inputs(q, k_cache, v_cache, sinks=sinks, kv_dtypes=kv_dtypes, k_name="k_cache",
+                                        v_name="v_cache")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_pages, page_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    batch = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else None
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2, last_dim_contiguous=True)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), shape=(batch + 1,))
+    if page_table.shape[0] != batch:
+        raise ValueError(f"page_table must have {batch} rows (one per sequence), got shape {tuple(page_table.shape)}")
+    check_device(q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                 custom_mask=custom_mask)
+    fp8 = k_cache.dtype in FP8_DTYPES
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError(f"k_scale and v_scale are required with an fp8 cache ({k_cache.dtype})")
+    if custom_mask is not None:
+        check_tensor("custom_mask", custom_mask, dtypes=(torch.bool,), ndim=2, last_dim_contiguous=True)
+        if custom_mask.shape[0] != q.shape[0] or custom_mask.shape[1] < max_seqlen_q:
+            raise ValueError(f"custom_mask must be [total_q={q.shape[0]}, >= max_seqlen_q={max_seqlen_q}], got "
+                             f"{tuple(custom_mask.shape)}")
+    left, right = _check_window(window_size)
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be >= 0 and finite, got {softcap}")
+    if validate and not _capturing():
+        _validate_pages(page_table, seq_lens, cu_seqlens_q, k_cache.shape[0], k_cache.shape[1], q.shape[0])
+    if plan is None:
+        plan = plan_paged_attention(cu_seqlens_q, seq_lens, k_cache.shape[1], Hq, Hkv, D, q_dtype=q.dtype,
+                                    kv_dtype=k_cache.dtype, num_splits=num_splits, device=q.device)
+    else:
+        got = (plan.page_size, plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.q_dtype, plan.kv_dtype)
+        want = (k_cache.shape[1], Hq, Hkv, D, q.dtype, k_cache.dtype)
+        if got != want:
+            raise ValueError(f"plan was made for (page_size, Hq, Hkv, D, q_dtype, kv_dtype) = {got}, call has {want}")
+        if plan.workspace_o is not None and plan.workspace_o.shape[1] < q.shape[0]:
+            raise ValueError(f"plan's workspace holds {plan.workspace_o.shape[1]} tokens, q has {q.shape[0]}")
+    if out is None:
+        out = torch.empty(q.shape[0], Hq, D, dtype=q.dtype, device=q.device)
+    else:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=(q.shape[0], Hq, D), last_dim_contiguous=True)
+    lse = torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device) if return_lse else \
+        torch.empty(0, dtype=torch.float32, device=q.device)
+    ks = vs = None
+    ks_f = vs_f = 1.0
+    if fp8:
+        if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+            ks, vs = as_scale_tensor("k_scale", k_scale, q.device), as_scale_tensor("v_scale", v_scale, q.device)
+        else:
+            as_scale_tensor("k_scale", k_scale, "cpu"), as_scale_tensor("v_scale", v_scale, "cpu")  # value checks
+            ks_f, vs_f = float(k_scale), float(v_scale)
+    tiles = [t for ln in plan.launches for t in (ln.tile_seq, ln.tile_q, ln.num_tiles)]
+    configs = [c for ln in plan.launches for c in ln.config()]
+    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+    _paged_attention_op(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, bool(return_lse), tiles,
+                        configs, plan.num_splits, plan.workspace_o, plan.workspace_lse, bool(causal), scale, left,
+                        right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask)
+    return (out, lse) if return_lse else out

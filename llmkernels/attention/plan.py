@@ -1,0 +1,255 @@
+"""The paged-attention planner: decide once per batch, reuse for every layer, replay in CUDA graphs.
+
+``plan_paged_attention`` reads the batch's lengths (on the host), sorts sequences into short ones (decode and small
+speculative verifies) and long ones (extend / chunked prefill), builds each class's tile list, picks the split-KV
+count and the tile sizes from the tuned table, and allocates fixed-capacity buffers. ``plan.update`` refills those
+buffers in place for the next step, so a captured CUDA graph replays with new lengths and page tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import triton
+
+from .._checks import check_positive_int, check_tensor, interpreter_mode
+from .._runtime import gpu_name, num_sms
+from ..kv_cache import FP8_DTYPES
+from ..tuning import lookup
+
+PAGED_HEAD_DIMS = (64, 96, 128, 256)
+MIN_KEYS_PER_SPLIT = 512
+
+
+@dataclasses.dataclass
+class TileLaunch:
+    """One kernel launch over the tiles of one class of sequences."""
+    name: str  # "short" (decode / small verify) or "long" (extend, chunked prefill)
+    block_q: int  # query tokens per tile
+    block_m: int  # rows per tile: block_q * group, padded to a power of two >= 16
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+    capacity: int  # tiles the buffers hold
+    tile_seq: torch.Tensor  # int32 [capacity]: sequence of each tile
+    tile_q: torch.Tensor  # int32 [capacity]: first query (within its sequence) of each tile
+    num_tiles: torch.Tensor  # int32 [1]: tiles in use; programs past it exit at once
+    used: int = 0
+
+    def config(self) -> list[int]:
+        return [self.block_q, self.block_m, self.block_n, self.num_warps, self.num_stages, self.capacity]
+
+
+@dataclasses.dataclass
+class PagedAttentionPlan:
+    page_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_splits: int
+    launches: list
+    variant: str  # "decode", "extend" or "mixed"
+    batch: int
+    total_q: int
+    device: torch.device
+    reasons: list
+    workspace_o: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq, D]
+    workspace_lse: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq]
+    short_q_max: int = 1
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def describe(self) -> str:
+        """The dispatch decision in words: each branch of the decision tree that was taken, and why."""
+        lines = [f"paged attention plan: {self.variant}, batch {self.batch}, {self.total_q} query tokens, "
+                 f"Hq {self.num_q_heads} / Hkv {self.num_kv_heads} (group {self.group}), D {self.head_dim}, "
+                 f"page size {self.page_size}, q {str(self.q_dtype)[6:]}, kv {str(self.kv_dtype)[6:]}"]
+        lines += [f"  - {r}" for r in self.reasons]
+        for ln in self.launches:
+            lines.append(f"  launch '{ln.name}': {ln.used} tiles (capacity {ln.capacity}) x {self.num_kv_heads} kv "
+                         f"heads x {self.num_splits} splits; tile = {ln.block_q} tokens x {self.group} heads "
+                         f"-> {ln.block_m} rows, {ln.block_n} keys per step, {ln.num_warps} warps, "
+                         f"{ln.num_stages} stages")
+        if self.num_splits > 1:
+            lines.append(f"  combine: merges {self.num_splits} partial (o, lse) per query head in float32")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def update(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> "PagedAttentionPlan":
+        """Refill the tile buffers for a new batch of the same shape class, in place (CUDA-graph replay).
+
+        Raises ValueError if the new batch needs a launch the plan lacks, more tiles than its capacity, or more
+        query tokens than its workspace holds.
+        """
+        q_lens, k_lens = _host_lengths(cu_seqlens_q, seq_lens)
+        _check_lengths(q_lens, k_lens)
+        tiles = _tiles(q_lens, self.short_q_max, {ln.name: ln.block_q for ln in self.launches})
+        if self.workspace_o is not None and int(q_lens.sum()) > self.workspace_o.shape[1]:
+            raise ValueError(f"plan.update: {int(q_lens.sum())} query tokens exceed the plan's workspace "
+                             f"({self.workspace_o.shape[1]})")
+        names = {ln.name for ln in self.launches}
+        for name, (seqs, _) in tiles.items():
+            if len(seqs) and name not in names:
+                raise ValueError(f"plan.update: the batch has {name} sequences but the plan was made without a "
+                                 f"'{name}' launch; make a new plan")
+        for ln in self.launches:
+            seqs, starts = tiles.get(ln.name, (np.zeros(0, np.int32), np.zeros(0, np.int32)))
+            if len(seqs) > ln.capacity:
+                raise ValueError(f"plan.update: {len(seqs)} '{ln.name}' tiles exceed capacity {ln.capacity}")
+            _fill(ln, seqs, starts)
+        self.batch = len(q_lens)
+        self.total_q = int(q_lens.sum())
+        return self
+
+
+def _host_lengths(cu_seqlens_q, seq_lens):
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(f"cu_seqlens_q must have shape ({seq_lens.shape[0] + 1},) (batch+1 for seq_lens of batch "
+                         f"{seq_lens.shape[0]}), got {tuple(cu_seqlens_q.shape)}")
+    cu = cu_seqlens_q.detach().cpu().numpy().astype(np.int64)
+    k = seq_lens.detach().cpu().numpy().astype(np.int64)
+    if cu[0] != 0 or (np.diff(cu) < 0).any():
+        raise ValueError(f"cu_seqlens_q must start at 0 and be non-decreasing, got {cu[:16].tolist()}")
+    return np.diff(cu), k
+
+
+def _check_lengths(q_lens, k_lens):
+    bad = np.nonzero(q_lens > k_lens)[0]
+    if len(bad):
+        b = int(bad[0])
+        raise ValueError(f"sequence {b} has {int(q_lens[b])} new queries but seq_lens[{b}] = {int(k_lens[b])}: "
+                         f"seq_lens counts the new tokens too, so q_len <= seq_len")
+    if (k_lens < 0).any():
+        raise ValueError("seq_lens must be >= 0")
+
+
+def _tiles(q_lens, short_q_max, block_q):
+    """{launch name: (tile_seq, tile_q)} for short and long sequences; empty sequences get no tile."""
+    out = {}
+    for name in ("short", "long"):
+        sel = (q_lens > 0) & (q_lens <= short_q_max) if name == "short" else q_lens > short_q_max
+        seqs_idx = np.nonzero(sel)[0]
+        if name not in block_q:
+            out[name] = (seqs_idx.astype(np.int32), np.zeros(len(seqs_idx), np.int32))
+            continue
+        bq = block_q[name]
+        n = -(-q_lens[seqs_idx] // bq)
+        seqs = np.repeat(seqs_idx, n).astype(np.int32)
+        starts = (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)) * bq
+        out[name] = (seqs, starts.astype(np.int32))
+    return out
+
+
+def _fill(ln: TileLaunch, seqs, starts):
+    n = len(seqs)
+    host = torch.zeros(2, ln.capacity, dtype=torch.int32)
+    host[0, :n] = torch.from_numpy(seqs)
+    host[1, :n] = torch.from_numpy(starts)
+    ln.tile_seq.copy_(host[0], non_blocking=True)
+    ln.tile_q.copy_(host[1], non_blocking=True)
+    ln.num_tiles.fill_(n)
+    ln.used = n
+
+
+def _kernel_config(name, kv_dtype, head_dim, page_size, group):
+    """(block_n, num_warps, num_stages) from the tuned table (GPU, kv dtype, D, page-size class, group class)."""
+    if interpreter_mode():
+        return 16 if name == "short" else 32, 4, 1
+    page_class = "p1" if page_size == 1 else ("small" if page_size < 64 else "large")
+    group_class = "g1" if group == 1 else ("g<=8" if group <= 8 else "g>8")
+    key = f"{name}/{str(kv_dtype)[6:]}/{head_dim}/{page_class}/{group_class}"
+    entry = lookup("paged", gpu_name(), key)
+    if entry is not None:
+        return tuple(entry)
+    if head_dim > 128:
+        return 32, 4, 2
+    return (64, 4, 3) if name == "short" else (64, 4, 2)
+
+
+def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                         *, q_dtype, kv_dtype, num_splits: int = 0, max_tiles: int | None = None,
+                         max_tokens: int | None = None, device=None) -> PagedAttentionPlan:
+    """Plan a paged-attention batch once; pass the plan to every layer's ``paged_attention`` call.
+
+    Args:
+        cu_seqlens_q: int32 [batch+1] prefix sums of new-query counts; seq_lens: int32 [batch] kv lengths
+            (new tokens included). CPU tensors avoid a device sync; device tensors are copied to the host.
+        page_size, num_q_heads, num_kv_heads, head_dim: the cache geometry.
+        q_dtype, kv_dtype: query dtype (fp16/bf16) and cache dtype (same, or fp8 e4m3fn/e5m2).
+        num_splits: 0 lets the plan choose split-KV from the SM count, tiles, heads and lengths; a fixed value makes
+            every sequence's result independent of the rest of the batch.
+        max_tiles, max_tokens: capacities for ``plan.update`` (CUDA graphs); default: this batch's sizes.
+
+    >>> plan = plan_paged_attention(cu_q, seq_lens, 16, 32, 8, 128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    >>> print(plan.describe())
+    """
+    for name, val in (("page_size", page_size), ("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        check_positive_int(name, val)
+    check_positive_int("num_splits", num_splits, minimum=0)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim not in PAGED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {PAGED_HEAD_DIMS}, got {head_dim}")
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q_dtype must be float16 or bfloat16, got {q_dtype}")
+    if kv_dtype not in (q_dtype,) + FP8_DTYPES:
+        raise TypeError(f"kv_dtype must be q_dtype ({q_dtype}) or an fp8 type {FP8_DTYPES}, got {kv_dtype}")
+    device = torch.device(device) if device is not None else (
+        seq_lens.device if seq_lens.device.type != "cpu" or interpreter_mode() else torch.device("cuda"))
+    q_lens, k_lens = _host_lengths(cu_seqlens_q, seq_lens)
+    _check_lengths(q_lens, k_lens)
+    group = num_q_heads // num_kv_heads
+    reasons = []
+    short_q_max = max(1, 16 // group)
+    block_q = {"short": short_q_max, "long": max(1, 64 // group)}
+    tiles = _tiles(q_lens, short_q_max, block_q)
+    n_short, n_long = len(tiles["short"][0]), len(tiles["long"][0])
+    reasons.append(f"sequences with 1..{short_q_max} new tokens -> 'short' tiles of {short_q_max} tokens "
+                   f"({short_q_max * group} rows); longer ones -> 'long' tiles of {block_q['long']} tokens")
+    variant = "mixed" if n_short and n_long else ("extend" if n_long else "decode")
+    launches = []
+    for name, count in (("short", n_short), ("long", n_long)):
+        if count == 0 and not (name == "short" and n_long == 0):
+            continue
+        cap = max(count, (max_tiles or 0), 1)
+        bq = block_q[name]
+        bm = max(16, triton.next_power_of_2(bq * group))
+        bn, warps, stages = _kernel_config(name, kv_dtype, head_dim, page_size, group)
+        buf = torch.zeros(2 * cap + 1, dtype=torch.int32, device=device)
+        ln = TileLaunch(name, bq, bm, bn, warps, stages, cap, buf[:cap], buf[cap:2 * cap], buf[2 * cap:])
+        _fill(ln, *tiles[name])
+        launches.append(ln)
+    total_tiles = n_short + n_long
+    sms = num_sms(device)
+    programs = max(1, total_tiles * num_kv_heads)
+    if num_splits == 0:
+        max_len = int(k_lens.max()) if len(k_lens) else 0
+        if programs >= sms:
+            num_splits = 1
+            reasons.append(f"{programs} programs (tiles x kv heads) >= {sms} SMs -> no split")
+        else:
+            want = -(-2 * sms // programs)
+            cap_by_len = max(1, max_len // MIN_KEYS_PER_SPLIT)
+            num_splits = int(max(1, min(want, cap_by_len, 64)))
+            reasons.append(f"{programs} programs < {sms} SMs -> split-KV x{num_splits} (wanted {want} for 2 waves, "
+                           f"at most longest {max_len} keys / {MIN_KEYS_PER_SPLIT})")
+    else:
+        reasons.append(f"num_splits={num_splits} fixed by the caller (batch-invariant results)")
+    total_q = int(q_lens.sum())
+    plan = PagedAttentionPlan(page_size, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, num_splits,
+                              launches, variant, len(q_lens), total_q, device, reasons, short_q_max=short_q_max)
+    if num_splits > 1:
+        cap_tokens = max(total_q, max_tokens or 0, 1)
+        plan.workspace_o = torch.empty(num_splits, cap_tokens, num_q_heads, head_dim, dtype=torch.float32,
+                                       device=device)
+        plan.workspace_lse = torch.empty(num_splits, cap_tokens, num_q_heads, dtype=torch.float32, device=device)
+    return plan
