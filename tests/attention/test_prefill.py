@@ -1,0 +1,151 @@
+"""flash_attn_varlen / flash_attn against the float64 reference."""
+import pytest
+import torch
+
+import llmkernels as lk
+from llmkernels.testing import assert_close, flash_attn_varlen_ref, poison
+
+# (q_lens, k_lens, Hq, Hkv, D, causal, window, softcap, sinks)
+CPU_CASES = [
+    ([5, 37], [5, 37], 4, 2, 64, True, (-1, -1), 0.0, False),
+    ([3, 0, 33], [40, 7, 33], 4, 4, 32, True, (-1, -1), 0.0, False),  # empty sequence, q_len != k_len
+    ([33, 20], [50, 20], 6, 2, 80, False, (8, 3), 0.0, False),  # padded head dim, two-sided window
+    ([33, 20], [33, 70], 7, 1, 64, True, (16, -1), 30.0, True),  # MQA, group 7, window + softcap + sinks
+    ([40], [20], 2, 1, 32, True, (-1, -1), 0.0, False),  # q_len > k_len: early queries see nothing
+    ([1, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53], None, 2, 2, 32, True, (-1, -1), 0.0, False),
+    ([31], [31], 2, 1, 96, False, (-1, -1), 5.0, False),
+]
+
+
+def make(q_lens, k_lens, Hq, Hkv, D, dtype, device):
+    k_lens = k_lens or q_lens
+    cq = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(device)
+    ck = torch.tensor([0] + k_lens).cumsum(0).to(torch.int32).to(device)
+    q = torch.randn(int(cq[-1]), Hq, D, dtype=dtype, device=device)
+    k = torch.randn(int(ck[-1]), Hkv, D, dtype=dtype, device=device)
+    v = torch.randn(int(ck[-1]), Hkv, D, dtype=dtype, device=device)
+    return q, k, v, cq, ck, max(q_lens), max(k_lens)
+
+
+def check(case, dtype, device):
+    q_lens, k_lens, Hq, Hkv, D, causal, window, softcap, sinks = case
+    q, k, v, cq, ck, mq, mk = make(q_lens, k_lens, Hq, Hkv, D, dtype, device)
+    s = torch.randn(Hq, device=device) if sinks else None
+    out = poison(torch.empty_like(q))
+    o, lse = lk.flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, softcap=softcap,
+                                  sinks=s, return_lse=True, out=out)
+    assert o.data_ptr() == out.data_ptr()
+    ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal, window_size=window, softcap=softcap, sinks=s)
+    assert_close(o, ro, dtype, "o")
+    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"q{c[0][:3]}k{(c[1] or c[0])[:3]}H{c[2]}/{c[3]}D{c[4]}")
+def test_varlen_fp16(case, device):
+    check(case, torch.float16, device)
+
+
+def test_dense_wrapper_and_softmax_scale(device):
+    q = torch.randn(2, 19, 4, 32, dtype=torch.float16, device=device)
+    k = torch.randn(2, 23, 2, 32, dtype=torch.float16, device=device)
+    v = torch.randn(2, 23, 2, 32, dtype=torch.float16, device=device)
+    o = lk.flash_attn(q, k, v, causal=True, softmax_scale=0.3)
+    for b in range(2):
+        ref, _ = lk.testing.attention_ref(q[b], k[b], v[b], causal=True, softmax_scale=0.3)
+        assert_close(o[b], ref, torch.float16)
+
+
+def test_fused_qkv_views(device):
+    T, Hq, Hkv, D = 29, 4, 2, 32
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=torch.float16, device=device)
+    q = qkv[:, :Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    assert not q.is_contiguous()
+    cu = torch.tensor([0, 12, 29], dtype=torch.int32, device=device)
+    o = lk.flash_attn_varlen(q, k, v, cu, cu, 17, 17, causal=True)
+    ref, _ = flash_attn_varlen_ref(q, k, v, cu, cu, causal=True)
+    assert_close(o, ref, torch.float16)
+
+
+def test_all_queries_empty(device):
+    q, k, v, cq, ck, _, _ = make([0, 0], [3, 0], 2, 1, 32, torch.float16, device)
+    o, lse = lk.flash_attn_varlen(q, k, v, cq, ck, 0, 3, return_lse=True)
+    assert o.shape == (0, 2, 32) and lse.shape == (0, 2)
+
+
+def _inputs(device):
+    return make([4, 5], [4, 5], 4, 2, 32, torch.float16, device)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.update(q=a["q"].float()), TypeError, "q must have dtype"),
+    (lambda a: a.update(k=a["k"].to(torch.bfloat16), v=a["v"].to(torch.bfloat16)), TypeError, "k must have q's"),
+    (lambda a: a.update(k=a["k"][:, :1].expand(-1, 3, -1), v=a["v"][:, :1].expand(-1, 3, -1)), ValueError,
+     "multiple of num_kv_heads"),
+    (lambda a: a.update(cq=a["cq"].long()), TypeError, "cu_seqlens_q must have dtype"),
+    (lambda a: a.update(cq=torch.tensor([0, 6, 4, 9], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (lambda a: a.update(ck=a["ck"][:2]), ValueError, "cu_seqlens_k must have shape"),
+    (lambda a: a.update(cq=torch.tensor([0, 4, 8], dtype=torch.int32)), ValueError, "must equal the number"),
+    (lambda a: a.update(q=torch.randn(9, 4, 48, dtype=torch.float16), k=torch.randn(9, 2, 48, dtype=torch.float16),
+                        v=torch.randn(9, 2, 48, dtype=torch.float16)), ValueError, "head_dim must be one of"),
+    (lambda a: a.update(window=(3,)), TypeError, "window_size"),
+    (lambda a: a.update(window=(-2, 0)), ValueError, "window_size"),
+    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "contiguous last dim"),
+])
+def test_bad_input(mutate, exc, match, device):
+    q, k, v, cq, ck, mq, mk = _inputs(device)
+    args = dict(q=q, k=k, v=v, cq=cq.to(device), ck=ck.to(device), window=(-1, -1))
+    mutate(args)
+    for name in ("q", "k", "v", "cq", "ck"):
+        args[name] = args[name].to(device)
+    with pytest.raises(exc, match=match):
+        lk.flash_attn_varlen(args["q"], args["k"], args["v"], args["cq"], args["ck"], mq, mk,
+                             window_size=args["window"])
+
+
+def test_torch_compile_traces(device):
+    if device.type != "cuda":
+        pytest.skip("torch.compile of Triton ops is exercised on the GPU")
+    q, k, v, cq, ck, mq, mk = make([17, 30], None, 4, 2, 64, torch.bfloat16, device)
+    f = torch.compile(lambda q, k, v: lk.flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=True), fullgraph=True)
+    ref, _ = flash_attn_varlen_ref(q, k, v, cq, ck, causal=True)
+    assert_close(f(q, k, v), ref, torch.bfloat16)
+
+
+GPU_CASES = [
+    ([1000, 1, 2049, 0, 517], [1000, 1, 2049, 5, 600], 32, 8, 128, True, (-1, -1), 0.0, False),
+    ([777, 2048], None, 16, 16, 64, False, (-1, -1), 0.0, False),
+    ([1024], [1024], 8, 1, 256, True, (-1, -1), 0.0, False),
+    ([1030, 333], None, 12, 4, 96, True, (256, -1), 0.0, True),
+    ([500, 900], [700, 900], 8, 2, 192, False, (100, 100), 50.0, False),
+    ([4096], None, 8, 8, 32, True, (-1, -1), 0.0, False),
+    ([3000], [3000], 14, 2, 80, True, (-1, -1), 0.0, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"q{c[0][:2]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}")
+def test_varlen_gpu(case, dtype, device):
+    check(case, dtype, device)
+
+
+@pytest.mark.gpu
+def test_batch_of_17_uneven_bf16(device):
+    lens = [int(x) for x in torch.randint(1, 700, (17,))]
+    check((lens, None, 8, 2, 128, True, (-1, -1), 0.0, False), torch.bfloat16, device)
+
+
+@pytest.mark.gpu
+def test_offsets_past_2_31_bytes(device):
+    # q, k, v of 2**30 elements each (2 GiB in bf16): token offsets * strides pass 2**31 bytes
+    T, H, D = 2 ** 30 // (16 * 128), 16, 128
+    q = torch.randn(T, H, D, dtype=torch.bfloat16, device=device)
+    cu = torch.tensor([0, T - 300, T], dtype=torch.int32, device=device)
+    o = lk.flash_attn_varlen(q, q, q, cu, cu, T - 300, T - 300, causal=True, window_size=(64, 0))
+    ref, _ = flash_attn_varlen_ref(q[T - 300:], q[T - 300:], q[T - 300:],
+                                   torch.tensor([0, 300], dtype=torch.int32, device=device),
+                                   torch.tensor([0, 300], dtype=torch.int32, device=device), causal=True,
+                                   window_size=(64, 0))
+    assert_close(o[T - 300:], ref, torch.bfloat16)
