@@ -1,0 +1,249 @@
+"""Host side of the quantized GEMV family: layouts per format, config choice, split-K, torch.library ops."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._checks import check_device, check_tensor, interpreter_mode
+from .._runtime import gpu_name, num_sms
+from ..quant.formats import GGUF_FORMATS
+from ..quant.tensor import QuantizedTensor
+from ..tuning import lookup
+
+FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q8_0": 7, "q2_k": 8,
+              "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "mlx": 13}
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
+MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
+
+
+def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
+    """(NSUB, SUB, BLOCK_BYTES, nblocks, family) of a format: how a row splits into blocks and sub-blocks."""
+    if fmt == "mlx":
+        return 1, group_size, 0, K // group_size, "mlx"
+    f = GGUF_FORMATS[fmt]
+    if f.family == "dense":
+        return 1, 32, 0, triton.cdiv(K, 32), "dense"
+    if f.family == "legacy":
+        return 1, 32, f.block_bytes, K // 32, "legacy"
+    nsub, sub = (8, 32) if fmt in ("q4_k", "q5_k") else (16, 16)
+    return nsub, sub, f.block_bytes, K // 256, "kquant"
+
+
+def _config(family: str, M: int, sub_k: int):
+    """(BLOCK_N, NB, num_warps, num_stages) from the tuned table, keyed on GPU, format family and M class."""
+    if interpreter_mode():
+        return 16, max(1, 64 // sub_k), 4, 1
+    key = f"{family}/{'m1' if M == 1 else 'm16'}"
+    entry = lookup("gemv", gpu_name(), key)
+    if entry is not None:
+        return tuple(entry)
+    block_k = 256 if family != "kquant" else 256
+    return (32 if M == 1 else 64), max(1, block_k // sub_k), 4, 3
+
+
+def _views(data: torch.Tensor):
+    """Byte view, fp16 view and int8 view of one weight buffer (same memory)."""
+    w8 = data.view(torch.uint8) if data.dtype != torch.uint8 else data
+    if w8.shape[-1] % 2 == 0:
+        w16 = w8.view(torch.float16)
+    else:  # only f32/bf16/f16-free layouts can be odd; the fp16 view is then unused
+        w16 = w8
+    return w8, w16, w8.view(torch.int8)
+
+
+def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode):
+    M = x.shape[0]
+    row_bytes = data.shape[-1] * data.element_size()
+    nsub, sub, block_bytes, nblocks, family = _layout(fmt, K, row_bytes, group_size)
+    block_n, nb, warps, stages = _config(family, M, nsub * sub)
+    m_pad = 1 if M == 1 else SMALL_M
+    grid_m = triton.cdiv(M, m_pad)
+    programs_n = triton.cdiv(N, block_n)
+    split = 1
+    sms = num_sms(x.device)
+    if mode != 2 and programs_n * grid_m < 2 * sms:
+        split = max(1, min(triton.cdiv(2 * sms, programs_n * grid_m), nblocks // nb))
+    per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
+    split = triton.cdiv(nblocks, per_split)
+    out_dtype = x.dtype
+    if split > 1:
+        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(1, M, N, dtype=out_dtype, device=x.device)
+    w8, w16, wi8 = _views(data)
+    ws = scales if scales is not None else w16
+    wb = biases if biases is not None else w16
+    if data2 is not None:
+        v8, v16, vi8 = _views(data2)
+        vs = scales2 if scales2 is not None else v16
+        vb = biases2 if biases2 is not None else v16
+    else:
+        v8, v16, vi8, vs, vb = w8, w16, wi8, ws, wb
+    from .kernels import gemv_kernel
+
+    gemv_kernel[(programs_n, split, grid_m)](
+        x, x2 if x2 is not None else x, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
+        M, N, K, x.stride(0), x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes,
+        scales.stride(0) if scales is not None else 0, nblocks, per_split,
+        FMT=FORMAT_IDS[fmt], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=bits or 0, BLOCK_N=block_n,
+        M_PAD=m_pad, SILU_X=mode == 1, DUAL=mode == 2, num_warps=warps, num_stages=stages)
+    return y[0] if split == 1 else y.sum(0).to(out_dtype)
+
+
+def _qt_args(qt: QuantizedTensor):
+    return qt.data, qt.scales, qt.biases, qt.format, qt.shape[0], qt.shape[1], qt.bits or 0, qt.group_size or 0
+
+
+@torch.library.custom_op("llmkernels::quant_gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
+             biases: torch.Tensor | None, data2: torch.Tensor | None, scales2: torch.Tensor | None,
+             biases2: torch.Tensor | None, fmt: str, N: int, K: int, bits: int, group_size: int,
+             mode: int) -> torch.Tensor:
+    M = x.shape[0]
+    if M > MID_M:  # large M: dequantize once with the embedding kernel, then one cuBLAS product
+        a = x if mode != 1 else torch.nn.functional.silu(x.float()).mul_(x2.float()).to(x.dtype)
+        w = _launch_embedding(torch.arange(N, device=x.device), data, scales, biases, fmt, N, K, bits,
+                              group_size, x.dtype)
+        if mode == 2:
+            w2 = _launch_embedding(torch.arange(N, device=x.device), data2, scales2, biases2, fmt, N, K, bits,
+                                   group_size, x.dtype)
+            return (torch.nn.functional.silu((a @ w.T).float()) * (a @ w2.T).float()).to(x.dtype)
+        return a @ w.T
+    return _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode)
+
+
+@_gemv_op.register_fake
+def _(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode):
+    return x.new_empty(x.shape[0], N)
+
+
+def _launch_embedding(ids, data, scales, biases, fmt, N, K, bits, group_size, dtype):
+    n = ids.numel()
+    out = torch.empty(n, K, dtype=dtype, device=ids.device)
+    if n == 0:
+        return out
+    row_bytes = data.shape[-1] * data.element_size()
+    nsub, sub, block_bytes, nblocks, _ = _layout(fmt, K, row_bytes, group_size)
+    nb = max(1, (64 if interpreter_mode() else 256) // (nsub * sub))
+    block_i = 16 if interpreter_mode() else 8
+    w8, w16, wi8 = _views(data)
+    from .kernels import embedding_kernel
+
+    embedding_kernel[(triton.cdiv(n, block_i), triton.cdiv(nblocks, nb))](
+        ids.reshape(-1), w8, w16, wi8, scales if scales is not None else w16, biases if biases is not None else w16,
+        out, n, K, N, row_bytes, scales.stride(0) if scales is not None else 0, nblocks, out.stride(0),
+        FMT=FORMAT_IDS[fmt], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=bits or 0, BLOCK_I=block_i,
+        num_warps=4)
+    return out
+
+
+@torch.library.custom_op("llmkernels::quant_embedding", mutates_args=())
+def _embedding_op(ids: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, biases: torch.Tensor | None,
+                  fmt: str, N: int, K: int, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    return _launch_embedding(ids, data, scales, biases, fmt, N, K, bits, group_size, dtype)
+
+
+@_embedding_op.register_fake
+def _(ids, data, scales, biases, fmt, N, K, bits, group_size, dtype):
+    return ids.new_empty(ids.numel(), K, dtype=dtype)
+
+
+def _check_qt(name: str, qt, x=None):
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"{name} must be a QuantizedTensor (llmkernels.quantize), got {type(qt).__name__}")
+    if len(qt.shape) != 2:
+        raise ValueError(f"{name} must be a 2-D weight [N, K], got logical shape {tuple(qt.shape)}")
+
+
+def _check_x(name: str, x, K: int) -> torch.Tensor:
+    check_tensor(name, x, dtypes=X_DTYPES, last_dim_contiguous=True)
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"{name} must be [M, K={K}] (K = the weight's input dim), got shape {tuple(x.shape)}")
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] == 0:
+        raise ValueError(f"{name} has M = 0 rows (shape {tuple(x.shape)}); gemv needs at least one")
+    return x2
+
+
+def gemv(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """y = x @ dequantize(qt).T with the weights dequantized in registers (read once from memory).
+
+    Args:
+        x: [M, K] (or [..., K]) fp16/bf16 (fp32 accepted), last dim contiguous.
+        qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
+    Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
+    M = 64 it launches M-blocks of 16; beyond, it dequantizes once and calls cuBLAS.
+
+    >>> qt = llmkernels.quantize(torch.randn(4096, 4096), "q4_k").cuda()
+    >>> y = gemv(torch.randn(1, 4096, dtype=torch.float16, device="cuda"), qt)
+    """
+    _check_qt("qt", qt)
+    N, K = qt.shape
+    x2 = _check_x("x", x, K)
+    check_device(x=x, qt_data=qt.data)
+    y = _gemv_op(x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """(silu(gate) * up) @ dequantize(qt).T, the product formed while loading (never written to memory).
+
+    gate, up: [M, K] fp16/bf16 of one shape; qt: [N, K] (the down projection). Returns [M, N] in gate's dtype.
+
+    >>> y = silu_mul_gemv(gate, up, w_down)
+    """
+    _check_qt("qt", qt)
+    N, K = qt.shape
+    g2 = _check_x("gate", gate, K)
+    u2 = _check_x("up", up, K)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must match, got {tuple(gate.shape)}/{gate.dtype} and "
+                         f"{tuple(up.shape)}/{up.dtype}")
+    check_device(gate=gate, up=up, qt_data=qt.data)
+    y = _gemv_op(g2, u2, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 1)
+    return y.reshape(*gate.shape[:-1], N)
+
+
+def gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTensor) -> torch.Tensor:
+    """silu(x @ W_gate.T) * (x @ W_up.T) in one pass over both weight matrices.
+
+    x: [M, K] fp16/bf16; qt_gate, qt_up: [N, K] of one format. Returns [M, N] in x's dtype.
+
+    >>> h = gate_up_silu(x, w_gate, w_up)
+    """
+    _check_qt("qt_gate", qt_gate)
+    _check_qt("qt_up", qt_up)
+    if (qt_gate.format, qt_gate.shape, qt_gate.bits, qt_gate.group_size) != \
+            (qt_up.format, qt_up.shape, qt_up.bits, qt_up.group_size):
+        raise ValueError(f"qt_gate and qt_up must share format and shape, got {qt_gate!r} and {qt_up!r}")
+    N, K = qt_gate.shape
+    x2 = _check_x("x", x, K)
+    check_device(x=x, qt_gate=qt_gate.data, qt_up=qt_up.data)
+    y = _gemv_op(x2, None, qt_gate.data, qt_gate.scales, qt_gate.biases, qt_up.data, qt_up.scales, qt_up.biases,
+                 *_qt_args(qt_gate)[3:], 2)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def embedding(ids: torch.Tensor, qt: QuantizedTensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Rows of dequantize(qt) picked by ids: int32/int64 ids of any shape -> [*ids.shape, K] in ``dtype``.
+
+    Ids outside [0, N) raise ValueError (checked on the host unless inside CUDA-graph capture).
+
+    >>> e = embedding(torch.tensor([[1, 5, 7]], device="cuda"), tok_embd)
+    """
+    _check_qt("qt", qt)
+    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64))
+    if dtype not in X_DTYPES:
+        raise TypeError(f"dtype must be one of {X_DTYPES}, got {dtype}")
+    check_device(ids=ids, qt_data=qt.data)
+    N, K = qt.shape
+    from .._checks import _capturing
+
+    if ids.numel() and not _capturing():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= N:
+            raise ValueError(f"ids must be in [0, {N}) (rows of qt), got values in [{lo}, {hi}]")
+    out = _embedding_op(ids.reshape(-1).contiguous(), qt.data, qt.scales, qt.biases, qt.format, N, K,
+                        qt.bits or 0, qt.group_size or 0, dtype)
+    return out.reshape(*ids.shape, K)
