@@ -16,16 +16,21 @@ def sdpa_ms(q, k, v, *, causal: bool, backend: str) -> float | None:
     import torch.nn.functional as F
 
     be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    if k.shape[1] != q.shape[1]:
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    try:
-        with sdpa_kernel([be]):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            torch.cuda.synchronize()
-            return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-    except RuntimeError:
-        return None
+    gqa = k.shape[1] != q.shape[1]
+    attempts = [dict(enable_gqa=True)] if gqa else [{}]
+    for kw in attempts + ([{"expand": True}] if gqa else []):
+        kk, vv = k, v
+        if kw.pop("expand", False):
+            g = q.shape[1] // k.shape[1]
+            kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        try:
+            with sdpa_kernel([be]):
+                F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, **kw)
+                torch.cuda.synchronize()
+                return time_ms(lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, **kw))
+        except RuntimeError:
+            continue
+    return None
 
 
 def cublas_ms(x, w) -> float:

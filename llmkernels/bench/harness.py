@@ -24,6 +24,7 @@ class Row:
     value: float | None
     roofline_pct: float | None = None
     anchors: dict = dataclasses.field(default_factory=dict)
+    time_ratio: dict = dataclasses.field(default_factory=dict)  # anchor time / our time (> 1: we are faster)
     note: str = ""
 
 
@@ -122,7 +123,8 @@ def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: li
         "read_bandwidth_TBps": round(ctx.read_bw_TBps, 4),
         "copy_bandwidth_TBps": round(ctx.copy_bw_TBps, 4),
         "bf16_matmul_TFLOPs": round(ctx.matmul_TFLOPs, 2),
-        "rows": [{k: v for k, v in dataclasses.asdict(r).items() if k != "note" or v} for r in rows],
+        "rows": [{k: v for k, v in dataclasses.asdict(r).items() if k not in ("note", "time_ratio") or v}
+                 for r in rows],
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,7 @@
 """Benchmark suites by name. Each module has ``cases(ctx) -> list[(name, thunk)]``; a thunk returns Rows."""
 SUITES = {
     "anchors": "llmkernels.bench.suites.anchors",
+    "prefill": "llmkernels.bench.suites.prefill",
+    "decode": "llmkernels.bench.suites.decode",
+    "gemv": "llmkernels.bench.suites.gemv",
 }

@@ -1,0 +1,57 @@
+"""Every kernel once on small odd shapes, for ``compute-sanitizer --tool memcheck python scripts/memcheck.py``.
+
+Shapes are chosen to hit the edges: lengths not multiple of any block, page size 1 and 3, groups of 7, empty
+sequences, K-quant and MLX 3-bit rows, M = 1 and 7, split-K and split-KV.
+"""
+import torch
+
+import llmkernels as lk
+
+
+def main():
+    dev = "cuda"
+    torch.manual_seed(0)
+    for D in (64, 80, 256):
+        cq = torch.tensor([0, 13, 13, 50], dtype=torch.int32, device=dev)
+        ck = torch.tensor([0, 17, 20, 57], dtype=torch.int32, device=dev)
+        q = torch.randn(50, 14, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(57, 2, D, device=dev, dtype=torch.bfloat16)
+        lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37, causal=True, window_size=(5, -1), softcap=10.0,
+                             sinks=torch.randn(14, device=dev), return_lse=True)
+        lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37)
+    for ps, kv in ((1, torch.bfloat16), (3, torch.bfloat16), (16, torch.float8_e4m3fn)):
+        lens = [5, 33, 1]
+        qlens = [1, 9, 1]
+        pages = [-(-L // ps) for L in lens]
+        kc = torch.randn(sum(pages) + 2, ps, 2, 128, device=dev).to(kv)
+        vc = torch.randn_like(kc.float()).to(kv)
+        pt = torch.zeros(3, max(pages), dtype=torch.int32, device=dev)
+        off = 0
+        for b, n in enumerate(pages):
+            pt[b, :n] = torch.arange(off, off + n, device=dev)
+            off += n
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        cu = torch.tensor([0] + qlens).cumsum(0).to(torch.int32).to(dev)
+        q = torch.randn(int(cu[-1]), 14, 128, device=dev, dtype=torch.bfloat16)
+        scales = dict(k_scale=0.5, v_scale=0.5) if kv != torch.bfloat16 else {}
+        for splits in (1, 3):
+            lk.paged_attention(q, kc, vc, pt, sl, cu, 9, num_splits=splits, return_lse=True, **scales)
+        mask = torch.ones(int(cu[-1]), 9, dtype=torch.bool, device=dev)
+        lk.paged_attention(q, kc, vc, pt, sl, cu, 9, custom_mask=mask, sinks=torch.randn(14, device=dev), **scales)
+        knew = torch.randn(3, 2, 128, device=dev, dtype=torch.bfloat16)
+        lk.store_kv(knew, knew, kc, vc, torch.tensor([0, -1, kc.shape[0] * ps - 1], device=dev), **scales)
+    for fmt, kw in (("q4_0", {}), ("q5_1", {}), ("q3_k", {}), ("q5_k", {}), ("q6_k", {}), ("bf16", {}),
+                    ("mlx", dict(bits=3, group_size=32)), ("mlx", dict(bits=6, group_size=128))):
+        qt = lk.quantize(torch.randn(37, 512, device=dev), fmt, **kw)
+        for M in (1, 7, 70):
+            lk.gemv(torch.randn(M, 512, device=dev, dtype=torch.bfloat16), qt)
+        lk.silu_mul_gemv(torch.randn(2, 512, device=dev, dtype=torch.float16),
+                         torch.randn(2, 512, device=dev, dtype=torch.float16), qt)
+        lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
+        lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
+    torch.cuda.synchronize()
+    print("memcheck script finished")
+
+
+if __name__ == "__main__":
+    main()

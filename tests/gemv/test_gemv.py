@@ -1,0 +1,128 @@
+"""gemv / silu_mul_gemv / gate_up_silu / embedding against products with the dequantized weights (float64)."""
+import pytest
+import torch
+
+import llmkernels as lk
+from llmkernels.testing import assert_close, embedding_ref, gemv_ref, silu_mul_gemv_ref
+
+GGUF = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+MLX = [(4, 64), (3, 32), (5, 128), (6, 64), (2, 32), (8, 128)]
+ALL = [(f, {}) for f in GGUF] + [("mlx", dict(bits=b, group_size=g)) for b, g in MLX]
+ids = [f if not kw else f"mlx{kw['bits']}g{kw['group_size']}" for f, kw in ALL]
+
+
+def weights(fmt, kw, N, K, device):
+    return lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
+
+
+def rel_close(y, ref, dtype):
+    """Relative to the output's scale: a dot over K of O(1) terms, rounded to the activation dtype."""
+    tol = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-3}[dtype]
+    scale = ref.abs().max().item() + 1e-6
+    assert_close(y, ref, dtype, atol=tol * scale, rtol=tol)
+
+
+@pytest.mark.parametrize("fmt,kw", ALL, ids=ids)
+def test_gemv_every_format(fmt, kw, device):
+    K = 512 if fmt != "f16" else 96  # dense formats: K need not be a multiple of 32
+    N = 37
+    qt = weights(fmt, kw, N, K, device)
+    for M in (1, 5):
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        y = lk.gemv(x, qt)
+        assert y.shape == (M, N) and y.dtype == torch.float16
+        rel_close(y, gemv_ref(x, qt), torch.float16)
+
+
+@pytest.mark.parametrize("fmt,kw", [("q4_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64))])
+def test_embedding(fmt, kw, device):
+    qt = weights(fmt, kw, 29, 256, device)
+    ids_ = torch.tensor([[3, 0], [28, 3]], device=device)
+    e = lk.embedding(ids_, qt, dtype=torch.float32)
+    assert e.shape == (2, 2, 256)
+    assert_close(e, embedding_ref(ids_, qt), torch.float32, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="ids must be in"):
+        lk.embedding(torch.tensor([29], device=device), qt)
+
+
+def test_silu_mul_and_gate_up(device):
+    K, N = 256, 33
+    down = weights("q4_k", {}, N, K, device)
+    gate = torch.randn(3, K, dtype=torch.float16, device=device)
+    up = torch.randn(3, K, dtype=torch.float16, device=device)
+    rel_close(lk.silu_mul_gemv(gate, up, down), silu_mul_gemv_ref(gate, up, down), torch.float16)
+    wg, wu = weights("q8_0", {}, N, K, device), weights("q8_0", {}, N, K, device)
+    x = torch.randn(2, K, dtype=torch.float16, device=device)
+    g, u = gemv_ref(x, wg), gemv_ref(x, wu)
+    rel_close(lk.gate_up_silu(x, wg, wu), torch.nn.functional.silu(g) * u, torch.float16)
+
+
+def test_fp32_activations_and_leading_dims(device):
+    qt = weights("q5_1", {}, 17, 128, device)
+    x = torch.randn(2, 3, 128, dtype=torch.float32, device=device)
+    y = lk.gemv(x, qt)
+    assert y.shape == (2, 3, 17)
+    rel_close(y.reshape(6, 17), gemv_ref(x.reshape(6, 128), qt), torch.float32)
+
+
+def test_mid_and_large_m_paths(device):
+    qt = weights("q4_0", {}, 19, 64, device)
+    for M in (40, 70):  # M-blocks of 16 in the grid; dequantize + matmul
+        x = torch.randn(M, 64, dtype=torch.float16, device=device)
+        rel_close(lk.gemv(x, qt), gemv_ref(x, qt), torch.float16)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda qt, d: lk.gemv(torch.randn(1, 100, dtype=torch.float16, device=d), qt), ValueError, "K=64"),
+    (lambda qt, d: lk.gemv(torch.randn(0, 64, dtype=torch.float16, device=d), qt), ValueError, "M = 0"),
+    (lambda qt, d: lk.gemv(torch.randint(0, 3, (1, 64), device=d), qt), TypeError, "x must have dtype"),
+    (lambda qt, d: lk.gemv(torch.randn(1, 64, dtype=torch.float16, device=d), torch.randn(4, 64)), TypeError,
+     "QuantizedTensor"),
+    (lambda qt, d: lk.silu_mul_gemv(torch.randn(1, 64, dtype=torch.float16, device=d),
+                                    torch.randn(2, 64, dtype=torch.float16, device=d), qt), ValueError, "must match"),
+])
+def test_bad_input(call, exc, match, device):
+    qt = weights("q4_0", {}, 8, 64, device)
+    with pytest.raises(exc, match=match):
+        call(qt, device)
+
+
+GPU_SHAPES = [(4096, 4096), (1000, 14336), (129, 2048), (32768 + 64, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt,kw", ALL, ids=ids)
+def test_gemv_gpu(fmt, kw, dtype, device):
+    for N, K in GPU_SHAPES[:2] if fmt in ("q4_k", "q4_0", "q8_0", "mlx") else GPU_SHAPES[2:3]:
+        qt = weights(fmt, kw, N, K, device)
+        for M in (1, 2, 7, 16, 33):
+            x = torch.randn(M, K, dtype=dtype, device=device)
+            rel_close(lk.gemv(x, qt), gemv_ref(x, qt), dtype)
+
+
+@pytest.mark.gpu
+def test_wide_n_and_fused_gpu(device):
+    N, K = GPU_SHAPES[3]
+    qt = weights("q6_k", {}, N, K, device)
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=device)
+    rel_close(lk.gemv(x, qt), gemv_ref(x, qt), torch.bfloat16)
+    down = weights("q4_k", {}, 4096, 14336, device)
+    gate = torch.randn(4, 14336, dtype=torch.bfloat16, device=device)
+    up = torch.randn(4, 14336, dtype=torch.bfloat16, device=device)
+    rel_close(lk.silu_mul_gemv(gate, up, down), silu_mul_gemv_ref(gate, up, down), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gemv_compile_and_graph(device):
+    qt = weights("q4_k", {}, 4096, 4096, device)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device=device)
+    f = torch.compile(lambda x: lk.gemv(x, qt) + 1, fullgraph=True)
+    rel_close(f(x) - 1, gemv_ref(x, qt), torch.bfloat16)
+    y = lk.gemv(x, qt)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = lk.gemv(x, qt)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    rel_close(y, gemv_ref(x, qt), torch.bfloat16)
