@@ -30,16 +30,18 @@ def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
     return nsub, sub, f.block_bytes, K // 256, "kquant"
 
 
-def _config(family: str, M: int, sub_k: int):
+def _config(family: str, M: int, sub_k: int, bits: int = 0):
     """(BLOCK_N, NB, num_warps, num_stages) from the tuned table, keyed on GPU, format family and M class."""
     if interpreter_mode():
         return 16, max(1, 64 // sub_k), 4, 1
+    if family == "mlx" and bits and 32 % bits:
+        family = "mlx_odd"  # 3/5/6-bit: two word loads per weight; pipelining them overflows shared memory
     key = f"{family}/{'m1' if M == 1 else 'm16'}"
     entry = lookup("gemv", gpu_name(), key)
     if entry is not None:
         return tuple(entry)
-    block_k = 256 if family != "kquant" else 256
-    return (32 if M == 1 else 64), max(1, block_k // sub_k), 4, 3
+    stages = 1 if family == "mlx_odd" else 3
+    return (32 if M == 1 else 64), max(1, 256 // sub_k), 4, stages
 
 
 def _views(data: torch.Tensor):
@@ -56,7 +58,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     M = x.shape[0]
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, family = _layout(fmt, K, row_bytes, group_size)
-    block_n, nb, warps, stages = _config(family, M, nsub * sub)
+    block_n, nb, warps, stages = _config(family, M, nsub * sub, bits)
     m_pad = 1 if M == 1 else SMALL_M
     grid_m = triton.cdiv(M, m_pad)
     programs_n = triton.cdiv(N, block_n)
