@@ -18,7 +18,8 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from the tuned table, keyed on GPU, dtype, head dim, causal."""
     if interpreter_mode():
         return 32, 32, 4, 1
-    key = f"{str(dtype).replace('torch.', '')}/{head_dim}/{'causal' if causal else 'full'}"
+    block_d = max(16, 1 << (head_dim - 1).bit_length())  # tuned per padded head dim: 80 and 96 share 128's entry
+    key = f"{str(dtype).replace('torch.', '')}/{block_d}/{'causal' if causal else 'full'}"
     entry = lookup("prefill", gpu_name(), key)
     if entry is not None:
         return tuple(entry)

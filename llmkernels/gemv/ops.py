@@ -44,6 +44,31 @@ def _config(family: str, M: int, sub_k: int, bits: int = 0):
     return (32 if M == 1 else 64), max(1, 256 // sub_k), 4, stages
 
 
+def _planes_layout(fmt: str, bits: int, group_size: int):
+    """(C, U, P, block size, block bytes, default NB) for formats with a planes kernel, else None."""
+    if fmt == "q4_0":
+        return 1, 16, 2, 32, 18, 8
+    if fmt == "q8_0":
+        return 1, 32, 1, 32, 34, 8
+    if fmt == "q4_k":
+        return 4, 32, 2, 256, 144, 1
+    if fmt == "mlx" and bits in (2, 4, 8):
+        per_word = 32 // bits
+        return 1, group_size // per_word, per_word, group_size, 0, max(1, 256 // group_size)
+    return None
+
+
+def _planes_config(fmt: str, M: int, nb_default: int, bits: int):
+    """(BLOCK_N, NB, num_warps, num_stages) for the planes kernel from the tuned table."""
+    if interpreter_mode():
+        return 16, max(1, nb_default // 4), 4, 1
+    name = fmt if fmt != "mlx" else f"mlx{bits}"
+    entry = lookup("gemv", gpu_name(), f"planes/{name}/{'m1' if M == 1 else 'm16'}")
+    if entry is not None:
+        return tuple(entry)
+    return (32 if M == 1 else 64), nb_default, 4, 3
+
+
 def _views(data: torch.Tensor):
     """Byte view, fp16 view and int8 view of one weight buffer (same memory)."""
     w8 = data.view(torch.uint8) if data.dtype != torch.uint8 else data
@@ -76,6 +101,26 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
+    planes = _planes_layout(fmt, bits, group_size)
+    if planes is not None and mode != 2:
+        from .planes import gemv_planes_kernel
+
+        C, U, P, BS, BB, nb_p = planes
+        block_n_p, nb_p, warps_p, stages_p = _planes_config(fmt, M, nb_p, bits)
+        programs_n = triton.cdiv(N, block_n_p)
+        split = 1
+        if programs_n * grid_m < 2 * sms:
+            split = max(1, min(triton.cdiv(2 * sms, programs_n * grid_m), nblocks // nb_p))
+        per_split = triton.cdiv(triton.cdiv(nblocks, split), nb_p) * nb_p
+        split = triton.cdiv(nblocks, per_split)
+        y = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
+        gemv_planes_kernel[(programs_n, split, grid_m)](
+            x, x2 if x2 is not None else x, w8, w16, wi8, ws, wb, y, M, N, K, x.stride(0),
+            x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes,
+            scales.stride(0) if scales is not None else 0, nblocks, per_split,
+            FMT=FORMAT_IDS[fmt], NB=nb_p, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, BITS=bits or 0, BLOCK_N=block_n_p,
+            M_PAD=m_pad, SILU_X=mode == 1, num_warps=warps_p, num_stages=stages_p)
+        return y[0] if split == 1 else y.sum(0).to(out_dtype)
     if data2 is not None:
         v8, v16, vi8 = _views(data2)
         vs = scales2 if scales2 is not None else v16

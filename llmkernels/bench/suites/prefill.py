@@ -46,9 +46,9 @@ def _varlen_case(ctx):
         flops = _flops(lens, H, D, True)
         anchors = {}
         S = max(lens)
-        pad = [torch.zeros(16, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        seqs = [(t[int(cu[i]):int(cu[i + 1])].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for i in range(16)]
-        seqs = [tuple(s) for s in seqs]
+        pad = [torch.randn(16, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        bounds = cu.tolist()
+        seqs = [tuple(t[bounds[i]:bounds[i + 1]].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for i in range(16)]
         for be in ("cudnn", "flash"):
             padded = sdpa_ms(*pad, causal=True, backend=be)
 
@@ -63,8 +63,8 @@ def _varlen_case(ctx):
             except RuntimeError:
                 per = None
             best = min(t for t in (padded, per) if t is not None) if (padded or per) else None
-            if best is not None:
-                anchors[f"sdpa_{be}"] = flops / (best * 1e-3) / 1e12
+            if best is not None and flops / (best * 1e-3) / 1e12 < 1.2 * ctx.matmul_TFLOPs:
+                anchors[f"sdpa_{be}"] = flops / (best * 1e-3) / 1e12  # (a figure above the matmul peak is a bug)
         ours = flops / (ms * 1e-3) / 1e12
         return Row("prefill", "varlen 16 seqs 100..8000 H32 D128 causal bf16", "TFLOP/s", ours,
                    100 * ours / ctx.matmul_TFLOPs, anchors)

@@ -1,0 +1,171 @@
+"""Regenerate the tuned tables on this GPU: ``python -m llmkernels.tuning.tune [prefill] [decode] [gemv]``.
+
+For each key of a table (what stays fixed across steps: dtype, head dim, page-size class, format, M class) the
+candidates are timed on representative shapes and the fastest is written to ``<table>.json`` under this GPU's
+name. Shapes never become part of a key, so a new sequence length never re-tunes or recompiles.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import OVERRIDES, _DIR, load_table
+
+
+def _best(table, key, candidates, workloads):
+    """Time every candidate on every workload (geometric mean); -> (best entry, report lines)."""
+    from ..bench.harness import time_ms
+
+    results = []
+    for cand in candidates:
+        OVERRIDES[(table, key)] = list(cand)
+        try:
+            times = [time_ms(w, warmup_ms=10, rep_ms=40) for w in workloads]
+            score = math.exp(sum(math.log(t) for t in times) / len(times))
+        except Exception as e:  # a candidate that does not fit (shared memory, registers) is skipped
+            score = float("inf")
+            print(f"    {key} {cand}: {type(e).__name__}", flush=True)
+        results.append((score, cand))
+        OVERRIDES.pop((table, key), None)
+    results.sort(key=lambda r: r[0])
+    best = results[0]
+    print(f"  {table} {key}: best {best[1]} {best[0] * 1e3:.1f} us (worst finite "
+          f"{max(r[0] for r in results if math.isfinite(r[0])) * 1e3:.1f} us)", flush=True)
+    return list(best[1])
+
+
+def tune_prefill(gpu):
+    from ..attention import flash_attn_varlen
+
+    out = {}
+    shapes = {64: (4, 16, 4096), 128: (1, 32, 4096), 256: (1, 16, 4096)}
+    for D, (B, H, S) in shapes.items():
+        q, k, v = (torch.randn(B * S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+        if D <= 128:
+            cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4),
+                     (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4)]
+        else:
+            cands = [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2),
+                     (128, 64, 8, 1), (64, 32, 4, 2)]
+        for causal in (False, True):
+            key = f"bfloat16/{D}/{'causal' if causal else 'full'}"
+            fn = lambda: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)  # noqa: E731
+            best = _best("prefill", key, cands, [fn])
+            out[key] = best
+            out[key.replace("bfloat16", "float16")] = best
+    return out
+
+
+def tune_decode(gpu):
+    from ..attention import paged_attention, plan_paged_attention
+
+    out = {}
+    Hq, Hkv, D = 32, 8, 128
+    cands = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 5), (128, 4, 2),
+             (16, 4, 4)]
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        for page_class, ps in (("p1", 1), ("small", 16), ("large", 64)):
+            works = []
+            for B, L in ((16, 4096), (64, 4096)):
+                pages = -(-L // ps)
+                kc = torch.randn(B * pages, ps, Hkv, D, device="cuda").to(kv)
+                vc = torch.randn(B * pages, ps, Hkv, D, device="cuda").to(kv)
+                pt = torch.randperm(B * pages, device="cuda").to(torch.int32).view(B, pages)
+                cu = torch.arange(B + 1, dtype=torch.int32)
+                sl = torch.full((B,), L, dtype=torch.int32)
+                plan = plan_paged_attention(cu, sl, ps, Hq, Hkv, D, q_dtype=torch.bfloat16, kv_dtype=kv,
+                                            device="cuda")
+                q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+                cu_d, sl_d = cu.cuda(), sl.cuda()
+                sc = dict(k_scale=1.0, v_scale=1.0) if kv != torch.bfloat16 else {}
+
+                def fn(q=q, kc=kc, vc=vc, pt=pt, sl_d=sl_d, cu_d=cu_d, sc=sc, ps=ps, kv=kv, B=B, L=L):
+                    # a fresh plan per candidate: tile sizes are read when the plan is made
+                    p = plan_paged_attention(torch.arange(B + 1, dtype=torch.int32),
+                                             torch.full((B,), L, dtype=torch.int32), ps, Hq, Hkv, D,
+                                             q_dtype=torch.bfloat16, kv_dtype=kv, device="cuda") \
+                        if fn.plan_key != OVERRIDES.get(("paged", fn.key)) else fn.plan
+                    fn.plan, fn.plan_key = p, OVERRIDES.get(("paged", fn.key))
+                    return paged_attention(q, kc, vc, pt, sl_d, cu_d, 1, plan=p, validate=False, **sc)
+                fn.key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8"
+                fn.plan, fn.plan_key = plan, None
+                works.append(fn)
+            key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8"
+            out[key] = _best("paged", key, cands, works)
+    return out
+
+
+def tune_gemv(gpu):
+    from ..gemv import gemv
+    from ..testing.random_weights import random_qtensor
+
+    out = {}
+    shapes = [(14336, 4096), (4096, 14336)]
+    fmts = [("q4_0", {}, 8), ("q8_0", {}, 8), ("q4_k", {}, 1), ("mlx", dict(bits=4, group_size=64), 4)]
+    for fmt, kw, nb in fmts:
+        qts = [random_qtensor(fmt, N, K, "cuda", **kw) for N, K in shapes]
+        name = fmt if fmt != "mlx" else f"mlx{kw['bits']}"
+        for mclass, M in (("m1", 1), ("m16", 8)):
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
+            works = [lambda x=x, qt=qt: gemv(x, qt) for x, qt in zip(xs, qts)]
+            half = max(1, nb // 2)
+            if mclass == "m1":
+                cands = [(16, nb, 4, 3), (32, nb, 4, 3), (64, nb, 4, 3), (32, nb, 8, 3), (32, 2 * nb, 4, 3),
+                         (32, half, 4, 4), (16, 2 * nb, 4, 2), (64, nb, 8, 2), (8, 2 * nb, 4, 3), (16, nb, 2, 4)]
+            else:
+                cands = [(32, nb, 4, 3), (64, nb, 4, 3), (64, nb, 8, 3), (128, nb, 8, 3), (64, half, 4, 4),
+                         (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
+            key = f"planes/{name}/{mclass}"
+            out[key] = _best("gemv", key, cands, works)
+    generic = [("legacy", "q5_0", {}, 8), ("kquant", "q6_k", {}, 1), ("dense", "f16", {}, 8),
+               ("mlx_odd", "mlx", dict(bits=3, group_size=64), 4)]
+    for family, fmt, kw, nb in generic:
+        qts = [random_qtensor(fmt, N, K, "cuda", **kw) for N, K in shapes]
+        for mclass, M in (("m1", 1), ("m16", 8)):
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
+            works = [lambda x=x, qt=qt: gemv(x, qt) for x, qt in zip(xs, qts)]
+            st = 1 if family == "mlx_odd" else 3
+            cands = [(16, nb, 4, st), (32, nb, 4, st), (64, nb, 4, st), (32, max(1, nb // 2), 4, st),
+                     (32, nb, 8, st), (64, nb, 8, max(1, st - 1))]
+            key = f"{family}/{mclass}"
+            out[key] = _best("gemv", key, cands, works)
+    return out
+
+
+TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "gemv": tune_gemv}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmkernels.tuning.tune", description=__doc__)
+    p.add_argument("tables", nargs="*", default=["prefill", "decode", "gemv"])
+    p.add_argument("--out", default=str(_DIR), help="folder for the JSON tables (default: the package's)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tuning needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name()
+    for name in args.tables:
+        t0 = time.time()
+        fn = TUNERS[name]
+        table = "paged" if name == "decode" else name
+        fn = fn[1] if isinstance(fn, tuple) else fn
+        print(f"tuning {name} on {gpu}", flush=True)
+        entries = fn(gpu)
+        path = Path(args.out) / f"{table}.json"
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        doc.setdefault(gpu, {}).update(entries)
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        load_table.cache_clear()
+        print(f"wrote {path} ({len(entries)} entries, {time.time() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
