@@ -63,42 +63,45 @@ def tune_prefill(gpu):
     return out
 
 
-def tune_decode(gpu):
-    from ..attention import paged_attention, plan_paged_attention
+class _DecodeWork:
+    """One decode batch; re-plans when the candidate under test changes (tile sizes are read at plan time)."""
 
+    def __init__(self, key, B, L, ps, kv, Hq, Hkv, D):
+        pages = -(-L // ps)
+        self.key, self.args = key, (B, L, ps, kv, Hq, Hkv, D)
+        self.kc = torch.randn(B * pages, ps, Hkv, D, device="cuda").to(kv)
+        self.vc = torch.randn(B * pages, ps, Hkv, D, device="cuda").to(kv)
+        self.pt = torch.randperm(B * pages, device="cuda").to(torch.int32).view(B, pages)
+        self.cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+        self.sl = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+        self.sc = dict(k_scale=1.0, v_scale=1.0) if kv != torch.bfloat16 else {}
+        self.plan, self.plan_key = None, "unset"
+
+    def __call__(self):
+        from ..attention import paged_attention, plan_paged_attention
+
+        B, L, ps, kv, Hq, Hkv, D = self.args
+        cand = OVERRIDES.get(("paged", self.key))
+        if cand != self.plan_key:
+            self.plan = plan_paged_attention(self.cu.cpu(), self.sl.cpu(), ps, Hq, Hkv, D, q_dtype=torch.bfloat16,
+                                             kv_dtype=kv, device="cuda")
+            self.plan_key = cand
+        return paged_attention(self.q, self.kc, self.vc, self.pt, self.sl, self.cu, 1, plan=self.plan,
+                               validate=False, **self.sc)
+
+
+def tune_decode(gpu):
     out = {}
     Hq, Hkv, D = 32, 8, 128
     cands = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 5), (128, 4, 2),
              (16, 4, 4)]
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         for page_class, ps in (("p1", 1), ("small", 16), ("large", 64)):
-            works = []
-            for B, L in ((16, 4096), (64, 4096)):
-                pages = -(-L // ps)
-                kc = torch.randn(B * pages, ps, Hkv, D, device="cuda").to(kv)
-                vc = torch.randn(B * pages, ps, Hkv, D, device="cuda").to(kv)
-                pt = torch.randperm(B * pages, device="cuda").to(torch.int32).view(B, pages)
-                cu = torch.arange(B + 1, dtype=torch.int32)
-                sl = torch.full((B,), L, dtype=torch.int32)
-                plan = plan_paged_attention(cu, sl, ps, Hq, Hkv, D, q_dtype=torch.bfloat16, kv_dtype=kv,
-                                            device="cuda")
-                q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
-                cu_d, sl_d = cu.cuda(), sl.cuda()
-                sc = dict(k_scale=1.0, v_scale=1.0) if kv != torch.bfloat16 else {}
-
-                def fn(q=q, kc=kc, vc=vc, pt=pt, sl_d=sl_d, cu_d=cu_d, sc=sc, ps=ps, kv=kv, B=B, L=L):
-                    # a fresh plan per candidate: tile sizes are read when the plan is made
-                    p = plan_paged_attention(torch.arange(B + 1, dtype=torch.int32),
-                                             torch.full((B,), L, dtype=torch.int32), ps, Hq, Hkv, D,
-                                             q_dtype=torch.bfloat16, kv_dtype=kv, device="cuda") \
-                        if fn.plan_key != OVERRIDES.get(("paged", fn.key)) else fn.plan
-                    fn.plan, fn.plan_key = p, OVERRIDES.get(("paged", fn.key))
-                    return paged_attention(q, kc, vc, pt, sl_d, cu_d, 1, plan=p, validate=False, **sc)
-                fn.key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8"
-                fn.plan, fn.plan_key = plan, None
-                works.append(fn)
             key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8"
+            works = [_DecodeWork(key, B, L, ps, kv, Hq, Hkv, D) for B, L in ((16, 4096), (64, 4096), (1, 16384))]
             out[key] = _best("paged", key, cands, works)
+            del works
     return out
 
 
