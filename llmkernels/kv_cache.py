@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device, check_tensor
+from ._checks import call_op, check_device, check_tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -51,8 +51,7 @@ def as_scale_tensor(name: str, scale, device) -> torch.Tensor | None:
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
-@torch.library.custom_op("llmkernels::store_kv", mutates_args=("k_cache", "v_cache"))
-def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _store_kv_impl(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     T, H, D = k.shape
     if T == 0:
@@ -65,6 +64,9 @@ def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(2), k_cache.shape[1], _FP8_MAX.get(k_cache.dtype, 0.0),
         NUM_HEADS=H, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
         QUANT=quant, num_warps=4)
+
+
+_store_kv_op = torch.library.custom_op("llmkernels::store_kv", mutates_args=("k_cache", "v_cache"))(_store_kv_impl)
 
 
 @_store_kv_op.register_fake
@@ -105,7 +107,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None
         if bool(((slot_mapping < -1) | (slot_mapping >= cap)).any()):
             bad = slot_mapping[(slot_mapping < -1) | (slot_mapping >= cap)][:4].tolist()
             raise ValueError(f"slot_mapping has slots outside [-1, {cap}) (num_pages * page_size): {bad}")
-    _store_kv_op(k, v, k_cache, v_cache, slot_mapping, as_scale_tensor("k_scale", k_scale, k.device),
+    call_op(_store_kv_op, _store_kv_impl, k, v, k_cache, v_cache, slot_mapping,
+            as_scale_tensor("k_scale", k_scale, k.device),
                  as_scale_tensor("v_scale", v_scale, k.device))
 
 

@@ -6,7 +6,7 @@ import math
 import torch
 import triton
 
-from .._checks import _capturing, check_device, check_tensor
+from .._checks import _capturing, call_op, check_device, check_tensor
 from ..kv_cache import FP8_DTYPES, as_scale_tensor
 from .plan import PagedAttentionPlan, plan_paged_attention
 from .prefill import _check_window, check_attention_inputs
@@ -55,8 +55,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             num_warps=4)
 
 
-@torch.library.custom_op("llmkernels::paged_attention_out", mutates_args=("out", "lse"))
-def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+def _paged_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                         seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         write_lse: bool, tiles: list[torch.Tensor], configs: list[int], num_splits: int,
                         ws_o: torch.Tensor | None, ws_lse: torch.Tensor | None, causal: bool, scale: float,
@@ -66,6 +65,10 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
                 v_scale_f, custom_mask)
+
+
+_paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
+                                              mutates_args=("out", "lse"))(_paged_attention_impl)
 
 
 @_paged_attention_op.register_fake
@@ -176,7 +179,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
     tiles = [t for ln in plan.launches for t in (ln.tile_seq, ln.tile_q, ln.num_tiles)]
     configs = [c for ln in plan.launches for c in ln.config()]
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-    _paged_attention_op(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, bool(return_lse), tiles,
+    call_op(_paged_attention_op, _paged_attention_impl, q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
+            out, lse, bool(return_lse), tiles,
                         configs, plan.num_splits, plan.workspace_o, plan.workspace_lse, bool(causal), scale, left,
                         right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask)
     return (out, lse) if return_lse else out

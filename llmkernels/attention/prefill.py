@@ -6,7 +6,7 @@ import math
 import torch
 import triton
 
-from .._checks import check_cu_seqlens, check_device, check_tensor, interpreter_mode
+from .._checks import call_op, check_cu_seqlens, check_device, check_tensor, interpreter_mode
 from .._runtime import gpu_name
 from ..tuning import lookup
 
@@ -93,13 +93,16 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         WRITE_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages)
 
 
-@torch.library.custom_op("llmkernels::flash_attn_varlen_out", mutates_args=("out", "lse"))
-def _flash_attn_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor,
                           write_lse: bool, causal: bool, softmax_scale: float, left: int, right: int, softcap: float,
                           sinks: torch.Tensor | None) -> None:
     _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse if write_lse else None, causal,
                     softmax_scale, left, right, softcap, sinks)
+
+
+_flash_attn_varlen_op = torch.library.custom_op("llmkernels::flash_attn_varlen_out",
+                                                mutates_args=("out", "lse"))(_flash_attn_varlen_impl)
 
 
 @_flash_attn_varlen_op.register_fake
@@ -155,8 +158,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
     lse = torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device) if return_lse else \
         torch.empty(0, dtype=torch.float32, device=q.device)
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-    _flash_attn_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), out, lse, bool(return_lse),
-                          bool(causal), scale, left, right, float(softcap), sinks)
+    call_op(_flash_attn_varlen_op, _flash_attn_varlen_impl, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks)
     return (out, lse) if return_lse else out
 
 

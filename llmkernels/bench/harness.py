@@ -37,6 +37,47 @@ def time_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cuda_graph: bool 
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+L2_FLUSH_BYTES = 256 << 20  # rotate inputs over at least this much, several times the 50-60 MB L2 of H100/H200
+
+
+def copies_for(nbytes: int, most: int = 16) -> int:
+    """How many input copies a graph-timed case needs so that its working set overflows L2."""
+    return max(1, min(most, -(-L2_FLUSH_BYTES // max(1, nbytes))))
+
+
+def time_graph_ms(fns, *, reps: int = 20, trials: int = 5) -> float:
+    """Median ms per call of the callables ``fns`` (each run once per replay), through a captured CUDA graph.
+
+    Graph replay removes host launch overhead (as an engine's captured decode step does); rotating over ``fns``,
+    which should touch different copies of the inputs, keeps the data out of L2.
+    """
+    fns = list(fns)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(fns)))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _read_kernel():
     import triton
     import triton.language as tl

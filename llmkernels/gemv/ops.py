@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._checks import check_device, check_tensor, interpreter_mode
+from .._checks import call_op, check_device, check_tensor, interpreter_mode
 from .._runtime import gpu_name, num_sms
 from ..quant.formats import GGUF_FORMATS
 from ..quant.tensor import QuantizedTensor
@@ -142,8 +142,7 @@ def _qt_args(qt: QuantizedTensor):
     return qt.data, qt.scales, qt.biases, qt.format, qt.shape[0], qt.shape[1], qt.bits or 0, qt.group_size or 0
 
 
-@torch.library.custom_op("llmkernels::quant_gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
+def _gemv_impl(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
              biases: torch.Tensor | None, data2: torch.Tensor | None, scales2: torch.Tensor | None,
              biases2: torch.Tensor | None, fmt: str, N: int, K: int, bits: int, group_size: int,
              mode: int) -> torch.Tensor:
@@ -158,6 +157,9 @@ def _gemv_op(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, scale
             return (torch.nn.functional.silu((a @ w.T).float()) * (a @ w2.T).float()).to(x.dtype)
         return a @ w.T
     return _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode)
+
+
+_gemv_op = torch.library.custom_op("llmkernels::quant_gemv", mutates_args=())(_gemv_impl)
 
 
 @_gemv_op.register_fake
@@ -185,10 +187,12 @@ def _launch_embedding(ids, data, scales, biases, fmt, N, K, bits, group_size, dt
     return out
 
 
-@torch.library.custom_op("llmkernels::quant_embedding", mutates_args=())
-def _embedding_op(ids: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, biases: torch.Tensor | None,
+def _embedding_impl(ids: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, biases: torch.Tensor | None,
                   fmt: str, N: int, K: int, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     return _launch_embedding(ids, data, scales, biases, fmt, N, K, bits, group_size, dtype)
+
+
+_embedding_op = torch.library.custom_op("llmkernels::quant_embedding", mutates_args=())(_embedding_impl)
 
 
 @_embedding_op.register_fake
@@ -229,7 +233,7 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     N, K = qt.shape
     x2 = _check_x("x", x, K)
     check_device(x=x, qt_data=qt.data)
-    y = _gemv_op(x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0)
+    y = call_op(_gemv_op, _gemv_impl, x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0)
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -248,7 +252,7 @@ def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor) -> 
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)}/{gate.dtype} and "
                          f"{tuple(up.shape)}/{up.dtype}")
     check_device(gate=gate, up=up, qt_data=qt.data)
-    y = _gemv_op(g2, u2, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 1)
+    y = call_op(_gemv_op, _gemv_impl, g2, u2, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 1)
     return y.reshape(*gate.shape[:-1], N)
 
 
@@ -267,7 +271,8 @@ def gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTens
     N, K = qt_gate.shape
     x2 = _check_x("x", x, K)
     check_device(x=x, qt_gate=qt_gate.data, qt_up=qt_up.data)
-    y = _gemv_op(x2, None, qt_gate.data, qt_gate.scales, qt_gate.biases, qt_up.data, qt_up.scales, qt_up.biases,
+    y = call_op(_gemv_op, _gemv_impl, x2, None, qt_gate.data, qt_gate.scales, qt_gate.biases, qt_up.data,
+                qt_up.scales, qt_up.biases,
                  *_qt_args(qt_gate)[3:], 2)
     return y.reshape(*x.shape[:-1], N)
 
@@ -291,6 +296,7 @@ def embedding(ids: torch.Tensor, qt: QuantizedTensor, dtype: torch.dtype = torch
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= N:
             raise ValueError(f"ids must be in [0, {N}) (rows of qt), got values in [{lo}, {hi}]")
-    out = _embedding_op(ids.reshape(-1).contiguous(), qt.data, qt.scales, qt.biases, qt.format, N, K,
+    out = call_op(_embedding_op, _embedding_impl, ids.reshape(-1).contiguous(), qt.data, qt.scales, qt.biases,
+                  qt.format, N, K,
                         qt.bits or 0, qt.group_size or 0, dtype)
     return out.reshape(*ids.shape, K)
