@@ -45,7 +45,8 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
-            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, num_warps=warps, num_stages=stages)
+            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8_KV=k_cache.dtype in FP8_DTYPES,
+            num_warps=warps, num_stages=stages)
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,

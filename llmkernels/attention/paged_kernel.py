@@ -78,7 +78,7 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
-                      WRITE_LSE: tl.constexpr):
+                      WRITE_LSE: tl.constexpr, FP8_KV: tl.constexpr):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,6 +102,10 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     mask_row = tl.where(row_ok, q_tok, q_start)  # padding rows read the tree mask of a real row, never past it
     q_ptrs = Q + q_tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8_KV:
+        # fp8 -> fp16 is one instruction per pair on Hopper, fp8 -> bf16 is not: with an fp8 cache the dots run in
+        # fp16 (q and p fit its range: |q| < 65504 and 0 <= p <= 1), and K/V convert straight to it
+        q = q.to(tl.float16)
 
     if SCALE_PTRS:
         k_scale_val = tl.load(K_SCALE).to(tl.float32)
