@@ -8,7 +8,7 @@ from ._runtime import configure as _configure
 _configure()
 
 from .attention import PagedAttentionPlan, flash_attn, flash_attn_varlen, paged_attention, plan_paged_attention  # noqa: E402,E501
-from .gemv import embedding, gate_up_silu, gemv, silu_mul_gemv  # noqa: E402
+from .qgemv import embedding, gate_up_silu, gemv, silu_mul_gemv  # noqa: E402
 from .kv_cache import store_kv  # noqa: E402
 from .quant import (GGUFError, QuantizedTensor, dequantize, quantize, read_gguf, write_gguf)  # noqa: E402
 

@@ -110,12 +110,14 @@ def tune_decode(gpu):
 
 
 def tune_gemv(gpu):
-    from ..gemv import gemv
+    from ..qgemv import gemv
     from ..testing.random_weights import random_qtensor
 
     out = {}
     shapes = [(14336, 4096), (4096, 14336)]
-    fmts = [("q4_0", {}, 8), ("q8_0", {}, 8), ("q4_k", {}, 1), ("mlx", dict(bits=4, group_size=64), 4)]
+    # MLX 4-bit is not tuned: with BLOCK_N=8, NB=8 the planes kernel returned zeros on an H100 (Triton 3.6) while
+    # the interpreter was right; its defaults are verified by the GPU tests instead
+    fmts = [("q4_0", {}, 8), ("q8_0", {}, 8), ("q4_k", {}, 1)]
     for fmt, kw, nb in fmts:
         qts = [[random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(6)] for N, K in shapes]
         name = fmt if fmt != "mlx" else f"mlx{kw['bits']}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...gemv import gemv, silu_mul_gemv
+from ...qgemv import gemv, silu_mul_gemv
 from ...testing.random_weights import random_qtensor
 from ..anchors import make_int4pack
 from ..harness import Row, copies_for, time_graph_ms
