@@ -1,0 +1,28 @@
+"""Boundary checks: messages name the argument, what it got and what was expected."""
+import pytest
+import torch
+
+from llmkernels._checks import check_choice, check_cu_seqlens, check_positive_int, check_tensor
+
+
+def test_check_tensor_messages():
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
+        check_tensor("x", [1])
+    with pytest.raises(TypeError, match=r"x must have dtype in \(float16\), got float32"):
+        check_tensor("x", torch.zeros(2), dtypes=(torch.float16,))
+    with pytest.raises(ValueError, match=r"x must have shape \(2, '\*'\) .*got \(3, 4\)"):
+        check_tensor("x", torch.zeros(3, 4), shape=(2, None))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        check_tensor("x", torch.zeros(4, 4).t(), last_dim_contiguous=True)
+
+
+def test_cu_seqlens_and_scalars():
+    check_cu_seqlens("cu", torch.tensor([0, 3, 3, 9], dtype=torch.int32), batch=3, total=9)
+    with pytest.raises(ValueError, match="cu\\[0\\] must be 0"):
+        check_cu_seqlens("cu", torch.tensor([1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        check_positive_int("page_size", 0)
+    with pytest.raises(TypeError, match="must be an int"):
+        check_positive_int("page_size", 1.5)
+    with pytest.raises(ValueError, match="must be one of"):
+        check_choice("fmt", "x", ["a"])
