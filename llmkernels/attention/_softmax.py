@@ -70,3 +70,31 @@ def window_mask(q_pos, k_pos, k_len, left, right, HAS_LEFT: tl.constexpr, HAS_RI
     if HAS_RIGHT:
         ok = ok & (k_pos[None, :] <= q_pos[:, None] + right)
     return ok
+
+
+@triton.jit
+def align_down(x, BLOCK: tl.constexpr):
+    return (tl.maximum(x, 0) // BLOCK) * BLOCK
+
+
+@triton.jit
+def key_ranges(first_pos, last_pos, k_len, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Key range of a tile of queries at kv positions first_pos..last_pos -> (lo, full_lo, full_hi, hi).
+
+    Keys outside [lo, hi) are seen by no query and never loaded; blocks inside [full_lo, full_hi) are seen by every
+    query and take the path with no per-element mask; the rest of [lo, hi) is masked element by element.
+    """
+    hi = k_len
+    if HAS_RIGHT:
+        hi = tl.maximum(tl.minimum(hi, last_pos + right + 1), 0)
+    lo = 0
+    full_lo = 0
+    if HAS_LEFT:
+        lo = align_down(first_pos - left, BLOCK_N)
+        # every query sees key j >= last_pos - left: round up to the next block
+        full_lo = align_down(last_pos - left + BLOCK_N - 1, BLOCK_N)
+    full_hi = align_down(k_len, BLOCK_N)
+    if HAS_RIGHT:
+        full_hi = tl.minimum(full_hi, align_down(first_pos + right + 1, BLOCK_N))
+    return tl.minimum(lo, hi), full_lo, full_hi, hi

@@ -1,15 +1,13 @@
 """Host side of paged attention: checks, launches per plan, split-KV combine, torch.library registration."""
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
 from .._checks import _capturing, call_op, check_device, check_tensor
 from ..kv_cache import FP8_DTYPES, as_scale_tensor
 from .plan import PagedAttentionPlan, plan_paged_attention
-from .prefill import _check_window, check_attention_inputs
+from .prefill import _check_softcap, _check_window, check_attention_inputs, output_buffers
 
 
 def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
@@ -149,8 +147,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
             raise ValueError(f"custom_mask must be [total_q={q.shape[0]}, >= max_seqlen_q={max_seqlen_q}], got "
                              f"{tuple(custom_mask.shape)}")
     left, right = _check_window(window_size)
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be >= 0 and finite, got {softcap}")
+    _check_softcap(softcap)
     if validate and not _capturing():
         _validate_pages(page_table, seq_lens, cu_seqlens_q, k_cache.shape[0], k_cache.shape[1], q.shape[0])
     if plan is None:
@@ -163,12 +160,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
             raise ValueError(f"plan was made for (page_size, Hq, Hkv, D, q_dtype, kv_dtype) = {got}, call has {want}")
         if plan.workspace_o is not None and plan.workspace_o.shape[1] < q.shape[0]:
             raise ValueError(f"plan's workspace holds {plan.workspace_o.shape[1]} tokens, q has {q.shape[0]}")
-    if out is None:
-        out = torch.empty(q.shape[0], Hq, D, dtype=q.dtype, device=q.device)
-    else:
-        check_tensor("out", out, dtypes=(q.dtype,), shape=(q.shape[0], Hq, D), last_dim_contiguous=True)
-    lse = torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device) if return_lse else \
-        torch.empty(0, dtype=torch.float32, device=q.device)
+    out, lse = output_buffers(q, out, return_lse)
     ks = vs = None
     ks_f = vs_f = 1.0
     if fp8:

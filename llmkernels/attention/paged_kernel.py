@@ -12,7 +12,7 @@ elements of the row).
 import triton
 import triton.language as tl
 
-from ._softmax import finalize, online_softmax_update, scale_scores, window_mask
+from ._softmax import align_down, finalize, key_ranges, online_softmax_update, scale_scores, window_mask
 
 
 @triton.jit
@@ -64,11 +64,6 @@ def _paged_inner(acc, l_i, m_i, q, K, V, pt_row, start, end, k_len, q_pos, q_tok
 
 
 @triton.jit
-def _align_down(x, BLOCK: tl.constexpr):
-    return (tl.maximum(x, 0) // BLOCK) * BLOCK
-
-
-@triton.jit
 def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE, SEQ_LENS, CU_Q,
                       TILE_SEQ, TILE_Q, NUM_TILES,
                       stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -116,20 +111,9 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     last_tok = tl.minimum(t0 + BLOCK_Q, q_len) - 1
     first_pos = ctx + t0
     last_pos = ctx + last_tok
-    hi = k_len
-    if HAS_RIGHT:
-        hi = tl.maximum(tl.minimum(hi, last_pos + right + 1), 0)
-    lo = 0
-    full_lo = 0
-    if HAS_LEFT:
-        lo = _align_down(first_pos - left, BLOCK_N)
-        full_lo = _align_down(last_pos - left + BLOCK_N - 1, BLOCK_N)
-    full_hi = _align_down(k_len, BLOCK_N)
-    if HAS_RIGHT:
-        full_hi = tl.minimum(full_hi, _align_down(first_pos + right + 1, BLOCK_N))
-    if CUSTOM_MASK:
-        full_hi = tl.minimum(full_hi, _align_down(ctx, BLOCK_N))
-    lo = tl.minimum(lo, hi)
+    lo, full_lo, full_hi, hi = key_ranges(first_pos, last_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    if CUSTOM_MASK:  # the tree mask applies among the new tokens: only keys before them skip the mask
+        full_hi = tl.minimum(full_hi, align_down(ctx, BLOCK_N))
     # this split's share of [lo, hi): boundaries depend only on this sequence and NUM_SPLITS
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s_lo = tl.minimum(lo + split * chunk, hi)

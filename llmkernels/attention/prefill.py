@@ -39,6 +39,22 @@ def _check_window(window_size) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def _check_softcap(softcap) -> None:
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be >= 0 and finite, got {softcap}")
+
+
+def output_buffers(q, out, return_lse):
+    """(out [T, Hq, D] of q's dtype, checked or allocated; lse float32 [T, Hq], or an empty placeholder)."""
+    T, Hq, D = q.shape
+    if out is None:
+        out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    else:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=(T, Hq, D), last_dim_contiguous=True)
+    lse = torch.empty(T if return_lse else 0, Hq, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
 def check_attention_inputs(q, k, v, *, sinks=None, kv_dtypes=_DTYPES, q_name="q", k_name="k", v_name="v"):
     """Shared checks for q [T, Hq, D] and k/v [..., Hkv, D]: dtypes, head counts, head dim, devices, last-dim strides."""
     check_tensor(q_name, q, dtypes=_DTYPES, last_dim_contiguous=True)
@@ -149,14 +165,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
             raise TypeError(f"{name} must be a non-negative int, got {val!r}")
     left, right = _check_window(window_size)
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be >= 0 and finite, got {softcap}")
-    if out is None:
-        out = torch.empty(q.shape[0], Hq, D, dtype=q.dtype, device=q.device)
-    else:
-        check_tensor("out", out, dtypes=(q.dtype,), shape=(q.shape[0], Hq, D), last_dim_contiguous=True)
-    lse = torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device) if return_lse else \
-        torch.empty(0, dtype=torch.float32, device=q.device)
+    _check_softcap(softcap)
+    out, lse = output_buffers(q, out, return_lse)
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     call_op(_flash_attn_varlen_op, _flash_attn_varlen_impl, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
             out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks)

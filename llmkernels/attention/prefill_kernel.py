@@ -7,7 +7,7 @@ masked path, blocks every query sees take a path with no per-element mask, and b
 import triton
 import triton.language as tl
 
-from ._softmax import finalize, online_softmax_update, scale_scores, window_mask
+from ._softmax import finalize, key_ranges, online_softmax_update, scale_scores, window_mask
 
 
 @triton.jit
@@ -39,11 +39,6 @@ def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos
             v = tl.load(v_ptrs)
         acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
     return acc, l_i, m_i
-
-
-@triton.jit
-def _align_down(x, BLOCK: tl.constexpr):
-    return (tl.maximum(x, 0) // BLOCK) * BLOCK
 
 
 @triton.jit
@@ -82,19 +77,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K,
     q_pos = offs_m + (k_len - q_len)
     first_pos = m0 + k_len - q_len
     last_pos = tl.minimum(m0 + BLOCK_M, q_len) - 1 + k_len - q_len
-    hi = k_len
-    if HAS_RIGHT:
-        hi = tl.maximum(tl.minimum(hi, last_pos + right + 1), 0)
-    lo = 0
-    full_lo = 0
-    if HAS_LEFT:
-        lo = _align_down(first_pos - left, BLOCK_N)
-        # every row sees key j >= last_pos - left: round up to the next block
-        full_lo = _align_down(last_pos - left + BLOCK_N - 1, BLOCK_N)
-    full_hi = _align_down(k_len, BLOCK_N)
-    if HAS_RIGHT:
-        full_hi = tl.minimum(full_hi, _align_down(first_pos + right + 1, BLOCK_N))
-    lo = tl.minimum(lo, hi)
+    lo, full_lo, full_hi, hi = key_ranges(first_pos, last_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi)
 

@@ -14,6 +14,8 @@ Layouts (quant/formats.py):
 import triton
 import triton.language as tl
 
+from .kernels import _load_x
+
 
 @triton.jit
 def _small_int_to_f32(q):
@@ -105,13 +107,7 @@ def gemv_planes_kernel(X, X2, W8, W16, WI8, WS, WB, Y, M, N, K, stride_xm, strid
                 acc += w * xv
             else:
                 kflat = tl.reshape(kx, (NB * C * U,))
-                xm = tl.load(X + m[:, None] * stride_xm + kflat[None, :], mask=m_ok[:, None] & (kflat[None, :] < K),
-                             other=0.0)
-                if SILU_X:
-                    g = xm.to(tl.float32)
-                    up = tl.load(X2 + m[:, None] * stride_x2m + kflat[None, :],
-                                 mask=m_ok[:, None] & (kflat[None, :] < K), other=0.0)
-                    xm = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(X.dtype.element_ty)
+                xm = _load_x(X, X2, m, m_ok, kflat, kflat < K, stride_xm, stride_x2m, SILU_X)
                 w2 = tl.reshape(w, (BLOCK_N, NB * C * U)).to(xm.dtype)
                 acc = tl.dot(w2, tl.trans(xm), acc)
     if M_PAD == 1:
