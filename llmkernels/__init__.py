@@ -1,4 +1,4 @@
-"""llmkernels: readable Triton kernels for LLM inference, and a small engine for GGUF models.
+"""llmkernels: readable Triton kernels for LLM inference (attention, paged KV cache, quantized GEMV, GGUF formats).
 
 On a machine with no CUDA device, importing llmkernels (before triton) selects Triton's interpreter, so the kernels
 run on CPU tensors: slow, for tests and study.
@@ -7,7 +7,8 @@ from ._runtime import configure as _configure
 
 _configure()
 
-from .attention import PagedAttentionPlan, flash_attn, flash_attn_varlen, paged_attention, plan_paged_attention  # noqa: E402,E501
+from .attention import (PagedAttentionPlan, flash_attn, flash_attn_varlen, paged_attention,  # noqa: E402
+                        plan_paged_attention)
 from .qgemv import embedding, gate_up_silu, gemv, silu_mul_gemv  # noqa: E402
 from .kv_cache import store_kv  # noqa: E402
 from .quant import (GGUFError, QuantizedTensor, dequantize, quantize, read_gguf, write_gguf)  # noqa: E402
@@ -15,4 +16,5 @@ from .quant import (GGUFError, QuantizedTensor, dequantize, quantize, read_gguf,
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn", "flash_attn_varlen", "paged_attention", "plan_paged_attention", "PagedAttentionPlan",
-           "store_kv", "gemv", "silu_mul_gemv", "gate_up_silu", "embedding", "GGUFError", "QuantizedTensor", "dequantize", "quantize", "read_gguf", "write_gguf"]
+           "store_kv", "gemv", "silu_mul_gemv", "gate_up_silu", "embedding", "GGUFError", "QuantizedTensor",
+           "dequantize", "quantize", "read_gguf", "write_gguf"]

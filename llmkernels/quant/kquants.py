@@ -1,9 +1,10 @@
 """Encoders for the K-quants (q2_k ... q6_k), which the gguf package cannot write.
 
 They follow the search that llama.cpp's reference quantizers do, vectorised over blocks:
-- q4_k, q5_k, q2_k: per sub-block an affine (scale, min) fit; a grid of trial inverse scales, each refined by weighted
-  least squares (weights: sub-block rms + |x|), keeps the one with the lowest weighted squared error; then the sub-block scales and mins are themselves
-  quantized to 6 (4 for q2_k) bits against a super-block fp16 scale, and the weights are re-quantized with them.
+- q4_k, q5_k, q2_k: per sub-block an affine (scale, min) fit; a grid of trial inverse scales, each refined by
+  weighted least squares (weights: sub-block rms + |x|), keeps the one with the lowest weighted squared
+  error; then the sub-block scales and mins are themselves quantized to 6 (4 for q2_k) bits against a
+  super-block fp16 scale, and the weights are re-quantized with them.
 - q3_k: per sub-block a symmetric fit refined by coordinate descent on the weighted squared error.
 - q6_k: per sub-block a symmetric fit over a grid of trial scales around nmax / absmax.
 Rounding is to nearest, ties to even (what llama.cpp's nearest_int does). Arithmetic is float32; sums are taken in
