@@ -24,28 +24,39 @@ def _rel(a, b):
     return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
 
-def main() -> int:
+GPU_SIZES = dict(S=4096, H=32, Hkv=8, D=128, B=32, L=4096, N=14336, K=4096)
+CPU_SIZES = dict(S=67, H=4, Hkv=2, D=64, B=3, L=45, N=40, K=512)
+
+
+def main(timed: bool | None = None, sizes: dict | None = None, timer=None) -> int:
+    """Run every kernel once against its reference; ``timed`` (default: a GPU is present) adds timings.
+
+    ``sizes`` and ``timer`` exist so tests can run the timed branch small, with a stand-in timer, on any device.
+    """
     import llmkernels as lk
     from llmkernels._checks import interpreter_mode
     from llmkernels.testing import flash_attn_varlen_ref, gemv_ref, paged_attention_ref
 
-    gpu = torch.cuda.is_available() and not interpreter_mode()
-    dev = "cuda" if gpu else "cpu"
+    on_gpu = torch.cuda.is_available() and not interpreter_mode()
+    gpu = on_gpu if timed is None else timed
+    dev = "cuda" if on_gpu else "cpu"
+    sz = sizes or (GPU_SIZES if gpu else CPU_SIZES)
     if gpu:
-        from llmkernels.bench.harness import time_ms
-
-        print(f"llmkernels demo on {torch.cuda.get_device_name()} (real sizes, timed)")
+        if timer is None:
+            from llmkernels.bench.harness import time_ms as timer
+        time_ms = timer
+        print(f"llmkernels demo on {torch.cuda.get_device_name() if on_gpu else dev} (timed)")
     else:
         print("llmkernels demo: no CUDA GPU here, so kernels run through Triton's interpreter on small sizes "
               "(correctness only, no timings)")
-    dt = torch.bfloat16 if gpu else torch.float16
-    tol_attn = 2e-2 if gpu else 5e-3
+    dt = torch.bfloat16 if on_gpu else torch.float16
+    tol_attn = 2e-2 if on_gpu else 5e-3
     ok = True
     t0 = time.time()
 
     print("attention")
-    S, H, Hkv, D = (4096, 32, 8, 128) if gpu else (67, 4, 2, 64)
-    lens = [S, S // 3] if gpu else [S, 29]
+    S, H, Hkv, D = sz["S"], sz["H"], sz["Hkv"], sz["D"]
+    lens = [S, S // 3]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(dev)
     q = torch.randn(int(cu[-1]), H, D, device=dev, dtype=dt)
     k = torch.randn(int(cu[-1]), Hkv, D, device=dev, dtype=dt)
@@ -64,7 +75,7 @@ def main() -> int:
                f"SDPA S{S}")
 
     ps = 16
-    B, L = (32, 4096) if gpu else (3, 45)
+    B, L = sz["B"], sz["L"]
     pages = -(-L // ps)
     kc = torch.randn(B * pages, ps, Hkv, D, device=dev, dtype=dt)
     vc = torch.randn(B * pages, ps, Hkv, D, device=dev, dtype=dt)
@@ -87,7 +98,7 @@ def main() -> int:
                "SDPA (dense)")
 
     print("quantized GEMV (x @ dequantize(W).T)")
-    N, K = (14336, 4096) if gpu else (40, 512)
+    N, K = sz["N"], sz["K"]
     for fmt, kw in [("q4_0", {}), ("q4_k", {}), ("q6_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64))]:
         qt = lk.quantize(torch.randn(N, K, device=dev) * 0.02, fmt, **kw)
         x = torch.randn(1, K, device=dev, dtype=dt)
@@ -99,7 +110,7 @@ def main() -> int:
             ours_ms = time_ms(lambda: lk.gemv(x, qt))
             ref_ms = time_ms(lambda: x @ w16.T)
         name = fmt if fmt != "mlx" else "mlx 4-bit g64"
-        ok &= _row(f"gemv {name} N{N} K{K} M1", _rel(y, ref), 2e-2 if gpu else 5e-3, ours_ms, ref_ms,
+        ok &= _row(f"gemv {name} N{N} K{K} M1", _rel(y, ref), 2e-2 if on_gpu else 5e-3, ours_ms, ref_ms,
                    "cuBLAS fp16")
     print(f"done in {time.time() - t0:.1f} s: {'all kernels match their references' if ok else 'MISMATCHES above'}")
     return 0 if ok else 1
