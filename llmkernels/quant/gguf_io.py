@@ -116,11 +116,12 @@ def write_gguf(path, tensors: dict, metadata: dict | None = None) -> None:
     """
     import gguf
 
+    # GGUF value types: from the metadata if read_gguf made it, else from the file the tensors came from, else inferred
+    types = getattr(metadata, "types", None)
+    if types is None and isinstance(tensors, GGUFFile):
+        types = tensors.metadata.types
+    types = types or {}
     metadata = dict(metadata or {})
-    types = getattr(metadata, "types", None) or getattr(tensors, "metadata", GGUFMetadata()).types \
-        if isinstance(tensors, GGUFFile) else {}
-    if hasattr(metadata, "types"):
-        types = metadata.types
     arch = metadata.get("general.architecture", "llama")
     writer = gguf.GGUFWriter(os.fspath(path), arch)
     if "general.alignment" in metadata:

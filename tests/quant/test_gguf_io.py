@@ -41,6 +41,18 @@ def test_file_to_tensors_to_file_is_byte_identical(tmp_path):
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
+def test_metadata_types_survive_with_plain_tensor_dicts(tmp_path):
+    import numpy as np
+
+    w = gguf.GGUFWriter(tmp_path / "u.gguf", "llama")
+    w.add_uint32("llama.block_count", 2)  # an int that inference alone would write as INT32
+    w.add_tensor("x", np.zeros((2, 4), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    f = lk.read_gguf(tmp_path / "u.gguf")
+    lk.write_gguf(tmp_path / "v.gguf", dict(f), f.metadata)  # a plain dict of tensors, the file's metadata
+    assert (tmp_path / "u.gguf").read_bytes() == (tmp_path / "v.gguf").read_bytes()
+
+
 def test_tensors_are_memory_mapped(tmp_path):
     make_file(tmp_path / "a.gguf")
     f = lk.read_gguf(tmp_path / "a.gguf")
