@@ -49,6 +49,19 @@ def main():
                          torch.randn(2, 512, device=dev, dtype=torch.float16), qt)
         lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
         lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
+    # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
+    from llmkernels.engine.kernels import add_rmsnorm, rope_store
+
+    x = torch.randn(7, 1000, device=dev, dtype=torch.bfloat16)
+    add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, residual=torch.randn_like(x))
+    for kv, neox in ((torch.bfloat16, True), (torch.float8_e4m3fn, False)):
+        T, Hq, Hkv, D = 5, 6, 2, 64
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=dev, dtype=torch.bfloat16)
+        kc = torch.zeros(3, 4, Hkv, D, device=dev).to(kv)
+        slots = torch.tensor([0, 11, -1, 5, 6], device=dev)
+        rope_store(qkv, torch.arange(T, dtype=torch.int32, device=dev), slots, torch.rand(D // 2, device=dev), kc,
+                   kc.clone(), n_heads=Hq, n_kv_heads=Hkv, neox=neox, bias=torch.randn(qkv.shape[1], device=dev),
+                   q_norm=torch.randn(D, device=dev), k_norm=torch.randn(D, device=dev))
     torch.cuda.synchronize()
     print("memcheck script finished")
 

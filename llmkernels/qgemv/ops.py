@@ -30,10 +30,16 @@ def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
     return nsub, sub, f.block_bytes, K // 256, "kquant"
 
 
-def _config(family: str, M: int, sub_k: int, bits: int = 0):
+def _interpreter_config(N: int, nb_small: int):
+    """Small tiles exercise the masks of small test shapes; model-sized matrices (N >= 128) take large tiles,
+    because the interpreter's cost is per program and per loop step, not per element."""
+    return (16, nb_small, 4, 1) if N < 128 else (64, 4 * nb_small, 4, 1)
+
+
+def _config(family: str, M: int, sub_k: int, bits: int = 0, N: int = 0):
     """(BLOCK_N, NB, num_warps, num_stages) from the tuned table, keyed on GPU, format family and M class."""
     if interpreter_mode():
-        return 16, max(1, 64 // sub_k), 4, 1
+        return _interpreter_config(N, max(1, 64 // sub_k))
     if family == "mlx" and bits and 32 % bits:
         family = "mlx_odd"  # 3/5/6-bit: two word loads per weight; pipelining them overflows shared memory
     key = f"{family}/{'m1' if M == 1 else 'm16'}"
@@ -58,10 +64,10 @@ def _planes_layout(fmt: str, bits: int, group_size: int):
     return None
 
 
-def _planes_config(fmt: str, M: int, nb_default: int, bits: int):
+def _planes_config(fmt: str, M: int, nb_default: int, bits: int, N: int = 0):
     """(BLOCK_N, NB, num_warps, num_stages) for the planes kernel from the tuned table."""
     if interpreter_mode():
-        return 16, max(1, nb_default // 4), 4, 1
+        return _interpreter_config(N, max(1, nb_default // 4))
     name = fmt if fmt != "mlx" else f"mlx{bits}"
     entry = lookup("gemv", gpu_name(), f"planes/{name}/{'m1' if M == 1 else 'm16'}")
     if entry is not None:
@@ -83,7 +89,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     M = x.shape[0]
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, family = _layout(fmt, K, row_bytes, group_size)
-    block_n, nb, warps, stages = _config(family, M, nsub * sub, bits)
+    block_n, nb, warps, stages = _config(family, M, nsub * sub, bits, N)
     m_pad = 1 if M == 1 else SMALL_M
     grid_m = triton.cdiv(M, m_pad)
     programs_n = triton.cdiv(N, block_n)
@@ -106,7 +112,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         from .planes import gemv_planes_kernel
 
         C, U, P, BS, BB, nb_p = planes
-        block_n_p, nb_p, warps_p, stages_p = _planes_config(fmt, M, nb_p, bits)
+        block_n_p, nb_p, warps_p, stages_p = _planes_config(fmt, M, nb_p, bits, N)
         programs_n = triton.cdiv(N, block_n_p)
         split = 1
         if programs_n * grid_m < 2 * sms:

@@ -4,4 +4,5 @@ SUITES = {
     "prefill": "llmkernels.bench.suites.prefill",
     "decode": "llmkernels.bench.suites.decode",
     "gemv": "llmkernels.bench.suites.gemv",
+    "engine": "llmkernels.bench.suites.engine",
 }

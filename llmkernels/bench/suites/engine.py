@@ -1,0 +1,97 @@
+"""Suite ``engine``: end-to-end decode of a synthetic Llama-3-8B-shaped model (random weights built on the GPU).
+
+Batch-1 decode tokens/s after a 512-token prompt, and decode throughput with 16 and 64 such requests, for q4_k,
+q8_0 and bf16 weights. The bound is the measured read bandwidth divided by the weight bytes one decode step must
+read (every matrix once plus one embedding row); ``roofline_pct`` is the percent of it. KV-cache reads are left out
+of the bound (about 0.2% of the weight bytes per sequence at these lengths with q4_k).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...engine import LLM, Model, ModelConfig, SamplingParams
+from ...testing.random_weights import random_qtensor
+from ..harness import Row
+
+PROMPT, GEN = 512, 128
+
+
+def llama3_8b_config(layers: int = 32) -> ModelConfig:
+    return ModelConfig(arch="llama", n_layers=layers, hidden=4096, ffn=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+                       vocab_size=128256, rms_eps=1e-5, rope_theta=500000.0, rope_style="interleaved",
+                       context_length=8192, eos_ids=())
+
+
+def synthetic_model(fmt: str, cfg: ModelConfig) -> Model:
+    """Random weights in ``fmt`` with the GGUF names of a llama model, created on the GPU."""
+    H, D = cfg.hidden, cfg.head_dim
+    shapes = {"attn_q": (cfg.n_heads * D, H), "attn_k": (cfg.n_kv_heads * D, H), "attn_v": (cfg.n_kv_heads * D, H),
+              "attn_output": (H, cfg.n_heads * D), "ffn_gate": (cfg.ffn, H), "ffn_up": (cfg.ffn, H),
+              "ffn_down": (H, cfg.ffn)}
+    ones = torch.ones(H, device="cuda")
+    t = {"token_embd.weight": random_qtensor(fmt, cfg.vocab_size, H, "cuda", scale=0.02),
+         "output.weight": random_qtensor(fmt, cfg.vocab_size, H, "cuda", scale=0.02), "output_norm.weight": ones}
+    for i in range(cfg.n_layers):
+        for name, (n, k) in shapes.items():
+            t[f"blk.{i}.{name}.weight"] = random_qtensor(fmt, n, k, "cuda", scale=0.02)
+        t[f"blk.{i}.attn_norm.weight"] = ones
+        t[f"blk.{i}.ffn_norm.weight"] = ones
+    model = Model(cfg, t, "cuda", torch.bfloat16)
+    return model
+
+
+def _decode_rate(llm: LLM, batch: int) -> tuple[float, float, int]:
+    """(decode tokens/s over the steps after every prompt is done, wall seconds of the whole run, steps)."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_request(torch.randint(0, llm.cfg.vocab_size, (PROMPT,), generator=g).tolist(), params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    # prefill (in chunks) until every sequence has its first token
+    while any(len(s.out_ids) == 0 for s in llm.scheduler.running) or llm.scheduler.waiting:
+        llm.step()
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    before = sum(len(s.out_ids) for s in llm.scheduler.running)
+    seqs = list(llm.scheduler.running)
+    steps = 0
+    while llm.scheduler.has_work():
+        llm.step()
+        steps += 1
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    made = sum(len(s.out_ids) for s in seqs) - before
+    return made / (t2 - t1), t2 - t0, steps
+
+
+def _format_case(ctx, fmt: str):
+    def run():
+        cfg = llama3_8b_config()
+        model = synthetic_model(fmt, cfg)
+        llm = LLM.from_model(model, max_num_seqs=64, max_model_len=PROMPT + GEN + 16, max_num_batched_tokens=2048)
+        llm.capture_graphs([1, 16, 64] if not ctx.quick else [1])
+        bytes_per_token = model.decode_bytes_per_token()
+        bound = ctx.read_bw_TBps * 1e12 / bytes_per_token
+        rows = []
+        for batch in ([1, 16, 64] if not ctx.quick else [1]):
+            _decode_rate(llm, batch) if batch == 1 else None  # warm-up (first eager shapes, allocator)
+            rate, wall, steps = _decode_rate(llm, batch)
+            per_seq = rate / batch
+            pct = 100.0 * rate / bound if batch == 1 else None
+            row = Row("engine", f"llama3-8b {fmt} batch{batch} decode (prompt {PROMPT}, {GEN} new)", "tokens/s",
+                      rate, pct, {"bound_batch1": bound})
+            row.note = (f"{bytes_per_token / 1e9:.2f} GB/token stored weights; bound {bound:.0f} tok/s; "
+                        f"{per_seq:.1f} tok/s per sequence; {1e3 / per_seq:.2f} ms/step; whole run {wall:.1f} s "
+                        f"(prefill included), {steps} decode steps, graph replays {llm.stats.graph_steps}")
+            rows.append(row)
+        del llm, model
+        return rows
+    return run
+
+
+def cases(ctx):
+    fmts = ["q4_k", "q8_0", "bf16"] if not ctx.quick else ["q4_k"]
+    return [(f"engine {f}", _format_case(ctx, f)) for f in fmts]

@@ -1,0 +1,154 @@
+"""Model configuration read from GGUF metadata, and the RoPE frequency table it implies."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+# GGUF architecture -> how its tensors are laid out. "interleaved" RoPE rotates pairs (2i, 2i+1): llama.cpp's
+# converter permutes the rows of Q and K of llama-style checkpoints into that order. Qwen models keep the
+# Hugging Face layout and rotate (i, i + D/2) ("neox").
+ARCHITECTURES = {
+    "llama": dict(rope="interleaved", qkv_bias=False, qk_norm=False),
+    "mistral": dict(rope="interleaved", qkv_bias=False, qk_norm=False),
+    "qwen2": dict(rope="neox", qkv_bias=True, qk_norm=False),
+    "qwen3": dict(rope="neox", qkv_bias=False, qk_norm=True),
+}
+
+
+class ModelConfigError(ValueError):
+    """GGUF metadata that does not describe a model the engine can run."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    arch: str
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    rope_style: str  # "interleaved" | "neox"
+    context_length: int
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: str = "none"  # "none" | "linear" | "yarn" | "llama3" (llama3: factors from rope_freqs.weight)
+    rope_factor: float = 1.0
+    rope_orig_context: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attn_factor: float = 1.0
+    bos_id: int | None = None
+    eos_ids: tuple = ()
+    add_bos: bool = True
+    name: str = ""
+
+    @classmethod
+    def from_gguf(cls, meta: dict, tensor_names=()) -> "ModelConfig":
+        arch = meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelConfigError(f"unsupported architecture {arch!r} (general.architecture); the engine runs "
+                                   f"{', '.join(ARCHITECTURES)}")
+
+        def get(key, default=None, required=True):
+            full = f"{arch}.{key}"
+            if full in meta:
+                return meta[full]
+            if default is None and required:
+                raise ModelConfigError(f"GGUF metadata lacks {full!r}, needed for a {arch} model")
+            return default
+
+        n_heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        head_dim = int(get("attention.key_length", hidden // n_heads, required=False))
+        if int(get("attention.value_length", head_dim, required=False)) != head_dim:
+            raise ModelConfigError(f"{arch}: key_length != value_length is not supported")
+        rot = int(get("rope.dimension_count", head_dim, required=False))
+        if rot != head_dim:
+            raise ModelConfigError(f"{arch}: partial rotary embeddings (rope.dimension_count {rot} < head dim "
+                                   f"{head_dim}) are not supported")
+        n_kv = get("attention.head_count_kv", n_heads, required=False)
+        if isinstance(n_kv, list):
+            raise ModelConfigError(f"{arch}: per-layer kv head counts are not supported")
+        vocab = get("vocab_size", 0, required=False) or len(meta.get("tokenizer.ggml.tokens", ())) or 0
+        scaling = str(get("rope.scaling.type", "none", required=False))
+        factor = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
+        if "rope_freqs.weight" in tensor_names:
+            scaling = "llama3"
+        if scaling not in ("none", "linear", "yarn", "llama3"):
+            raise ModelConfigError(f"{arch}: unsupported rope.scaling.type {scaling!r}")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos_ids:
+            eos_ids += (int(eot),)
+        cfg = cls(
+            arch=arch, n_layers=int(get("block_count")), hidden=hidden, ffn=int(get("feed_forward_length")),
+            n_heads=n_heads, n_kv_heads=int(n_kv), head_dim=head_dim, vocab_size=int(vocab),
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+            rope_theta=float(get("rope.freq_base", 10000.0, required=False)),
+            rope_style=ARCHITECTURES[arch]["rope"],
+            context_length=int(get("context_length", 4096, required=False)),
+            qkv_bias=ARCHITECTURES[arch]["qkv_bias"], qk_norm=ARCHITECTURES[arch]["qk_norm"],
+            rope_scaling=scaling, rope_factor=factor,
+            rope_orig_context=int(get("rope.scaling.original_context_length", 0, required=False) or 0),
+            yarn_beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+            yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+            yarn_attn_factor=float(get("rope.scaling.attn_factor", 1.0, required=False) or 1.0),
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=eos_ids,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", arch in ("llama", "mistral"))),
+            name=str(meta.get("general.name", "")),
+        )
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ModelConfigError(f"head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}")
+        return cfg
+
+
+def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """float32 [head_dim / 2] angular frequencies (position p rotates pair i by p * inv_freq[i]), and the factor
+    that multiplies cos and sin (YaRN's attention scaling; 1 otherwise)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    mscale = 1.0
+    if cfg.rope_scaling == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_scaling == "llama3":
+        if rope_freqs is None or rope_freqs.numel() != d // 2:
+            raise ModelConfigError(f"llama3 rope scaling needs rope_freqs.weight with {d // 2} values")
+        inv = inv / rope_freqs.double().reshape(-1).cpu()
+    elif cfg.rope_scaling == "yarn":
+        # YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow times over the original context are
+        # interpolated (divided by the factor), those that turn more than beta_fast times are kept, a linear ramp
+        # in between; cos/sin are scaled by 0.1 ln(factor) + 1.
+        orig = cfg.rope_orig_context or cfg.context_length
+        factor = cfg.rope_factor
+
+        def dim_for(turns):
+            return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        lo = max(math.floor(dim_for(cfg.yarn_beta_fast)), 0)
+        hi = min(math.ceil(dim_for(cfg.yarn_beta_slow)), d - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
+        mscale = (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0) * cfg.yarn_attn_factor
+    return inv.float(), float(mscale)
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, orig_context: int) -> torch.Tensor:
+    """The per-frequency divisors of Llama 3.1's rope scaling (what llama.cpp stores as rope_freqs.weight)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = orig_context / low_freq_factor, orig_context / high_freq_factor
+    smooth = (orig_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    out = torch.where(wavelen < high_wl, torch.ones_like(inv),
+                      torch.where(wavelen > low_wl, torch.full_like(inv, factor), 1 / ((1 - smooth) / factor + smooth)))
+    return out.float()

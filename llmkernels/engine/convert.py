@@ -1,0 +1,285 @@
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoints to GGUF, and GGUF back to a Hugging Face state dict.
+
+The GGUF side follows llama.cpp's conventions: tensor names ``token_embd``, ``blk.N.attn_q`` ..., dims stored
+reversed, the rows of Q and K of llama-architecture models permuted so that RoPE rotates adjacent pairs, norms and
+biases in f32, Llama 3.1 rope scaling stored as the ``rope_freqs.weight`` divisors, and the tokenizer as
+``tokenizer.ggml.*`` metadata.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..quant.formats import GGUF_FORMATS
+from ..quant.gguf_io import GGUFMetadata, read_gguf, write_gguf
+from ..quant.tensor import QuantizedTensor, dequantize, quantize
+from .config import ModelConfigError, llama3_rope_factors
+from .tokenizer import (LLAMA3_PATTERN, QWEN2_PATTERN, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
+                        TOKEN_USER_DEFINED)
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                    "Qwen3ForCausalLM": "qwen3"}
+LAYER_NAMES = {  # Hugging Face suffix -> GGUF suffix, under model.layers.N. / blk.N.
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def hf_to_gguf_name(name: str) -> str | None:
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_NAMES:
+        return f"blk.{parts[2]}.{LAYER_NAMES[parts[3]]}"
+    return None
+
+
+def permute_rows(w: torch.Tensor, n_head: int, inverse: bool = False) -> torch.Tensor:
+    """Reorder each head's rows from the rotate-half layout to adjacent pairs (llama.cpp's Q/K permutation)."""
+    d2 = w.shape[0] // n_head // 2
+    if inverse:
+        return w.reshape(n_head, d2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, d2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_json(path, required=True):
+    if not os.path.isfile(path):
+        if required:
+            raise FileNotFoundError(f"{path} not found")
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _iter_safetensors(model_dir, tensors=True):
+    """(name, tensor) of every tensor in the directory's .safetensors files, one at a time (names only if not
+    ``tensors``)."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    for fn in files:
+        with safe_open(os.path.join(model_dir, fn), framework="pt") as f:
+            for name in f.keys():
+                yield (name, f.get_tensor(name)) if tensors else name
+
+
+def _token_id(tok, added, vocab):
+    if isinstance(tok, dict):
+        tok = tok.get("content")
+    if tok is None:
+        return None
+    return added.get(tok, vocab.get(tok))
+
+
+def tokenizer_metadata(model_dir: str, vocab_size: int, config: dict) -> dict:
+    """``tokenizer.ggml.*`` metadata from a Hugging Face tokenizer.json (+ tokenizer_config.json)."""
+    tj = _load_json(os.path.join(model_dir, "tokenizer.json"))
+    tc = _load_json(os.path.join(model_dir, "tokenizer_config.json"), required=False)
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise ModelConfigError(f"tokenizer model type {model.get('type')!r} is not supported (BPE only)")
+    vocab = dict(model["vocab"])
+    added = {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
+    special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
+    n = max(vocab_size, max(list(vocab.values()) + list(added.values())) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [TOKEN_UNUSED] * n
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, TOKEN_NORMAL
+    for t, i in added.items():
+        tokens[i], types[i] = t, (TOKEN_CONTROL if i in special else TOKEN_USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    pre = json.dumps(tj.get("pre_tokenizer") or {})
+    meta = {}
+    if "ByteLevel" in pre:
+        meta["tokenizer.ggml.model"] = "gpt2"
+        if json.dumps(LLAMA3_PATTERN)[1:-1] in pre:
+            meta["tokenizer.ggml.pre"] = "llama-bpe"
+        elif json.dumps(QWEN2_PATTERN)[1:-1] in pre:
+            meta["tokenizer.ggml.pre"] = "qwen2"
+        elif '"use_regex": true' in pre and '"Split"' not in pre:
+            meta["tokenizer.ggml.pre"] = "gpt-2"
+        else:
+            raise ModelConfigError("unrecognised byte-level pre-tokenizer split pattern in tokenizer.json")
+    elif model.get("byte_fallback"):
+        meta["tokenizer.ggml.model"] = "llama"
+        for i, t in enumerate(tokens):
+            if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                types[i] = TOKEN_BYTE
+        meta["tokenizer.ggml.scores"] = [-float(i) for i in range(n)]
+    else:
+        raise ModelConfigError("only byte-level BPE and byte-fallback (SentencePiece-style) BPE tokenizers convert")
+    meta["tokenizer.ggml.tokens"] = tokens
+    meta["tokenizer.ggml.token_type"] = types
+    if merges:
+        meta["tokenizer.ggml.merges"] = merges
+    bos = _token_id(tc.get("bos_token"), added, vocab)
+    eos = _token_id(tc.get("eos_token"), added, vocab)
+    bos = bos if bos is not None else config.get("bos_token_id")
+    eos = eos if eos is not None else config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    if bos is not None:
+        meta["tokenizer.ggml.bos_token_id"] = int(bos)
+    if eos is not None:
+        meta["tokenizer.ggml.eos_token_id"] = int(eos)
+    post = json.dumps(tj.get("post_processor") or {})
+    add_bos = tc.get("add_bos_token")
+    if add_bos is None:
+        add_bos = bos is not None and bos in {i for t, i in added.items() if t in post}
+    meta["tokenizer.ggml.add_bos_token"] = bool(add_bos)
+    if isinstance(tc.get("chat_template"), str):
+        meta["tokenizer.chat_template"] = tc["chat_template"]
+    return meta
+
+
+def _pick_format(fmt: str, K: int) -> str:
+    """``fmt`` if K is a multiple of its block size, else q8_0, else f16 (as llama.cpp falls back)."""
+    for f in (fmt, "q8_0", "f16"):
+        if K % GGUF_FORMATS[f].block_size == 0:
+            return f
+    return "f32"
+
+
+def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_format: str | None = None,
+                       progress: bool = True) -> str:
+    """Convert a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) to GGUF.
+
+    format: GGUF format of the 2-D weights (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k ... q6_k); a matrix whose
+    row length is not a multiple of the format's block falls back to q8_0, then f16. output_format: the format of
+    the output (lm head) matrix, default ``format``. Norms and biases stay f32. Returns ``out_path``.
+    """
+    if format not in GGUF_FORMATS:
+        raise ValueError(f"format must be a GGUF format {tuple(GGUF_FORMATS)}, got {format!r}")
+    output_format = output_format or format
+    if output_format not in GGUF_FORMATS:
+        raise ValueError(f"output_format must be a GGUF format, got {output_format!r}")
+    model_dir = os.fspath(model_dir)
+    config = _load_json(os.path.join(model_dir, "config.json"))
+    archs = config.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelConfigError(f"unsupported Hugging Face architecture {archs}; supported: "
+                               f"{', '.join(HF_ARCHITECTURES)}")
+    n_heads = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_heads)
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    vocab_size = int(config["vocab_size"])
+    theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    meta = {"general.architecture": arch, "general.name": os.path.basename(os.path.normpath(model_dir)),
+            f"{arch}.block_count": int(config["num_hidden_layers"]),
+            f"{arch}.context_length": int(config.get("max_position_embeddings", 4096)),
+            f"{arch}.embedding_length": hidden, f"{arch}.feed_forward_length": int(config["intermediate_size"]),
+            f"{arch}.attention.head_count": n_heads, f"{arch}.attention.head_count_kv": n_kv,
+            f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
+            f"{arch}.rope.dimension_count": head_dim, f"{arch}.rope.freq_base": theta,
+            f"{arch}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+            f"{arch}.vocab_size": vocab_size, "general.file_type": 1}
+    extra = {}
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rtype = scaling.get("rope_type", scaling.get("type"))
+    if rtype == "linear":
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
+    elif rtype == "yarn":
+        meta[f"{arch}.rope.scaling.type"] = "yarn"
+        meta[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
+        meta[f"{arch}.rope.scaling.original_context_length"] = int(scaling["original_max_position_embeddings"])
+        for k, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                       ("attention_factor", "attn_factor")):
+            if scaling.get(k) is not None:
+                meta[f"{arch}.rope.scaling.{key}"] = float(scaling[k])
+    elif rtype == "llama3":
+        extra["rope_freqs.weight"] = llama3_rope_factors(
+            head_dim, theta, float(scaling["factor"]), float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    elif rtype not in (None, "default"):
+        raise ModelConfigError(f"rope scaling {rtype!r} is not supported (linear, yarn, llama3)")
+    meta.update(tokenizer_metadata(model_dir, vocab_size, config))
+    names = list(_iter_safetensors(model_dir, tensors=False))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(names), desc="converting", unit="tensor")
+    tensors = dict(extra)
+    for name, w in _iter_safetensors(model_dir):
+        if bar is not None:
+            bar.update(1)
+        gname = hf_to_gguf_name(name)
+        if gname is None:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ModelConfigError(f"unexpected tensor {name!r} in the checkpoint")
+        w = w.float()
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
+            w = permute_rows(w, n_heads)
+        elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
+            w = permute_rows(w, n_kv)
+        if w.dim() == 1:
+            tensors[gname] = w.contiguous()
+        else:
+            fmt = output_format if gname == "output.weight" else format
+            tensors[gname] = quantize(w.contiguous(), _pick_format(fmt, w.shape[-1]))
+    if bar is not None:
+        bar.close()
+    if config.get("tie_word_embeddings") and "output.weight" in tensors:
+        del tensors["output.weight"]
+    types = {}
+    from gguf import GGUFValueType as VT
+
+    for k, v in meta.items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int) and k != "general.file_type" and not k.startswith("tokenizer."):
+            types[k] = (VT.UINT32, None)
+        elif k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            types[k] = (VT.UINT32, None)
+    write_gguf(out_path, tensors, GGUFMetadata(meta, types=types))
+    return os.fspath(out_path)
+
+
+def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
+    """The tensors of a GGUF model as a Hugging Face state dict (dequantized, Q/K rows un-permuted for llama)."""
+    f = read_gguf(path_or_file) if isinstance(path_or_file, (str, os.PathLike)) else path_or_file
+    arch = f.metadata.get("general.architecture")
+    n_heads = int(f.metadata[f"{arch}.attention.head_count"])
+    n_kv = int(f.metadata.get(f"{arch}.attention.head_count_kv", n_heads))
+    inv_top = {v: k for k, v in TOP_NAMES.items()}
+    inv_layer = {v: k for k, v in LAYER_NAMES.items()}
+    out = {}
+    for gname, qt in f.items():
+        if gname in inv_top:
+            name = inv_top[gname]
+        elif gname.startswith("blk."):
+            _, i, rest = gname.split(".", 2)
+            if rest not in inv_layer:
+                continue
+            name = f"model.layers.{i}.{inv_layer[rest]}"
+        else:
+            continue
+        w = dequantize(qt, torch.float32) if isinstance(qt, QuantizedTensor) else qt.float()
+        if arch in ("llama", "mistral") and rest_is(gname, "attn_q"):
+            w = permute_rows(w, n_heads, inverse=True)
+        elif arch in ("llama", "mistral") and rest_is(gname, "attn_k"):
+            w = permute_rows(w, n_kv, inverse=True)
+        out[name] = w.to(dtype)
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def rest_is(gname: str, base: str) -> bool:
+    return gname.endswith((f".{base}.weight", f".{base}.bias"))

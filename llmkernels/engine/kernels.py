@@ -1,0 +1,137 @@
+"""The engine's own small kernels: fused residual add + RMSNorm, and fused QKV bias / QK-norm / RoPE / KV store.
+
+Each removes passes over memory that separate torch ops would make: the add-norm reads the residual stream once and
+writes it once; the RoPE kernel reads the QKV projection once, rotates Q in place and writes K/V straight into their
+cache pages (no rotated-K temporary, no separate ``store_kv`` call and its host-side slot check).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import call_op  # noqa: F401  (kept for symmetry with the public ops)
+from ..kv_cache import FP8_DTYPES
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, H, eps, HAS_RES: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:  # residual stream h = r + x, kept in the activation dtype (as the reference models do)
+        x = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0) + x).to(R.dtype.element_ty)
+        tl.store(R + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first.
+
+    x, residual: [T, H] fp16/bf16/fp32 (last dim contiguous); weight: [H] any float dtype. Returns y [T, H].
+    """
+    T, H = x.shape
+    y = out if out is not None else torch.empty_like(x)
+    if T == 0:
+        return y
+    r = residual if residual is not None else x
+    _add_rmsnorm_kernel[(T,)](x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), H, eps,
+                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(H),
+                              num_warps=4 if H <= 4096 else 8)
+    return y
+
+
+@triton.jit
+def _rope_store_kernel(QKV, POS, SLOT, INV_FREQ, BIAS, QNW, KNW, KC, VC, stride_t, stride_kc_slot, stride_kc_h,
+                       k_inv_scale, v_inv_scale, mscale, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                       D: tl.constexpr, NEOX: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                       FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # 0..HQ-1: query heads; HQ..HQ+HKV-1: key/value heads
+    is_q = h < HQ
+    col = h * D  # Q heads, then K heads: head h starts at column h * D either way
+    d = tl.arange(0, D)
+    HALF: tl.constexpr = D // 2
+    if NEOX:  # pairs (i, i + D/2)
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        fi = d % HALF
+    else:  # pairs (2i, 2i + 1)
+        partner = d ^ 1
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        fi = d // 2
+    row = QKV + t * stride_t + col
+    x = tl.load(row + d).to(tl.float32)
+    xp = tl.load(row + partner).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(BIAS + col + d)
+        xp += tl.load(BIAS + col + partner)
+    if QK_NORM:  # per-head RMSNorm of q and k before the rotation (Qwen3)
+        if is_q:
+            w = tl.load(QNW + d)
+            wp = tl.load(QNW + partner)
+        else:
+            w = tl.load(KNW + d)
+            wp = tl.load(KNW + partner)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        # rounded to the activation dtype between the norm and the weight, as the reference does
+        x = (x * rstd).to(QKV.dtype.element_ty).to(tl.float32) * w
+        xp = (xp * rstd).to(QKV.dtype.element_ty).to(tl.float32) * wp
+        x = x.to(QKV.dtype.element_ty).to(tl.float32)
+        xp = xp.to(QKV.dtype.element_ty).to(tl.float32)
+    pos = tl.load(POS + t).to(tl.float32)
+    ang = pos * tl.load(INV_FREQ + fi)
+    out = x * (tl.cos(ang) * mscale) + sign * xp * (tl.sin(ang) * mscale)
+    if is_q:
+        tl.store(row + d, out.to(QKV.dtype.element_ty))
+    else:
+        slot = tl.load(SLOT + t)
+        if slot >= 0:
+            hk = h - HQ
+            vrow = QKV + t * stride_t + (HQ + HKV) * D + hk * D
+            v = tl.load(vrow + d).to(tl.float32)
+            if HAS_BIAS:
+                v += tl.load(BIAS + (HQ + HKV) * D + hk * D + d)
+            dst = slot * stride_kc_slot + hk * stride_kc_h + d
+            if FP8:
+                out = tl.minimum(tl.maximum(out * k_inv_scale, -FP8_MAX), FP8_MAX)
+                v = tl.minimum(tl.maximum(v * v_inv_scale, -FP8_MAX), FP8_MAX)
+            else:  # round through the activation dtype first, as the unfused path would
+                out = out.to(QKV.dtype.element_ty)
+                v = v.to(QKV.dtype.element_ty)
+            tl.store(KC + dst, out.to(KC.dtype.element_ty))
+            tl.store(VC + dst, v.to(VC.dtype.element_ty))
+
+
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, *, n_heads: int, n_kv_heads: int, neox: bool,
+               mscale: float = 1.0, bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, eps: float = 1e-6, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+    """Rotate Q in place in ``qkv`` [T, (Hq + 2 Hkv) * D] and write rotated K and V to their cache slots.
+
+    Applies the QKV bias (Qwen2) and per-head Q/K RMSNorm (Qwen3) on the way. Slots of -1 skip the K/V write.
+    Returns the query view [T, Hq, D] of ``qkv``.
+    """
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q = qkv[:, :n_heads * D].view(T, n_heads, D)
+    if T == 0:
+        return q
+    fp8 = k_cache.dtype in FP8_DTYPES
+    fp8_max = torch.finfo(k_cache.dtype).max if fp8 else 0.0
+    dummy = inv_freq
+    _rope_store_kernel[(T, n_heads + n_kv_heads)](
+        qkv, positions, slots, inv_freq, bias if bias is not None else dummy,
+        q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy, k_cache, v_cache,
+        qkv.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale, mscale, eps,
+        HQ=n_heads, HKV=n_kv_heads, D=D, NEOX=neox, HAS_BIAS=bias is not None, QK_NORM=q_norm is not None,
+        FP8=fp8, FP8_MAX=fp8_max, num_warps=1 if D <= 64 else 2)
+    return q

@@ -1,0 +1,376 @@
+"""The user-facing engine: ``LLM(path).generate(prompts, SamplingParams(...))``.
+
+Each ``step`` asks the scheduler for a batch (decode tokens and prefill chunks mixed under a token budget), builds
+the step's index tensors on the host, plans paged attention once for all layers, runs the model, samples the rows
+that finished their known tokens, and retires finished sequences. Pure decode steps of up to ``max_graph_batch``
+sequences replay CUDA graphs captured per batch size; everything else runs eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from .._checks import interpreter_mode
+from ..attention.plan import plan_paged_attention
+from ..quant.gguf_io import read_gguf
+from .config import ModelConfig
+from .model import Model, StepInputs
+from .sampler import SamplingParams, make_generator, sample
+from .scheduler import PageAllocator, Scheduler, Sequence, pages_for
+from .tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list
+    text: str
+    token_ids: list
+    finish_reason: str  # "stop" (EOS or a stop id) | "length" (max_tokens or the model's length limit)
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    graph_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+
+
+class LLM:
+    """Load a GGUF model and generate text.
+
+    Args:
+        model: path to a GGUF file (llama, mistral, qwen2, qwen3 architectures).
+        device: "cuda" (default when available; else the CPU through Triton's interpreter, slow, for tests).
+        dtype: activation dtype, bfloat16 on a GPU (float16 on the CPU).
+        page_size: tokens per KV-cache page.
+        num_pages: cache pages; default: as many as ``gpu_memory_utilization`` leaves room for, at most what
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
+        max_model_len: longest prompt + generation (default: the model's context length, at most 8192).
+        max_num_seqs, max_num_batched_tokens: the scheduler's sequence and per-step token budgets.
+        kv_cache_dtype: None (= dtype) or torch.float8_e4m3fn / torch.float8_e5m2 (scales 1.0).
+        cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
+
+    >>> llm = LLM("model.gguf")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    >>> print(out[0].text)
+    """
+
+    def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_pages: int | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 kv_cache_dtype=None, cuda_graphs: bool = True, max_graph_batch: int = 64,
+                 gpu_memory_utilization: float = 0.9, progress: bool = True, _model: Model | None = None,
+                 _tokenizer=None):
+        if device is None:
+            device = "cpu" if interpreter_mode() or not torch.cuda.is_available() else "cuda"
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        dtype = dtype or (torch.bfloat16 if on_gpu else torch.float16)
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if _model is None:
+            if not isinstance(model, (str, os.PathLike)):
+                raise TypeError(f"model must be a path to a GGUF file, got {type(model).__name__}")
+            f = read_gguf(model)
+            cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+            progress_fn = None
+            if progress:
+                from tqdm.auto import tqdm
+
+                progress_fn = tqdm
+            _model = Model(cfg, f, self.device, dtype, progress=progress_fn)
+            _tokenizer = Tokenizer(f.metadata) if _tokenizer is None else _tokenizer
+        self.model = _model
+        self.tokenizer = _tokenizer
+        cfg = self.cfg = self.model.cfg
+        self.dtype = self.model.dtype
+        self.page_size = page_size
+        self.max_model_len = int(max_model_len or min(cfg.context_length, 8192))
+        self.kv_dtype = kv_cache_dtype or self.dtype
+        per_page = 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * torch.empty(
+            0, dtype=self.kv_dtype).element_size()
+        want = max_num_seqs * pages_for(self.max_model_len, page_size)
+        auto = num_pages is None
+        if not auto and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if auto:
+            if on_gpu:
+                free, _total = torch.cuda.mem_get_info(self.device)
+                reserve = 2 * 2**30 + 4 * max_num_batched_tokens * (cfg.ffn + cfg.vocab_size) * 2
+                num_pages = int(max(0, free * gpu_memory_utilization - reserve) // per_page)
+                num_pages = min(num_pages, want)
+            else:
+                num_pages = min(want, 4096)
+        if auto and num_pages < pages_for(min(self.max_model_len, 16 * page_size), page_size):
+            raise MemoryError(f"only {num_pages} KV-cache pages fit ({per_page} bytes each); lower max_model_len or "
+                              f"free GPU memory")
+        self.num_pages = num_pages
+        shape = (cfg.n_layers, 2, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.k_caches = [self.kv_cache[i, 0] for i in range(cfg.n_layers)]
+        self.v_caches = [self.kv_cache[i, 1] for i in range(cfg.n_layers)]
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(self.allocator, page_size, max_num_seqs, max_num_batched_tokens)
+        self.max_pages_per_seq = pages_for(self.max_model_len, page_size)
+        self.stats = EngineStats()
+        self.graphs = {}
+        self.use_graphs = bool(cuda_graphs and on_gpu)
+        self.max_graph_batch = min(max_graph_batch, max_num_seqs)
+
+    @classmethod
+    def from_model(cls, model: Model, tokenizer=None, **kw) -> "LLM":
+        """An engine over an already built ``Model`` (e.g. random weights for benchmarks)."""
+        return cls(None, device=model.device, dtype=model.dtype, _model=model, _tokenizer=tokenizer, **kw)
+
+    # --- requests -------------------------------------------------------------------------------------------------
+    def _eos_ids(self, params: SamplingParams) -> set:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= set(self.cfg.eos_ids)
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams, index: int = 0) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("a prompt must have at least one token")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got {bad[:4]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if pages_for(total, self.page_size) > self.num_pages:
+            raise ValueError(f"a request of {total} tokens needs {pages_for(total, self.page_size)} pages; the "
+                             f"cache has {self.num_pages}")
+        seq = Sequence(ids, params, request_index=index, generator=make_generator(params, self.device))
+        self.scheduler.add(seq)
+        return seq
+
+    # --- one step -------------------------------------------------------------------------------------------------
+    def _inputs(self, batch):
+        ids, pos, slots, cu, lens, logits_idx, table = [], [], [], [0], [], [], []
+        width = max(len(s.pages) for s, _ in batch)
+        ps = self.page_size
+        for s, n in batch:
+            start = s.num_computed
+            toks = s.tokens
+            ids += toks[start:start + n]
+            p = list(range(start, start + n))
+            pos += p
+            slots += [s.pages[i // ps] * ps + i % ps for i in p]
+            cu.append(cu[-1] + n)
+            lens.append(start + n)
+            if start + n == s.num_tokens:
+                logits_idx.append(cu[-1] - 1)
+            table.append(s.pages + [0] * (width - len(s.pages)))
+        return ids, pos, slots, cu, lens, logits_idx, table
+
+    def _eager(self, host):
+        ids, pos, slots, cu, lens, logits_idx, table = host
+        dev = self.device
+        i32 = dict(dtype=torch.int32)
+        cu_h, lens_h = torch.tensor(cu, **i32), torch.tensor(lens, **i32)
+        plan = plan_paged_attention(cu_h, lens_h, self.page_size, self.cfg.n_heads, self.cfg.n_kv_heads,
+                                    self.cfg.head_dim, q_dtype=self.dtype, kv_dtype=self.kv_dtype, device=dev)
+        inp = StepInputs(torch.tensor(ids, **i32).to(dev), torch.tensor(pos, **i32).to(dev),
+                         torch.tensor(slots, dtype=torch.int64).to(dev), torch.tensor(table, **i32).to(dev),
+                         lens_h.to(dev), cu_h.to(dev), max(b - a for a, b in zip(cu, cu[1:])),
+                         torch.tensor(logits_idx, dtype=torch.int64).to(dev))
+        return self.model.forward(inp, self.k_caches, self.v_caches, plan)
+
+    def step(self) -> list:
+        """Run one scheduler step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        host = self._inputs(batch)
+        decode_only = all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in batch)
+        if decode_only and self.use_graphs and len(batch) <= self.max_graph_batch:
+            logits = self._graph_step(host)
+            self.stats.graph_steps += 1
+        else:
+            logits = self._eager(host)
+        self.stats.steps += 1
+        sampled = [s for s, n in batch if s.num_computed + n == s.num_tokens]
+        for s, n in batch:
+            if n == 1 and s.out_ids and s.num_computed + 1 == s.num_tokens:
+                self.stats.decode_tokens += 1
+            else:  # prompt tokens, or a preempted sequence's tokens being recomputed
+                self.stats.prefill_tokens += n
+            s.num_computed += n
+        finished = []
+        if sampled:
+            toks = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            for s, t in zip(sampled, toks):
+                s.out_ids.append(t)
+                if t in self._eos_ids(s.params):
+                    s.finish_reason = "stop"
+                elif len(s.out_ids) >= s.params.max_tokens or s.num_tokens >= self.max_model_len:
+                    s.finish_reason = "length"
+                if s.finish_reason:
+                    self.scheduler.finish(s)
+                    finished.append(s)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return finished
+
+    # --- CUDA graphs for decode -----------------------------------------------------------------------------------
+    def _graph_for(self, bs: int):
+        g = self.graphs.get(bs)
+        if g is None:
+            g = self.graphs[bs] = _DecodeGraph(self, bs)
+        return g
+
+    def _graph_step(self, host):
+        bs = min(1 << (len(host[0]) - 1).bit_length(), self.max_graph_batch)
+        return self._graph_for(bs).run(host)
+
+    def capture_graphs(self, sizes=None) -> None:
+        """Capture decode graphs ahead of time (they are otherwise captured at first use)."""
+        if not self.use_graphs:
+            return
+        sizes = sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= self.max_graph_batch]
+        for bs in sizes:
+            self._graph_for(bs)
+
+    def logits(self, prompt) -> torch.Tensor:
+        """float32 [len, vocab]: next-token logits at every position of ``prompt`` (str or ids), e.g. for scoring.
+
+        Runs the prompt through the cache in chunks of ``max_num_batched_tokens``; the pages are freed after.
+        """
+        seq = Sequence(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt), SamplingParams())
+        if len(seq.prompt_ids) > self.max_model_len or not seq.prompt_ids:
+            raise ValueError(f"prompt must have 1..{self.max_model_len} tokens, got {len(seq.prompt_ids)}")
+        need = pages_for(len(seq.prompt_ids), self.page_size)
+        if need > self.allocator.num_free:
+            raise MemoryError(f"the prompt needs {need} free pages, {self.allocator.num_free} are free")
+        seq.pages = self.allocator.allocate(need)
+        out = []
+        try:
+            while seq.num_computed < seq.num_tokens:
+                n = min(self.scheduler.max_tokens, seq.num_tokens - seq.num_computed)
+                ids, pos, slots, cu, lens, _, table = self._inputs([(seq, n)])
+                out.append(self._eager((ids, pos, slots, cu, lens, list(range(n)), table)))
+                seq.num_computed += n
+        finally:
+            self.allocator.free(seq.pages)
+        return torch.cat(out)
+
+    # --- generation -----------------------------------------------------------------------------------------------
+    def _output(self, s: Sequence, prompt) -> RequestOutput:
+        text = self.tokenizer.decode(s.out_ids) if self.tokenizer is not None else ""
+        return RequestOutput(prompt if isinstance(prompt, str) else None, s.prompt_ids, text, list(s.out_ids),
+                             s.finish_reason, s.num_preemptions)
+
+    def generate(self, prompts, params: SamplingParams | list | None = None, *, use_tqdm: bool = False) -> list:
+        """Generate for each prompt (str or token-id list); returns RequestOutputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        seqs = [self.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generating", unit="req")
+        while self.scheduler.has_work():
+            done = self.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [self._output(s, p) for s, p in zip(seqs, prompts)]
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yield text pieces of one prompt's generation as tokens come (other queued requests advance too)."""
+        seq = self.add_request(prompt, params or SamplingParams())
+        sent, shown = 0, ""
+        while seq.finish_reason is None and self.scheduler.has_work():
+            self.step()
+            if len(seq.out_ids) > sent:
+                sent = len(seq.out_ids)
+                text = self.tokenizer.decode(seq.out_ids) if self.tokenizer else ""
+                # hold back an incomplete UTF-8 character until the token that completes it
+                if text.endswith("\ufffd") and seq.finish_reason is None:
+                    continue
+                if len(text) > len(shown) and text.startswith(shown):
+                    yield text[len(shown):]
+                shown = text
+
+
+class _DecodeGraph:
+    """A CUDA graph of one decode step for a fixed batch size, fed through fixed buffers."""
+
+    def __init__(self, llm: LLM, bs: int):
+        cfg, dev = llm.cfg, llm.device
+        self.llm, self.bs = llm, bs
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(bs, **i32)
+        self.pos = torch.zeros(bs, **i32)
+        self.slots = torch.full((bs,), -1, dtype=torch.int64, device=dev)
+        self.table = torch.zeros(bs, llm.max_pages_per_seq, **i32)
+        self.lens = torch.ones(bs, **i32)
+        self.cu = torch.arange(bs + 1, **i32)
+        self.idx = torch.arange(bs, dtype=torch.int64, device=dev)
+        # split-KV is fixed at capture: plan for the longest sequences the engine allows
+        cu_h = torch.arange(bs + 1, dtype=torch.int32)
+        self.plan = plan_paged_attention(cu_h, torch.full((bs,), llm.max_model_len, dtype=torch.int32),
+                                         llm.page_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                         q_dtype=llm.dtype, kv_dtype=llm.kv_dtype, max_tiles=bs, max_tokens=bs,
+                                         device=dev)
+        self.plan.update(cu_h, torch.ones(bs, dtype=torch.int32))
+        self.inp = StepInputs(self.ids, self.pos, self.slots, self.table, self.lens, self.cu, 1, self.idx)
+        fwd = lambda: llm.model.forward(self.inp, llm.k_caches, llm.v_caches, self.plan)  # noqa: E731
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # compile and warm up outside the capture
+                fwd()
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = fwd()
+
+    def run(self, host):
+        ids, pos, slots, cu, lens, logits_idx, table = host
+        n, bs = len(ids), self.bs
+        packed = torch.zeros(4, bs, dtype=torch.int64)
+        packed[0, :n] = torch.tensor(ids)
+        packed[1, :n] = torch.tensor(pos)
+        packed[2, :] = -1
+        packed[2, :n] = torch.tensor(slots)
+        packed[3, :] = 1
+        packed[3, :n] = torch.tensor(lens)
+        tab = torch.zeros(bs, self.table.shape[1], dtype=torch.int32)
+        w = len(table[0])
+        tab[:n, :w] = torch.tensor(table, dtype=torch.int32)
+        dev = packed.to(self.ids.device, non_blocking=True)
+        self.ids.copy_(dev[0])
+        self.pos.copy_(dev[1])
+        self.slots.copy_(dev[2])
+        self.lens.copy_(dev[3])
+        self.table.copy_(tab.to(self.ids.device, non_blocking=True))
+        self.plan.update(torch.arange(bs + 1, dtype=torch.int32), packed[3].to(torch.int32))
+        self.graph.replay()
+        return self.logits[:n]

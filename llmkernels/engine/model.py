@@ -1,0 +1,204 @@
+"""A Llama-family decoder (llama, mistral, qwen2, qwen3) running on llmkernels' kernels.
+
+Weights stay in their stored formats (GGUF blocks or MLX words) and are read by the quantized GEMV kernels; Q/K/V
+rows are concatenated into one matrix (and gate/up paired) when they share a format, so each layer makes one pass
+per projection group. One forward call runs any mix of prefill chunks and decode tokens: every token's K/V goes into
+the paged cache first, then ``paged_attention`` reads the cache, so chunked prefill and decode share one code path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention.paged import paged_attention
+from ..qgemv.ops import embedding, gate_up_silu, gemv
+from ..quant.tensor import QuantizedTensor, dequantize
+from .config import ModelConfig, ModelConfigError, rope_inv_freq
+from .kernels import add_rmsnorm, rope_store
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One forward step's token batch, on the model's device.
+
+    ids, positions: int32 [T]; slots: int64 [T] (cache slot of each token, -1 = don't store); page_table: int32
+    [B, P]; seq_lens: int32 [B] (kv length after this step); cu_seqlens_q: int32 [B+1]; max_q: host int;
+    logits_idx: int64 [S] (rows of T whose next-token logits are wanted).
+    """
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_q: int
+    logits_idx: torch.Tensor
+
+
+@dataclasses.dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv: list  # one fused QuantizedTensor, or [q, k, v] when their formats differ
+    wo: QuantizedTensor
+    gate: QuantizedTensor
+    up: QuantizedTensor
+    down: QuantizedTensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def cat_rows(qts: list) -> QuantizedTensor | None:
+    """Stack QuantizedTensors [N_i, K] of one format into [sum N_i, K] (rows are independent in every format)."""
+    a = qts[0]
+    if any((q.format, q.bits, q.group_size, q.shape[1:]) != (a.format, a.bits, a.group_size, a.shape[1:])
+           for q in qts):
+        return None
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts, 0)  # noqa: E731
+    n = sum(q.shape[0] for q in qts)
+    return QuantizedTensor(a.format, (n, *a.shape[1:]), cat([q.data for q in qts]), cat([q.scales for q in qts]),
+                           cat([q.biases for q in qts]), a.bits, a.group_size)
+
+
+def _vector(qt, device) -> torch.Tensor:
+    if isinstance(qt, QuantizedTensor):
+        return dequantize(qt.to(device), torch.float32).reshape(-1)
+    return qt.to(device=device, dtype=torch.float32).reshape(-1)
+
+
+class Model:
+    """Weights on the device plus the forward pass. Build with ``Model(cfg, tensors, device, dtype)``.
+
+    ``tensors`` maps GGUF tensor names (``token_embd.weight``, ``blk.{i}.attn_q.weight``, ...) to QuantizedTensors
+    (anywhere; they are moved to ``device`` once) or, for norms and biases, float tensors.
+    """
+
+    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self._expect_shapes(tensors)
+        it = progress if progress is not None else (lambda x, **k: x)
+        self.weight_bytes = 0
+
+        def mat(name):
+            qt = tensors[name]
+            if not isinstance(qt, QuantizedTensor):
+                raise ModelConfigError(f"tensor {name!r} must be a QuantizedTensor, got {type(qt).__name__}")
+            return qt.to(self.device)
+
+        self.tok_embd = mat("token_embd.weight")
+        self.output = mat("output.weight") if "output.weight" in tensors else self.tok_embd
+        self.output_norm = _vector(tensors["output_norm.weight"], self.device)
+        self.layers = []
+        for i in it(range(cfg.n_layers), desc="loading layers", unit="layer"):
+            p = f"blk.{i}."
+            q, k, v = (mat(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v"))
+            fused = cat_rows([q, k, v])
+            layer = Layer(attn_norm=_vector(tensors[p + "attn_norm.weight"], self.device),
+                          ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device),
+                          qkv=[fused] if fused is not None else [q, k, v], wo=mat(p + "attn_output.weight"),
+                          gate=mat(p + "ffn_gate.weight"), up=mat(p + "ffn_up.weight"),
+                          down=mat(p + "ffn_down.weight"))
+            del q, k, v
+            if cfg.qkv_bias:
+                layer.qkv_bias = torch.cat([_vector(tensors[p + n + ".bias"], self.device)
+                                            for n in ("attn_q", "attn_k", "attn_v")])
+            if cfg.qk_norm:
+                layer.q_norm = _vector(tensors[p + "attn_q_norm.weight"], self.device)
+                layer.k_norm = _vector(tensors[p + "attn_k_norm.weight"], self.device)
+            self.layers.append(layer)
+        freqs = tensors.get("rope_freqs.weight")
+        if isinstance(freqs, QuantizedTensor):
+            freqs = dequantize(freqs)
+        inv, self.rope_mscale = rope_inv_freq(cfg, freqs)
+        self.inv_freq = inv.to(self.device)
+        self.weight_bytes = self._stored_bytes()
+        self.qkv_width = (Hq + 2 * Hkv) * D
+
+    def _expect_shapes(self, tensors):
+        cfg = self.cfg
+        H, D = cfg.hidden, cfg.head_dim
+        want = {"token_embd.weight": (cfg.vocab_size, H), "output_norm.weight": (H,)}
+        if "output.weight" in tensors:
+            want["output.weight"] = (cfg.vocab_size, H)
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
+                         p + "attn_q.weight": (cfg.n_heads * D, H), p + "attn_k.weight": (cfg.n_kv_heads * D, H),
+                         p + "attn_v.weight": (cfg.n_kv_heads * D, H), p + "attn_output.weight": (H, cfg.n_heads * D),
+                         p + "ffn_gate.weight": (cfg.ffn, H), p + "ffn_up.weight": (cfg.ffn, H),
+                         p + "ffn_down.weight": (H, cfg.ffn)})
+            if cfg.qkv_bias:
+                want.update({p + "attn_q.bias": (cfg.n_heads * D,), p + "attn_k.bias": (cfg.n_kv_heads * D,),
+                             p + "attn_v.bias": (cfg.n_kv_heads * D,)})
+            if cfg.qk_norm:
+                want.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+        missing = [n for n in want if n not in tensors]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ModelConfigError(f"the model file lacks tensor(s) {', '.join(missing[:5])}{more} needed for a "
+                                   f"{cfg.arch} model with {cfg.n_layers} layers")
+        for n, shape in want.items():
+            got = tuple(tensors[n].shape)
+            if got != shape and not (len(shape) == 1 and got in ((shape[0], 1), (1, shape[0]))):
+                raise ModelConfigError(f"tensor {n!r} has shape {got}, the metadata implies {shape}")
+
+    def _stored_bytes(self) -> int:
+        seen, total = set(), 0
+        mats = [self.tok_embd, self.output] + [m for L in self.layers for m in (*L.qkv, L.wo, L.gate, L.up, L.down)]
+        for m in mats:
+            if id(m) not in seen:
+                seen.add(id(m))
+                total += m.nbytes
+        return total
+
+    def decode_bytes_per_token(self) -> int:
+        """Weight bytes one decode step must read: every matrix once, plus one embedding row."""
+        per_row = self.tok_embd.nbytes // self.cfg.vocab_size
+        emb_full = self.tok_embd.nbytes if self.output is not self.tok_embd else 0
+        return self.weight_bytes - emb_full + per_row
+
+    # --- forward --------------------------------------------------------------------------------------------------
+    def _qkv(self, x, layer):
+        if len(layer.qkv) == 1:
+            return gemv(x, layer.qkv[0])
+        return torch.cat([gemv(x, m) for m in layer.qkv], dim=1)
+
+    def _mlp(self, x, layer):
+        if (layer.gate.format, layer.gate.bits) == (layer.up.format, layer.up.bits):
+            a = gate_up_silu(x, layer.gate, layer.up)
+        else:
+            g, u = gemv(x, layer.gate), gemv(x, layer.up)
+            a = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
+        return gemv(a, layer.down)
+
+    def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+        """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``."""
+        cfg = self.cfg
+        T = inp.ids.shape[0]
+        h = embedding(inp.ids, self.tok_embd, dtype=self.dtype)  # the residual stream
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x = add_rmsnorm(delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
+                            residual=h if delta is not None else None)
+            qkv = self._qkv(x, layer)
+            q = rope_store(qkv, inp.positions, inp.slots, self.inv_freq, k_caches[li], v_caches[li],
+                           n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, neox=cfg.rope_style == "neox",
+                           mscale=self.rope_mscale, bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                           eps=cfg.rms_eps, k_scale=kv_scales[0], v_scale=kv_scales[1])
+            fp8 = k_caches[li].dtype != self.dtype
+            o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
+                                inp.max_q, causal=True, plan=plan, validate=False,
+                                k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
+            delta = gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo)
+            x = add_rmsnorm(delta, layer.ffn_norm, cfg.rms_eps, residual=h)
+            delta = self._mlp(x, layer)
+        if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
+            return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
+        hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
+        x = add_rmsnorm(ds, self.output_norm, cfg.rms_eps, residual=hs)
+        return gemv(x, self.output).float()

@@ -1,0 +1,81 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 = greedy (argmax); top_k: keep the k most likely tokens (0 = all); top_p: keep the smallest set
+    whose probability reaches p (1 = all); seed: a per-request seed: each request draws from its own generator, so
+    the same batch replays exactly (across different batch sizes the logits may differ in the last bits, since the
+    GEMV kernels take other paths, and a draw at a near-tie can change); max_tokens: tokens to generate at most; stop_token_ids: extra ids that end generation (the model's EOS
+    ids always do unless ignore_eos).
+    """
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def make_generator(params: SamplingParams, device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: list, generators: list) -> list:
+    """One token id per row of float32 ``logits`` [S, V], row i drawn with params[i] and generators[i]."""
+    S, V = logits.shape
+    out = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float32)
+        lg = logits.index_select(0, idx) / temp[:, None]
+        vals, order = lg.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)[None, :]
+        k = torch.tensor([params[i].top_k or V for i in rows], device=logits.device)[:, None]
+        p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=torch.float32)[:, None]
+        probs = torch.softmax(vals, dim=-1)
+        # drop ranks past k, and tokens whose preceding mass already reaches p (the top token always stays)
+        drop = (rank >= k) | ((probs.cumsum(-1) - probs) >= p)
+        vals = vals.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i; each row uses its own
+        # generator so a seeded request's tokens do not depend on the rest of the batch
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            noise[j].exponential_(generator=generators[i])
+        choice = torch.argmax(probs / noise, dim=-1)
+        out[idx] = order.gather(1, choice[:, None]).squeeze(1)
+    return out.tolist()

@@ -1,0 +1,101 @@
+"""Tiny random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) with trained BPE tokenizers, for engine tests.
+
+Needs ``transformers`` and ``tokenizers``; nothing is downloaded: the tokenizer is trained on a built-in text.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+CORPUS = """The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in fixed-size pages.
+A scheduler batches requests continuously: sequences join and leave between steps. 12345 67890 3.14159 2026-11-22.
+Quantized weights are read once per token; the bandwidth of the memory sets the speed of decoding.
+def forward(x): return x * 2  # code, too!  Ünïcödé wörds, émigré café, 東京 and ☃ snowmen.
+Hello, world! How are you today? I'm fine, thanks. We'll see; they've gone, it's late, you'd know.
+"""
+
+PATTERNS = {"llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
+
+
+def train_tokenizer(style: str = "llama3", vocab_size: int = 384, specials=("<|bos|>", "<|eos|>")):
+    """A byte-level BPE tokenizer trained on CORPUS, split like Llama 3 ("llama3"), Qwen2 or GPT-2."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ..engine.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN
+
+    tok = Tokenizer(models.BPE())
+    if style == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        pat = LLAMA3_PATTERN if style == "llama3" else QWEN2_PATTERN
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    return tok
+
+
+def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int = 256, ffn: int = 512,
+                    heads: int = 4, kv_heads: int = 2, head_dim: int = 64, vocab: int = 512, std: float = 0.15,
+                    seed: int = 0, tie: bool = False, rope_scaling: dict | None = None, tokenizer_style=None):
+    """Write a random ``arch`` model (llama, mistral, qwen2, qwen3) with its tokenizer into directory ``path``.
+
+    Returns the transformers model (float32, eval mode). ``std`` sets the embedding and output init: larger than
+    usual so the next-token distribution is peaked and greedy choices are far from ties; the projections have unit
+    gain (std 1/sqrt(fan_in)).
+    """
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    style = tokenizer_style or ("qwen2" if arch.startswith("qwen") else "llama3")
+    tok = train_tokenizer(style, vocab_size=min(vocab - 16, 384))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": arch in ("llama", "mistral")}, f)
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[arch]
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+              max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
+              bos_token_id=bos, eos_token_id=eos, initializer_range=std)
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    if arch == "qwen2":
+        kw["use_sliding_window"] = False
+    if rope_scaling is not None:
+        kw["rope_scaling"] = rope_scaling
+    config = getattr(transformers, cls[0])(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls[1])(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(std * torch.randn_like(p))
+            else:  # unit gain per projection, so quantization errors do not grow from layer to layer
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_model_from_state_dict(path, state_dict):
+    """The transformers model of checkpoint directory ``path`` with ``state_dict`` loaded (float32, eval)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")
+               and not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"state dict mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return model

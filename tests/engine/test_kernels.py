@@ -1,0 +1,127 @@
+"""The engine's small kernels against torch references, and the pieces that need no model."""
+import math
+
+import pytest
+import torch
+
+from llmkernels.engine.config import ModelConfig, llama3_rope_factors, rope_inv_freq
+from llmkernels.engine.kernels import add_rmsnorm, rope_store
+from llmkernels.engine.scheduler import PageAllocator, Scheduler, Sequence
+from llmkernels.testing.tolerances import assert_close
+
+
+def rmsnorm_ref(h, w, eps):
+    hf = h.double()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype).double() * w.double()
+
+
+@pytest.mark.parametrize("H", [100, 256])
+def test_add_rmsnorm(H, device):
+    x = torch.randn(5, H, dtype=torch.float16, device=device)
+    r = torch.randn(5, H, dtype=torch.float16, device=device)
+    w = torch.randn(H, device=device)
+    h_want = r + x
+    y = torch.full_like(x, float("nan"))
+    add_rmsnorm(x, w, 1e-5, residual=r, out=y)
+    assert torch.equal(r, h_want)  # the residual stream is updated in place, in fp16 like the reference
+    assert_close(y, rmsnorm_ref(h_want, w, 1e-5), torch.float16)
+    assert_close(add_rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5), torch.float16)
+
+
+def rope_ref(x, pos, inv_freq, neox, mscale=1.0):
+    """x [T, H, D] float64 rotated at positions pos."""
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]  # [T, D/2]
+    cos, sin = torch.cos(ang)[:, None, :] * mscale, torch.sin(ang)[:, None, :] * mscale
+    if neox:
+        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * cos - b * sin, b * cos + a * sin
+    return out
+
+
+def head_norm_ref(x, w, eps, dtype):
+    return ((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).double() * w.double()).to(dtype).double()
+
+
+@pytest.mark.parametrize("neox,bias,qk_norm", [(True, False, False), (False, False, False), (True, True, False),
+                                               (True, False, True)])
+def test_rope_store(neox, bias, qk_norm, device):
+    T, Hq, Hkv, D, ps = 7, 6, 2, 64, 4
+    dt = torch.float16
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dt, device=device)
+    pos = torch.tensor([0, 1, 2, 9, 100, 4095, 3], dtype=torch.int32, device=device)
+    slots = torch.tensor([0, 5, -1, 6, 11, 2, 7], device=device)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    b = torch.randn(qkv.shape[1], device=device) if bias else None
+    qn, kn = (torch.randn(D, device=device), torch.randn(D, device=device)) if qk_norm else (None, None)
+    kc = torch.full((3, ps, Hkv, D), float("nan"), dtype=dt, device=device)
+    vc = torch.full_like(kc, float("nan"))
+    src = qkv.double() + (b.double() if bias else 0)
+    if bias:
+        src = src.to(dt).double()
+    q, k, v = src[:, :Hq * D].view(T, Hq, D), src[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), src[:, (Hq + Hkv) * D:]
+    if qk_norm:
+        q, k = head_norm_ref(q, qn, 1e-6, dt), head_norm_ref(k, kn, 1e-6, dt)
+    q_want, k_want = rope_ref(q, pos.cpu(), inv, neox), rope_ref(k, pos.cpu(), inv, neox)
+    out = rope_store(qkv, pos, slots, inv.float().to(device), kc, vc, n_heads=Hq, n_kv_heads=Hkv, neox=neox,
+                     bias=b, q_norm=qn, k_norm=kn, eps=1e-6)
+    assert out.shape == (T, Hq, D) and out.data_ptr() == qkv.data_ptr()
+    assert_close(out, q_want, dt)
+    flat_k, flat_v = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert_close(flat_k[s], k_want[t], dt)
+            assert_close(flat_v[s], v[t].view(Hkv, D), dt)
+    written = set(s for s in slots.tolist() if s >= 0)
+    untouched = [s for s in range(flat_k.shape[0]) if s not in written]
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+def test_rope_frequencies_match_transformers():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    base = dict(arch="llama", n_layers=1, hidden=512, ffn=1, n_heads=4, n_kv_heads=4, head_dim=128, vocab_size=8,
+                rms_eps=1e-5, rope_theta=500000.0, rope_style="interleaved", context_length=131072)
+    cases = [
+        ("linear", dict(rope_type="linear", factor=4.0), dict(rope_scaling="linear", rope_factor=4.0)),
+        ("yarn", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768, beta_fast=32.0,
+                      beta_slow=1.0), dict(rope_scaling="yarn", rope_factor=4.0, rope_orig_context=32768)),
+        ("llama3", dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192), dict(rope_scaling="llama3")),
+    ]
+    for name, hf_scaling, ours in cases:
+        cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, max_position_embeddings=131072,
+                          rope_theta=500000.0, rope_scaling=dict(hf_scaling, rope_theta=500000.0))
+        inv_hf, attn_factor = ROPE_INIT_FUNCTIONS[name](cfg, "cpu")
+        freqs = llama3_rope_factors(128, 500000.0, 8.0, 1.0, 4.0, 8192) if name == "llama3" else None
+        inv, mscale = rope_inv_freq(ModelConfig(**base, **ours), freqs)
+        torch.testing.assert_close(inv.double(), inv_hf.double(), rtol=1e-6, atol=0)
+        assert math.isclose(mscale, attn_factor, rel_tol=1e-6), (name, mscale, attn_factor)
+
+
+def test_scheduler_budget_chunks_and_preemption():
+    from llmkernels.engine.sampler import SamplingParams
+
+    alloc = PageAllocator(6)
+    sch = Scheduler(alloc, page_size=4, max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = Sequence(list(range(9)), SamplingParams()), Sequence(list(range(7)), SamplingParams())
+    sch.add(a)
+    sch.add(b)
+    step = sch.schedule()  # a takes 9 of the 10-token budget, b gets a 1-token chunk
+    assert [(s is a, n) for s, n in step] == [(True, 9), (False, 1)]
+    a.num_computed, b.num_computed = 9, 1
+    a.out_ids.append(1)
+    assert len(a.pages) == 3 and len(b.pages) == 1 and alloc.num_free == 2
+    step = sch.schedule()  # a decodes (its 10th token fits page 3); b's remaining 6 tokens need 1 more page
+    assert [(s is a, n) for s, n in step] == [(True, 1), (False, 6)] and alloc.num_free == 1
+    a.num_computed, b.num_computed = 10, 7
+    a.out_ids += [1] * 7  # 17 tokens need 5 pages, 2 more than a has: b (the later arrival) is preempted for them
+    step = sch.schedule()
+    assert [s for s, _ in step] == [a] and b.num_computed == 0 and b.pages == [] and sch.waiting[0] is b
+    assert sch.num_preemptions == 1
+    sch.finish(a)
+    assert alloc.num_free == 6
