@@ -101,13 +101,13 @@ def _rope_store_kernel(QKV, POS, SLOT, INV_FREQ, BIAS, QNW, KNW, KC, VC, stride_
                 v += tl.load(BIAS + (HQ + HKV) * D + hk * D + d)
             dst = slot * stride_kc_slot + hk * stride_kc_h + d
             if FP8:
-                out = tl.minimum(tl.maximum(out * k_inv_scale, -FP8_MAX), FP8_MAX)
-                v = tl.minimum(tl.maximum(v * v_inv_scale, -FP8_MAX), FP8_MAX)
+                k_val = tl.minimum(tl.maximum(out * k_inv_scale, -FP8_MAX), FP8_MAX)
+                v_val = tl.minimum(tl.maximum(v * v_inv_scale, -FP8_MAX), FP8_MAX)
             else:  # round through the activation dtype first, as the unfused path would
-                out = out.to(QKV.dtype.element_ty)
-                v = v.to(QKV.dtype.element_ty)
-            tl.store(KC + dst, out.to(KC.dtype.element_ty))
-            tl.store(VC + dst, v.to(VC.dtype.element_ty))
+                k_val = out.to(QKV.dtype.element_ty)
+                v_val = v.to(QKV.dtype.element_ty)
+            tl.store(KC + dst, k_val.to(KC.dtype.element_ty))
+            tl.store(VC + dst, v_val.to(VC.dtype.element_ty))
 
 
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor,
