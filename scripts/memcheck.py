@@ -50,7 +50,9 @@ def main():
         lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
         lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
-    from llmkernels.engine.kernels import add_rmsnorm, rope_store
+    from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
+
+    silu_mul(torch.randn(3, 2 * 1100, device=dev, dtype=torch.bfloat16))
 
     x = torch.randn(7, 1000, device=dev, dtype=torch.bfloat16)
     add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, residual=torch.randn_like(x))

@@ -135,3 +135,25 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
         HQ=n_heads, HKV=n_kv_heads, D=D, NEOX=neox, HAS_BIAS=bias is not None, QK_NORM=q_norm is not None,
         FP8=fp8, FP8_MAX=fp8_max, num_warps=1 if D <= 64 else 2)
     return q
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Y, stride_gu, stride_y, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_gu + F + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for gate_up = [g | u] of shape [T, 2F] (one fused gate/up projection); returns [T, F]."""
+    T, F2 = gate_up.shape
+    F = F2 // 2
+    y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        BLOCK = 1024
+        _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=BLOCK)
+    return y

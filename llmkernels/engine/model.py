@@ -1,7 +1,7 @@
 """A Llama-family decoder (llama, mistral, qwen2, qwen3) running on llmkernels' kernels.
 
 Weights stay in their stored formats (GGUF blocks or MLX words) and are read by the quantized GEMV kernels; Q/K/V
-rows are concatenated into one matrix (and gate/up paired) when they share a format, so each layer makes one pass
+rows are stacked into one matrix, and gate/up into another, when they share a format, so each layer makes one pass
 per projection group. One forward call runs any mix of prefill chunks and decode tokens: every token's K/V goes into
 the paged cache first, then ``paged_attention`` reads the cache, so chunked prefill and decode share one code path.
 """
@@ -12,10 +12,10 @@ import dataclasses
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.ops import embedding, gate_up_silu, gemv
+from ..qgemv.ops import embedding, gemv
 from ..quant.tensor import QuantizedTensor, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
-from .kernels import add_rmsnorm, rope_store
+from .kernels import add_rmsnorm, rope_store, silu_mul
 
 
 @dataclasses.dataclass
@@ -42,8 +42,7 @@ class Layer:
     ffn_norm: torch.Tensor
     qkv: list  # one fused QuantizedTensor, or [q, k, v] when their formats differ
     wo: QuantizedTensor
-    gate: QuantizedTensor
-    up: QuantizedTensor
+    gate_up: list  # [gate and up stacked], or [gate, up] when their formats differ
     down: QuantizedTensor
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
@@ -101,9 +100,12 @@ class Model:
             layer = Layer(attn_norm=_vector(tensors[p + "attn_norm.weight"], self.device),
                           ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device),
                           qkv=[fused] if fused is not None else [q, k, v], wo=mat(p + "attn_output.weight"),
-                          gate=mat(p + "ffn_gate.weight"), up=mat(p + "ffn_up.weight"),
-                          down=mat(p + "ffn_down.weight"))
-            del q, k, v
+                          gate_up=[], down=mat(p + "ffn_down.weight"))
+            del q, k, v, fused
+            gate, up = mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")
+            fused = cat_rows([gate, up])
+            layer.gate_up = [fused] if fused is not None else [gate, up]
+            del gate, up, fused
             if cfg.qkv_bias:
                 layer.qkv_bias = torch.cat([_vector(tensors[p + n + ".bias"], self.device)
                                             for n in ("attn_q", "attn_k", "attn_v")])
@@ -149,7 +151,7 @@ class Model:
 
     def _stored_bytes(self) -> int:
         seen, total = set(), 0
-        mats = [self.tok_embd, self.output] + [m for L in self.layers for m in (*L.qkv, L.wo, L.gate, L.up, L.down)]
+        mats = [self.tok_embd, self.output] + [m for L in self.layers for m in (*L.qkv, L.wo, *L.gate_up, L.down)]
         for m in mats:
             if id(m) not in seen:
                 seen.add(id(m))
@@ -169,12 +171,12 @@ class Model:
         return torch.cat([gemv(x, m) for m in layer.qkv], dim=1)
 
     def _mlp(self, x, layer):
-        if (layer.gate.format, layer.gate.bits) == (layer.up.format, layer.up.bits):
-            a = gate_up_silu(x, layer.gate, layer.up)
+        # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
+        if len(layer.gate_up) == 1:
+            gu = gemv(x, layer.gate_up[0])
         else:
-            g, u = gemv(x, layer.gate), gemv(x, layer.up)
-            a = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
-        return gemv(a, layer.down)
+            gu = torch.cat([gemv(x, m) for m in layer.gate_up], dim=1)
+        return gemv(silu_mul(gu), layer.down)
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``."""
