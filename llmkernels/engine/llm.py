@@ -55,6 +55,8 @@ class LLM:
         max_num_seqs, max_num_batched_tokens: the scheduler's sequence and per-step token budgets.
         kv_cache_dtype: None (= dtype) or torch.float8_e4m3fn / torch.float8_e5m2 (scales 1.0).
         cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
+        num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
+            max_model_len). A fixed count makes eager and graph steps compute attention identically.
 
     >>> llm = LLM("model.gguf")
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
@@ -64,7 +66,8 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_pages: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  kv_cache_dtype=None, cuda_graphs: bool = True, max_graph_batch: int = 64,
-                 gpu_memory_utilization: float = 0.9, progress: bool = True, _model: Model | None = None,
+                 gpu_memory_utilization: float = 0.9, num_splits: int = 0, progress: bool = True,
+                 _model: Model | None = None,
                  _tokenizer=None):
         if device is None:
             device = "cpu" if interpreter_mode() or not torch.cuda.is_available() else "cuda"
@@ -125,6 +128,9 @@ class LLM:
         self.graphs = {}
         self.use_graphs = bool(cuda_graphs and on_gpu)
         self.max_graph_batch = min(max_graph_batch, max_num_seqs)
+        if not isinstance(num_splits, int) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+        self.num_splits = num_splits
 
     @classmethod
     def from_model(cls, model: Model, tokenizer=None, **kw) -> "LLM":
@@ -189,7 +195,8 @@ class LLM:
         i32 = dict(dtype=torch.int32)
         cu_h, lens_h = torch.tensor(cu, **i32), torch.tensor(lens, **i32)
         plan = plan_paged_attention(cu_h, lens_h, self.page_size, self.cfg.n_heads, self.cfg.n_kv_heads,
-                                    self.cfg.head_dim, q_dtype=self.dtype, kv_dtype=self.kv_dtype, device=dev)
+                                    self.cfg.head_dim, q_dtype=self.dtype, kv_dtype=self.kv_dtype,
+                                    num_splits=self.num_splits, device=dev)
         inp = StepInputs(torch.tensor(ids, **i32).to(dev), torch.tensor(pos, **i32).to(dev),
                          torch.tensor(slots, dtype=torch.int64).to(dev), torch.tensor(table, **i32).to(dev),
                          lens_h.to(dev), cu_h.to(dev), max(b - a for a, b in zip(cu, cu[1:])),
@@ -338,7 +345,7 @@ class _DecodeGraph:
         self.plan = plan_paged_attention(cu_h, torch.full((bs,), llm.max_model_len, dtype=torch.int32),
                                          llm.page_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                          q_dtype=llm.dtype, kv_dtype=llm.kv_dtype, max_tiles=bs, max_tokens=bs,
-                                         device=dev)
+                                         num_splits=llm.num_splits, device=dev)
         self.plan.update(cu_h, torch.ones(bs, dtype=torch.int32))
         self.inp = StepInputs(self.ids, self.pos, self.slots, self.table, self.lens, self.cu, 1, self.idx)
         fwd = lambda: llm.model.forward(self.inp, llm.k_caches, llm.v_caches, self.plan)  # noqa: E731
