@@ -77,7 +77,8 @@ def _format_case(ctx, fmt: str):
         bound = ctx.read_bw_TBps * 1e12 / bytes_per_token
         rows = []
         for batch in ([1, 16, 64] if not ctx.quick else [1]):
-            _decode_rate(llm, batch) if batch == 1 else None  # warm-up (first eager shapes, allocator)
+            if batch == 1:  # warm-up: first eager shapes, the allocator's pools
+                _decode_rate(llm, batch)
             rate, wall, steps = _decode_rate(llm, batch)
             per_seq = rate / batch
             pct = 100.0 * rate / bound if batch == 1 else None
