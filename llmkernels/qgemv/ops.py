@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from .._checks import call_op, check_device, check_tensor, interpreter_mode
 from .._runtime import gpu_name, num_sms
@@ -85,6 +86,28 @@ def _views(data: torch.Tensor):
     return w8, w16, w8.view(torch.int8)
 
 
+@triton.jit
+def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over splits of the float32 partials P [SPLIT, n], cast to y's dtype: one pass, one launch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(P + s * n + offs, mask=mask, other=0.0)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
+    """The [M, N] result of a launch that wrote ``y`` [split, M, N] (float32 partials when split > 1)."""
+    split, M, N = y.shape
+    if split == 1:
+        return y[0]
+    out = torch.empty(M, N, dtype=out_dtype, device=y.device)
+    BLOCK = 1024
+    _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK)
+    return out
+
+
 def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode):
     M = x.shape[0]
     row_bytes = data.shape[-1] * data.element_size()
@@ -128,7 +151,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             scales.stride(0) if scales is not None else 0, nblocks, per_split,
             FMT=FORMAT_IDS[fmt], NB=nb_p, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, BITS=bits or 0, BLOCK_N=block_n_p,
             M_PAD=m_pad, SILU_X=mode == 1, num_warps=warps_p, num_stages=stages_p)
-        return y[0] if split == 1 else y.sum(0).to(out_dtype)
+        return _finish(y, out_dtype)
     if data2 is not None:
         v8, v16, vi8 = _views(data2)
         vs = scales2 if scales2 is not None else v16
@@ -143,7 +166,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         scales.stride(0) if scales is not None else 0, nblocks, per_split,
         FMT=FORMAT_IDS[fmt], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=bits or 0, BLOCK_N=block_n,
         M_PAD=m_pad, SILU_X=mode == 1, DUAL=mode == 2, num_warps=warps, num_stages=stages)
-    return y[0] if split == 1 else y.sum(0).to(out_dtype)
+    return _finish(y, out_dtype)
 
 
 def _qt_args(qt: QuantizedTensor):

@@ -126,3 +126,13 @@ def test_gemv_compile_and_graph(device):
     x.copy_(torch.randn_like(x))
     g.replay()
     rel_close(y, gemv_ref(x, qt), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "f16"])
+def test_model_sized_tiles_with_a_ragged_tail(fmt, device):
+    """N >= 128 takes the large tiles (in the interpreter too); N = 130 leaves a 2-row tail block."""
+    N, K = 130, 512
+    qt = weights(fmt, {}, N, K, device)
+    for M in (1, 5):
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        rel_close(lk.gemv(x, qt), gemv_ref(x, qt), torch.float16)
