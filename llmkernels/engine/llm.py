@@ -327,18 +327,25 @@ class LLM:
 
 
 class _DecodeGraph:
-    """A CUDA graph of one decode step for a fixed batch size, fed through fixed buffers."""
+    """A CUDA graph of one decode step for a fixed batch size, fed through fixed buffers.
+
+    A decode batch of ``bs`` sequences always has the same attention tiles (one per sequence), so the plan made at
+    capture stays valid; each step only uploads token ids, positions, kv lengths, page tables (one int32 copy) and
+    cache slots (one int64 copy) from pinned host buffers.
+    """
 
     def __init__(self, llm: LLM, bs: int):
         cfg, dev = llm.cfg, llm.device
         self.llm, self.bs = llm, bs
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.ids = torch.zeros(bs, **i32)
-        self.pos = torch.zeros(bs, **i32)
+        P = self.P = llm.max_pages_per_seq
+        self.host32 = torch.zeros(3 * bs + bs * P, dtype=torch.int32).pin_memory()
+        self.host64 = torch.full((bs,), -1, dtype=torch.int64).pin_memory()
+        self.dev32 = torch.zeros(3 * bs + bs * P, dtype=torch.int32, device=dev)
+        self.ids, self.pos, self.lens = self.dev32[:bs], self.dev32[bs:2 * bs], self.dev32[2 * bs:3 * bs]
+        self.table = self.dev32[3 * bs:].view(bs, P)
+        self.lens.fill_(1)
         self.slots = torch.full((bs,), -1, dtype=torch.int64, device=dev)
-        self.table = torch.zeros(bs, llm.max_pages_per_seq, **i32)
-        self.lens = torch.ones(bs, **i32)
-        self.cu = torch.arange(bs + 1, **i32)
+        self.cu = torch.arange(bs + 1, dtype=torch.int32, device=dev)
         self.idx = torch.arange(bs, dtype=torch.int64, device=dev)
         # split-KV is fixed at capture: plan for the longest sequences the engine allows
         cu_h = torch.arange(bs + 1, dtype=torch.int32)
@@ -346,7 +353,6 @@ class _DecodeGraph:
                                          llm.page_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                          q_dtype=llm.dtype, kv_dtype=llm.kv_dtype, max_tiles=bs, max_tokens=bs,
                                          num_splits=llm.num_splits, device=dev)
-        self.plan.update(cu_h, torch.ones(bs, dtype=torch.int32))
         self.inp = StepInputs(self.ids, self.pos, self.slots, self.table, self.lens, self.cu, 1, self.idx)
         fwd = lambda: llm.model.forward(self.inp, llm.k_caches, llm.v_caches, self.plan)  # noqa: E731
         s = torch.cuda.Stream(dev)
@@ -361,23 +367,18 @@ class _DecodeGraph:
 
     def run(self, host):
         ids, pos, slots, cu, lens, logits_idx, table = host
-        n, bs = len(ids), self.bs
-        packed = torch.zeros(4, bs, dtype=torch.int64)
-        packed[0, :n] = torch.tensor(ids)
-        packed[1, :n] = torch.tensor(pos)
-        packed[2, :] = -1
-        packed[2, :n] = torch.tensor(slots)
-        packed[3, :] = 1
-        packed[3, :n] = torch.tensor(lens)
-        tab = torch.zeros(bs, self.table.shape[1], dtype=torch.int32)
-        w = len(table[0])
-        tab[:n, :w] = torch.tensor(table, dtype=torch.int32)
-        dev = packed.to(self.ids.device, non_blocking=True)
-        self.ids.copy_(dev[0])
-        self.pos.copy_(dev[1])
-        self.slots.copy_(dev[2])
-        self.lens.copy_(dev[3])
-        self.table.copy_(tab.to(self.ids.device, non_blocking=True))
-        self.plan.update(torch.arange(bs + 1, dtype=torch.int32), packed[3].to(torch.int32))
+        n, bs, P = len(ids), self.bs, self.P
+        h = self.host32.numpy()
+        h[:] = 0
+        h[:n], h[bs:bs + n] = ids, pos
+        h[2 * bs:3 * bs] = 1  # padding rows: one key at page 0, outputs unused
+        h[2 * bs:2 * bs + n] = lens
+        h[3 * bs:].reshape(bs, P)[:n, :len(table[0])] = table
+        h64 = self.host64.numpy()
+        h64[:] = -1  # padding rows store nothing
+        h64[:n] = slots
+        # the previous step's sampling synchronised, so the pinned buffers are free to refill
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.slots.copy_(self.host64, non_blocking=True)
         self.graph.replay()
         return self.logits[:n]
