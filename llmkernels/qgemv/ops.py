@@ -58,7 +58,7 @@ def _planes_layout(fmt: str, bits: int, group_size: int):
     if fmt == "q8_0":
         return 1, 32, 1, 32, 34, 8
     if fmt == "q4_k":
-        return 4, 8, 8, 256, 144, 1
+        return 4, 32, 2, 256, 144, 1
     if fmt == "mlx" and bits in (2, 4, 8):
         per_word = 32 // bits
         return 1, group_size // per_word, per_word, group_size, 0, max(1, 256 // group_size)

@@ -8,9 +8,7 @@ plane shifts, masks, scales and multiplies with the matching activations x[block
 Layouts (quant/formats.py):
 - q4_0: 16 bytes after d; plane 0 = low nibble = weight u, plane 1 = high nibble = weight 16 + u.
 - q8_0: 32 int8 after d; one plane.
-- q4_k: 4 chunks of 32 bytes read as 8 int32 words; plane p = (byte j = p % 4, nibble h = p // 4) of word u of
-  chunk c is sub-block 2c + h, weight c*64 + h*32 + 4u + j. Word loads (not byte loads) keep the load units from
-  being the limit: a tile needs a quarter of the load instructions.
+- q4_k: 4 chunks of 32 bytes; chunk c plane p is sub-block 2c + p, weight c*64 + p*32 + u.
 - MLX: per group, words of 32/bits values; plane p of word u is weight u * (32/bits) + p of the group.
 """
 import triton
@@ -76,15 +74,10 @@ def gemv_planes_kernel(X, X2, W8, W16, WI8, WS, WB, Y, M, N, K, stride_xm, strid
         elif FMT == 7:  # q8_0: read as uint8 and flip the sign bit, so q + 128 is a small non-negative int
             units = _small_int_to_f32(tl.load(W8 + base + 2 + u, mask=ok_u, other=0).to(tl.int32) ^ 0x80) - 128.0
             d = tl.load(W16 + base // 2, mask=ok, other=0.0).to(tl.float32)
-        elif FMT == 10:  # q4_k: int32 words of chunk c (the quants start 16 bytes into the 144-byte block)
-            Wq = W8.to(tl.pointer_type(tl.int32))
-            units = tl.load(Wq + (r * row_bytes + b * BLOCK_BYTES + 16) // 4 + c * 8 + u, mask=ok_u, other=0)
+        elif FMT == 10:  # q4_k
+            units = tl.load(W8 + base + 16 + c * 32 + u, mask=ok_u, other=0).to(tl.int32)
             d = tl.load(W16 + base // 2, mask=ok, other=0.0).to(tl.float32)
             dmin = tl.load(W16 + base // 2 + 1, mask=ok, other=0.0).to(tl.float32)
-            sc0, mn0 = _scale_min_q4k(W8, base, c, 0, ok_c)
-            sc1, mn1 = _scale_min_q4k(W8, base, c, 1, ok_c)
-            a0, z0 = d * sc0, dmin * mn0
-            a1, z1 = d * sc1, dmin * mn1
         else:  # MLX: words of the group b
             Wi32 = W8.to(tl.pointer_type(tl.int32))
             units = tl.load(Wi32 + r * (row_bytes // 4) + b * U + u, mask=ok_u, other=0)
@@ -98,12 +91,9 @@ def gemv_planes_kernel(X, X2, W8, W16, WI8, WS, WB, Y, M, N, K, stride_xm, strid
                 w = d * units
                 e = u + c * 0
             elif FMT == 10:
-                q = _small_int_to_f32((units >> (8 * (p % 4) + 4 * (p // 4))) & 0xF)
-                if p // 4 == 0:
-                    w = a0 * q - z0
-                else:
-                    w = a1 * q - z1
-                e = c * 64 + (p // 4) * 32 + u * 4 + (p % 4)
+                scl, mnv = _scale_min_q4k(W8, base, c, p, ok_c)
+                w = (d * scl) * _small_int_to_f32((units >> (4 * p)) & 0xF) - dmin * mnv
+                e = c * 64 + p * 32 + u
             else:
                 q = (units >> (BITS * p)) & ((1 << BITS) - 1)
                 w = sc * _small_int_to_f32(q) + bi
