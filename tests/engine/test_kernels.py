@@ -131,3 +131,24 @@ def test_scheduler_budget_chunks_and_preemption():
     assert sch.num_preemptions == 1
     sch.finish(a)
     assert alloc.num_free == 6
+
+
+def test_sentencepiece_style_tokenizer_from_metadata():
+    """tokenizer.ggml.model = "llama": merges built from the scores, byte fallback for unknown characters."""
+    pytest.importorskip("tokenizers")
+    from llmkernels.engine.tokenizer import Tokenizer
+
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello",
+              "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    tok = Tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+                     "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1,
+                     "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0})
+    ids = tok.encode("hello world")
+    assert ids == [1, tokens.index("\u2581hello"), tokens.index("\u2581world")]  # BOS first (add_bos default)
+    assert tok.decode(ids) == "hello world"
+    ids = tok.encode("hello é", add_bos=False)  # é is not in the vocab: its UTF-8 bytes 0xC3 0xA9
+    assert ids == [tokens.index("\u2581hello"), tokens.index("\u2581"), 3 + 0xC3, 3 + 0xA9]
+    assert tok.decode(ids) == "hello é"
