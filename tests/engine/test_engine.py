@@ -187,3 +187,19 @@ def test_gpu_larger_models(model_files, arch, fmt):
     got = graphs.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert graphs.stats.graph_steps > 0 and eager.stats.graph_steps == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_kv_cache(model_files):
+    """An fp8 e4m3 cache (scale 1) against transformers on the same weights: within 3x the bf16 cache's tolerance."""
+    kw = dict(layers=4, hidden=1024, ffn=2816, heads=8, kv_heads=2, head_dim=128, vocab=1024)
+    d, path, hf = model_files("llama", "f16", **kw)
+    llm = LLM(path, progress=False, kv_cache_dtype=torch.float8_e4m3fn, max_num_batched_tokens=128)
+    assert llm.kv_cache.dtype == torch.float8_e4m3fn
+    ids = llm.tokenizer.encode(PROMPTS[1] * 20)
+    same = hf_logits(hf_model_from_state_dict(d, gguf_to_hf_state_dict(path)), ids)
+    err = rel_err(llm.logits(ids).cpu(), same)
+    print(f"fp8 kv cache: max logit error {err:.4f} of max |logit|")
+    assert err < 3 * ACT_TOL[torch.bfloat16]
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
