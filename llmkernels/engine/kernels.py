@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import call_op  # noqa: F401  (kept for symmetry with the public ops)
 from ..kv_cache import FP8_DTYPES
 
 
