@@ -49,6 +49,13 @@ def main():
                          torch.randn(2, 512, device=dev, dtype=torch.float16), qt)
         lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
         lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
+    # the batch-1 kernel with scales factored out, every format it has, odd row counts and uneven K splits
+    from llmkernels.qgemv.m1 import M1_LAYOUTS, launch_m1
+
+    for fmt in M1_LAYOUTS:
+        qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
+        for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7)):
+            launch_m1(torch.randn(1, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms, 2)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 

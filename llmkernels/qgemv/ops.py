@@ -132,6 +132,16 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
+    if fmt == "q4_k" and M == 1 and mode == 0:  # scales factored out of the inner products (m1.py)
+        from .m1 import launch_m1
+
+        interp = interpreter_mode()
+        if interp:
+            config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
+        else:
+            config = tuple(lookup("gemv", gpu_name(), "m1/q4_k") or (4, 1, 4, 3))
+        y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2)
+        return _finish(y, out_dtype)
     planes = _planes_layout(fmt, bits, group_size)
     if planes is not None and mode != 2:
         from .planes import gemv_planes_kernel

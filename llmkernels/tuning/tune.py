@@ -110,7 +110,7 @@ def tune_decode(gpu):
 
 
 def tune_gemv(gpu):
-    from ..qgemv import gemv
+    from ..qgemv import gemv, silu_mul_gemv
     from ..testing.random_weights import random_qtensor
 
     out = {}
@@ -132,7 +132,16 @@ def tune_gemv(gpu):
                 cands = [(32, nb, 4, 3), (64, nb, 4, 3), (64, nb, 8, 3), (128, nb, 8, 3), (64, half, 4, 4),
                          (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
             key = f"planes/{name}/{mclass}"
-            out[key] = _best("gemv", key, cands, works)
+            if fmt == "q4_k" and mclass == "m1":  # gemv takes the m1 kernel here; silu_mul_gemv takes planes
+                planes_works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
+                                for x, copies in zip(xs, qts)]
+                out[key] = _best("gemv", key, cands, planes_works)
+            else:
+                out[key] = _best("gemv", key, cands, works)
+            if fmt == "q4_k" and mclass == "m1":  # batch 1 q4_k runs the m1 kernel: (rows per thread, NB, warps,
+                cands = [(4, 1, 4, 3), (2, 1, 4, 3), (2, 1, 8, 3), (4, 1, 8, 3), (2, 2, 4, 3), (4, 1, 4, 1),
+                         (1, 1, 4, 3), (2, 1, 2, 3)]  # stages)
+                out["m1/q4_k"] = _best("gemv", "m1/q4_k", cands, works)
     generic = [("legacy", "q5_0", {}, 8), ("kquant", "q6_k", {}, 1), ("dense", "f16", {}, 8),
                ("mlx_odd", "mlx", dict(bits=3, group_size=64), 4)]
     for family, fmt, kw, nb in generic:

@@ -1,0 +1,91 @@
+"""Batch-1 GEMV experiments on the GPU: the m1 kernel (scales factored out) against the planes kernel.
+
+    python scripts/gemv_lab.py [out_dir]
+
+For q4_k, q4_0 and q8_0 at Llama-3-8B shapes: checks each candidate config against x @ dequantize(W).T, times it by
+CUDA-graph replay over enough weight copies to overflow L2, prints effective TB/s, and writes the SASS of the best
+config per (format, unpack mode) to out_dir.
+"""
+import itertools
+import math
+import os
+import sys
+import time
+
+import torch
+
+from llmkernels.bench.harness import copies_for, measure_read_bandwidth, time_graph_ms
+from llmkernels.qgemv import gemv
+from llmkernels.qgemv.m1 import launch_m1
+from llmkernels.qgemv.ops import _finish
+from llmkernels.quant import dequantize
+from llmkernels.testing.random_weights import random_qtensor
+
+SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    fmts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["q4_k", "q4_0", "q8_0"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = measure_read_bandwidth()
+    print(f"read bandwidth {bw:.3f} TB/s", flush=True)
+    for fmt in fmts:
+        nbs = [1, 2] if fmt == "q4_k" else [1, 2]
+        cands = [(1, 4, 1, 4, 3, 2)] + list(itertools.product([2], [2, 4], nbs, [4, 8], [1, 3], [2, 4]))
+        data = {}
+        for N, K in SHAPES:
+            first = random_qtensor(fmt, N, K, "cuda")
+            qts = [first] + [random_qtensor(fmt, N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)]
+            x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+            ref = (x.float() @ dequantize(first).float().T)
+            data[(N, K)] = (qts, x, ref)
+            t = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts])
+            print(f"{fmt} N{N} K{K} planes (current): {t * 1e3:7.1f} us {first.nbytes / t / 1e9:6.2f} TB/s",
+                  flush=True)
+        results = []
+        for unpack, reps, nb, warps, stages, waves in cands:
+            cfg = (reps, nb, warps, stages)
+            times, bad = [], None
+            t0 = time.time()
+            for (N, K), (qts, x, ref) in data.items():
+                try:
+                    y = _finish(launch_m1(x, qts[0].data, fmt, N, K, cfg, sms, unpack, waves=waves),
+                                x.dtype)
+                except Exception as e:  # noqa: BLE001
+                    bad = f"{type(e).__name__}: {str(e)[:200]}"
+                    break
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                if not err < 2e-2:
+                    bad = f"wrong: err {err:.3g}"
+                    break
+                times.append(time_graph_ms([lambda qt=qt: _finish(launch_m1(x, qt.data, fmt, N, K, cfg, sms, unpack,
+                                                                            waves=waves), x.dtype)
+                                            for qt in qts], reps=10, trials=3))
+            if bad:
+                print(f"  {fmt} unpack{unpack} {cfg}: {bad}", flush=True)
+                continue
+            tbs = [qts[0].nbytes / t / 1e9 for t, (qts, _, _) in zip(times, data.values())]
+            results.append((math.exp(sum(map(math.log, times)) / len(times)), unpack, cfg, tbs, waves))
+            print(f"  {fmt} unpack{unpack} {cfg} waves {waves}: " + " ".join(f"{v:5.2f}" for v in tbs) + f" TB/s"
+                  f"  ({time.time() - t0:.1f}s)", flush=True)
+        results.sort(key=lambda r: r[0])
+        print(f"BEST {fmt}:")
+        for r in results[:6]:
+            print(f"   unpack{r[1]} {r[2]} waves {r[4]}: " + " ".join(f"{v:5.2f}" for v in r[3]) + " TB/s", flush=True)
+        for unpack in (1, 2):
+            best = [r for r in results if r[1] == unpack]
+            if not best:
+                continue
+            cfg = best[0][2]
+            (N, K), (qts, x, _) = next(iter(data.items()))
+            _, kernel = launch_m1(x, qts[0].data, fmt, N, K, cfg, sms, unpack, return_kernel=True,
+                                  waves=best[0][4])
+            sass = kernel.asm["sass"]
+            with open(os.path.join(out_dir, f"{fmt}_unpack{unpack}.sass"), "w") as f:
+                f.write(f"# {fmt} unpack {unpack} config {cfg}\n{sass}")
+        del data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The batch-1 kernel with block scales factored out (qgemv/m1.py), for every format it handles, every tile shape
+class (rows per thread, blocks per step, split-K) and both unpacking paths (the Triton expression runs everywhere,
+the inline PTX only on the GPU), against x @ dequantize(W).T in float64."""
+import pytest
+import torch
+
+import llmkernels as lk
+from llmkernels._checks import interpreter_mode
+from llmkernels.qgemv.m1 import M1_LAYOUTS, launch_m1
+from llmkernels.qgemv.ops import _finish
+from llmkernels.testing import assert_close, gemv_ref
+
+FORMATS = sorted(M1_LAYOUTS)
+
+
+def _run(fmt, N, K, config, sms, unpack, dtype, device):
+    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+    x = torch.randn(1, K, dtype=dtype, device=device)
+    y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack), dtype)
+    ref = gemv_ref(x, qt)
+    tol = 4e-3 if dtype == torch.float16 else 2e-2
+    assert y.shape == (1, N) and y.dtype == dtype
+    assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("N,K,config,sms", [
+    (37, 512, (1, 1, 1, 1), 4),    # rows not a multiple of the tile, split-K into single blocks
+    (19, 768, (2, 2, 1, 1), 1),    # two rows per thread, two blocks per step, K split unevenly (3 q4_k blocks)
+    (130, 256, (1, 1, 2, 1), 64),  # more programs than blocks: the split is capped by the block count
+])
+def test_m1_kernel(fmt, N, K, config, sms, device):
+    _run(fmt, N, K, config, sms, 1 if interpreter_mode() else 2, torch.float16, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("unpack", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_m1_kernel_gpu(fmt, unpack, dtype, device):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K, config in [(4096, 4096, (4, 1, 4, 3)), (1001, 14336, (2, 2, 8, 1)), (77, 1024, (1, 1, 4, 3))]:
+        _run(fmt, N, K, config, sms, unpack, dtype, device)
