@@ -24,7 +24,27 @@ from llmkernels.testing.random_weights import random_qtensor
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
 
 
+def m_curve():
+    """q4_k at M = 1..4: the m1 kernel with one program row per activation row against gemv's choice."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K in SHAPES:
+        first = random_qtensor("q4_k", N, K, "cuda")
+        qts = [first] + [random_qtensor("q4_k", N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)]
+        for M in (1, 2, 3, 4, 8):
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            y = _finish(launch_m1(x, first.data, "q4_k", N, K, (4, 1, 4, 3), sms, 2), x.dtype)
+            ref = x.float() @ dequantize(first).float().T
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            t_m1 = time_graph_ms([lambda qt=qt: _finish(launch_m1(x, qt.data, "q4_k", N, K, (4, 1, 4, 3), sms, 2),
+                                                        x.dtype) for qt in qts])
+            t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts])
+            print(f"q4_k N{N} K{K} M{M}: m1 grid {t_m1 * 1e3:6.1f} us, gemv {t_g * 1e3:6.1f} us (err {err:.1e})",
+                  flush=True)
+
+
 def main():
+    if sys.argv[1:2] == ["--m-curve"]:
+        return m_curve()
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     fmts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["q4_k", "q4_0", "q8_0"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count

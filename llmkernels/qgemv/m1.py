@@ -82,11 +82,11 @@ def _plane_dot(units, p: tl.constexpr, X, kx, ok, FMT: tl.constexpr, UNPACK: tl.
 
 
 @triton.jit
-def gemv_m1_kernel(X, W8, W16, Y, N, K, stride_ys, row_bytes, nblocks, blocks_per_split,
+def gemv_m1_kernel(X, W8, W16, Y, N, K, stride_xm, stride_ys, stride_ym, row_bytes, nblocks, blocks_per_split,
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    UNPACK: tl.constexpr):
-    """y[n] (+)= sum over this program's K split of x . w[n] for BLOCK_N = ROWS_T * R rows.
+    """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // 8, 8] (C chunks of U bytes per block). Triton's layout
     for it keeps the innermost 8 bytes in one thread (one 8-byte load) and spreads the threads over C and ROWS_T
@@ -96,6 +96,9 @@ def gemv_m1_kernel(X, W8, W16, Y, N, K, stride_ys, row_bytes, nblocks, blocks_pe
     BLOCK_N: tl.constexpr = ROWS_T * R
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # one activation row per program along the third grid axis (M <= a few)
+    X += pid_m * stride_xm
+    Y += pid_m * stride_ym
     rt = tl.arange(0, ROWS_T)[None, :, None, None]
     rr = tl.arange(0, R)[None, None, None, :]
     rows4 = pid_n * BLOCK_N + rr * ROWS_T + rt  # [1, ROWS_T, 1, R]
@@ -154,7 +157,7 @@ M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2):
-    """Run gemv_m1_kernel for x [1, K] and a GGUF weight buffer; returns y [split, 1, N] (float32 partials when
+    """Run gemv_m1_kernel for x [M, K] and a GGUF weight buffer; returns y [split, M, N] (float32 partials when
     split > 1), and with return_kernel the compiled kernel too. ``config`` is (R, NB, num_warps, num_stages) with R
     rows per thread; K is split until the grid has ``waves`` programs per SM."""
     import torch
@@ -166,15 +169,16 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // BS
     programs_n = triton.cdiv(N, block_n)
+    M = x.shape[0]
     split = 1
-    if programs_n < waves * sms:
-        split = max(1, min(triton.cdiv(waves * sms, programs_n), nblocks // nb))
+    if programs_n * M < waves * sms:
+        split = max(1, min(triton.cdiv(waves * sms, programs_n * M), nblocks // nb))
     per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
     split = triton.cdiv(nblocks, per_split)
-    y = torch.empty(split, 1, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    y = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     w8 = data.view(torch.uint8)
-    kernel = gemv_m1_kernel[(programs_n, split)](
-        x, w8, w8.view(torch.float16), y, N, K, y.stride(0), row_bytes, nblocks, per_split,
+    kernel = gemv_m1_kernel[(programs_n, split, M)](
+        x, w8, w8.view(torch.float16), y, N, K, x.stride(0), y.stride(0), y.stride(1), row_bytes, nblocks, per_split,
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps,
         UNPACK=unpack,
         num_warps=warps, num_stages=stages)

@@ -16,6 +16,8 @@ FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
+M1_MAX_M = 4  # q4_k up to here: the m1 kernel, one activation row per program row (faster than the tensor-core
+# tile path at M = 2, 3, 4 on an H100, slower at 8: scripts/gemv_lab.py --m-curve)
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -132,7 +134,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
-    if fmt == "q4_k" and M == 1 and mode == 0:  # scales factored out of the inner products (m1.py)
+    if fmt == "q4_k" and M <= M1_MAX_M and mode == 0:  # scales factored out of the inner products (m1.py)
         from .m1 import launch_m1
 
         interp = interpreter_mode()
