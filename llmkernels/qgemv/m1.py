@@ -13,6 +13,8 @@ per-byte extraction that the compiler otherwise emits; the interpreter uses the 
 import triton
 import triton.language as tl
 
+from .planes import _scale_min_q4k
+
 
 def _asm_unpack(shifts, mask: int, magic: int, lut: int) -> str:
     """PTX turning the 4 bytes of $4 into 4 floats: output k = lop3(byte k's field shifted to the mantissa, mask,
@@ -52,23 +54,6 @@ def _unpack(units, p: tl.constexpr, FMT: tl.constexpr, UNPACK: tl.constexpr):
         else:
             bits = ((v << (19 - 4 * p)) & 0x780000) | 0x3F800000
         return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _q4k_scale_min(W8, base, c, p: tl.constexpr, ok):
-    """q4_k's 6-bit (scale, min) of sub-block 2c + p as float32 (same shape as ``base + c``)."""
-    s = 2 * c + p
-    s4 = s % 4
-    b_a = tl.load(W8 + base + 4 + s4, mask=ok, other=0).to(tl.int32)
-    b_b = tl.load(W8 + base + 8 + s4, mask=ok, other=0).to(tl.int32)
-    b_c = tl.load(W8 + base + 12 + s4, mask=ok, other=0).to(tl.int32)
-    first = s < 4
-    sc = tl.where(first, b_a & 63, (b_c & 0xF) | ((b_a >> 6) << 4))
-    mn = tl.where(first, b_b & 63, (b_c >> 4) | ((b_b >> 6) << 4))
-    # small non-negative ints to float without I2F: OR into the mantissa of 2**23, subtract 2**23 (exact)
-    sc = (sc | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    mn = (mn | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return sc, mn
 
 
 @triton.jit
@@ -135,9 +120,9 @@ def gemv_m1_kernel(X, W8, W16, Y, N, K, stride_xm, stride_ys, stride_ym, row_byt
         d = tl.load(W16 + base4 // 2, mask=ok4, other=0.0).to(tl.float32)
         if FMT == 10:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 16 (s - sx)
             dmin = tl.load(W16 + base4 // 2 + 1, mask=ok4, other=0.0).to(tl.float32)
-            sc, mn = _q4k_scale_min(W8, base4, c4, 0, ok4)
+            sc, mn = _scale_min_q4k(W8, base4, c4, 0, ok4)
             acc += (16.0 * d * sc) * (s0 - sx0) - (dmin * mn) * sx0
-            sc, mn = _q4k_scale_min(W8, base4, c4, 1, ok4)
+            sc, mn = _scale_min_q4k(W8, base4, c4, 1, ok4)
             acc += (16.0 * d * sc) * (s1 - sx1) - (dmin * mn) * sx1
         elif FMT == 3:  # w = d * (q - 8):  sum q x - 8 sum x = 16 s - 24 sx
             acc += d * (16.0 * (s0 + s1) - 24.0 * (sx0 + sx1))

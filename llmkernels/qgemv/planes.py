@@ -26,7 +26,7 @@ def _small_int_to_f32(q):
 
 @triton.jit
 def _scale_min_q4k(W8, base, c, p, ok):
-    """q4_k's 6-bit (scale, min) of sub-block s = 2c + p, as int32 [.., C, 1]."""
+    """q4_k's 6-bit (scale, min) of sub-block s = 2c + p as float32, same shape as ``base + c`` (shared with m1.py)."""
     s = 2 * c + p
     s4 = s % 4
     b_a = tl.load(W8 + base + 4 + s4, mask=ok, other=0).to(tl.int32)
@@ -35,7 +35,7 @@ def _scale_min_q4k(W8, base, c, p, ok):
     first = s < 4
     sc = tl.where(first, b_a & 63, (b_c & 0xF) | ((b_a >> 6) << 4))
     mn = tl.where(first, b_b & 63, (b_c >> 4) | ((b_b >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return _small_int_to_f32(sc), _small_int_to_f32(mn)
 
 
 @triton.jit
