@@ -38,9 +38,9 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             o_buf.stride(0) if split else 0, o_buf.stride(-3), o_buf.stride(-2),
             lse_buf.stride(0) if split else 0, page_table.stride(0),
             custom_mask.stride(0) if custom_mask is not None else 0,
-            Hq, qk_scale, softcap, left, right, k_scale_f, v_scale_f,
+            Hq, qk_scale, softcap, left, right, k_scale_f, v_scale_f, num_splits,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_Q=block_q,
-            BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+            BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
             SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8_KV=k_cache.dtype in FP8_DTYPES,
@@ -49,7 +49,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,
             ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), out.stride(0), out.stride(1), Hq,
-            NUM_SPLITS=num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
+            num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
             BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=sinks is not None, WRITE_LSE=write_lse,
             num_warps=4)
 

@@ -68,9 +68,9 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       TILE_SEQ, TILE_Q, NUM_TILES,
                       stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                       stride_os, stride_ot, stride_oh, stride_ls, stride_pt, stride_mask,
-                      num_heads, qk_scale, softcap, left, right, k_scale_val, v_scale_val,
+                      num_heads, qk_scale, softcap, left, right, k_scale_val, v_scale_val, num_splits,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
                       WRITE_LSE: tl.constexpr, FP8_KV: tl.constexpr):
@@ -114,8 +114,9 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     lo, full_lo, full_hi, hi = key_ranges(first_pos, last_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
     if CUSTOM_MASK:  # the tree mask applies among the new tokens: only keys before them skip the mask
         full_hi = tl.minimum(full_hi, align_down(ctx, BLOCK_N))
-    # this split's share of [lo, hi): boundaries depend only on this sequence and NUM_SPLITS
-    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # this split's share of [lo, hi): boundaries depend only on this sequence and num_splits (a runtime value, so a
+    # new split count does not compile a new kernel)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
     s_lo = tl.minimum(lo + split * chunk, hi)
     s_hi = tl.minimum(s_lo + chunk, hi)
     mid_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
@@ -153,14 +154,14 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
 
 @triton.jit
 def combine_kernel(PO, PLSE, O, LSE, SINKS, stride_ps, stride_pt, stride_ph, stride_ls, stride_ot, stride_oh,
-                   num_heads, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   num_heads, num_splits, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Merge split-KV partials of one (query, head): o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     lse = tl.load(PLSE + offs_s * stride_ls + t * num_heads + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, axis=0)
     if HAS_SINK:
