@@ -19,7 +19,8 @@ def main():
         lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37, causal=True, window_size=(5, -1), softcap=10.0,
                              sinks=torch.randn(14, device=dev), return_lse=True)
         lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37)
-    for ps, kv in ((1, torch.bfloat16), (3, torch.bfloat16), (16, torch.float8_e4m3fn)):
+    for ps, kv in ((1, torch.bfloat16), (3, torch.bfloat16), (16, torch.float8_e4m3fn), (3, torch.float8_e4m3fn),
+                   (1, torch.float8_e5m2)):
         lens = [5, 33, 1]
         qlens = [1, 9, 1]
         pages = [-(-L // ps) for L in lens]

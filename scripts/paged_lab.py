@@ -76,22 +76,49 @@ def _time(B, L, ps, kv, num_splits):
     return (kv_bytes + 4 * q.numel()) / (ms * 1e-3) / 1e12, ms * 1e3, plan.num_splits
 
 
+def _eager(args):
+    for kvname in args.kv.split(","):
+        kv = KV[kvname]
+        for ps in [int(s) for s in args.pages.split(",")]:
+            for cfg in [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",") if c]:
+                OVERRIDES[_key(kv, ps)] = cfg
+                for B, L in [tuple(int(v) for v in c.split("x")) for c in args.shapes.split(",") if c]:
+                    k, v, pt = _cache(B, L, ps, kv)
+                    cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+                    sl = torch.full((B,), L, dtype=torch.int32, device="cuda")
+                    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+                    sc = dict(k_scale=1.0, v_scale=1.0) if kv != torch.bfloat16 else {}
+                    for _ in range(3):
+                        paged_attention(q, k, v, pt, sl, cu, 1, validate=False, **sc)
+                    torch.cuda.synchronize()
+                    print(f"ran {kvname} p{ps} {cfg} B{B} L{L}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kv", default="bf16,fp8")
     p.add_argument("--pages", default="16,1,64")
     p.add_argument("--budget", type=float, default=500.0, help="stop starting new configs after this many seconds")
-    p.add_argument("--splits", default="", help="extra fixed split counts to time for each shape, e.g. 2,4,8")
+    p.add_argument("--splits", default="", help="extra fixed split counts to time for each shape, e.g. 2,4,8 "
+                   "(those leaving fewer than 256 keys per split are skipped)")
+    p.add_argument("--configs", default="", help="only these configs, e.g. 32/4/5,64/4/5 (BLOCK_N/warps/stages)")
+    p.add_argument("--shapes", default="", help="only these shapes, e.g. 1x32768,16x4096")
+    p.add_argument("--eager", action="store_true", help="run each (config, shape) 3 times without graphs or timing "
+                   "(for ncu: ncu --kernel-name regex:paged_attn ... python scripts/paged_lab.py --eager ...)")
     args = p.parse_args()
+    if args.eager:
+        return _eager(args)
     t0 = time.time()
     bw = measure_read_bandwidth()
     print(f"read bandwidth {bw:.3f} TB/s", flush=True)
     extra = [int(s) for s in args.splits.split(",") if s]
+    configs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",") if c] or CONFIGS
+    shapes = [tuple(int(v) for v in c.split("x")) for c in args.shapes.split(",") if c] or SHAPES
     for kvname in args.kv.split(","):
         kv = KV[kvname]
         for ps in [int(s) for s in args.pages.split(",")]:
             key = _key(kv, ps)
-            for cfg in CONFIGS:
+            for cfg in configs:
                 if time.time() - t0 > args.budget:
                     print("budget spent", flush=True)
                     return
@@ -102,8 +129,8 @@ def main():
                     print(f"{kvname} p{ps} {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 cells = []
-                for B, L in SHAPES:
-                    for ns in [0] + extra:
+                for B, L in shapes:
+                    for ns in [0] + [n for n in extra if L // n >= 256]:
                         tbs, us, used = _time(B, L, ps, kv, ns)
                         cells.append(f"B{B}xL{L}/s{used}: {tbs:.2f} ({100 * tbs / bw:.0f}%) {us:.1f}us")
                 print(f"{kvname} p{ps} {cfg} err {err:.2e} | " + " | ".join(cells), flush=True)

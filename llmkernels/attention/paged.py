@@ -4,10 +4,20 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._checks import _capturing, call_op, check_device, check_tensor
+from .._checks import _capturing, call_op, check_device, check_tensor, interpreter_mode
 from ..kv_cache import FP8_DTYPES, as_scale_tensor
 from .plan import PagedAttentionPlan, plan_paged_attention
 from .prefill import _check_softcap, _check_window, check_attention_inputs, output_buffers
+
+
+def _fp8_mode(kv_dtype) -> int:
+    from .paged_kernel import FP8_E4M3_INT, FP8_E4M3_PTX, FP8_E5M2, FP8_OFF
+
+    if kv_dtype == torch.float8_e5m2:
+        return FP8_E5M2
+    if kv_dtype == torch.float8_e4m3fn:
+        return FP8_E4M3_INT if interpreter_mode() else FP8_E4M3_PTX
+    return FP8_OFF
 
 
 def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
@@ -43,7 +53,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
-            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8_KV=k_cache.dtype in FP8_DTYPES,
+            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype),
             num_warps=warps, num_stages=stages)
     if split:
         combine_kernel[(total_q, Hq)](

@@ -15,6 +15,62 @@ import triton.language as tl
 from ._softmax import align_down, finalize, key_ranges, online_softmax_update, scale_scores, window_mask
 
 
+# fp8 caches are read as 32-bit words of four values and converted in the registers they were loaded into; the dot
+# then reads fp16 from shared memory (ldmatrix) instead of gathering single fp8 bytes, which took 2.5x the shared
+# memory loads per key (SASS, sm_90). FP8 modes: 0 = not fp8; 1 = e4m3 through integer ops (the interpreter);
+# 2 = e4m3 through cvt.rn.f16x2.e4m3x2 (the GPU); 3 = e5m2 (its byte is the top byte of an fp16).
+FP8_OFF, FP8_E4M3_INT, FP8_E4M3_PTX, FP8_E5M2 = 0, 1, 2, 3
+# e4m3 bytes -> fp16 through integer ops: sign to bit 15, exponent and mantissa to bits 7-13. That is the value /
+# 2^8 (fp16's exponent bias is 8 more than e4m3's; subnormals land on fp16 subnormals), so the kernel folds 2^8
+# into the K and V scales.
+E4M3_INT_SCALE = tl.constexpr(256.0)
+_E4M3X4_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+                              "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+                              "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+
+
+@triton.jit
+def _byte_to_f16(w, k: tl.constexpr, FP8: tl.constexpr):
+    b = (w >> (8 * k)) & 0xFF
+    if FP8 == 3:
+        bits = b << 8
+    else:
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _words_to_f16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+    """[BLOCK_N, BLOCK_D // 4] int32 words of fp8 bytes (little-endian) -> [BLOCK_N, BLOCK_D] fp16."""
+    if FP8 == 2:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(_E4M3X4_TO_F16, "=h,=h,=h,=h,r", [w],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=1)
+    else:
+        e0 = _byte_to_f16(w, 0, FP8)
+        e1 = _byte_to_f16(w, 1, FP8)
+        e2 = _byte_to_f16(w, 2, FP8)
+        e3 = _byte_to_f16(w, 3, FP8)
+    # join(join(e0, e2), join(e1, e3))[n, c, j, i] = e_{2j+i}: flattened, element 4c + 2j + i is byte 2j + i of word c
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
+def _load_kv(cache, pt_row, start_n, offs_n, offs_d, d_ok, offs_w, w_ok, k_len, stride_p, stride_s, head_off, dtype,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, FP8: tl.constexpr):
+    """One [BLOCK_N, BLOCK_D] K or V tile in the dot's dtype (fp16 for fp8 caches)."""
+    if FP8 != 0:
+        words = tl.multiple_of(cache.to(tl.pointer_type(tl.int32)), 16)
+        w = _load_kv_tile(words, pt_row, start_n, offs_n, offs_w, w_ok, k_len, tl.multiple_of(stride_p // 4, 4),
+                          tl.multiple_of(stride_s // 4, 4), tl.multiple_of(head_off // 4, 4), PAGE_SIZE, BLOCK_N,
+                          BLOCK_D // 4, HEAD_DIM // 4, MASKED)
+        return _words_to_f16(w, BLOCK_N, BLOCK_D, FP8)
+    else:
+        return _load_kv_tile(cache, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_p, stride_s, head_off,
+                             PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED).to(dtype)
+
+
 @triton.jit
 def _load_kv_tile(cache, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_p, stride_s, head_off,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -42,11 +98,13 @@ def _paged_inner(acc, l_i, m_i, q, K, V, pt_row, start, end, k_len, q_pos, q_tok
                  offs_n, offs_d, d_ok,
                  MASKED: tl.constexpr, CUSTOM_MASK: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    offs_w = tl.arange(0, BLOCK_D // 4)  # 32-bit words of four fp8 values
+    w_ok = offs_w < HEAD_DIM // 4
     for start_n in range(start, end, BLOCK_N):
-        k = _load_kv_tile(K, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_kp, stride_ks, k_head_off,
-                          PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
-        s = scale_scores(tl.dot(q, tl.trans(k.to(q.dtype))), qk_scale, softcap, SOFTCAP)
+        k = _load_kv(K, pt_row, start_n, offs_n, offs_d, d_ok, offs_w, w_ok, k_len, stride_kp, stride_ks, k_head_off,
+                     q.dtype, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, FP8)
+        s = scale_scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
         if MASKED:
             k_pos = start_n + offs_n
             ok = window_mask(q_pos, k_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT)
@@ -57,9 +115,9 @@ def _paged_inner(acc, l_i, m_i, q, K, V, pt_row, start, end, k_len, q_pos, q_tok
                 tree = tl.load(MASK + q_tok[:, None] * stride_mask + col, mask=new & ok, other=1)
                 ok = ok & (tree != 0)
             s = tl.where(ok, s, float("-inf"))
-        v = _load_kv_tile(V, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_vp, stride_vs, v_head_off,
-                          PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
-        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v.to(q.dtype))
+        v = _load_kv(V, pt_row, start_n, offs_n, offs_d, d_ok, offs_w, w_ok, k_len, stride_vp, stride_vs, v_head_off,
+                     q.dtype, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, FP8)
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
     return acc, l_i, m_i
 
 
@@ -73,7 +131,7 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
-                      WRITE_LSE: tl.constexpr, FP8_KV: tl.constexpr):
+                      WRITE_LSE: tl.constexpr, FP8: tl.constexpr):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,7 +155,7 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     mask_row = tl.where(row_ok, q_tok, q_start)  # padding rows read the tree mask of a real row, never past it
     q_ptrs = Q + q_tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if FP8_KV:
+    if FP8 != 0:
         # fp8 -> fp16 is one instruction per pair on Hopper, fp8 -> bf16 is not: with an fp8 cache the dots run in
         # fp16 (q and p fit its range: |q| < 65504 and 0 <= p <= 1), and K/V convert straight to it
         q = q.to(tl.float16)
@@ -105,6 +163,9 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     if SCALE_PTRS:
         k_scale_val = tl.load(K_SCALE).to(tl.float32)
         v_scale_val = tl.load(V_SCALE).to(tl.float32)
+    if FP8 == 1:  # the integer e4m3 -> fp16 conversion yields value / 2^8
+        k_scale_val = k_scale_val * E4M3_INT_SCALE
+        v_scale_val = v_scale_val * E4M3_INT_SCALE
     qk_scale = qk_scale * k_scale_val  # K * k_scale: the scale factors out of the dot product
 
     q_pos = ctx + tok
@@ -131,15 +192,15 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, K, V, pt_row, s_lo, mid_lo, k_len, q_pos, mask_row, ctx, MASK,
                                  stride_mask, stride_kp, stride_ks, k_head_off, stride_vp, stride_vs, v_head_off,
                                  qk_scale, softcap, left, right, offs_n, offs_d, d_ok, True, CUSTOM_MASK, SOFTCAP,
-                                 HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM)
+                                 HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, FP8)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, K, V, pt_row, mid_lo, mid_hi, k_len, q_pos, mask_row, ctx, MASK,
                                  stride_mask, stride_kp, stride_ks, k_head_off, stride_vp, stride_vs, v_head_off,
                                  qk_scale, softcap, left, right, offs_n, offs_d, d_ok, False, CUSTOM_MASK, SOFTCAP,
-                                 HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM)
+                                 HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, FP8)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, K, V, pt_row, mid_hi, s_hi, k_len, q_pos, mask_row, ctx, MASK,
                                  stride_mask, stride_kp, stride_ks, k_head_off, stride_vp, stride_vs, v_head_off,
                                  qk_scale, softcap, left, right, offs_n, offs_d, d_ok, True, CUSTOM_MASK, SOFTCAP,
-                                 HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM)
+                                 HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, FP8)
     sink_log2 = 0.0
     if HAS_SINK:
         sink_log2 = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634

@@ -42,6 +42,7 @@ CPU_CASES = [
     ([0, 3], [10, 30], 8, 4, 2, 64, dict(causal=False)),  # an empty query sequence
     ([2, 1], [53, 61], 16, 8, 2, 64, dict(kv_dtype=FP8, scales=(0.05, 0.07))),
     ([2, 1], [53, 61], 16, 8, 2, 64, dict(kv_dtype=torch.float8_e5m2, scales=(0.05, 0.07), num_splits=2)),
+    ([1, 2], [30, 41], 1, 6, 2, 96, dict(kv_dtype=FP8, scales=(0.5, 2.0))),  # fp8 words with D 96 (masked tail)
     ([1], [37], 16, 4, 1, 96, dict(plan=True)),
 ]
 
@@ -152,9 +153,11 @@ def test_paged_gpu(case, dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_paged_fp8_gpu(kv_dtype, device):
-    check([1, 1, 9], [3000, 17, 600], 16, 32, 8, 128, device, dtype=torch.bfloat16, kv_dtype=kv_dtype,
-          scales=(0.04, 0.03))
+@pytest.mark.parametrize("case", [([1, 1, 9], [3000, 17, 600], 16, 32, 8, 128), ([1, 4], [300, 65], 3, 12, 1, 96),
+                                  ([1, 2], [257, 1000], 1, 8, 2, 256), ([1, 1], [4097, 63], 64, 32, 8, 64)],
+                         ids=lambda c: f"p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
+def test_paged_fp8_gpu(case, kv_dtype, device):
+    check(*case, device, dtype=torch.bfloat16, kv_dtype=kv_dtype, scales=(0.04, 0.03))
 
 
 @pytest.mark.gpu
