@@ -32,8 +32,9 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)
     split = num_splits > 1
-    # programmatic dependent launch of the combine (Hopper and newer; not in the interpreter)
-    pdl = split and not interpreter_mode() and torch.cuda.get_device_capability(q.device)[0] >= 9
+    # programmatic dependent launches (Hopper and newer; not in the interpreter): the attention kernel's prologue
+    # overlaps the previous kernel's tail, the combine's launch overlaps the attention kernel's
+    pdl = not interpreter_mode() and torch.cuda.get_device_capability(q.device)[0] >= 9
     o_buf, lse_buf = (ws_o, ws_lse) if split else (out, lse)
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
     scale_ptrs = k_scale is not None
@@ -56,7 +57,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
             SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype), PDL=pdl,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,

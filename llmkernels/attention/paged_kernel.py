@@ -156,6 +156,10 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     row_ok = (offs_r < BLOCK_Q * GROUP) & (tok < q_len)
     q_tok = q_start + tok  # row of the query in [total_q]
     mask_row = tl.where(row_ok, q_tok, q_start)  # padding rows read the tree mask of a real row, never past it
+    if PDL:
+        # launched as a programmatic dependent: the tile metadata above (plan buffers, cu_seqlens, seq_lens) is read
+        # while the previous kernel finishes; q, the cache, scales and masks (which it may write) only after it has
+        gdc_wait()
     q_ptrs = Q + q_tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8 != 0:
