@@ -32,9 +32,6 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)
     split = num_splits > 1
-    # programmatic dependent launches (Hopper and newer; not in the interpreter): the attention kernel's prologue
-    # overlaps the previous kernel's tail, the combine's launch overlaps the attention kernel's
-    pdl = not interpreter_mode() and torch.cuda.get_device_capability(q.device)[0] >= 9
     o_buf, lse_buf = (ws_o, ws_lse) if split else (out, lse)
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
     scale_ptrs = k_scale is not None
@@ -56,15 +53,15 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
-            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype), PDL=pdl,
-            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype),
+            num_warps=warps, num_stages=stages)
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,
             ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), out.stride(0), out.stride(1), Hq,
             num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=sinks is not None, WRITE_LSE=write_lse, PDL=pdl,
-            num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=sinks is not None, WRITE_LSE=write_lse,
+            num_warps=4)
 
 
 def _paged_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

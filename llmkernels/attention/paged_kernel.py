@@ -11,7 +11,6 @@ elements of the row).
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._softmax import align_down, finalize, key_ranges, online_softmax_update, scale_scores, window_mask
 
@@ -132,12 +131,10 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
-                      WRITE_LSE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                      WRITE_LSE: tl.constexpr, FP8: tl.constexpr):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:  # the split-KV combine may launch now; it waits (gdc_wait) until this grid is complete
-        gdc_launch_dependents()
     if tile >= tl.load(NUM_TILES):
         return
     b = tl.load(TILE_SEQ + tile)
@@ -156,10 +153,6 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     row_ok = (offs_r < BLOCK_Q * GROUP) & (tok < q_len)
     q_tok = q_start + tok  # row of the query in [total_q]
     mask_row = tl.where(row_ok, q_tok, q_start)  # padding rows read the tree mask of a real row, never past it
-    if PDL:
-        # launched as a programmatic dependent: the tile metadata above (plan buffers, cu_seqlens, seq_lens) is read
-        # while the previous kernel finishes; q, the cache, scales and masks (which it may write) only after it has
-        gdc_wait()
     q_ptrs = Q + q_tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8 != 0:
@@ -223,13 +216,8 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
 @triton.jit
 def combine_kernel(PO, PLSE, O, LSE, SINKS, stride_ps, stride_pt, stride_ph, stride_ls, stride_ot, stride_oh,
                    num_heads, num_splits, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr):
-    """Merge split-KV partials of one (query, head): o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m).
-
-    PDL: launched as a programmatic dependent of the attention grid, so its launch overlaps that grid's tail; it
-    waits for the whole grid (and its memory) before reading the partials."""
-    if PDL:
-        gdc_wait()
+                   BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Merge split-KV partials of one (query, head): o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
