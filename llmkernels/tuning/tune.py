@@ -97,8 +97,10 @@ class _DecodeWork:
 def tune_decode(gpu):
     out = {}
     Hq, Hkv, D = 32, 8, 128
+    # (BLOCK_N, warps, stages). The page-table load before each K/V load takes pipeline stages: a loop gets
+    # (stages - 1) // 2 K/V buffers, so 5 stages means 2 buffers (scripts/paged_lab.py; 7 and 9 measured no faster)
     cands = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 5), (128, 4, 2),
-             (16, 4, 4)]
+             (16, 4, 4), (64, 4, 5), (128, 4, 5)]
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         for page_class, ps in (("p1", 1), ("small", 16), ("large", 64)):
             key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8"
