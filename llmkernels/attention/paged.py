@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._checks import _capturing, call_op, check_device, check_tensor, interpreter_mode
+from .._checks import _capturing, _capturing_compile, call_op, check_device, check_tensor, interpreter_mode
 from ..kv_cache import FP8_DTYPES, as_scale_tensor
 from .plan import PagedAttentionPlan, plan_paged_attention
 from .prefill import _check_softcap, _check_window, check_attention_inputs, output_buffers
@@ -18,6 +18,15 @@ def _fp8_mode(kv_dtype) -> int:
     if kv_dtype == torch.float8_e4m3fn:
         return FP8_E4M3_INT if interpreter_mode() else FP8_E4M3_PTX
     return FP8_OFF
+
+
+def _check_fp8_words(name, cache):
+    """The kernel reads fp8 caches as aligned 16-byte vectors of 32-bit words: a view that breaks that is an error."""
+    strides = cache.stride()[:3]
+    if any(st % 16 for st in strides) or (not _capturing_compile() and cache.data_ptr() % 16):
+        raise ValueError(f"{name}: an fp8 cache must start on a 16-byte boundary and have page, slot and head strides "
+                         f"that are multiples of 16 elements; got strides {strides}"
+                         + ("" if _capturing_compile() else f", data_ptr % 16 = {cache.data_ptr() % 16}"))
 
 
 def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
@@ -151,6 +160,9 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
     fp8 = k_cache.dtype in FP8_DTYPES
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError(f"k_scale and v_scale are required with an fp8 cache ({k_cache.dtype})")
+    if fp8:
+        _check_fp8_words("k_cache", k_cache)
+        _check_fp8_words("v_cache", v_cache)
     if custom_mask is not None:
         check_tensor("custom_mask", custom_mask, dtypes=(torch.bool,), ndim=2, last_dim_contiguous=True)
         if custom_mask.shape[0] != q.shape[0] or custom_mask.shape[1] < max_seqlen_q:

@@ -56,11 +56,15 @@ def _words_to_f16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.const
 
 
 @triton.jit
-def _load_kv(cache, pt_row, start_n, offs_n, offs_d, d_ok, offs_w, w_ok, k_len, stride_p, stride_s, head_off, dtype,
+def _load_kv(cache, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_p, stride_s, head_off, dtype,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
              MASKED: tl.constexpr, FP8: tl.constexpr):
-    """One [BLOCK_N, BLOCK_D] K or V tile in the dot's dtype (fp16 for fp8 caches)."""
+    """One [BLOCK_N, BLOCK_D] K or V tile in the dot's dtype (fp16 for fp8 caches).
+
+    The fp8 word loads assume a 16-byte aligned cache and strides that are multiples of 16 (paged_attention checks)."""
     if FP8 != 0:
+        offs_w = tl.arange(0, BLOCK_D // 4)  # 32-bit words of four fp8 values
+        w_ok = offs_w < HEAD_DIM // 4
         words = tl.multiple_of(cache.to(tl.pointer_type(tl.int32)), 16)
         w = _load_kv_tile(words, pt_row, start_n, offs_n, offs_w, w_ok, k_len, tl.multiple_of(stride_p // 4, 4),
                           tl.multiple_of(stride_s // 4, 4), tl.multiple_of(head_off // 4, 4), PAGE_SIZE, BLOCK_N,
@@ -99,10 +103,8 @@ def _paged_inner(acc, l_i, m_i, q, K, V, pt_row, start, end, k_len, q_pos, q_tok
                  MASKED: tl.constexpr, CUSTOM_MASK: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-    offs_w = tl.arange(0, BLOCK_D // 4)  # 32-bit words of four fp8 values
-    w_ok = offs_w < HEAD_DIM // 4
     for start_n in range(start, end, BLOCK_N):
-        k = _load_kv(K, pt_row, start_n, offs_n, offs_d, d_ok, offs_w, w_ok, k_len, stride_kp, stride_ks, k_head_off,
+        k = _load_kv(K, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_kp, stride_ks, k_head_off,
                      q.dtype, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, FP8)
         s = scale_scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
         if MASKED:
@@ -115,7 +117,7 @@ def _paged_inner(acc, l_i, m_i, q, K, V, pt_row, start, end, k_len, q_pos, q_tok
                 tree = tl.load(MASK + q_tok[:, None] * stride_mask + col, mask=new & ok, other=1)
                 ok = ok & (tree != 0)
             s = tl.where(ok, s, float("-inf"))
-        v = _load_kv(V, pt_row, start_n, offs_n, offs_d, d_ok, offs_w, w_ok, k_len, stride_vp, stride_vs, v_head_off,
+        v = _load_kv(V, pt_row, start_n, offs_n, offs_d, d_ok, k_len, stride_vp, stride_vs, v_head_off,
                      q.dtype, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, FP8)
         acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
     return acc, l_i, m_i

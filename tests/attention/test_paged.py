@@ -86,6 +86,20 @@ def test_plan_mismatch_is_an_error(device):
         lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan)
 
 
+def test_fp8_cache_misaligned_view_is_an_error(device):
+    q, kc, vc, pt, sl, cq = build([1], [20], 16, 4, 2, 64, device=device)
+    kc8, vc8 = kc.to(FP8), vc.to(FP8)
+    shifted = torch.empty(kc8.numel() + 4, dtype=FP8, device=device)[4:].view(kc8.shape)  # data 4 bytes off
+    shifted.copy_(kc8)
+    with pytest.raises(ValueError, match="k_cache: an fp8 cache must start on a 16-byte boundary"):
+        lk.paged_attention(q, shifted, vc8, pt, sl, cq, 1, k_scale=1.0, v_scale=1.0)
+    wide = torch.empty(*kc8.shape[:3], 72, dtype=FP8, device=device)[..., :64]  # head stride 72: not 16-aligned
+    with pytest.raises(ValueError, match="v_cache: an fp8 cache"):
+        lk.paged_attention(q, kc8, wide, pt, sl, cq, 1, k_scale=1.0, v_scale=1.0)
+    paged_ok = lk.paged_attention(q, kc8, vc8, pt, sl, cq, 1, k_scale=1.0, v_scale=1.0)
+    assert torch.isfinite(paged_ok).all()
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a["pt"].__setitem__((0, 0), 10_000), "outside \\[0, num_pages"),
     (lambda a: a.update(sl=torch.tensor([500], dtype=torch.int32)), "needs more than the page table"),
