@@ -19,6 +19,12 @@ def main():
         lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37, causal=True, window_size=(5, -1), softcap=10.0,
                              sinks=torch.randn(14, device=dev), return_lse=True)
         lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37)
+    for D in (96, 128):  # lengths spanning several key blocks: the unmasked (scale-folded) loop runs
+        cq = torch.tensor([0, 200, 201, 330], dtype=torch.int32, device=dev)
+        q = torch.randn(330, 6, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(330, 3, D, device=dev, dtype=torch.bfloat16)
+        for causal in (False, True):
+            lk.flash_attn_varlen(q, k, k, cq, cq, 200, 200, causal=causal)
     for ps, kv in ((1, torch.bfloat16), (3, torch.bfloat16), (16, torch.float8_e4m3fn), (3, torch.float8_e4m3fn),
                    (1, torch.float8_e5m2)):
         lens = [5, 33, 1]

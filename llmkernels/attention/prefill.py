@@ -14,20 +14,23 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from the tuned table, keyed on GPU, dtype, head dim, causal."""
+def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, FOLD_SCALE) from the tuned table (GPU, dtype, head dim, causal).
+
+    FOLD_SCALE 1 sends key blocks that every query sees through the loop with the scale folded into the exponent;
+    entries written before it existed have four fields and mean 0."""
     if interpreter_mode():
-        return 32, 32, 4, 1
+        return 32, 32, 4, 1, 1
     block_d = max(16, 1 << (head_dim - 1).bit_length())  # tuned per padded head dim: 80 and 96 share 128's entry
     key = f"{str(dtype).replace('torch.', '')}/{block_d}/{'causal' if causal else 'full'}"
     entry = lookup("prefill", gpu_name(), key)
     if entry is not None:
-        return tuple(entry)
+        return tuple(entry) + (0,) * (5 - len(entry))
     if head_dim <= 64:
-        return 128, 64, 4, 3
+        return 128, 64, 8, 3, 1
     if head_dim <= 128:
-        return 128, 64, 8, 3
-    return 64, 64, 4, 2
+        return 128, 64, 8, 3, 1
+    return 128, 64, 8, 2, 0
 
 
 def _check_window(window_size) -> tuple[int, int]:
@@ -89,7 +92,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         if lse is not None:
             lse.fill_(float("-inf"))
         return
-    BLOCK_M, BLOCK_N, num_warps, num_stages = prefill_config(q.dtype, D, causal)
+    BLOCK_M, BLOCK_N, num_warps, num_stages, fold = prefill_config(q.dtype, D, causal)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -106,7 +109,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         Hq, Hq // Hkv, qk_scale, softcap, left, right,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0, HAS_SINK=sinks is not None,
-        WRITE_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages)
+        WRITE_LSE=lse is not None, FOLD_SCALE=fold, num_warps=num_warps, num_stages=num_stages)
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -42,12 +42,49 @@ def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos
 
 
 @triton.jit
+def _load_rows(base, pos, stride, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows pos of a [len, D] slab, all in range; only padded head-dim columns are masked."""
+    ptrs = base + pos[:, None] * stride + offs_d[None, :]
+    if BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _full_softmax(acc, l_i, m_i, qk, qk_scale):
+    """Softmax state update for an unmasked tile of raw scores qk [M, N] -> (p, acc rescaled, l, m).
+
+    The scale rides in the exponent's FMA (qk * scale - m). No -inf guard: every row sees every key of the tile, so
+    the new maximum is finite, and an old maximum of -inf gives alpha = 0."""
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    return p, acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, end, qk_scale, offs_n, offs_d,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Blocks [start, end) that every query sees in full, without softcap: no mask, no -inf guard, and the scale
+    folded into the exponent's FMA (30 fewer instructions per 64-key step than the generic loop, SASS sm_90)."""
+    for start_n in range(start, end, BLOCK_N):
+        k = _load_rows(k_base, start_n + offs_n, stride_kt, offs_d, HEAD_DIM, BLOCK_D)
+        p, acc, l_i, m_i = _full_softmax(acc, l_i, m_i, tl.dot(q, tl.trans(k)), qk_scale)
+        v = _load_rows(v_base, start_n + offs_n, stride_vt, offs_d, HEAD_DIM, BLOCK_D)
+        acc = tl.dot(p.to(q.dtype), v, acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      num_heads, group, qk_scale, softcap, left, right,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr):
+                     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, FOLD_SCALE: tl.constexpr):
     # axis 0 (fastest) walks (sequence, head); axis 1 walks query blocks from the last one, whose causal work is the
     # largest, so the heaviest programs start first and the tail of the launch is short ones.
     pid_bh = tl.program_id(0)
@@ -84,12 +121,17 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, lo, mid_lo,
-                                   qk_scale, softcap, left, right, offs_n, offs_d, True, SOFTCAP, HAS_LEFT, HAS_RIGHT,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, mid_lo,
-                                   mid_hi, qk_scale, softcap, left, right, offs_n, offs_d, False, SOFTCAP, HAS_LEFT,
-                                   HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N)
+    if HAS_LEFT:  # without a left window edge this range is empty; not compiling it saves its shared memory
+        acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, lo,
+                                       mid_lo, qk_scale, softcap, left, right, offs_n, offs_d, True, SOFTCAP, HAS_LEFT,
+                                       HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N)
+    if SOFTCAP or not FOLD_SCALE:
+        acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, mid_lo,
+                                       mid_hi, qk_scale, softcap, left, right, offs_n, offs_d, False, SOFTCAP,
+                                       HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N)
+    else:
+        acc, l_i, m_i = _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_lo, mid_hi,
+                                      qk_scale, offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N)
     acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, mid_hi, hi,
                                    qk_scale, softcap, left, right, offs_n, offs_d, True, SOFTCAP, HAS_LEFT, HAS_RIGHT,
                                    HEAD_DIM, BLOCK_D, BLOCK_N)

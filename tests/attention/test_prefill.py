@@ -14,6 +14,9 @@ CPU_CASES = [
     ([40], [20], 2, 1, 32, True, (-1, -1), 0.0, False),  # q_len > k_len: early queries see nothing
     ([1, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53], None, 2, 2, 32, True, (-1, -1), 0.0, False),
     ([31], [31], 2, 1, 96, False, (-1, -1), 5.0, False),
+    # several unmasked key blocks per query block: the software-pipelined loop (and its one-block edge, k = 64)
+    ([70, 9, 20], [130, 64, 45], 4, 2, 64, False, (-1, -1), 0.0, False),
+    ([101], [101], 2, 1, 32, True, (-1, -1), 0.0, True),
 ]
 
 
