@@ -47,10 +47,15 @@ def tune_prefill(gpu):
     from ..attention import flash_attn_varlen
 
     out = {}
-    shapes = {64: (4, 16, 4096), 128: (1, 32, 4096), 256: (1, 16, 4096)}
-    for D, (B, H, S) in shapes.items():
-        q, k, v = (torch.randn(B * S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+    # per head dim, the (batch, q heads, kv heads, length) workloads; S=4096 alone measured bimodal on the H100
+    # (about 290 or 370 TFLOP/s for one config from run to run), so D=128 also times GQA 32/8 at 8192
+    shapes = {64: [(4, 16, 16, 4096)], 128: [(1, 32, 32, 4096), (1, 32, 8, 8192)], 256: [(1, 16, 16, 4096)]}
+    for D, works in shapes.items():
+        inputs = []
+        for B, Hq, Hkv, S in works:
+            q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            inputs.append((q, k, v, torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32), S))
         # (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE): the last picks the unmasked loop with the scale folded
         # into the exponent (1) or the generic one (0); at D=256 the generic loop measured faster
         if D <= 128:
@@ -62,8 +67,9 @@ def tune_prefill(gpu):
                      (128, 32, 8, 2, 0), (64, 32, 4, 3, 0)]
         for causal in (False, True):
             key = f"bfloat16/{D}/{'causal' if causal else 'full'}"
-            fn = lambda: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)  # noqa: E731
-            best = _best("prefill", key, cands, [fn])
+            fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
+                   for q, k, v, cu, S in inputs]
+            best = _best("prefill", key, cands, fns)
             out[key] = best
             out[key.replace("bfloat16", "float16")] = best
     return out
