@@ -58,6 +58,14 @@ def tune_prefill(gpu):
             q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             inputs.append((q, k, v, torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32), S))
+        if D == 128:
+            # a ragged batch (16 sequences of 100..8000 tokens): it favours other tiles than dense shapes do
+            # (BLOCK_M 128 ran it at 345 TFLOP/s, BLOCK_M 64 at 190, both causal)
+            g = torch.Generator().manual_seed(1)
+            lens = torch.randint(100, 8001, (16,), generator=g).tolist()
+            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
+            q, k, v = (torch.randn(int(cu[-1]), 32, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            inputs.append((q, k, v, cu, max(lens)))
         # (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE): the last picks the unmasked loop with the scale folded
         # into the exponent (1) or the generic one (0); at D=256 the generic loop measured faster
         if D <= 128:
