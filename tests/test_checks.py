@@ -26,3 +26,27 @@ def test_cu_seqlens_and_scalars():
         check_positive_int("page_size", 1.5)
     with pytest.raises(ValueError, match="must be one of"):
         check_choice("fmt", "x", ["a"])
+
+
+def test_cu_seqlens_checked_again_after_in_place_writes(monkeypatch):
+    import llmkernels._checks as checks
+
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+    check_cu_seqlens("cu", cu, total=9)
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
+    check_cu_seqlens("cu", cu, total=9)  # unchanged since its check: no copy to the host
+    assert copies == []
+    with pytest.raises(ValueError, match="must equal the number of tokens 10"):
+        check_cu_seqlens("cu", cu, total=10)  # another total is checked again
+    cu[1] = 12  # an in-place write bumps the version counter: the values are checked again
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_cu_seqlens("cu", cu, total=9)
+    with torch.inference_mode():  # inference tensors have no version counter: checked every time
+        cu2 = torch.tensor([0, 5, 2], dtype=torch.int32)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="non-decreasing"):
+                check_cu_seqlens("cu", cu2)
+    assert len(copies) == 4
+    assert checks._VALIDATED

@@ -137,7 +137,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
     Args:
         q: [total_q, Hq, D] fp16/bf16; k, v: [total_k, Hkv, D], same dtype, Hq % Hkv == 0. Views with a
             contiguous last dim are fine (e.g. slices of one fused QKV projection).
-        cu_seqlens_q, cu_seqlens_k: int32 [batch+1] prefix sums of the query and key lengths.
+        cu_seqlens_q, cu_seqlens_k: int32 [batch+1] prefix sums of the query and key lengths. Their values are
+            checked on the host (a sync) the first time each tensor is seen and after in-place writes through
+            torch; values written by a custom kernel are not seen, and capture / compile tracing skips the check.
         max_seqlen_q, max_seqlen_k: the longest query / key length (host ints; they size the grid).
         causal: query i of a sequence sits at kv position k_len - q_len + i and sees keys j <= that position.
         softmax_scale: default D ** -0.5.
