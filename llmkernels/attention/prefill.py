@@ -99,14 +99,15 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
     softcap = float(softcap)
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
-    grid = (batch * Hq, triton.cdiv(max_seqlen_q, BLOCK_M))
+    num_m = triton.cdiv(max_seqlen_q, BLOCK_M)
+    grid = (num_m * batch * Hq,)
     from .prefill_kernel import flash_fwd_kernel
 
     flash_fwd_kernel[grid](
         q, k, v, out, lse if lse is not None else out, sinks if sinks is not None else out,
         cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        Hq, Hq // Hkv, qk_scale, softcap, left, right,
+        Hq, Hq // Hkv, num_m, qk_scale, softcap, left, right,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0, HAS_SINK=sinks is not None,
         WRITE_LSE=lse is not None, FOLD_SCALE=fold, num_warps=num_warps, num_stages=num_stages)

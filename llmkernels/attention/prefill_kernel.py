@@ -81,14 +81,18 @@ def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start,
 @triton.jit
 def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                     num_heads, group, qk_scale, softcap, left, right,
+                     num_heads, group, num_m_blocks, qk_scale, softcap, left, right,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, FOLD_SCALE: tl.constexpr):
-    # axis 0 (fastest) walks (sequence, head); axis 1 walks query blocks from the last one, whose causal work is the
-    # largest, so the heaviest programs start first and the tail of the launch is short ones.
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    # One grid axis, query blocks fastest: the programs that run at the same time share a (sequence, head), and the
+    # heads of one KV group are neighbours, so K/V tiles are read from DRAM once and then hit L2 for the other query
+    # blocks. (Heads fastest, as before, spread the resident programs over all heads: at S=16384 the L2 hit rate was
+    # 18% and DRAM ran at 79% of its bandwidth.) Within a head, query blocks go from the last one, whose causal
+    # work is the largest, so heavy programs start first.
+    pid = tl.program_id(0)
+    pid_bh = pid // num_m_blocks
+    pid_m = num_m_blocks - 1 - pid % num_m_blocks
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start = tl.load(CU_Q + b)
