@@ -1,6 +1,8 @@
 """Prefill attention experiments on the GPU: (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE) per tuning key.
 
     python scripts/prefill_lab.py [--keys 128/full,128/causal] [--configs 128/64/8/3/1,...] [--budget SECONDS]
+    ncu --clock-control none -k regex:flash_fwd --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis python scripts/prefill_lab.py --eager --keys 128/full
 
 Each candidate is checked once against the float64 reference (a ragged bf16 batch, causal and not), then timed at
 the prefill suite's shapes for its key, next to SDPA cuDNN on the same inputs. Prints TFLOP/s and the ratio to
@@ -88,7 +90,20 @@ def main():
     p.add_argument("--keys", default="128/full,128/causal,64/full,64/causal,256/full,256/causal")
     p.add_argument("--configs", default="", help="only these, e.g. 128/64/8/3/1 (BLOCK_M/BLOCK_N/warps/stages/FOLD_SCALE)")
     p.add_argument("--budget", type=float, default=500.0, help="stop starting new configs after this many seconds")
+    p.add_argument("--eager", action="store_true", help="run the keys' shapes 3 times each with the tuned table, "
+                   "no timing or checks (for ncu)")
     args = p.parse_args()
+    if args.eager:
+        for key in args.keys.split(","):
+            for B, Hq, Hkv, S, D in SHAPES[key]:
+                q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+                for _ in range(3):
+                    flash_attn_varlen(q, k, v, cu, cu, S, S, causal=key.endswith("causal"))
+                torch.cuda.synchronize()
+                print(f"ran {key} B{B} H{Hq}/{Hkv} S{S}", flush=True)
+        return
     _warm_up()
     t0 = time.time()
     cudnn = {}
