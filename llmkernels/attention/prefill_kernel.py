@@ -69,7 +69,7 @@ def _full_softmax(acc, l_i, m_i, qk, qk_scale):
 def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, end, qk_scale, offs_n, offs_d,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Blocks [start, end) that every query sees in full, without softcap: no mask, no -inf guard, and the scale
-    folded into the exponent's FMA (30 fewer instructions per 64-key step than the generic loop, SASS sm_90)."""
+    folded into the exponent's FMA (345 instead of 378 instructions per 64-key step, SASS sm_90)."""
     for start_n in range(start, end, BLOCK_N):
         k = _load_rows(k_base, start_n + offs_n, stride_kt, offs_d, HEAD_DIM, BLOCK_D)
         p, acc, l_i, m_i = _full_softmax(acc, l_i, m_i, tl.dot(q, tl.trans(k)), qk_scale)
