@@ -17,6 +17,7 @@ import torch
 from llmkernels.attention import flash_attn_varlen
 from llmkernels.bench.anchors import sdpa_ms
 from llmkernels.bench.harness import time_ms
+from llmkernels.bench.suites.prefill import attention_flops, dense_inputs, varlen_lengths
 from llmkernels.testing import flash_attn_varlen_ref
 from llmkernels.tuning import OVERRIDES
 
@@ -36,10 +37,6 @@ CONFIGS = {
 }
 
 
-def _flops(lens, H, D, causal):
-    return sum(4 * L * L * D * H / (2 if causal else 1) for L in lens)
-
-
 def _check(D, causal):
     lens = [1, 63, 64, 65, 300, 1000, 777]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
@@ -53,12 +50,9 @@ def _check(D, causal):
 
 
 def _time(B, Hq, Hkv, S, D, causal, cudnn_cache):
-    q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+    q, k, v, cu = dense_inputs(B, Hq, Hkv, S, D)
     ms = time_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal))
-    flops = _flops([S] * B, Hq, D, causal)
+    flops = attention_flops([S] * B, Hq, D, causal)
     key = (B, Hq, Hkv, S, D, causal)
     if key not in cudnn_cache:
         qd, kd, vd = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
@@ -68,12 +62,11 @@ def _time(B, Hq, Hkv, S, D, causal, cudnn_cache):
 
 
 def _varlen():
-    g = torch.Generator().manual_seed(0)  # the bench suite's lengths
-    lens = torch.randint(100, 8001, (16,), generator=g).tolist()
+    lens = varlen_lengths()  # the bench suite's batch
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
     q, k, v = (torch.randn(int(cu[-1]), 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ms = time_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True))
-    return _flops(lens, 32, 128, True) / (ms * 1e-3) / 1e12
+    return attention_flops(lens, 32, 128, True) / (ms * 1e-3) / 1e12
 
 
 def _warm_up(seconds=3.0):
@@ -96,9 +89,7 @@ def main():
     if args.eager:
         for key in args.keys.split(","):
             for B, Hq, Hkv, S, D in SHAPES[key]:
-                q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
-                k, v = (torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+                q, k, v, cu = dense_inputs(B, Hq, Hkv, S, D)
                 for _ in range(3):
                     flash_attn_varlen(q, k, v, cu, cu, S, S, causal=key.endswith("causal"))
                 torch.cuda.synchronize()

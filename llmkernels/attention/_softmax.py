@@ -46,6 +46,21 @@ def online_softmax_update(acc, l_i, m_i, s, v):
 
 
 @triton.jit
+def online_softmax_update_full(acc, l_i, m_i, qk, qk_scale):
+    """The state update for a tile every query sees in full, from raw scores qk [M, N] -> (p, acc rescaled, l, m);
+    the caller adds p @ v to acc.
+
+    The scale rides in the exponent's FMA (qk * scale - m). No -inf guard: every row sees every key of the tile, so
+    the new maximum is finite, and an old maximum of -inf gives alpha = 0."""
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    return p, acc, l_i, m_new
+
+
+@triton.jit
 def finalize(acc, l_i, m_i, sink_log2, HAS_SINK: tl.constexpr):
     """-> (o = acc / l, lse in natural log). A sink logit joins the denominator; rows with l = 0 give o = 0."""
     if HAS_SINK:

@@ -26,11 +26,7 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int
     entry = lookup("prefill", gpu_name(), key)
     if entry is not None:
         return tuple(entry) + (0,) * (5 - len(entry))
-    if head_dim <= 64:
-        return 128, 64, 8, 3, 1
-    if head_dim <= 128:
-        return 128, 64, 8, 3, 1
-    return 128, 64, 8, 2, 0
+    return (128, 64, 8, 3, 1) if head_dim <= 128 else (128, 64, 8, 2, 0)
 
 
 def _check_window(window_size) -> tuple[int, int]:

@@ -7,38 +7,8 @@ masked path, blocks every query sees take a path with no per-element mask, and b
 import triton
 import triton.language as tl
 
-from ._softmax import finalize, key_ranges, online_softmax_update, scale_scores, window_mask
-
-
-@triton.jit
-def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, start, end,
-                   qk_scale, softcap, left, right, offs_n, offs_d,
-                   MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in range(start, end, BLOCK_N):
-        k_pos = start_n + offs_n
-        k_ptrs = k_base + k_pos[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + k_pos[:, None] * stride_vt + offs_d[None, :]
-        if MASKED:
-            ld_mask = (k_pos[:, None] < k_len) & d_ok
-            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
-        else:
-            k = tl.load(k_ptrs)  # the fast path: every key of the block is in range, no mask at all
-        s = scale_scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
-        if MASKED:
-            s = tl.where(window_mask(q_pos, k_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-        # masked-off V rows must be 0, not garbage: p is 0 there, but 0 * NaN would poison the sum
-        if MASKED:
-            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
-    return acc, l_i, m_i
+from ._softmax import (finalize, key_ranges, online_softmax_update, online_softmax_update_full, scale_scores,
+                       window_mask)
 
 
 @triton.jit
@@ -52,17 +22,27 @@ def _load_rows(base, pos, stride, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
-def _full_softmax(acc, l_i, m_i, qk, qk_scale):
-    """Softmax state update for an unmasked tile of raw scores qk [M, N] -> (p, acc rescaled, l, m).
-
-    The scale rides in the exponent's FMA (qk * scale - m). No -inf guard: every row sees every key of the tile, so
-    the new maximum is finite, and an old maximum of -inf gives alpha = 0."""
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    return p, acc, l_i, m_new
+def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, k_len, start, end,
+                   qk_scale, softcap, left, right, offs_n, offs_d,
+                   MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start_n in range(start, end, BLOCK_N):
+        k_pos = start_n + offs_n
+        if MASKED:
+            ld_mask = (k_pos[:, None] < k_len) & d_ok
+            k = tl.load(k_base + k_pos[:, None] * stride_kt + offs_d[None, :], mask=ld_mask, other=0.0)
+        else:  # every key of the block is in range: only padded head-dim columns are masked
+            k = _load_rows(k_base, k_pos, stride_kt, offs_d, HEAD_DIM, BLOCK_D)
+        s = scale_scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
+        if MASKED:
+            s = tl.where(window_mask(q_pos, k_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            # masked-off V rows must be 0, not garbage: p is 0 there, but 0 * NaN would poison the sum
+            v = tl.load(v_base + k_pos[:, None] * stride_vt + offs_d[None, :], mask=ld_mask, other=0.0)
+        else:
+            v = _load_rows(v_base, k_pos, stride_vt, offs_d, HEAD_DIM, BLOCK_D)
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -72,7 +52,7 @@ def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start,
     folded into the exponent's FMA (345 instead of 378 instructions per 64-key step, SASS sm_90)."""
     for start_n in range(start, end, BLOCK_N):
         k = _load_rows(k_base, start_n + offs_n, stride_kt, offs_d, HEAD_DIM, BLOCK_D)
-        p, acc, l_i, m_i = _full_softmax(acc, l_i, m_i, tl.dot(q, tl.trans(k)), qk_scale)
+        p, acc, l_i, m_i = online_softmax_update_full(acc, l_i, m_i, tl.dot(q, tl.trans(k)), qk_scale)
         v = _load_rows(v_base, start_n + offs_n, stride_vt, offs_d, HEAD_DIM, BLOCK_D)
         acc = tl.dot(p.to(q.dtype), v, acc)
     return acc, l_i, m_i

@@ -45,6 +45,7 @@ def _best(table, key, candidates, workloads):
 
 def tune_prefill(gpu):
     from ..attention import flash_attn_varlen
+    from ..bench.suites.prefill import dense_inputs, varlen_lengths
 
     out = {}
     # per head dim, the (batch, q heads, kv heads, length) workloads, geometric mean. One short and one long: S=4096
@@ -55,14 +56,11 @@ def tune_prefill(gpu):
     for D, works in shapes.items():
         inputs = []
         for B, Hq, Hkv, S in works:
-            q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            inputs.append((q, k, v, torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32), S))
+            inputs.append((*dense_inputs(B, Hq, Hkv, S, D), S))
         if D == 128:
-            # a ragged batch (16 sequences of 100..8000 tokens): it favours other tiles than dense shapes do
-            # (BLOCK_M 128 ran it at 345 TFLOP/s, BLOCK_M 64 at 190, both causal)
-            g = torch.Generator().manual_seed(1)
-            lens = torch.randint(100, 8001, (16,), generator=g).tolist()
+            # a ragged batch (16 sequences of 100..8000 tokens, not the suite's): it favours other tiles than dense
+            # shapes do (BLOCK_M 128 ran it at 345 TFLOP/s, BLOCK_M 64 at 190, both causal)
+            lens = varlen_lengths(seed=1)
             cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
             q, k, v = (torch.randn(int(cu[-1]), 32, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             inputs.append((q, k, v, cu, max(lens)))

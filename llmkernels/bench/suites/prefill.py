@@ -10,18 +10,29 @@ from ..harness import Row, time_ms
 SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (4, 16, 4096, 64), (1, 16, 8192, 256)]
 
 
-def _flops(lens, H, D, causal):
+def attention_flops(lens, H, D, causal):
     return sum(4 * L * L * D * H / (2 if causal else 1) for L in lens)
+
+
+def dense_inputs(B, Hq, Hkv, S, D):
+    """bf16 q [B*S, Hq, D], k, v [B*S, Hkv, D] and cu_seqlens for B sequences of S tokens (also for the lab and
+    the tuner)."""
+    q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+
+
+def varlen_lengths(seed=0):
+    """16 sequence lengths from 100..8000 (seed 0: the suite's batch)."""
+    return torch.randint(100, 8001, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _dense_case(ctx, B, Hq, Hkv, S, D, causal):
     def run():
-        q = torch.randn(B * S, Hq, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(B * S, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
+        q, k, v, cu = dense_inputs(B, Hq, Hkv, S, D)
         ms = time_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal))
-        flops = _flops([S] * B, Hq, D, causal)
+        flops = attention_flops([S] * B, Hq, D, causal)
         ours = flops / (ms * 1e-3) / 1e12
         qd, kd, vd = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
         anchors = {}
@@ -36,14 +47,13 @@ def _dense_case(ctx, B, Hq, Hkv, S, D, causal):
 
 def _varlen_case(ctx):
     def run():
-        g = torch.Generator().manual_seed(0)
-        lens = torch.randint(100, 8001, (16,), generator=g).tolist()
+        lens = varlen_lengths()
         H, D = 32, 128
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
         T = int(cu[-1])
         q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         ms = time_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True))
-        flops = _flops(lens, H, D, True)
+        flops = attention_flops(lens, H, D, True)
         anchors = {}
         S = max(lens)
         pad = [torch.randn(16, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
