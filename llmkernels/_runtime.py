@@ -39,3 +39,42 @@ def gpu_name(device=None) -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(device or 0)
     return "cpu-interpreter"
+
+
+POISON_OUTPUTS = False  # tests set this: buffers from empty() start as NaN, so elements a kernel never writes show
+
+
+def empty(*shape, dtype, device):
+    """torch.empty for kernel outputs; filled with NaN while POISON_OUTPUTS is set (tests)."""
+    import torch
+
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        t.fill_(float("nan") if t.is_floating_point() else -1)
+    return t
+
+
+_COUNTERS: dict = {}
+COUNTER_SLOTS = 4096
+
+
+def split_counters(device):
+    """A zeroed int32 buffer of COUNTER_SLOTS arrival counters for split-K kernels that sum their own partials
+    (the last program of an output tile to arrive adds the others' partials and resets its counter to 0).
+
+    One buffer per (device, stream): kernels on one stream run one after another, so they can share it; two streams
+    get different buffers. Returns None inside CUDA-graph capture when the stream has no buffer yet (allocating
+    there would put it in the graph's private pool): callers then sum the partials with a separate kernel."""
+    import torch
+
+    if device.type != "cuda":
+        key = (str(device), 0)
+    else:
+        key = (device.index if device.index is not None else torch.cuda.current_device(),
+               torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf

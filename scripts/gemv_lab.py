@@ -1,6 +1,6 @@
 """Batch-1 GEMV experiments on the GPU: the m1 kernel (scales factored out) against the planes kernel.
 
-    python scripts/gemv_lab.py [out_dir]
+    python scripts/gemv_lab.py [out_dir] [formats] [unpack/R/NB/warps/stages/waves,...]
 
 For q4_k, q4_0 and q8_0 at Llama-3-8B shapes: checks each candidate config against x @ dequantize(W).T, times it by
 CUDA-graph replay over enough weight copies to overflow L2, prints effective TB/s, and writes the SASS of the best
@@ -21,7 +21,7 @@ from llmkernels.qgemv.ops import _finish
 from llmkernels.quant import dequantize
 from llmkernels.testing.random_weights import random_qtensor
 
-SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
+SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 
 
 def m_curve():
@@ -53,6 +53,8 @@ def main():
     for fmt in fmts:
         nbs = [1, 2] if fmt == "q4_k" else [1, 2]
         cands = [(1, 4, 1, 4, 3, 2)] + list(itertools.product([2], [2, 4], nbs, [4, 8], [1, 3], [2, 4]))
+        if len(sys.argv) > 3:
+            cands = [tuple(int(v) for v in c.split("/")) for c in sys.argv[3].split(",")]
         data = {}
         for N, K in SHAPES:
             first = random_qtensor(fmt, N, K, "cuda")

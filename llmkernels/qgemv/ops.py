@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .._checks import call_op, check_device, check_tensor, interpreter_mode
-from .._runtime import gpu_name, num_sms
+from .._runtime import empty, gpu_name, num_sms
 from ..quant.formats import GGUF_FORMATS
 from ..quant.tensor import QuantizedTensor
 from ..tuning import lookup
@@ -104,7 +104,7 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
     split, M, N = y.shape
     if split == 1:
         return y[0]
-    out = torch.empty(M, N, dtype=out_dtype, device=y.device)
+    out = empty(M, N, dtype=out_dtype, device=y.device)
     BLOCK = 1024
     _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK)
     return out
@@ -128,9 +128,9 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     split = triton.cdiv(nblocks, per_split)
     out_dtype = x.dtype
     if split > 1:
-        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        y = empty(split, M, N, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(1, M, N, dtype=out_dtype, device=x.device)
+        y = empty(1, M, N, dtype=out_dtype, device=x.device)
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
@@ -144,6 +144,13 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             config = tuple(lookup("gemv", gpu_name(), "m1/q4_k") or (4, 1, 4, 3))
         y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2)
         return _finish(y, out_dtype)
+    if fmt == "q4_k" and M1_MAX_M < M <= SMALL_M and mode == 0 and x.dtype != torch.float32:  # tensor cores (tc.py)
+        from .tc import launch_tc
+
+        interp = interpreter_mode()
+        config = (16, 4, 1) if interp else tuple(lookup("gemv", gpu_name(), "tc/q4_k") or (128, 8, 2))
+        y = launch_tc(x, data, N, K, config, sms, unpack=1 if interp else 2)
+        return _finish(y, out_dtype)
     planes = _planes_layout(fmt, bits, group_size)
     if planes is not None and mode != 2:
         from .planes import gemv_planes_kernel
@@ -156,7 +163,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             split = max(1, min(triton.cdiv(2 * sms, programs_n * grid_m), nblocks // nb_p))
         per_split = triton.cdiv(triton.cdiv(nblocks, split), nb_p) * nb_p
         split = triton.cdiv(nblocks, per_split)
-        y = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
+        y = empty(split, M, N, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
         gemv_planes_kernel[(programs_n, split, grid_m)](
             x, x2 if x2 is not None else x, w8, w16, wi8, ws, wb, y, M, N, K, x.stride(0),
             x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes,
@@ -212,7 +219,7 @@ def _(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, gro
 
 def _launch_embedding(ids, data, scales, biases, fmt, N, K, bits, group_size, dtype):
     n = ids.numel()
-    out = torch.empty(n, K, dtype=dtype, device=ids.device)
+    out = empty(n, K, dtype=dtype, device=ids.device)
     if n == 0:
         return out
     row_bytes = data.shape[-1] * data.element_size()

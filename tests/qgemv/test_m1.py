@@ -41,3 +41,22 @@ def test_m1_kernel_gpu(fmt, unpack, dtype, device):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K, config in [(4096, 4096, (4, 1, 4, 3)), (1001, 14336, (2, 2, 8, 1)), (77, 1024, (1, 1, 4, 3))]:
         _run(fmt, N, K, config, sms, unpack, dtype, device)
+
+
+@pytest.mark.parametrize("fixup", [True, False])
+def test_m1_split_k_sum_in_kernel_or_after(fixup, device):
+    """With fixup the last program of each output tile sums the split-K partials and resets its arrival counter,
+    so repeated calls (as in a replayed CUDA graph) stay right; without it ops._finish sums them."""
+    from llmkernels._runtime import split_counters
+
+    N, K = 70, 1024
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    for M in (1, 3):
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        for _ in range(2):
+            y = launch_m1(x, qt.data, "q4_k", N, K, (1, 1, 1, 1), 64, 1 if interpreter_mode() else 2,
+                          fixup=fixup)
+            assert y.shape[0] == (1 if fixup else 4)  # 4 super-blocks, one per split
+            ref = gemv_ref(x, qt)
+            assert_close(_finish(y, x.dtype), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+    assert int(split_counters(x.device).abs().sum()) == 0

@@ -1,0 +1,136 @@
+"""q4_k GEMV for 5 <= M <= 16 on the tensor cores: weights dequantized to fp16/bf16 in registers, fed to tl.dot.
+
+Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
+the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
+sub-block's scale and min), so the per-weight cost does not depend on M: the M rows share every dequantized tile.
+The weight is rounded once to fp16 (or bf16) before the product, like dequantizing first and calling cuBLAS.
+
+Layout: a step is one super-block per row. Its 128 code bytes form a tile [BLOCK_N, 4, 32] (chunk c, byte l: low
+nibble = weight 64c + l, high = 64c + 32 + l). The tile columns of the dot are ordered k = 16 lh + 8 p + 2 c + ll
+(byte l = 2 lh + ll, plane p), which puts each thread's share of the Hopper wgmma A fragment on 32 consecutive
+bytes of one chunk: Triton then reads the code tile from shared memory with 16-byte loads and never shuffles it.
+x is loaded in natural order and permuted to the same k order.
+"""
+import triton
+import triton.language as tl
+
+from .m1 import _q4k_scales
+
+
+def _asm_q4(bf16: bool) -> str:
+    """PTX: 4 packed bytes ($4) and per-element scales -> w = q * s + nz for the low and the high nibbles.
+
+    Outputs $0,$1: low nibbles of bytes (0,1), (2,3); $2,$3: high nibbles. Inputs: $4 bytes, $5,$6 s_lo, $7,$8 nz_lo,
+    $9,$10 s_hi, $11,$12 nz_hi (two 16-bit values per register). A byte pair is spread into the two halves of a
+    register (prmt), the nibble is masked into the mantissa of a magic float (fp16 1024 + q, bf16 128 + q) and the
+    magic is subtracted exactly; then one fma per pair applies the sub-block's scale and min."""
+    if bf16:
+        return ("{ .reg .b32 t0, t1, u0, u1, m, a; "
+                "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
+                "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
+                "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $0, a, $5, $7; "
+                "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $1, a, $6, $8; "
+                "lop3.b32 a, u0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $2, a, $9, $11; "
+                "lop3.b32 a, u1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $3, a, $10, $12; }")
+    return ("{ .reg .b32 t0, t1, m, h, k, a; "
+            "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
+            "mov.b32 m, 0x64006400; mov.b32 h, 0x2C002C00; mov.b32 k, 0xD400D400; "
+            "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 $0, a, $5, $7; "
+            "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 $1, a, $6, $8; "
+            "lop3.b32 a, t0, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 $2, a, $9, $11; "
+            "lop3.b32 a, t1, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 $3, a, $10, $12; }")
+
+
+_ASM_Q4_F16 = tl.constexpr(_asm_q4(False))
+_ASM_Q4_BF16 = tl.constexpr(_asm_q4(True))
+
+
+@triton.jit
+def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
+    """(low, high) nibble weights q * s + nz of a uint8 tile, in DT (fp16 or bf16)."""
+    if UNPACK == 2:
+        if DT == tl.float16:
+            return tl.inline_asm_elementwise(_ASM_Q4_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                             [units, s_lo, nz_lo, s_hi, nz_hi], dtype=(tl.float16, tl.float16),
+                                             is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_ASM_Q4_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                             [units, s_lo, nz_lo, s_hi, nz_hi], dtype=(tl.bfloat16, tl.bfloat16),
+                                             is_pure=True, pack=4)
+    else:
+        v = units.to(tl.int32)
+        lo = (v & 15).to(tl.float32) * s_lo.to(tl.float32) + nz_lo.to(tl.float32)
+        hi = (v >> 4).to(tl.float32) * s_hi.to(tl.float32) + nz_hi.to(tl.float32)
+        return lo.to(DT), hi.to(DT)
+
+
+@triton.jit
+def gemv_tc_kernel(X, W8, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes, nblocks, blocks_per_split,
+                   BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr):
+    """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    DT: tl.constexpr = X.dtype.element_ty
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past N read row N - 1 (in bounds, never stored)
+    r64 = tl.minimum(rows, N - 1).to(tl.int64)
+    m = pid_m * M_PAD + tl.arange(0, M_PAD)
+    kb_start = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
+    c2 = tl.arange(0, 4)[None, :]
+    base = r64 * row_bytes + kb_start * 144
+    w_ptrs = W8 + base[:, None, None] + 16 + c2[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + (base // 4)[:, None] + c2 * 0  # [BLOCK_N, 4]
+    # x in natural order as [4 c, 2 p, 16 lh, 2 ll, M_PAD]: weight 64 c + 32 p + 2 lh + ll
+    xk = (tl.arange(0, 4)[:, None, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None, None] * 32 +
+          tl.arange(0, 16)[None, None, :, None, None] * 2 + tl.arange(0, 2)[None, None, None, :, None])
+    xm = m[None, None, None, None, :]
+    x_ok = (xm < M) & (xk >= 0)
+    x_ptrs = X + xm * stride_xm + kb_start * 256 + xk
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        units = tl.load(w_ptrs)
+        hd = tl.load(h_ptrs)
+        d = (hd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (hd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), c2)
+        w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT)[:, :, None], (-dmin * mn0).to(DT)[:, :, None],
+                             (d * sc1).to(DT)[:, :, None], (-dmin * mn1).to(DT)[:, :, None], DT, UNPACK)
+        w = tl.join(tl.reshape(w_lo, (BLOCK_N, 4, 16, 2)), tl.reshape(w_hi, (BLOCK_N, 4, 16, 2)))
+        w = tl.reshape(tl.permute(w, (0, 2, 4, 1, 3)), (BLOCK_N, 256))  # [row, lh, p, c, ll]
+        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        xt = tl.reshape(tl.permute(xn, (2, 1, 0, 3, 4)), (256, M_PAD))  # [lh, p, c, ll, m]
+        acc = tl.dot(w, xt, acc)
+        w_ptrs += 144
+        h_ptrs += 36
+        x_ptrs += 256
+    y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rows < N)[:, None] & (m < M)[None, :])
+
+
+def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, waves: int = 2):
+    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and q4_k blocks; returns y [split, M, N] (float32 partials when
+    split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages); K is split until the grid
+    has ``waves`` programs per SM."""
+    import torch
+
+    from .._runtime import empty
+
+    block_n, warps, stages = config
+    M = x.shape[0]
+    m_pad = 16
+    row_bytes = data.shape[-1] * data.element_size()
+    nblocks = K // 256
+    programs_n = triton.cdiv(N, block_n)
+    grid_m = triton.cdiv(M, m_pad)
+    split = 1
+    if programs_n * grid_m < waves * sms:
+        split = max(1, min(triton.cdiv(waves * sms, programs_n * grid_m), nblocks))
+    per_split = triton.cdiv(nblocks, split)
+    split = triton.cdiv(nblocks, per_split)
+    y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    gemv_tc_kernel[(programs_n, split, grid_m)](
+        x, data.view(torch.uint8), y, M, N, K, x.stride(0), y.stride(0), y.stride(1), row_bytes, nblocks, per_split,
+        BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, num_warps=warps, num_stages=stages)
+    return y

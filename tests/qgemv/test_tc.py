@@ -1,0 +1,58 @@
+"""The tensor-core q4_k kernel for 5 <= M <= 16 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
+split-K, M classes, and on the GPU fp16 and bf16 at model shapes, through gemv and directly."""
+import pytest
+import torch
+
+import llmkernels as lk
+from llmkernels._checks import interpreter_mode
+from llmkernels.qgemv.ops import _finish
+from llmkernels.qgemv.tc import launch_tc
+from llmkernels.testing import assert_close, gemv_ref
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def _check(y, x, qt, dtype):
+    ref = gemv_ref(x, qt)
+    assert y.shape == ref.shape and y.dtype == dtype
+    assert_close(y, ref, dtype, atol=TOL[dtype] * ref.abs().max().item(), rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("N,K,M,config,sms", [
+    (37, 512, 5, (16, 4, 1), 4),     # rows not a multiple of the tile, K split into single super-blocks
+    (70, 768, 16, (16, 4, 1), 1),    # one program column, three super-blocks, no split
+    (130, 256, 9, (64, 4, 1), 64),   # more programs than blocks: the split is capped by the block count
+])
+def test_tc_kernel(N, K, M, config, sms, device):
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2), x.dtype), x, qt,
+           torch.float16)
+
+
+def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
+    """gemv routes q4_k at M = 5..16 (fp16/bf16) to the tensor-core kernel and fp32 activations elsewhere."""
+    import llmkernels.qgemv.tc as tc
+
+    calls = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    qt = lk.quantize(torch.randn(40, 256) * 0.05, "q4_k").to(device)
+    for M in (4, 5, 16, 17):
+        x = torch.randn(M, 256, dtype=torch.float16, device=device)
+        _check(lk.gemv(x, qt), x, qt, torch.float16)
+    y = lk.gemv(torch.randn(6, 256, device=device), qt)  # fp32 x: the planes kernel
+    assert y.dtype == torch.float32
+    assert calls == [(5, 256), (16, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tc_kernel_gpu(dtype, device):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K, M, config in [(4096, 4096, 8, (128, 8, 2)), (1001, 14336, 16, (64, 4, 3)), (77, 1024, 5, (128, 8, 2)),
+                            (14336, 4096, 13, (128, 8, 3))]:
+        qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2), dtype), x, qt, dtype)
+        _check(lk.gemv(x, qt), x, qt, dtype)
