@@ -62,7 +62,16 @@ def main():
     for fmt in M1_LAYOUTS:
         qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
         for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7)):
-            launch_m1(torch.randn(1, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms, 2)
+            for M, fixup in ((1, True), (3, True), (2, False)):  # split-K summed in the kernel or after it
+                launch_m1(torch.randn(M, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms,
+                          2, fixup=fixup)
+    # the tensor-core q4_k kernel for mid M: rows past the tile, uneven K splits, both activation dtypes
+    from llmkernels.qgemv.tc import launch_tc
+
+    qt = lk.quantize(torch.randn(77, 768, device=dev), "q4_k")
+    for dt in (torch.float16, torch.bfloat16):
+        for M, config, sms in ((5, (128, 4, 3), 132), (16, (64, 4, 3), 7), (9, (128, 8, 2), 1)):
+            launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 

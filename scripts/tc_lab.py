@@ -1,6 +1,6 @@
 """Small-M q4_k GEMV on the tensor cores (qgemv/tc.py) against gemv's current path, on the GPU.
 
-    python scripts/tc_lab.py [--configs BN/warps/stages/join/packed,...] [--m 1,8,16] [--dtypes fp16,bf16]
+    python scripts/tc_lab.py [--configs BLOCK_N/warps/stages,...] [--m 1,8,16] [--dtypes fp16,bf16] [--waves 2]
 
 Checks each config against x @ dequantize(W).T (float32), then times it by CUDA-graph replay over enough weight
 copies to overflow L2 and prints effective TB/s (weight + activation bytes / time) next to gemv's time.
@@ -22,7 +22,7 @@ SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 409
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="64/4/3/2/1,64/4/4/2/1,128/8/3/2/1,64/4/2/2/1")
+    ap.add_argument("--configs", default="64/4/3,64/4/4,128/8/3,128/8/2")
     ap.add_argument("--m", default="1,8,16")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--shapes", default="")
@@ -48,11 +48,10 @@ def main():
                 t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
                 line = f"N{N} K{K} {str(dt)[6:]} M{M}: gemv {t_g * 1e3:6.1f} us {nbytes / t_g / 1e9:5.2f} TB/s |"
                 for cfg in cfgs:
-                    bn, warps, stages, join, packed = cfg
+                    bn, warps, stages = cfg
                     for waves in waves_l:
                         try:
-                            y = _finish(launch_tc(x, first.data, N, K, (bn, warps, stages), sms, 2, join=join,
-                                                  packed=packed, waves=waves), dt)
+                            y = _finish(launch_tc(x, first.data, N, K, cfg, sms, 2, waves=waves), dt)
                         except Exception as e:  # noqa: BLE001
                             line += f" {cfg}: {type(e).__name__} {str(e)[:80]}"
                             continue
@@ -60,8 +59,7 @@ def main():
                         if not err < 2e-2:
                             line += f" {cfg}w{waves}: WRONG {err:.2e}"
                             continue
-                        t = time_graph_ms([lambda qt=qt: _finish(launch_tc(x, qt.data, N, K, (bn, warps, stages), sms,
-                                                                           2, join=join, packed=packed, waves=waves),
+                        t = time_graph_ms([lambda qt=qt: _finish(launch_tc(x, qt.data, N, K, cfg, sms, 2, waves=waves),
                                                                  dt) for qt in qts], reps=10, trials=3)
                         summary.setdefault((cfg, waves, str(dt), M), []).append(t_g / t)
                         line += f" {bn}/{warps}/{stages}w{waves} {t * 1e3:6.1f} us {nbytes / t / 1e9:5.2f} ({err:.0e})"

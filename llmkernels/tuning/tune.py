@@ -151,6 +151,10 @@ def tune_gemv(gpu):
                 cands = [(32, nb, 4, 3), (64, nb, 4, 3), (64, nb, 8, 3), (128, nb, 8, 3), (64, half, 4, 4),
                          (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
             key = f"planes/{name}/{mclass}"
+            if fmt == "q4_k" and mclass == "m16":  # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages)
+                out["tc/q4_k"] = _best("gemv", "tc/q4_k", [(128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 4, 3),
+                                                           (256, 8, 3), (64, 4, 4)], works)
+                works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             if fmt == "q4_k" and mclass == "m1":  # gemv takes the m1 kernel here; silu_mul_gemv takes planes
                 planes_works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
                                 for x, copies in zip(xs, qts)]
