@@ -4,11 +4,13 @@ For a block (or q4_k sub-block) of 32 weights w_j = a * q_j + b (a, b per block)
 a * sum_j q_j x_j + b * sum_j x_j. The inner loop therefore only turns each code q into a float and multiplies it
 with x: the scales are applied once per block and row, and sum_j x_j does not depend on the row.
 
-Turning a 4-bit code into a float costs two integer instructions: shift the nibble to bits 19-22 and OR the bits of
-1.0 into it, which gives the float 1 + q/16 exactly. So the kernel computes s = sum_j (1 + q_j/16) x_j and recovers
-sum_j q_j x_j = 16 (s - sum_j x_j). (8-bit codes: 1 + b/256 with b = q + 128, the int8 byte with its sign bit flipped.)
-On the GPU the unpacking can also run as inline PTX on four packed bytes at a time (UNPACK=2), which skips the
-per-byte extraction that the compiler otherwise emits; the interpreter uses the Triton expression (UNPACK=1).
+Turning the two nibbles of a byte into floats costs three integer instructions: one shift moves the byte to bits
+15-22, then one LOP3 each masks the low nibble into mantissa bits 15-18 and the high nibble into bits 19-22 and ORs
+in the bits of 1.0, which gives the floats 1 + lo/256 and 1 + hi/16 exactly. So the kernel computes
+s = sum_j (1 + q_j/256) x_j (or /16) and recovers sum_j q_j x_j = 256 (s - sum_j x_j) (or 16 (...)). 8-bit codes:
+1 + b/256 with b = q + 128, the int8 byte with its sign bit flipped. On the GPU the unpacking runs as inline PTX on
+four packed bytes at a time (UNPACK=2), which skips the per-byte extraction that the compiler otherwise emits; the
+interpreter uses the Triton expression (UNPACK=1).
 """
 import triton
 import triton.language as tl

@@ -8,7 +8,7 @@ The weight is rounded once to fp16 (or bf16) before the product, like dequantizi
 Layout: a step is one super-block per row. Its 128 code bytes form a tile [BLOCK_N, 4, 32] (chunk c, byte l: low
 nibble = weight 64c + l, high = 64c + 32 + l). The tile columns of the dot are ordered k = 16 lh + 8 p + 2 c + ll
 (byte l = 2 lh + ll, plane p), which puts each thread's share of the Hopper wgmma A fragment on 32 consecutive
-bytes of one chunk: Triton then reads the code tile from shared memory with 16-byte loads and never shuffles it.
+bytes of one chunk: Triton then reads the code tile from shared memory with 16-byte loads (LDS.128).
 x is loaded in natural order and permuted to the same k order.
 """
 import triton
