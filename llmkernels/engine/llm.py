@@ -362,7 +362,8 @@ class _DecodeGraph:
                 fwd()
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # captured on the warm-up stream: the split-K GEMVs' arrival counters (one buffer per stream) exist by now
+        with torch.cuda.graph(self.graph, stream=s):
             self.logits = fwd()
 
     def run(self, host):

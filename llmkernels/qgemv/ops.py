@@ -134,7 +134,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
-    if fmt == "q4_k" and M <= M1_MAX_M and mode == 0:  # scales factored out of the inner products (m1.py)
+    aligned = data.data_ptr() % 16 == 0  # m1 and tc read the q4_k header as int32 words
+    if fmt == "q4_k" and M <= M1_MAX_M and mode == 0 and aligned:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1
 
         interp = interpreter_mode()
@@ -144,11 +145,12 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             config = tuple(lookup("gemv", gpu_name(), "m1/q4_k") or (4, 1, 4, 3))
         y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2)
         return _finish(y, out_dtype)
-    if fmt == "q4_k" and M1_MAX_M < M <= SMALL_M and mode == 0 and x.dtype != torch.float32:  # tensor cores (tc.py)
+    if fmt == "q4_k" and M1_MAX_M < M <= SMALL_M and mode == 0 and aligned and x.dtype != torch.float32:
+        # tensor cores (tc.py)
         from .tc import launch_tc
 
         interp = interpreter_mode()
-        config = (16, 4, 1) if interp else tuple(lookup("gemv", gpu_name(), "tc/q4_k") or (128, 8, 2))
+        config = (16, 4, 1) if interp else tuple(lookup("gemv", gpu_name(), "tc/q4_k") or (128, 4, 3))
         y = launch_tc(x, data, N, K, config, sms, unpack=1 if interp else 2)
         return _finish(y, out_dtype)
     planes = _planes_layout(fmt, bits, group_size)

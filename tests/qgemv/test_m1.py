@@ -60,3 +60,20 @@ def test_m1_split_k_sum_in_kernel_or_after(fixup, device):
             ref = gemv_ref(x, qt)
             assert_close(_finish(y, x.dtype), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
     assert int(split_counters(x.device).abs().sum()) == 0
+
+
+def test_gemv_q4k_weights_not_16_byte_aligned(device):
+    """Block bytes wrapped at an offset that is not a multiple of 16 (QuantizedTensor.from_raw on a slice): gemv
+    does not take the kernels that read int32 header words, and stays right."""
+    from llmkernels.quant.tensor import QuantizedTensor
+
+    N, K = 33, 512
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    buf = torch.zeros(qt.data.numel() + 2, dtype=torch.uint8, device=device)
+    buf[2:] = qt.data.reshape(-1)
+    shifted = QuantizedTensor.from_raw(buf[2:].view(N, -1), "q4_k", (N, K))
+    assert shifted.data.data_ptr() % 16 == 2
+    for M in (1, 6):
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        ref = gemv_ref(x, qt)
+        assert_close(lk.gemv(x, shifted), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
