@@ -36,7 +36,7 @@ def test_silu_mul(device):
 
 def rope_ref(x, pos, inv_freq, neox, mscale=1.0):
     """x [T, H, D] float64 rotated at positions pos."""
-    ang = pos.double()[:, None] * inv_freq.double()[None, :]  # [T, D/2]
+    ang = pos.to(x.device).double()[:, None] * inv_freq.to(x.device).double()[None, :]  # [T, D/2]
     cos, sin = torch.cos(ang)[:, None, :] * mscale, torch.sin(ang)[:, None, :] * mscale
     if neox:
         a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
