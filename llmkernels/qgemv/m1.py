@@ -28,8 +28,6 @@ def _asm_unpack(shifts, mask: int, magic: int, lut: int) -> str:
     return "{ .reg .b32 t, m; " + " ".join(body) + " }"
 
 
-
-
 def _asm_unpack_pair() -> str:
     """PTX turning the 4 bytes of $8 into 8 floats with one shift per byte: the byte moves to bits 15-22, so its low
     nibble lands in mantissa bits 15-18 (1 + lo/256, $0-$3) and its high nibble in bits 19-22 (1 + hi/16, $4-$7),
@@ -89,7 +87,8 @@ def _plane_dot(codes, x_ptrs, ok, NB: tl.constexpr):
 @triton.jit
 def _q4k_scales(w1, w2, w3, c):
     """6-bit (scale, min) of q4_k sub-blocks 2c and 2c+1 as float32, from the block's scale bytes as three
-    little-endian int32 words (bytes 0-3, 4-7, 8-11 of the 12)."""
+    little-endian int32 words (bytes 0-3, 4-7, 8-11 of the 12). Word loads need 4-byte aligned data; the planes
+    kernel, which also serves unaligned data, decodes from bytes (planes._scale_min_q4k)."""
     sh = (c & 1) * 16  # byte (2c) % 4 of each word
     a = w1 >> sh
     b = w2 >> sh
@@ -212,6 +211,7 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     import torch
 
     from .._runtime import empty, split_counters
+    from .ops import split_k
 
     fid, C, U, P, BS, BB = M1_LAYOUTS[fmt]
     reps, nb, warps, stages = config
@@ -221,11 +221,7 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     nblocks = K // BS
     programs_n = triton.cdiv(N, block_n)
     M = x.shape[0]
-    split = 1
-    if programs_n * M < waves * sms:
-        split = max(1, min(triton.cdiv(waves * sms, programs_n * M), nblocks // nb))
-    per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
-    split = triton.cdiv(nblocks, per_split)
+    split, per_split = split_k(programs_n * M, nblocks, nb, sms, waves)
     counters = split_counters(x.device) if fixup and split > 1 else None
     if counters is not None and programs_n * M <= counters.numel():
         y = empty(1, M, N, dtype=x.dtype, device=x.device)

@@ -88,6 +88,16 @@ def _views(data: torch.Tensor):
     return w8, w16, w8.view(torch.int8)
 
 
+def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2) -> tuple[int, int]:
+    """(split, blocks per split) for a grid of ``programs`` output tiles over ``nblocks`` K blocks taken ``nb`` per
+    step: K is split until the grid has about ``waves`` programs per SM (never below one step per split)."""
+    split = 1
+    if programs < waves * sms:
+        split = max(1, min(triton.cdiv(waves * sms, programs), nblocks // nb))
+    per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
+    return triton.cdiv(nblocks, per_split), per_split
+
+
 @triton.jit
 def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """y = sum over splits of the float32 partials P [SPLIT, n], cast to y's dtype: one pass, one launch."""
@@ -114,23 +124,10 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     M = x.shape[0]
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, family = _layout(fmt, K, row_bytes, group_size)
-    block_n, nb, warps, stages = _config(family, M, nsub * sub, bits, N)
-    if fmt == "f32":  # twice the bytes of the f16 tiles the table was tuned with: halve the K extent
-        nb = max(1, nb // 2)
     m_pad = 1 if M == 1 else SMALL_M
     grid_m = triton.cdiv(M, m_pad)
-    programs_n = triton.cdiv(N, block_n)
-    split = 1
     sms = num_sms(x.device)
-    if mode != 2 and programs_n * grid_m < 2 * sms:
-        split = max(1, min(triton.cdiv(2 * sms, programs_n * grid_m), nblocks // nb))
-    per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
-    split = triton.cdiv(nblocks, per_split)
     out_dtype = x.dtype
-    if split > 1:
-        y = empty(split, M, N, dtype=torch.float32, device=x.device)
-    else:
-        y = empty(1, M, N, dtype=out_dtype, device=x.device)
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
@@ -160,11 +157,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         C, U, P, BS, BB, nb_p = planes
         block_n_p, nb_p, warps_p, stages_p = _planes_config(fmt, M, nb_p, bits, N)
         programs_n = triton.cdiv(N, block_n_p)
-        split = 1
-        if programs_n * grid_m < 2 * sms:
-            split = max(1, min(triton.cdiv(2 * sms, programs_n * grid_m), nblocks // nb_p))
-        per_split = triton.cdiv(triton.cdiv(nblocks, split), nb_p) * nb_p
-        split = triton.cdiv(nblocks, per_split)
+        split, per_split = split_k(programs_n * grid_m, nblocks, nb_p, sms)
         y = empty(split, M, N, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
         gemv_planes_kernel[(programs_n, split, grid_m)](
             x, x2 if x2 is not None else x, w8, w16, wi8, ws, wb, y, M, N, K, x.stride(0),
@@ -173,6 +166,14 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             FMT=FORMAT_IDS[fmt], NB=nb_p, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, BITS=bits or 0, BLOCK_N=block_n_p,
             M_PAD=m_pad, SILU_X=mode == 1, num_warps=warps_p, num_stages=stages_p)
         return _finish(y, out_dtype)
+    # the generic kernel, every format and mode
+    block_n, nb, warps, stages = _config(family, M, nsub * sub, bits, N)
+    if fmt == "f32":  # twice the bytes of the f16 tiles the table was tuned with: halve the K extent
+        nb = max(1, nb // 2)
+    programs_n = triton.cdiv(N, block_n)
+    # the fused gate/up mode applies silu to whole sums, so it never splits K
+    split, per_split = split_k(programs_n * grid_m, nblocks, nb, sms, waves=0 if mode == 2 else 2)
+    y = empty(split, M, N, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
     if data2 is not None:
         v8, v16, vi8 = _views(data2)
         vs = scales2 if scales2 is not None else v16

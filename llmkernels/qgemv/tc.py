@@ -116,6 +116,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, waves: int
     import torch
 
     from .._runtime import empty
+    from .ops import split_k
 
     block_n, warps, stages = config
     M = x.shape[0]
@@ -124,11 +125,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, waves: int
     nblocks = K // 256
     programs_n = triton.cdiv(N, block_n)
     grid_m = triton.cdiv(M, m_pad)
-    split = 1
-    if programs_n * grid_m < waves * sms:
-        split = max(1, min(triton.cdiv(waves * sms, programs_n * grid_m), nblocks))
-    per_split = triton.cdiv(nblocks, split)
-    split = triton.cdiv(nblocks, per_split)
+    split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves)
     y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     gemv_tc_kernel[(programs_n, split, grid_m)](
         x, data.view(torch.uint8), y, M, N, K, x.stride(0), y.stride(0), y.stride(1), row_bytes, nblocks, per_split,
