@@ -65,6 +65,12 @@ def main():
             for M, fixup in ((1, True), (3, True), (2, False)):  # split-K summed in the kernel or after it
                 launch_m1(torch.randn(M, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms,
                           2, fixup=fixup)
+    for bits, gs, K in ((4, 64, 768), (4, 32, 96), (8, 128, 640), (4, 128, 384)):  # MLX: 4/2/1 groups per block
+        qt = lk.quantize(torch.randn(37, K, device=dev), "mlx", bits=bits, group_size=gs)
+        for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7)):
+            for dt in (torch.float16, torch.bfloat16):
+                launch_m1(torch.randn(2, K, device=dev, dtype=dt), qt.data, "mlx", 37, K, config, sms, 2,
+                          scales=qt.scales, biases=qt.biases, bits=bits, group_size=gs)
     # the tensor-core q4_k kernel for mid M: rows past the tile, uneven K splits, both activation dtypes
     from llmkernels.qgemv.tc import launch_tc
 

@@ -1,4 +1,5 @@
-"""Batch-1 GEMV for q4_0, q8_0 and q4_k with the block scales factored out of the inner products.
+"""Small-M GEMV (M <= 4) for q4_0, q8_0, q4_k and MLX 4/8-bit with the block scales factored out of the inner
+products. Up to four activation rows per program share each unpacked weight.
 
 For a block (or q4_k sub-block) of 32 weights w_j = a * q_j + b (a, b per block), the dot product with x is
 a * sum_j q_j x_j + b * sum_j x_j. The inner loop therefore only turns each code q into a float and multiplies it
@@ -8,9 +9,9 @@ Turning the two nibbles of a byte into floats costs three integer instructions: 
 15-22, then one LOP3 each masks the low nibble into mantissa bits 15-18 and the high nibble into bits 19-22 and ORs
 in the bits of 1.0, which gives the floats 1 + lo/256 and 1 + hi/16 exactly. So the kernel computes
 s = sum_j (1 + q_j/256) x_j (or /16) and recovers sum_j q_j x_j = 256 (s - sum_j x_j) (or 16 (...)). 8-bit codes:
-1 + b/256 with b = q + 128, the int8 byte with its sign bit flipped. On the GPU the unpacking runs as inline PTX on
-four packed bytes at a time (UNPACK=2), which skips the per-byte extraction that the compiler otherwise emits; the
-interpreter uses the Triton expression (UNPACK=1).
+1 + b/256 with b = q + 128, the int8 byte with its sign bit flipped (MLX 8-bit: b = q, unsigned). On the GPU the
+unpacking runs as inline PTX on four packed bytes at a time (UNPACK=2), which skips the per-byte extraction that the
+compiler otherwise emits; the interpreter uses the Triton expression (UNPACK=1).
 """
 import triton
 import triton.language as tl
@@ -43,6 +44,9 @@ _ASM_PAIR = tl.constexpr(_asm_unpack_pair())
 # int8 q to 1 + (q + 128)/256: the byte to bits 15-22, flip its sign bit and OR 1.0f in one go: the mask and 1.0f
 # do not overlap, so (a & b) ^ (1.0f | 0x400000) (LUT 0x6A) does both
 _ASM_Q8 = tl.constexpr(_asm_unpack((15, 7, -1, -9), 0x7F8000, 0x3FC00000, 0x6A))
+# unsigned 8-bit codes (MLX 8-bit) to 1 + b/256: the byte to bits 15-22, masked, OR 1.0f ((a & b) | c = LUT 0xEA)
+_ASM_U8 = tl.constexpr(_asm_unpack((15, 7, -1, -9), 0x7F8000, 0x3F800000, 0xEA))
+U8_CODES = 14  # _unpack's code for unsigned bytes (FMT ids 0-13 are the formats, see ops.FORMAT_IDS)
 
 
 @triton.jit
@@ -55,6 +59,12 @@ def _unpack(units, FMT: tl.constexpr, UNPACK: tl.constexpr):
         else:
             v8 = (((units.to(tl.int32) ^ 0x80) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
         return v8, v8
+    elif FMT == 14:  # unsigned bytes: 1 + b/256
+        if UNPACK == 2:
+            v8 = tl.inline_asm_elementwise(_ASM_U8, "=r,=r,=r,=r,r", [units], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            v8 = ((units.to(tl.int32) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        return v8, v8
     elif UNPACK == 2:
         return tl.inline_asm_elementwise(_ASM_PAIR, "=r,=r,=r,=r,=r,=r,=r,=r,r", [units],
                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
@@ -62,6 +72,17 @@ def _unpack(units, FMT: tl.constexpr, UNPACK: tl.constexpr):
         t = units.to(tl.int32) << 15
         lo = ((t & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)
         hi = ((t & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        return lo, hi
+
+
+@triton.jit
+def _split_words(w, DT: tl.constexpr):
+    """int32 words holding two fp16/bf16 values -> (low half, high half) as float32."""
+    if DT == tl.bfloat16:  # a bf16 is the top half of its float32
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         return lo, hi
 
 
@@ -77,11 +98,32 @@ def _load(ptrs, ok, NB: tl.constexpr):
 @triton.jit
 def _plane_dot(codes, x_ptrs, ok, NB: tl.constexpr):
     """(sum of code' * x, sum of x) over a block's bytes (axes 4 and 5) for one plane of codes'.
-    x comes in through pointers of shape [C, ROWS_T, NB, 1, U1, 8]; the sums are [C, ROWS_T, NB, R] and
+    x comes in through pointers of shape [C, ROWS_T, NB, 1, U // V, V]; the sums are [C, ROWS_T, NB, R] and
     [C, ROWS_T, NB, 1]."""
     xv = _load(x_ptrs, ok, NB).to(tl.float32)
     s = tl.sum(tl.sum(codes * xv, axis=5), axis=4)
     return s, tl.sum(tl.sum(xv, axis=5), axis=4)
+
+
+@triton.jit
+def _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, f0, f1, g0, g1, XDT: tl.constexpr, FMT: tl.constexpr,
+                BITS: tl.constexpr, NB: tl.constexpr):
+    """One activation row's increment f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 for a step, where s0 = sum code' x
+    and sx0 = sum x over the low-nibble (or only) plane, s1 and sx1 over the high-nibble plane."""
+    if FMT == 13 and BITS == 4:
+        xe, xo = _split_words(_load(x0_ptrs, x_ok, NB), XDT)
+        s0 = tl.sum(tl.sum(lo * xe, axis=5), axis=4)
+        sx0 = tl.sum(tl.sum(xe, axis=5), axis=4)
+        s1 = tl.sum(tl.sum(hi * xo, axis=5), axis=4)
+        sx1 = tl.sum(tl.sum(xo, axis=5), axis=4)
+        return f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1
+    elif FMT == 7 or FMT == 13:  # one plane
+        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, NB)
+        return f0 * s0 + g0 * sx0
+    else:
+        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, NB)
+        s1, sx1 = _plane_dot(hi, x1_ptrs, x_ok, NB)
+        return f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1
 
 
 @triton.jit
@@ -102,18 +144,22 @@ def _q4k_scales(w1, w2, w3, c):
 
 
 @triton.jit
-def gemv_m1_kernel(X, W8, W16, Y, PART, COUNT, N, K, stride_xm, stride_ys, stride_ym, row_bytes, nblocks,
-                   blocks_per_split, split,
+def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes,
+                   scale_stride, nblocks, blocks_per_split, split,
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
-                   UNPACK: tl.constexpr, FIXUP: tl.constexpr):
+                   BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
-    The bytes of a step form a tile [C, ROWS_T, NB, R, U // 8, 8] (C chunks of U bytes per block). Triton's layout
-    for it keeps the innermost 8 bytes in one thread (one 8-byte load) and spreads the threads over C and ROWS_T
-    (choose ROWS_T = 32 // C * num_warps); NB, R and U // 8 stay in the thread. The activations come through
-    pointers [C, ROWS_T, NB, 1, U // 8, 8] (the row axis broadcast), which get the same layout: each thread
+    The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
+    layout for it keeps the innermost V bytes in one thread (one V-byte load) and spreads the threads over C and ROWS_T
+    (choose ROWS_T = 32 // C * num_warps); NB, R and U // V stay in the thread. The activations come through
+    pointers [C, ROWS_T, NB, 1, U // V, V] (the row axis broadcast), which get the same layout: each thread
     converts its activations once for its R rows, and the sums over a block never leave the thread.
+
+    MLX (FMT 13): a "block" is C groups, chunk c is group c, U = group_size * BITS / 8 bytes. 4-bit bytes hold
+    weights 2l (low nibble) and 2l + 1 (high), so the activations come in as int32 words XW (two x values each, the
+    same memory as X) and split into their even and odd halves; 8-bit bytes pair with x in natural order.
 
     With FIXUP, the ``split`` programs of an output tile write float32 partials to PART [split, M, N] and count
     their arrival in COUNT (zero on entry); the last to arrive sums the partials in split order (the same result as
@@ -122,8 +168,9 @@ def gemv_m1_kernel(X, W8, W16, Y, PART, COUNT, N, K, stride_xm, stride_ys, strid
     BLOCK_N: tl.constexpr = ROWS_T * R
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)  # one activation row per program along the third grid axis (M <= a few)
-    X += pid_m * stride_xm
+    pid_m = tl.program_id(2)  # MR activation rows per program along the third grid axis
+    X += pid_m * MR * stride_xm
+    XW += pid_m * MR * (stride_xm // 2)
     rt = tl.arange(0, ROWS_T)[None, :, None, None]
     rr = tl.arange(0, R)[None, None, None, :]
     # rows past N read row N - 1 (in bounds, never stored), so the weight loads need no mask
@@ -134,7 +181,10 @@ def gemv_m1_kernel(X, W8, W16, Y, PART, COUNT, N, K, stride_xm, stride_ys, strid
     c = c4[:, :, :, :, None, None]
     nb4 = tl.arange(0, NB)[None, None, :, None]
     zt = (rt * 0)[:, :, :, :, None, None]  # [1, ROWS_T, 1, 1, 1, 1] zeros: gives x the rows' thread layout
-    u = tl.arange(0, U // 8)[None, None, None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, None, None, :]
+    # V bytes per thread and load: 8, or 4 for MLX 4-bit, whose 4 bytes pair with 4 int32 words of x (16 bytes, the
+    # widest load, so both tiles get the same layout)
+    V: tl.constexpr = 4 if FMT == 13 and BITS == 4 else 8
+    u = tl.arange(0, U // V)[None, None, None, None, :, None] * V + tl.arange(0, V)[None, None, None, None, None, :]
     # pointers of the first step, advanced by NB blocks per step
     base4 = rows4 * row_bytes + (kb_start + nb4) * BLOCK_BYTES + c4 * 0  # [C, ROWS_T, NB, R] byte offsets
     xk = ((kb_start + nb4) * BS)[:, :, :, :, None, None] + zt  # [1, ROWS_T, NB, 1, 1, 1]
@@ -143,55 +193,115 @@ def gemv_m1_kernel(X, W8, W16, Y, PART, COUNT, N, K, stride_xm, stride_ys, strid
         h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
         x0_ptrs = X + xk + c * 64 + u
         x1_ptrs = x0_ptrs + 32
+    elif FMT == 13:  # MLX: codes only; scale and bias per (row, group) in WS, WB
+        w_ptrs = W8 + base4[:, :, :, :, None, None] + c * U + u
+        s_ptrs = rows4 * scale_stride + (kb_start + nb4) * C + c4
+        if BITS == 4:  # word u of group c: x[2u] (low nibble of byte u) and x[2u + 1] (high)
+            x0_ptrs = XW + xk // 2 + c * (U) + u
+        else:
+            x0_ptrs = X + xk + c * U + u
+        x1_ptrs = x0_ptrs
     else:  # q4_0 / q8_0: d, then the codes
         w_ptrs = W8 + base4[:, :, :, :, None, None] + 2 + u
         h_ptrs = W16 + base4 // 2
         x0_ptrs = X + xk + u + c * 0
         x1_ptrs = x0_ptrs + 16  # q4_0's high nibbles: weights 16-31
-    acc = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
+    # the other activation rows of this program: offsets from row pid_m * MR, rows past M repeat row M - 1 (never
+    # stored); MLX 4-bit reads x in int32 words, so its offsets are in words
+    XS: tl.constexpr = 2 if FMT == 13 and BITS == 4 else 1
+    m0 = pid_m * MR
+    xo1 = (tl.minimum(m0 + 1, M - 1) - m0) * (stride_xm // XS)
+    xo2 = (tl.minimum(m0 + 2, M - 1) - m0) * (stride_xm // XS)
+    xo3 = (tl.minimum(m0 + 3, M - 1) - m0) * (stride_xm // XS)
+    acc0 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
+    acc1 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
+    acc2 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
+    acc3 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
     for kb in range(kb_start, kb_end, NB):
         ok4 = (kb + nb4 < kb_end) & (c4 >= 0)  # with NB > 1 the last step may pass the split's end
         units = _load(w_ptrs, ok4[:, :, :, :, None, None], NB)
-        lo, hi = _unpack(units, FMT, UNPACK)
+        lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
         x_ok = ok4[:, :, :, :, None, None] & (zt == 0)
-        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, NB)
-        if FMT != 7:
-            s1, sx1 = _plane_dot(hi, x1_ptrs, x_ok, NB)
-        if FMT == 10:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 256 (s0 - sx0) (low), 16 (s1 - sx1) (high)
+        # per (row, block) factors of the four partial sums, shared by the activation rows: the increment is
+        # f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 (see _row_sums for s, sx)
+        if FMT == 13:  # w = scale * q + bias per group
+            sc = _load(WS + s_ptrs, ok4, NB).to(tl.float32)
+            bi = _load(WB + s_ptrs, ok4, NB).to(tl.float32)
+            if BITS == 4:  # sum q x = 256 (s0 - sx0) (low nibbles, even x) + 16 (s1 - sx1) (high, odd x)
+                f0, f1, g0, g1 = 256.0 * sc, 16.0 * sc, bi - 256.0 * sc, bi - 16.0 * sc
+            else:  # 8-bit: 1 + b/256 with b the code itself
+                f0, f1, g0, g1 = 256.0 * sc, sc * 0.0, bi - 256.0 * sc, sc * 0.0
+            s_ptrs += NB * C
+        elif FMT == 10:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 256 (s0 - sx0) (low), 16 (s1 - sx1) (high)
             hd = _load(h_ptrs, ok4, NB)
             d = (hd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = (hd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             sc0, mn0, sc1, mn1 = _q4k_scales(_load(h_ptrs + 1, ok4, NB), _load(h_ptrs + 2, ok4, NB),
                                              _load(h_ptrs + 3, ok4, NB), c4)
-            acc += (256.0 * d * sc0) * (s0 - sx0) - (dmin * mn0) * sx0
-            acc += (16.0 * d * sc1) * (s1 - sx1) - (dmin * mn1) * sx1
+            f0 = 256.0 * d * sc0
+            f1 = 16.0 * d * sc1
+            g0 = -f0 - dmin * mn0
+            g1 = -f1 - dmin * mn1
             h_ptrs += NB * BLOCK_BYTES // 4
         elif FMT == 3:  # w = d * (q - 8): sum q x - 8 sum x = 256 s0 - 264 sx0 + 16 s1 - 24 sx1
             d = _load(h_ptrs, ok4, NB).to(tl.float32)
-            acc += d * ((256.0 * s0 - 264.0 * sx0) + (16.0 * s1 - 24.0 * sx1))
+            f0, f1, g0, g1 = 256.0 * d, 16.0 * d, -264.0 * d, -24.0 * d
             h_ptrs += NB * BLOCK_BYTES // 2
         else:  # w = d * (b - 128):  sum b x - 128 sum x = 256 s - 384 sx
             d = _load(h_ptrs, ok4, NB).to(tl.float32)
-            acc += d * (256.0 * s0 - 384.0 * sx0)
+            f0, f1, g0, g1 = 256.0 * d, d * 0.0, -384.0 * d, d * 0.0
             h_ptrs += NB * BLOCK_BYTES // 2
+        acc0 += _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, f0, f1, g0, g1, X.dtype.element_ty, FMT, BITS, NB)
+        if MR > 1:
+            acc1 += _row_update(lo, hi, x0_ptrs + xo1, x1_ptrs + xo1, x_ok, f0, f1, g0, g1, X.dtype.element_ty,
+                                FMT, BITS, NB)
+        if MR > 2:
+            acc2 += _row_update(lo, hi, x0_ptrs + xo2, x1_ptrs + xo2, x_ok, f0, f1, g0, g1, X.dtype.element_ty,
+                                FMT, BITS, NB)
+        if MR > 3:
+            acc3 += _row_update(lo, hi, x0_ptrs + xo3, x1_ptrs + xo3, x_ok, f0, f1, g0, g1, X.dtype.element_ty,
+                                FMT, BITS, NB)
         w_ptrs += NB * BLOCK_BYTES
-        x0_ptrs += NB * BS
-        x1_ptrs += NB * BS
-    out = tl.sum(tl.sum(acc, axis=2), axis=0)  # [ROWS_T, R]
+        if FMT == 13 and BITS == 4:
+            x0_ptrs += NB * BS // 2
+        else:
+            x0_ptrs += NB * BS
+            x1_ptrs += NB * BS
     rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_T + tl.arange(0, ROWS_T)[:, None]
+    n_ok = rows2 < N
     if FIXUP:
-        part = PART + pid_m * N + rows2
-        tl.store(part + pid_k * N * tl.num_programs(2), out, mask=rows2 < N)
-        # release: the partial is visible before the count; acquire: the last sees every other partial
+        # partials of all MR rows, then one arrival per program; the last of the tile sums each row
+        part = PART + m0 * N + rows2
+        part_k = part + pid_k * N * M
+        tl.store(part_k, tl.sum(tl.sum(acc0, axis=2), axis=0), mask=n_ok)
+        if MR > 1:
+            tl.store(part_k + N, tl.sum(tl.sum(acc1, axis=2), axis=0), mask=n_ok & (m0 + 1 < M))
+        if MR > 2:
+            tl.store(part_k + 2 * N, tl.sum(tl.sum(acc2, axis=2), axis=0), mask=n_ok & (m0 + 2 < M))
+        if MR > 3:
+            tl.store(part_k + 3 * N, tl.sum(tl.sum(acc3, axis=2), axis=0), mask=n_ok & (m0 + 3 < M))
+        # release: the partials are visible before the count; acquire: the last sees every other partial
         tile = pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == split - 1:
-            total = tl.zeros([ROWS_T, R], dtype=tl.float32)
-            for s in range(0, split):
-                total += tl.load(part + s * N * tl.num_programs(2), mask=rows2 < N, other=0.0, cache_modifier=".cg")
-            tl.store(Y + pid_m * stride_ym + rows2, total.to(Y.dtype.element_ty), mask=rows2 < N)
+            for j in tl.static_range(MR):
+                ok = n_ok & (m0 + j < M)
+                total = tl.zeros([ROWS_T, R], dtype=tl.float32)
+                for s in range(0, split):
+                    total += tl.load(part + j * N + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(Y + (m0 + j) * stride_ym + rows2, total.to(Y.dtype.element_ty), mask=ok)
             tl.atomic_xchg(COUNT + tile, 0)
     else:
-        tl.store(Y + pid_k * stride_ys + pid_m * stride_ym + rows2, out.to(Y.dtype.element_ty), mask=rows2 < N)
+        y_ptrs = Y + pid_k * stride_ys + m0 * stride_ym + rows2
+        tl.store(y_ptrs, tl.sum(tl.sum(acc0, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok)
+        if MR > 1:
+            tl.store(y_ptrs + stride_ym, tl.sum(tl.sum(acc1, axis=2), axis=0).to(Y.dtype.element_ty),
+                     mask=n_ok & (m0 + 1 < M))
+        if MR > 2:
+            tl.store(y_ptrs + 2 * stride_ym, tl.sum(tl.sum(acc2, axis=2), axis=0).to(Y.dtype.element_ty),
+                     mask=n_ok & (m0 + 2 < M))
+        if MR > 3:
+            tl.store(y_ptrs + 3 * stride_ym, tl.sum(tl.sum(acc3, axis=2), axis=0).to(Y.dtype.element_ty),
+                     mask=n_ok & (m0 + 3 < M))
 
 
 M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)
@@ -201,29 +311,59 @@ M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)
 }
 
 
+def m1_layout(fmt: str, bits: int = 0, group_size: int = 0, K: int = 0):
+    """(FMT id, C, U, P, block size, block bytes) of a format the m1 kernel reads, or None. MLX 4- and 8-bit: a
+    block is C groups (4, 2 or 1, whichever divides the row's group count), one group per chunk."""
+    if fmt in M1_LAYOUTS:
+        return M1_LAYOUTS[fmt]
+    if fmt != "mlx" or bits not in (4, 8) or not group_size:
+        return None
+    groups = K // group_size
+    C = 4 if groups % 4 == 0 else (2 if groups % 2 == 0 else 1)
+    U = group_size * bits // 8
+    return 13, C, U, 2 if bits == 4 else 1, C * group_size, C * U
+
+
+def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0) -> bool:
+    """Whether the m1 kernel can take these operands: a layout for the format, 16-byte aligned weights (int32 header
+    loads, 8-byte code loads), and for MLX 4-bit an x whose rows can be read as int32 words."""
+    if m1_layout(fmt, bits, group_size, K) is None or data.data_ptr() % 16:
+        return False
+    if fmt == "mlx" and bits == 4:
+        import torch
+
+        return x.dtype in (torch.float16, torch.bfloat16) and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
+    return True
+
+
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
-              waves: int = 2, fixup: bool = True):
-    """Run gemv_m1_kernel for x [M, K] and a GGUF weight buffer; returns y [split, M, N] (float32 partials when
-    split > 1, for ops._finish to sum), and with return_kernel the compiled kernel too. ``config`` is
-    (R, NB, num_warps, num_stages) with R rows per thread; K is split until the grid has ``waves`` programs per SM.
-    With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums its own split-K partials and
-    y is [1, M, N]."""
+              waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
+              rows_per_program: int = 4):
+    """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
+    returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
+    compiled kernel too. ``config`` is (R, NB, num_warps, num_stages) with R rows per thread; K is split until the
+    grid has ``waves`` programs per SM. Each program takes up to ``rows_per_program`` (1, 2 or 4) activation rows,
+    which share its unpacked weights. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
+    its own split-K partials and y is [1, M, N]."""
     import torch
 
     from .._runtime import empty, split_counters
     from .ops import split_k
 
-    fid, C, U, P, BS, BB = M1_LAYOUTS[fmt]
+    fid, C, U, P, BS, BB = m1_layout(fmt, bits, group_size, K)
     reps, nb, warps, stages = config
-    rows_t = 32 // C * warps  # one row per thread and rep (C threads share a q4_k row)
+    rows_t = 32 // C * warps  # one row per thread and rep (C threads share a row's block)
     block_n = rows_t * reps
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // BS
     programs_n = triton.cdiv(N, block_n)
     M = x.shape[0]
-    split, per_split = split_k(programs_n * M, nblocks, nb, sms, waves)
+    # 3 rows run as 4 (one repeated, not stored): the MR=3 build measured slower than MR=4 on an H100
+    mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
+    grid_m = triton.cdiv(M, mr)
+    split, per_split = split_k(programs_n * grid_m, nblocks, nb, sms, waves)
     counters = split_counters(x.device) if fixup and split > 1 else None
-    if counters is not None and programs_n * M <= counters.numel():
+    if counters is not None and programs_n * grid_m <= counters.numel():
         y = empty(1, M, N, dtype=x.dtype, device=x.device)
         part = empty(split, M, N, dtype=torch.float32, device=x.device)
     else:
@@ -231,10 +371,15 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
         part = y
     w8 = data.view(torch.uint8)
-    kernel = gemv_m1_kernel[(programs_n, split, M)](
-        x, w8, w8.view(torch.float16), y, part, counters if counters is not None else y, N, K, x.stride(0),
-        y.stride(0), y.stride(1), row_bytes, nblocks, per_split, split,
-        FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps,
+    # MLX 4-bit reads x as int32 words (pairs); other formats pass x itself in that slot (unused)
+    xw = x.view(torch.int32) if fid == 13 and bits == 4 else x
+    ws = scales if scales is not None else w8
+    wb = biases if biases is not None else w8
+    kernel = gemv_m1_kernel[(programs_n, split, grid_m)](
+        x, xw, w8, w8.view(torch.float16), ws, wb, y, part, counters if counters is not None else y, M, N, K,
+        x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
+        per_split, split,
+        FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
         UNPACK=unpack, FIXUP=counters is not None,
         num_warps=warps, num_stages=stages)
     return (y, kernel) if return_kernel else y

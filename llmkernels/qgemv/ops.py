@@ -16,8 +16,10 @@ FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
-M1_MAX_M = 4  # q4_k up to here: the m1 kernel, one activation row per program row (faster than the tensor-core
-# tile path at M = 2, 3, 4 on an H100, slower at 8: scripts/gemv_lab.py --m-curve)
+# the m1 kernel (up to 4 activation rows per program) up to this M: q4_k against the tensor-core tile path (faster at
+# M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4)
+# (scripts/gemv_lab.py --m-curve)
+M1_MAX_M = {"q4_k": 4, "mlx": 2}
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -132,17 +134,21 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
     aligned = data.data_ptr() % 16 == 0  # m1 and tc read the q4_k header as int32 words
-    if fmt == "q4_k" and M <= M1_MAX_M and mode == 0 and aligned:  # scales factored out of the products (m1.py)
-        from .m1 import launch_m1
+    m1_fmt = fmt == "q4_k" or (fmt == "mlx" and bits in (4, 8))
+    if m1_fmt and M <= M1_MAX_M[fmt] and mode == 0:  # scales factored out of the products (m1.py)
+        from .m1 import launch_m1, m1_supports
 
-        interp = interpreter_mode()
-        if interp:
-            config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
-        else:
-            config = tuple(lookup("gemv", gpu_name(), "m1/q4_k") or (4, 1, 4, 3))
-        y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2)
-        return _finish(y, out_dtype)
-    if fmt == "q4_k" and M1_MAX_M < M <= SMALL_M and mode == 0 and aligned and x.dtype != torch.float32:
+        if m1_supports(x, data, fmt, bits, group_size, K):
+            interp = interpreter_mode()
+            if interp:
+                config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
+            else:
+                name = fmt if fmt != "mlx" else f"mlx{bits}"
+                config = tuple(lookup("gemv", gpu_name(), f"m1/{name}") or (4, 1, 4, 3))
+            y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
+                          bits=bits, group_size=group_size)
+            return _finish(y, out_dtype)
+    if fmt == "q4_k" and M1_MAX_M[fmt] < M <= SMALL_M and mode == 0 and aligned and x.dtype != torch.float32:
         # tensor cores (tc.py)
         from .tc import launch_tc
 

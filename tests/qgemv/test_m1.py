@@ -10,37 +10,67 @@ from llmkernels.qgemv.m1 import M1_LAYOUTS, launch_m1
 from llmkernels.qgemv.ops import _finish
 from llmkernels.testing import assert_close, gemv_ref
 
-FORMATS = sorted(M1_LAYOUTS)
+# GGUF formats, then MLX (bits, group size): 4-bit reads x as int32 pairs, 8-bit in natural order
+FORMATS = [(f, {}) for f in sorted(M1_LAYOUTS)] + [("mlx", dict(bits=b, group_size=g))
+                                                   for b, g in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)]]
+IDS = [f if not kw else f"mlx{kw['bits']}g{kw['group_size']}" for f, kw in FORMATS]
 
 
-def _run(fmt, N, K, config, sms, unpack, dtype, device):
-    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+def _run(fmt, kw, N, K, config, sms, unpack, dtype, device):
+    if K % kw.get("group_size", 1):
+        pytest.skip("K is not a multiple of the group size")
+    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
     x = torch.randn(1, K, dtype=dtype, device=device)
-    y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack), dtype)
+    y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack, scales=qt.scales, biases=qt.biases,
+                          bits=qt.bits or 0, group_size=qt.group_size or 0), dtype)
     ref = gemv_ref(x, qt)
     tol = 4e-3 if dtype == torch.float16 else 2e-2
     assert y.shape == (1, N) and y.dtype == dtype
     assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,kw", FORMATS, ids=IDS)
 @pytest.mark.parametrize("N,K,config,sms", [
     (37, 512, (1, 1, 1, 1), 4),    # rows not a multiple of the tile, split-K into single blocks
     (19, 768, (2, 2, 1, 1), 1),    # two rows per thread, two blocks per step, K split unevenly (3 q4_k blocks)
     (130, 256, (1, 1, 2, 1), 64),  # more programs than blocks: the split is capped by the block count
+    (21, 320, (1, 1, 1, 1), 3),    # MLX: an odd group count (g64) or two groups per block (g32)
 ])
-def test_m1_kernel(fmt, N, K, config, sms, device):
-    _run(fmt, N, K, config, sms, 1 if interpreter_mode() else 2, torch.float16, device)
+def test_m1_kernel(fmt, kw, N, K, config, sms, device):
+    if fmt != "mlx" and K % 256:
+        pytest.skip("K is not a multiple of 256")
+    _run(fmt, kw, N, K, config, sms, 1 if interpreter_mode() else 2, torch.float16, device)
+
+
+@pytest.mark.parametrize("fmt,kw", [FORMATS[2], FORMATS[0], FORMATS[4]], ids=[IDS[2], IDS[0], IDS[4]])
+@pytest.mark.parametrize("M,rows_per_program,fixup", [(2, 4, True), (3, 2, False), (5, 4, True), (4, 3, True)])
+def test_m1_rows_per_program(fmt, kw, M, rows_per_program, fixup, device):
+    """Several activation rows per program share the unpacked weights; the last program's surplus rows (M not a
+    multiple of rows_per_program) read a real row and are not stored."""
+    N, K = 45, 512
+    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    y = _finish(launch_m1(x, qt.data, fmt, N, K, (1, 1, 1, 1), 8, 1 if interpreter_mode() else 2, fixup=fixup,
+                          scales=qt.scales, biases=qt.biases, bits=qt.bits or 0, group_size=qt.group_size or 0,
+                          rows_per_program=rows_per_program), x.dtype)
+    ref = gemv_ref(x, qt)
+    assert_close(y, ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+
+
+def test_m1_mlx_bf16_activations(device):
+    """bf16 activations split from int32 words by shifts (fp16 goes through a conversion)."""
+    _run("mlx", dict(bits=4, group_size=64), 45, 512, (1, 1, 1, 1), 4, 1 if interpreter_mode() else 2,
+         torch.bfloat16, device)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,kw", FORMATS, ids=IDS)
 @pytest.mark.parametrize("unpack", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_m1_kernel_gpu(fmt, unpack, dtype, device):
+def test_m1_kernel_gpu(fmt, kw, unpack, dtype, device):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K, config in [(4096, 4096, (4, 1, 4, 3)), (1001, 14336, (2, 2, 8, 1)), (77, 1024, (1, 1, 4, 3))]:
-        _run(fmt, N, K, config, sms, unpack, dtype, device)
+        _run(fmt, kw, N, K, config, sms, unpack, dtype, device)
 
 
 @pytest.mark.parametrize("fixup", [True, False])
@@ -77,3 +107,16 @@ def test_gemv_q4k_weights_not_16_byte_aligned(device):
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         ref = gemv_ref(x, qt)
         assert_close(lk.gemv(x, shifted), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+
+
+def test_gemv_mlx4_activations_not_word_aligned(device):
+    """x starting at an odd fp16 element cannot be read as int32 pairs: gemv takes another kernel and stays right."""
+    N, K = 40, 256
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "mlx", bits=4, group_size=64).to(device)
+    buf = torch.randn(K + 1, dtype=torch.float16, device=device)
+    from llmkernels.qgemv.m1 import m1_supports
+
+    assert not m1_supports(buf[1:].view(1, K), qt.data, "mlx", 4, 64, K)
+    for x in (buf[1:].view(1, K), buf[:K].view(1, K)):
+        ref = gemv_ref(x, qt)
+        assert_close(lk.gemv(x, qt), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
