@@ -17,8 +17,8 @@ X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
 # the m1 kernel (up to 4 activation rows per program) up to this M: q4_k against the tensor-core tile path (faster at
-# M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4)
-# (scripts/gemv_lab.py --m-curve)
+# M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4;
+# MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py --m-curve)
 M1_MAX_M = {"q4_k": 4, "mlx": 2}
 
 
