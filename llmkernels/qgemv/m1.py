@@ -77,7 +77,8 @@ def _unpack(units, FMT: tl.constexpr, UNPACK: tl.constexpr):
 
 @triton.jit
 def _split_words(w, DT: tl.constexpr):
-    """int32 words holding two fp16/bf16 values -> (low half, high half) as float32."""
+    """int32 words holding two fp16/bf16 values (x pairs, the q4_k header's d and dmin) -> (low half, high half) as
+    float32."""
     if DT == tl.bfloat16:  # a bf16 is the top half of its float32
         return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
     else:
@@ -234,8 +235,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             s_ptrs += NB * C
         elif FMT == 10:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 256 (s0 - sx0) (low), 16 (s1 - sx1) (high)
             hd = _load(h_ptrs, ok4, NB)
-            d = (hd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            dmin = (hd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            d, dmin = _split_words(hd, tl.float16)  # the header's first word: fp16 d, fp16 dmin
             sc0, mn0, sc1, mn1 = _q4k_scales(_load(h_ptrs + 1, ok4, NB), _load(h_ptrs + 2, ok4, NB),
                                              _load(h_ptrs + 3, ok4, NB), c4)
             f0 = 256.0 * d * sc0

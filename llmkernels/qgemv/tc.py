@@ -14,7 +14,7 @@ x is loaded in natural order and permuted to the same k order.
 import triton
 import triton.language as tl
 
-from .m1 import _q4k_scales
+from .m1 import _q4k_scales, _split_words
 
 
 def _asm_q4(bf16: bool) -> str:
@@ -92,8 +92,7 @@ def gemv_tc_kernel(X, W8, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes
     for kb in range(kb_start, kb_end):
         units = tl.load(w_ptrs)
         hd = tl.load(h_ptrs)
-        d = (hd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (hd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dmin = _split_words(hd, tl.float16)  # the header's first word: fp16 d, fp16 dmin
         sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), c2)
         w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT)[:, :, None], (-dmin * mn0).to(DT)[:, :, None],
                              (d * sc1).to(DT)[:, :, None], (-dmin * mn1).to(DT)[:, :, None], DT, UNPACK)
