@@ -162,10 +162,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     weights 2l (low nibble) and 2l + 1 (high), so the activations come in as int32 words XW (two x values each, the
     same memory as X) and split into their even and odd halves; 8-bit bytes pair with x in natural order.
 
-    With FIXUP, the ``split`` programs of an output tile write float32 partials to PART [split, M, N] and count
-    their arrival in COUNT (zero on entry); the last to arrive sums the partials in split order (the same result as
-    a separate sum kernel), writes Y and sets the counter back to zero. Without it, Y [split, M, N] gets the
-    partials (or, with one split, the result)."""
+    The sums are stored by _store_rows (FIXUP: split-K partials summed in the kernel)."""
     BLOCK_N: tl.constexpr = ROWS_T * R
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -268,20 +265,34 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             x0_ptrs += NB * BS
             x1_ptrs += NB * BS
     rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_T + tl.arange(0, ROWS_T)[:, None]
+    _store_rows(tl.sum(tl.sum(acc0, axis=2), axis=0), tl.sum(tl.sum(acc1, axis=2), axis=0),
+                tl.sum(tl.sum(acc2, axis=2), axis=0), tl.sum(tl.sum(acc3, axis=2), axis=0), rows2, Y, PART, COUNT,
+                M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym, ROWS_T, R, MR, FIXUP)
+
+
+@triton.jit
+def _store_rows(a0, a1, a2, a3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym,
+                ROWS_T: tl.constexpr, R: tl.constexpr, MR: tl.constexpr, FIXUP: tl.constexpr):
+    """Store a program's sums a0..a3 [ROWS_T, R] (activation rows m0..m0 + MR - 1, output rows ``rows2``).
+
+    With FIXUP, the ``split`` programs of an output tile write float32 partials to PART [split, M, N] and count
+    their arrival in COUNT (zero on entry); the last to arrive sums the partials in split order (the same result as
+    a separate sum kernel), writes Y and sets the counter back to zero. Without it, Y [split, M, N] gets the
+    partials (or, with one split, the result)."""
     n_ok = rows2 < N
     if FIXUP:
         # partials of all MR rows, then one arrival per program; the last of the tile sums each row
         part = PART + m0 * N + rows2
         part_k = part + pid_k * N * M
-        tl.store(part_k, tl.sum(tl.sum(acc0, axis=2), axis=0), mask=n_ok)
+        tl.store(part_k, a0, mask=n_ok)
         if MR > 1:
-            tl.store(part_k + N, tl.sum(tl.sum(acc1, axis=2), axis=0), mask=n_ok & (m0 + 1 < M))
+            tl.store(part_k + N, a1, mask=n_ok & (m0 + 1 < M))
         if MR > 2:
-            tl.store(part_k + 2 * N, tl.sum(tl.sum(acc2, axis=2), axis=0), mask=n_ok & (m0 + 2 < M))
+            tl.store(part_k + 2 * N, a2, mask=n_ok & (m0 + 2 < M))
         if MR > 3:
-            tl.store(part_k + 3 * N, tl.sum(tl.sum(acc3, axis=2), axis=0), mask=n_ok & (m0 + 3 < M))
+            tl.store(part_k + 3 * N, a3, mask=n_ok & (m0 + 3 < M))
         # release: the partials are visible before the count; acquire: the last sees every other partial
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_m * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == split - 1:
             for j in tl.static_range(MR):
                 ok = n_ok & (m0 + j < M)
@@ -292,16 +303,13 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             tl.atomic_xchg(COUNT + tile, 0)
     else:
         y_ptrs = Y + pid_k * stride_ys + m0 * stride_ym + rows2
-        tl.store(y_ptrs, tl.sum(tl.sum(acc0, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok)
+        tl.store(y_ptrs, a0.to(Y.dtype.element_ty), mask=n_ok)
         if MR > 1:
-            tl.store(y_ptrs + stride_ym, tl.sum(tl.sum(acc1, axis=2), axis=0).to(Y.dtype.element_ty),
-                     mask=n_ok & (m0 + 1 < M))
+            tl.store(y_ptrs + stride_ym, a1.to(Y.dtype.element_ty), mask=n_ok & (m0 + 1 < M))
         if MR > 2:
-            tl.store(y_ptrs + 2 * stride_ym, tl.sum(tl.sum(acc2, axis=2), axis=0).to(Y.dtype.element_ty),
-                     mask=n_ok & (m0 + 2 < M))
+            tl.store(y_ptrs + 2 * stride_ym, a2.to(Y.dtype.element_ty), mask=n_ok & (m0 + 2 < M))
         if MR > 3:
-            tl.store(y_ptrs + 3 * stride_ym, tl.sum(tl.sum(acc3, axis=2), axis=0).to(Y.dtype.element_ty),
-                     mask=n_ok & (m0 + 3 < M))
+            tl.store(y_ptrs + 3 * stride_ym, a3.to(Y.dtype.element_ty), mask=n_ok & (m0 + 3 < M))
 
 
 M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)

@@ -20,6 +20,8 @@ MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + 
 # M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4;
 # MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py --m-curve)
 M1_MAX_M = {"q4_k": 4, "mlx": 2}
+# q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
+WORDS_MAX_M = {"q4_0": 4}
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -148,6 +150,16 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
                           bits=bits, group_size=group_size)
             return _finish(y, out_dtype)
+    if fmt in WORDS_MAX_M and M <= WORDS_MAX_M[fmt] and mode == 0:  # q4_0 from aligned words (words.py)
+        from .words import launch_words, words_supports
+
+        if words_supports(x, data, fmt, K):
+            interp = interpreter_mode()
+            if interp:
+                config = (2, 2, 1, 1) if N < 128 else (2, 8, 4, 1)
+            else:
+                config = tuple(lookup("gemv", gpu_name(), f"words/{fmt}") or (2, 8, 4, 3))
+            return _finish(launch_words(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2), out_dtype)
     if fmt == "q4_k" and M1_MAX_M[fmt] < M <= SMALL_M and mode == 0 and aligned and x.dtype != torch.float32:
         # tensor cores (tc.py)
         from .tc import launch_tc
