@@ -218,7 +218,7 @@ def words_supports(x, data, fmt: str, K: int) -> bool:
 
 
 def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, waves: int = 4,
-                 fixup: bool = True, rows_per_program: int = 4, return_kernel: bool = False):
+                 fixup: bool = True, rows_per_program: int = 2, return_kernel: bool = False):
     """Run gemv_words_kernel for x [M, K] and q4_0/q8_0 blocks; returns y [split, M, N] like m1.launch_m1.
     ``config`` is (R, G, num_warps, num_stages): R rows per thread, G blocks per step."""
     import torch
@@ -237,6 +237,8 @@ def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: in
     ngroups = K // (32 * G)
     programs_n = triton.cdiv(N, block_n)
     M = x.shape[0]
+    # 2 activation rows per program measured best at M = 2..4 (H100, scripts/gemv_lab.py --m-curve wq4_0): with 4
+    # and 8 blocks per step the kernel needs 191 registers
     mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
     grid_m = triton.cdiv(M, mr)
     # up to ``waves`` programs per SM (4 measured best on an H100), but a grid that already has two waves is not
