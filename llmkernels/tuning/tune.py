@@ -128,6 +128,15 @@ def tune_decode(gpu):
     return out
 
 
+# formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
+# blocks (m1) or GGUF blocks per step (words), warps, stages)
+SMALL_M_KERNEL = {
+    "q4_k": ("m1/q4_k", [(4, 1, 4, 3), (2, 1, 4, 3), (2, 1, 8, 3), (4, 1, 8, 3), (2, 2, 4, 3), (4, 1, 4, 1),
+                         (1, 1, 4, 3), (2, 1, 2, 3)]),
+    "q4_0": ("words/q4_0", [(2, 8, 4, 3), (2, 4, 4, 3), (2, 8, 2, 3), (4, 4, 4, 3), (2, 8, 4, 1), (4, 2, 4, 3)]),
+}
+
+
 def tune_gemv(gpu):
     from ..qgemv import gemv, silu_mul_gemv
     from ..testing.random_weights import random_qtensor
@@ -155,16 +164,14 @@ def tune_gemv(gpu):
                 out["tc/q4_k"] = _best("gemv", "tc/q4_k", [(128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 4, 3),
                                                            (256, 8, 3), (64, 4, 4)], works)
                 works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
-            if fmt == "q4_k" and mclass == "m1":  # gemv takes the m1 kernel here; silu_mul_gemv takes planes
+            if fmt in SMALL_M_KERNEL and mclass == "m1":  # gemv takes another kernel; silu_mul_gemv takes planes
                 planes_works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
                                 for x, copies in zip(xs, qts)]
                 out[key] = _best("gemv", key, cands, planes_works)
+                small_key, small_cands = SMALL_M_KERNEL[fmt]
+                out[small_key] = _best("gemv", small_key, small_cands, works)
             else:
                 out[key] = _best("gemv", key, cands, works)
-            if fmt == "q4_k" and mclass == "m1":  # batch 1 q4_k runs the m1 kernel: (rows per thread, NB, warps,
-                cands = [(4, 1, 4, 3), (2, 1, 4, 3), (2, 1, 8, 3), (4, 1, 8, 3), (2, 2, 4, 3), (4, 1, 4, 1),
-                         (1, 1, 4, 3), (2, 1, 2, 3)]  # stages)
-                out["m1/q4_k"] = _best("gemv", "m1/q4_k", cands, works)
     generic = [("legacy", "q5_0", {}, 8), ("kquant", "q6_k", {}, 1), ("dense", "f16", {}, 8),
                ("mlx_odd", "mlx", dict(bits=3, group_size=64), 4)]
     for family, fmt, kw, nb in generic:
