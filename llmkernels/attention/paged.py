@@ -5,6 +5,7 @@ import torch
 import triton
 
 from .._checks import _capturing, _capturing_compile, call_op, check_device, check_tensor, interpreter_mode
+from .._runtime import split_counters
 from ..kv_cache import FP8_DTYPES, as_scale_tensor
 from .plan import PagedAttentionPlan, plan_paged_attention
 from .prefill import _check_softcap, _check_window, check_attention_inputs, output_buffers
@@ -45,26 +46,32 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
     scale_ptrs = k_scale is not None
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else q
+    # split-KV partials merged by the last split program of each (tile, KV head), counted in a per-stream buffer;
+    # combine_kernel when there is none (inside a CUDA-graph capture that did not warm the stream up first)
+    counters = split_counters(q.device) if split else None
+    caps = configs[5::6]
+    fused = counters is not None and max(caps) * Hkv <= counters.numel()
     for i in range(len(configs) // 6):
         block_q, block_m, block_n, warps, stages, cap = configs[6 * i:6 * i + 6]
         tile_seq, tile_q, num_tiles = tiles[3 * i:3 * i + 3]
         paged_attn_kernel[(cap, Hkv, num_splits)](
             q, k_cache, v_cache, o_buf, lse_buf, sinks if sinks is not None else q,
             k_scale if scale_ptrs else q, v_scale if scale_ptrs else q, mask, page_table, seq_lens,
-            cu_seqlens_q, tile_seq, tile_q, num_tiles,
+            cu_seqlens_q, tile_seq, tile_q, num_tiles, out, lse, counters if fused else num_tiles,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             o_buf.stride(0) if split else 0, o_buf.stride(-3), o_buf.stride(-2),
             lse_buf.stride(0) if split else 0, page_table.stride(0),
-            custom_mask.stride(0) if custom_mask is not None else 0,
+            custom_mask.stride(0) if custom_mask is not None else 0, out.stride(0), out.stride(1),
             Hq, qk_scale, softcap, left, right, k_scale_f, v_scale_f, num_splits,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_Q=block_q,
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
             SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype),
+            COMBINE=fused, COMBINE_SINK=sinks is not None, COMBINE_LSE=write_lse,
             num_warps=warps, num_stages=stages)
-    if split:
+    if split and not fused:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,
             ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), out.stride(0), out.stride(1), Hq,
