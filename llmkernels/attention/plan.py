@@ -95,8 +95,8 @@ class PagedAttentionPlan:
         _check_lengths(q_lens, k_lens)
         tiles = _tiles(q_lens, self.short_q_max, {ln.name: ln.block_q for ln in self.launches})
         if self.workspace_o is not None and int(q_lens.sum()) > self.workspace_o.shape[1]:
-            raise ValueError(f"plan.update: {int(q_lens.sum())} query tokens exceed the plan's workspace "
-                             f"({self.workspace_o.shape[1]})")
+            raise ValueError(f"plan.update: {int(q_lens.sum())} query tokens exceed the split-KV workspace "
+                             f"capacity ({self.workspace_o.shape[1]} tokens); make a new plan")
         names = {ln.name for ln in self.launches}
         for name, (seqs, _) in tiles.items():
             if len(seqs) and name not in names:

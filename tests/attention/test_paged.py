@@ -89,6 +89,19 @@ def test_plan_describes_and_updates(device):
         plan.update(torch.tensor([0, 40], dtype=torch.int32), torch.tensor([50], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("B,L,splits", [(1, 600, 17), (1, 300, 9), (1, 8192, 17), (1, 32768, 33), (16, 4096, 3),
+                                         (16, 600, 2), (64, 1024, 1)])
+def test_plan_split_count(B, L, splits, monkeypatch):
+    """On 132 SMs with GQA 32/8: two waves of split programs while each keeps >= 512 keys, else one wave down to
+    32 keys per split; no split once tiles x kv heads fill the SMs."""
+    import llmkernels.attention.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "num_sms", lambda dev: 132)
+    plan = lk.plan_paged_attention(torch.arange(B + 1, dtype=torch.int32), torch.full((B,), L, dtype=torch.int32),
+                                   16, 32, 8, 128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device="cpu")
+    assert plan.num_splits == splits
+
+
 def test_plan_mismatch_is_an_error(device):
     q, kc, vc, pt, sl, cq = build([1], [20], 16, 4, 2, 64, device=device)
     plan = lk.plan_paged_attention(cq, sl, 8, 4, 2, 64, q_dtype=torch.float16, kv_dtype=torch.float16,
