@@ -94,18 +94,20 @@ class PagedAttentionPlan:
         q_lens, k_lens = _host_lengths(cu_seqlens_q, seq_lens)
         _check_lengths(q_lens, k_lens)
         tiles = _tiles(q_lens, self.short_q_max, {ln.name: ln.block_q for ln in self.launches})
-        if self.workspace_o is not None and int(q_lens.sum()) > self.workspace_o.shape[1]:
-            raise ValueError(f"plan.update: {int(q_lens.sum())} query tokens exceed the split-KV workspace "
-                             f"capacity ({self.workspace_o.shape[1]} tokens); make a new plan")
         names = {ln.name for ln in self.launches}
         for name, (seqs, _) in tiles.items():
             if len(seqs) and name not in names:
                 raise ValueError(f"plan.update: the batch has {name} sequences but the plan was made without a "
                                  f"'{name}' launch; make a new plan")
         for ln in self.launches:
-            seqs, starts = tiles.get(ln.name, (np.zeros(0, np.int32), np.zeros(0, np.int32)))
+            seqs = tiles.get(ln.name, (np.zeros(0, np.int32), None))[0]
             if len(seqs) > ln.capacity:
                 raise ValueError(f"plan.update: {len(seqs)} '{ln.name}' tiles exceed capacity {ln.capacity}")
+        if self.workspace_o is not None and int(q_lens.sum()) > self.workspace_o.shape[1]:
+            raise ValueError(f"plan.update: {int(q_lens.sum())} query tokens exceed the split-KV workspace "
+                             f"capacity ({self.workspace_o.shape[1]} tokens); make a new plan")
+        for ln in self.launches:
+            seqs, starts = tiles.get(ln.name, (np.zeros(0, np.int32), np.zeros(0, np.int32)))
             _fill(ln, seqs, starts)
         self.batch = len(q_lens)
         self.total_q = int(q_lens.sum())

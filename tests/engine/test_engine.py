@@ -56,7 +56,7 @@ def test_greedy_tokens_identical(model_files, arch, fmt):
     want = hf_greedy(ref, ids, 6)
     # identical tokens are owed only where the reference's top-2 margin exceeds twice our logit error there
     lg = hf_logits(ref, ids + want[:-1])[len(ids) - 1:]
-    err = (llm.logits(ids + want[:-1])[len(ids) - 1:].double() - lg).abs().max()
+    err = (llm.logits(ids + want[:-1])[len(ids) - 1:].double().cpu() - lg).abs().max()
     top2 = lg.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 2 * err, "near-tie in the reference: pick another prompt or seed"
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
