@@ -20,7 +20,7 @@ from ..tuning import lookup
 
 PAGED_HEAD_DIMS = (64, 96, 128, 256)
 MIN_KEYS_PER_SPLIT = 512  # keys per split below which a second wave of split programs does not pay
-MIN_KEYS_SHORT = 32  # the least keys per split (one BLOCK_N tile)
+MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K/V tiles)
 
 
 @dataclasses.dataclass
