@@ -16,7 +16,7 @@ share the unpacked codes.
 import triton
 import triton.language as tl
 
-from .m1 import _ASM_PAIR, _ASM_Q8, _split_words, _store_rows
+from .m1 import _ASM_PAIR, _ASM_Q8, _split_words, _store_rows, split_outputs
 
 # bytes 2, 3 of $1 and 0, 1 of $2: the code word of a block that starts at byte 2 of a word
 _ASM_FUNNEL = tl.constexpr("prmt.b32 $0, $1, $2, 0x5432;")
@@ -223,7 +223,6 @@ def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: in
     ``config`` is (R, G, num_warps, num_stages): R rows per thread, G blocks per step."""
     import torch
 
-    from .._runtime import empty, split_counters
     from .ops import split_k
 
     reps, G, warps, stages = config
@@ -244,14 +243,7 @@ def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: in
     # up to ``waves`` programs per SM (4 measured best on an H100), but a grid that already has two waves is not
     # split (the vocabulary projection: 1.84 TB/s unsplit, 1.55 split in two)
     split, per_split = split_k(programs_n * grid_m, ngroups, 1, sms, waves if programs_n * grid_m < 2 * sms else 0)
-    counters = split_counters(x.device) if fixup and split > 1 else None
-    if counters is not None and programs_n * grid_m <= counters.numel():
-        y = empty(1, M, N, dtype=x.dtype, device=x.device)
-        part = empty(split, M, N, dtype=torch.float32, device=x.device)
-    else:
-        counters = None
-        y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-        part = y
+    y, part, counters = split_outputs(x, N, split, programs_n * grid_m, fixup)
     main = nv * vw
     kernel = gemv_words_kernel[(programs_n, split, grid_m)](
         x.view(torch.int32), data.view(torch.int32), y, part, counters if counters is not None else y, M, N,
