@@ -81,6 +81,21 @@ def main():
                 if 768 % (32 * config[1]) == 0:
                     launch_words(torch.randn(M, 768, device=dev, dtype=dt), qt.data, fmt, 37, 768, config, sms, 2,
                                  fixup=fixup)
+    # int8 activations (int8.py): the rounding kernel on a partial block range, the dp4a kernel on every format,
+    # one to four rows per thread, odd rows, split or not, several activation rows per program
+    from llmkernels.qgemv.int8 import launch_i8, quantize_act
+
+    for fmt in ("q4_0", "q8_0", "q4_k"):
+        qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
+        for config, sms in (((1, 1, 1), 4), ((2, 4, 3), 132), ((4, 2, 3), 7), ((2, 4, 3), 1)):
+            for M, fixup, rpp in ((1, True, 2), (3, True, 2), (2, False, 2), (5, True, 4)):
+                q, ds = quantize_act(torch.randn(M, 768, device=dev, dtype=torch.bfloat16))
+                launch_i8(q, ds, qt.data, fmt, 37, 768, config, sms, True, torch.float16, fixup=fixup,
+                          rows_per_program=rpp)
+    quantize_act(torch.randn(3, 1120, device=dev, dtype=torch.float16),
+                 torch.randn(3, 1120, device=dev, dtype=torch.float16))
+    lk.gemv(torch.randn(2, 768, device=dev, dtype=torch.float16), lk.quantize(torch.randn(37, 768, device=dev),
+                                                                               "q4_k"), act_int8=True)
     # the tensor-core q4_k kernel for mid M: rows past the tile, uneven K splits, both activation dtypes
     from llmkernels.qgemv.tc import launch_tc
 

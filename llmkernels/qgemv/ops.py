@@ -22,6 +22,8 @@ MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + 
 M1_MAX_M = {"q4_k": 4, "mlx": 2}
 # q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
 WORDS_MAX_M = {"q4_0": 4}
+# with act_int8: the integer dot-product kernel (int8.py) up to this M
+I8_MAX_M = 16
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -124,8 +126,27 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
     return out
 
 
-def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode):
+def _launch_i8(x, x2, data, fmt, N, K):
+    """gemv with x (or silu(x) * x2) rounded to int8 per block of 32, through int8.py's kernel."""
+    from .int8 import launch_i8, quantize_act
+
+    interp = interpreter_mode()
+    xq, ds = quantize_act(x, x2)
+    if interp:
+        config = (2, 1, 1) if N < 128 else (2, 4, 1)
+    else:
+        config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}") or (2, 4, 3))
+    y = launch_i8(xq, ds, data, fmt, N, K, config, num_sms(x.device), not interp, x.dtype)
+    return _finish(y, x.dtype)
+
+
+def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode, act=0):
     M = x.shape[0]
+    if act == 1 and mode != 2 and M <= I8_MAX_M and x.dtype != torch.float32:
+        from .int8 import i8_supports
+
+        if i8_supports(data, fmt, K):
+            return _launch_i8(x, x2 if mode == 1 else None, data, fmt, N, K)
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, family = _layout(fmt, K, row_bytes, group_size)
     m_pad = 1 if M == 1 else SMALL_M
@@ -216,7 +237,7 @@ def _qt_args(qt: QuantizedTensor):
 def _gemv_impl(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
              biases: torch.Tensor | None, data2: torch.Tensor | None, scales2: torch.Tensor | None,
              biases2: torch.Tensor | None, fmt: str, N: int, K: int, bits: int, group_size: int,
-             mode: int) -> torch.Tensor:
+             mode: int, act: int) -> torch.Tensor:
     M = x.shape[0]
     if M > MID_M:  # large M: dequantize once with the embedding kernel, then one cuBLAS product
         a = x if mode != 1 else torch.nn.functional.silu(x.float()).mul_(x2.float()).to(x.dtype)
@@ -227,14 +248,15 @@ def _gemv_impl(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, sca
                                    group_size, x.dtype)
             return (torch.nn.functional.silu((a @ w.T).float()) * (a @ w2.T).float()).to(x.dtype)
         return a @ w.T
-    return _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode)
+    return _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode,
+                        act)
 
 
 _gemv_op = torch.library.custom_op("llmkernels::quant_gemv", mutates_args=())(_gemv_impl)
 
 
 @_gemv_op.register_fake
-def _(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode):
+def _(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode, act):
     return x.new_empty(x.shape[0], N)
 
 
@@ -288,12 +310,22 @@ def _check_x(name: str, x, K: int) -> torch.Tensor:
     return x2
 
 
-def gemv(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+def _check_act(act_int8) -> int:
+    if not isinstance(act_int8, bool):
+        raise TypeError(f"act_int8 must be a bool, got {type(act_int8).__name__}")
+    return int(act_int8)
+
+
+def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.Tensor:
     """y = x @ dequantize(qt).T with the weights dequantized in registers (read once from memory).
 
     Args:
         x: [M, K] (or [..., K]) fp16/bf16 (fp32 accepted), last dim contiguous.
         qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
+        act_int8: round x to int8 per block of 32 first (scale absmax / 127, like llama.cpp's q8_1 activations)
+            and use integer dot products: faster for q4_0, q8_0 and q4_k at M <= 16 with fp16/bf16 x and K a
+            multiple of 256, at the cost of that rounding (about 1/254 of each block's absmax per element). Other
+            cases compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
     M = 64 it launches M-blocks of 16; beyond, it dequantizes once and calls cuBLAS.
 
@@ -304,14 +336,16 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     N, K = qt.shape
     x2 = _check_x("x", x, K)
     check_device(x=x, qt_data=qt.data)
-    y = call_op(_gemv_op, _gemv_impl, x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0)
+    act = _check_act(act_int8)
+    y = call_op(_gemv_op, _gemv_impl, x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0, act)
     return y.reshape(*x.shape[:-1], N)
 
 
-def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ dequantize(qt).T, the product formed while loading (never written to memory).
 
     gate, up: [M, K] fp16/bf16 of one shape; qt: [N, K] (the down projection). Returns [M, N] in gate's dtype.
+    act_int8: as in gemv (the product is formed in float32 and rounded to int8 per block of 32, written as int8).
 
     >>> y = silu_mul_gemv(gate, up, w_down)
     """
@@ -323,7 +357,8 @@ def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor) -> 
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)}/{gate.dtype} and "
                          f"{tuple(up.shape)}/{up.dtype}")
     check_device(gate=gate, up=up, qt_data=qt.data)
-    y = call_op(_gemv_op, _gemv_impl, g2, u2, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 1)
+    act = _check_act(act_int8)
+    y = call_op(_gemv_op, _gemv_impl, g2, u2, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 1, act)
     return y.reshape(*gate.shape[:-1], N)
 
 
@@ -344,7 +379,7 @@ def gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTens
     check_device(x=x, qt_gate=qt_gate.data, qt_up=qt_up.data)
     y = call_op(_gemv_op, _gemv_impl, x2, None, qt_gate.data, qt_gate.scales, qt_gate.biases, qt_up.data,
                 qt_up.scales, qt_up.biases,
-                 *_qt_args(qt_gate)[3:], 2)
+                 *_qt_args(qt_gate)[3:], 2, 0)
     return y.reshape(*x.shape[:-1], N)
 
 

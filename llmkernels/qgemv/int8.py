@@ -1,0 +1,302 @@
+"""GEMV with the activations rounded to int8: integer dot products (dp4a) on the stored codes, for q4_0, q8_0 and
+q4_k at small M. The result is x' @ dequantize(W).T with x' = x rounded to int8 per block of 32 (scale = absmax / 127,
+round half away from zero), like llama.cpp's q8_1 activations; it is opt-in (``gemv(..., act_int8=True)``) because
+it is not x @ dequantize(W).T to fp16 rounding (the activation rounding adds about 1/254 of each block's absmax).
+
+Why: the exact kernels (m1.py, words.py) turn each code into a float and multiply it with x, 4 to 5 instructions
+per weight, which keeps them near the SMs' issue limit before the memory limit. With int8 activations one ``dp4a``
+multiplies 4 codes by 4 activations and sums them into an int32: q4_0's 8 nibbles of a word take two LOP3 (mask the
+low nibbles, mask the high ones in place: bytes 16 q) and two dp4a, under 1 instruction per weight in all.
+
+Layout of the quantized activations (``quantize_act``): q int8 [M, K] (read as int32 words, 8 per block) and
+ds float32 [M, K / 32, 2] with (d, s) per block: d = absmax / 127 and s = d * sum(q), so that
+sum_j (c_j - z) x'_j = d * sum_j c_j q_j - z * s for codes c and a zero point z.
+
+Weights are read like in words.py: a step is G blocks (q4_0, q8_0) or one super-block (q4_k) per row, loaded as
+NV + 1 vectors of VW int32 words and split into single words in the registers (rows past N read row N - 1, never
+stored). A block of q4_0 or q8_0 that starts in the middle of a word gets its code words from two neighbours with one
+byte permute each.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .m1 import _split_words, _store_rows, split_outputs
+from .words import _funnel, _scalars
+
+# format -> (FMT id, bytes per block or super-block, blocks per step)
+I8_FORMATS = {"q4_0": (3, 18, 8), "q8_0": (7, 34, 8), "q4_k": (10, 144, 1)}
+_LO = tl.constexpr(0x0F0F0F0F)
+_HI = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as an int32: the high nibbles in place, bytes 16 * q
+
+
+@triton.jit
+def _dp4a(a, b, c, A_UNSIGNED: tl.constexpr, UNPACK: tl.constexpr):
+    """c + sum over the 4 bytes k of a_k * b_k, b's bytes signed, a's unsigned or signed (UNPACK = 2: the PTX
+    instruction; 1: the same in Triton integer ops, for the interpreter)."""
+    if UNPACK == 2:
+        if A_UNSIGNED:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+    else:
+        for k in tl.static_range(4):
+            if A_UNSIGNED:
+                ak = (a >> (8 * k)) & 0xFF
+            else:
+                ak = (a << (24 - 8 * k)) >> 24
+            c += ak * ((b << (24 - 8 * k)) >> 24)
+        return c
+
+
+@triton.jit
+def _xblock(xw_ptrs, xs_ptrs, ROWS_T: tl.constexpr):
+    """One activation block: its 8 int8 words [ROWS_T, 1] (8 pointers [ROWS_T, 1, 2, 4]) and its (d, s)."""
+    xw = _scalars(tl.load(xw_ptrs), ROWS_T, 1, 8, 3)
+    d, s = _scalars(tl.load(xs_ptrs), ROWS_T, 1, 2, 1)
+    return xw, d, s
+
+
+@triton.jit
+def _legacy_update(lo, hi, dw, xw_ptrs, xs_ptrs, FMT: tl.constexpr, ROWS_T: tl.constexpr, UNPACK: tl.constexpr):
+    """One activation row's increment for a q4_0 or q8_0 block with code words lo (q4_0: low nibbles; q8_0: the 8
+    code words) and hi (q4_0: high nibbles in place)."""
+    xw, dx, sx = _xblock(xw_ptrs, xs_ptrs, ROWS_T)
+    if FMT == 3:  # byte 4t + k of the codes: low nibble with x[4t + k], high nibble with x[16 + 4t + k]
+        zero = lo[0] * 0
+        a_lo = _dp4a(lo[0], xw[0], zero, False, UNPACK)
+        a_hi = _dp4a(hi[0], xw[4], zero, True, UNPACK)
+        for t in tl.static_range(1, 4):
+            a_lo = _dp4a(lo[t], xw[t], a_lo, False, UNPACK)
+            a_hi = _dp4a(hi[t], xw[4 + t], a_hi, True, UNPACK)
+        # sum (q - 8) x' = dx * sum q qx - 8 s, with a_hi = 16 * (sum over the high nibbles)
+        return dw * (((a_lo << 4) + a_hi).to(tl.float32) * (dx * 0.0625) - 8.0 * sx)
+    else:
+        a = _dp4a(lo[0], xw[0], lo[0] * 0, False, UNPACK)
+        for t in tl.static_range(1, 8):
+            a = _dp4a(lo[t], xw[t], a, False, UNPACK)
+        return dw * (a.to(tl.float32) * dx)
+
+
+@triton.jit
+def _q4k_update(lo, hi, a0, a1, b0, b1, xw_ptrs, xs_ptrs, ROWS_T: tl.constexpr, UNPACK: tl.constexpr):
+    """One activation row's increment for a q4_k chunk of 64 weights (sub-blocks 2c and 2c + 1): its 8 code words
+    masked to low (lo) and high (hi, 16 q) nibbles, per-row factors a = d * sc (a1 with the 1/16 of hi) and
+    b = dmin * mn; xw_ptrs / xs_ptrs point at the activation block of sub-block 2c."""
+    xw0, dx0, sx0 = _xblock(xw_ptrs, xs_ptrs, ROWS_T)
+    xw1, dx1, sx1 = _xblock(xw_ptrs + 8, xs_ptrs + 2, ROWS_T)
+    zero = lo[0] * 0
+    s_lo = _dp4a(lo[0], xw0[0], zero, False, UNPACK)
+    s_hi = _dp4a(hi[0], xw1[0], zero, True, UNPACK)
+    for t in tl.static_range(1, 8):
+        s_lo = _dp4a(lo[t], xw0[t], s_lo, False, UNPACK)
+        s_hi = _dp4a(hi[t], xw1[t], s_hi, True, UNPACK)
+    return a0 * (s_lo.to(tl.float32) * dx0) + a1 * (s_hi.to(tl.float32) * dx1) - b0 * sx0 - b1 * sx1
+
+
+@triton.jit
+def _q4k_scale(w1, w2, w3, j: tl.constexpr):
+    """(6-bit scale, 6-bit min) of q4_k sub-block j (static) as float32, from the 12 scale bytes as int32 words."""
+    sh: tl.constexpr = 8 * (j % 4)
+    if j < 4:
+        sc = (w1 >> sh) & 63
+        mn = (w2 >> sh) & 63
+    else:
+        sc = ((w3 >> sh) & 0xF) | ((w1 >> (sh + 2)) & 0x30)
+        mn = ((w3 >> (sh + 4)) & 0xF) | ((w2 >> (sh + 2)) & 0x30)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stride_ys, stride_ym, row_words,
+                   ngroups, groups_per_split, split,
+                   FMT: tl.constexpr, BB: tl.constexpr, G: tl.constexpr, VW: tl.constexpr, NV: tl.constexpr,
+                   LOG_MAIN: tl.constexpr, LOG_VW: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
+                   MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr):
+    """y[m, n] (+)= sum over this program's K split of x'[m] . w[n] for BLOCK_N = ROWS_T * R rows, with x' given as
+    int8 words XQ (stride_xq words per row) and per-block (d, s) in XS (stride_xs floats per row).
+
+    A step is G blocks (q4_0, q8_0) or one super-block (q4_k) per row: NV vectors of VW words [ROWS_T, R, NV, VW]
+    and one more [ROWS_T, R, VW], all in the thread; threads and warps go over ROWS_T."""
+    BLOCK_N: tl.constexpr = ROWS_T * R
+    GW: tl.constexpr = G * BB // 4  # words per step and row
+    XB: tl.constexpr = 8 if FMT == 10 else G  # activation blocks of 32 per step
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m0 = pid_m * MR
+    rt = tl.arange(0, ROWS_T)[:, None]
+    rr = tl.arange(0, R)[None, :]
+    rows = tl.minimum(pid_n * BLOCK_N + rr * ROWS_T + rt, N - 1).to(tl.int64)  # [ROWS_T, R]
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, ngroups)
+    base = rows * row_words + g_start * GW
+    w_ptrs = W32 + base[:, :, None, None] + tl.arange(0, NV)[None, None, :, None] * VW \
+        + tl.arange(0, VW)[None, None, None, :]
+    t_ptrs = W32 + base[:, :, None] + NV * VW + tl.arange(0, VW)[None, None, :]
+    # activation pointers with the row axis broadcast (x gets the rows' layout): 8 words and one (d, s) per block
+    zr = (rt * 0)[:, :, None]
+    xw_ptrs = XQ + m0 * stride_xq + g_start * XB * 8 + tl.arange(0, 2)[None, None, :, None] * 4 \
+        + tl.arange(0, 4)[None, None, None, :] + zr[:, :, :, None]
+    xs_ptrs = XS + m0 * stride_xs + g_start * XB * 2 + tl.arange(0, 2)[None, None, :] + zr
+    xo1 = tl.minimum(m0 + 1, M - 1) - m0
+    xo2 = tl.minimum(m0 + 2, M - 1) - m0
+    xo3 = tl.minimum(m0 + 3, M - 1) - m0
+    acc0 = tl.zeros([ROWS_T, R], dtype=tl.float32)
+    acc1 = tl.zeros([ROWS_T, R], dtype=tl.float32)
+    acc2 = tl.zeros([ROWS_T, R], dtype=tl.float32)
+    acc3 = tl.zeros([ROWS_T, R], dtype=tl.float32)
+    for g in range(g_start, g_end):
+        words = _scalars(tl.load(w_ptrs), ROWS_T, R, NV * VW, LOG_MAIN) + _scalars(tl.load(t_ptrs), ROWS_T, R, VW,
+                                                                                  LOG_VW)
+        if FMT == 10:
+            d, dmin = _split_words(words[0], tl.float16)
+            for c in tl.static_range(4):
+                sc0, mn0 = _q4k_scale(words[1], words[2], words[3], 2 * c)
+                sc1, mn1 = _q4k_scale(words[1], words[2], words[3], 2 * c + 1)
+                a0 = d * sc0
+                a1 = d * sc1 * 0.0625
+                b0 = dmin * mn0
+                b1 = dmin * mn1
+                lo = ()
+                hi = ()
+                for t in tl.static_range(8):
+                    lo = lo + (words[4 + 8 * c + t] & _LO, )
+                    hi = hi + (words[4 + 8 * c + t] & _HI, )
+                xj = xw_ptrs + 16 * c
+                sj = xs_ptrs + 4 * c
+                acc0 += _q4k_update(lo, hi, a0, a1, b0, b1, xj, sj, ROWS_T, UNPACK)
+                if MR > 1:
+                    acc1 += _q4k_update(lo, hi, a0, a1, b0, b1, xj + xo1 * stride_xq, sj + xo1 * stride_xs, ROWS_T,
+                                        UNPACK)
+                if MR > 2:
+                    acc2 += _q4k_update(lo, hi, a0, a1, b0, b1, xj + xo2 * stride_xq, sj + xo2 * stride_xs, ROWS_T,
+                                        UNPACK)
+                if MR > 3:
+                    acc3 += _q4k_update(lo, hi, a0, a1, b0, b1, xj + xo3 * stride_xq, sj + xo3 * stride_xs, ROWS_T,
+                                        UNPACK)
+        else:
+            NW: tl.constexpr = 4 if FMT == 3 else 8  # code words per block
+            for j in tl.static_range(G):
+                # block j starts at byte BB * j, in word (BB * j) // 4
+                if (BB * j) % 4 == 0:  # d in the low half of that word, codes across word boundaries
+                    dw = _split_words(words[(BB * j) // 4], tl.float16)[0]
+                    cw = ()
+                    for t in tl.static_range(NW):
+                        cw = cw + (_funnel(words[(BB * j) // 4 + t], words[(BB * j) // 4 + t + 1], UNPACK), )
+                else:  # d in the high half, codes word-aligned from the next word
+                    dw = _split_words(words[(BB * j) // 4], tl.float16)[1]
+                    cw = ()
+                    for t in tl.static_range(NW):
+                        cw = cw + (words[(BB * j) // 4 + 1 + t], )
+                lo = ()
+                hi = ()
+                for t in tl.static_range(NW):
+                    if FMT == 3:
+                        lo = lo + (cw[t] & _LO, )
+                        hi = hi + (cw[t] & _HI, )
+                    else:
+                        lo = lo + (cw[t], )
+                xj = xw_ptrs + 8 * j
+                sj = xs_ptrs + 2 * j
+                acc0 += _legacy_update(lo, hi, dw, xj, sj, FMT, ROWS_T, UNPACK)
+                if MR > 1:
+                    acc1 += _legacy_update(lo, hi, dw, xj + xo1 * stride_xq, sj + xo1 * stride_xs, FMT, ROWS_T, UNPACK)
+                if MR > 2:
+                    acc2 += _legacy_update(lo, hi, dw, xj + xo2 * stride_xq, sj + xo2 * stride_xs, FMT, ROWS_T, UNPACK)
+                if MR > 3:
+                    acc3 += _legacy_update(lo, hi, dw, xj + xo3 * stride_xq, sj + xo3 * stride_xs, FMT, ROWS_T, UNPACK)
+        w_ptrs += GW
+        t_ptrs += GW
+        xw_ptrs += XB * 8
+        xs_ptrs += XB * 2
+    rows2 = pid_n * BLOCK_N + rr * ROWS_T + rt
+    _store_rows(acc0, acc1, acc2, acc3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym,
+                ROWS_T, R, MR, FIXUP)
+
+
+@triton.jit
+def quantize_act_kernel(X, X2, Q, DS, K, stride_x, stride_x2, stride_q, stride_ds, NBLK: tl.constexpr,
+                        SILU: tl.constexpr):
+    """Row pid(0), blocks pid(1) * NBLK ..: q = round(x / d) half away from zero with d = absmax / 127, and
+    (d, d * sum q) per block of 32. SILU: x is silu(X) * X2, formed in float32."""
+    row = tl.program_id(0)
+    b = tl.program_id(1) * NBLK + tl.arange(0, NBLK)
+    ok = b < K // 32
+    offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(X + row * stride_x + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    if SILU:
+        u = tl.load(X2 + row * stride_x2 + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * u
+    amax = tl.max(tl.abs(x), axis=1)
+    d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 0.0)
+    v = x * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    tl.store(Q + row * stride_q + offs, q.to(tl.int8), mask=ok[:, None])
+    s = d * tl.sum(q, axis=1)
+    tl.store(DS + row * stride_ds + b * 2, d, mask=ok)
+    tl.store(DS + row * stride_ds + b * 2 + 1, s, mask=ok)
+
+
+def quantize_act(x: torch.Tensor, x2: torch.Tensor | None = None):
+    """(q int8 [M, K], ds float32 [M, K / 32, 2]) for x [M, K] (or silu(x) * x2) with K % 32 == 0 and the last
+    dim contiguous (see the module docstring)."""
+    from .._runtime import empty
+
+    M, K = x.shape
+    q = empty(M, K, dtype=torch.int8, device=x.device)
+    ds = empty(M, K // 32, 2, dtype=torch.float32, device=x.device)
+    nblk = 32
+    quantize_act_kernel[(M, triton.cdiv(K // 32, nblk))](
+        x, x2 if x2 is not None else x, q, ds, K, x.stride(0), x2.stride(0) if x2 is not None else 0, q.stride(0),
+        ds.stride(0), NBLK=nblk, SILU=x2 is not None, num_warps=4)
+    return q, ds
+
+
+def i8_layout(fmt: str):
+    """(FMT id, block bytes, G, VW, NV) of a format the int8 kernel reads, or None."""
+    if fmt not in I8_FORMATS:
+        return None
+    fid, bb, G = I8_FORMATS[fmt]
+    gb = G * bb  # 144 (q4_0, q4_k) or 272 (q8_0) bytes per step: NV + 1 vectors of 16 bytes
+    vw = 4
+    nv = gb // 16 - 1
+    return fid, bb, G, vw, nv
+
+
+def i8_supports(data, fmt: str, K: int) -> bool:
+    """Whether gemv_i8_kernel can read these weights: q4_0, q8_0 or q4_k, K a multiple of 256 (each step's bytes
+    are 16-byte aligned) and contiguous 16-byte aligned data."""
+    return fmt in I8_FORMATS and K % 256 == 0 and data.data_ptr() % 16 == 0 and data.is_contiguous()
+
+
+def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: bool, out_dtype, waves: int = 4,
+              fixup: bool = True, rows_per_program: int = 2, return_kernel: bool = False):
+    """Run gemv_i8_kernel for quantized activations (xq, ds) and q4_0/q8_0/q4_k weights; returns y [split, M, N]
+    like m1.launch_m1 (y [1, M, N] in out_dtype when the kernel sums its split-K partials). ``config`` is
+    (R, num_warps, num_stages) with R rows per thread."""
+    from .ops import split_k
+
+    reps, warps, stages = config
+    fid, bb, G, vw, nv = i8_layout(fmt)
+    rows_t = 32 * warps
+    block_n = rows_t * reps
+    row_words = data.shape[-1] * data.element_size() // 4
+    ngroups = K // (32 * G) if fid != 10 else K // 256
+    programs_n = triton.cdiv(N, block_n)
+    M = xq.shape[0]
+    mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
+    grid_m = triton.cdiv(M, mr)
+    split, per_split = split_k(programs_n * grid_m, ngroups, 1, sms, waves if programs_n * grid_m < 2 * sms else 0)
+    y, part, counters = split_outputs(torch.empty(M, 0, dtype=out_dtype, device=xq.device), N, split,
+                                      programs_n * grid_m, fixup)
+    main = nv * vw
+    kernel = gemv_i8_kernel[(programs_n, split, grid_m)](
+        xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, M, N,
+        xq.stride(0) // 4, ds.stride(0), y.stride(0), y.stride(1), row_words, ngroups, per_split, split,
+        FMT=fid, BB=bb, G=G, VW=vw, NV=nv, LOG_MAIN=main.bit_length() - 1, LOG_VW=vw.bit_length() - 1,
+        ROWS_T=rows_t, R=reps, MR=mr, UNPACK=2 if asm else 1, FIXUP=counters is not None, num_warps=warps, num_stages=stages)
+    return (y, kernel) if return_kernel else y

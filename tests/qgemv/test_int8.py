@@ -1,0 +1,121 @@
+"""GEMV with int8 activations (qgemv/int8.py, ``gemv(..., act_int8=True)``): the activation rounding checked as a
+property, the integer dot-product kernel against x' @ dequantize(W).T in float64 (x' the rounded activations, so
+the tolerance is fp16 output rounding), and gemv's routing and fallbacks."""
+import pytest
+import torch
+
+import llmkernels as lk
+from llmkernels._checks import interpreter_mode
+from llmkernels.qgemv.int8 import i8_layout, i8_supports, launch_i8, quantize_act
+from llmkernels.qgemv.ops import _finish
+from llmkernels.testing import assert_close, gemv_ref
+
+
+def _dequant_act(q, ds):
+    M, K = q.shape
+    return (q.double().view(M, K // 32, 32) * ds[..., :1].double()).view(M, K)
+
+
+def _check_rounding(x, q, ds):
+    """d = absmax / 127 per block, q = x / d rounded to the nearest integer, s = d * sum q."""
+    M, K = x.shape
+    xb = x.double().view(M, K // 32, 32)
+    amax = xb.abs().amax(-1)
+    d = ds[..., 0].double()
+    assert torch.allclose(d, amax / 127, rtol=1e-6, atol=0)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    v = torch.where(d[..., None] > 0, xb / safe[..., None], torch.zeros_like(xb))
+    qb = q.double().view(M, K // 32, 32)
+    assert (qb.abs() <= 127).all()
+    assert ((qb - v).abs() <= 0.5 + 1e-4).all(), (qb - v).abs().max()
+    assert torch.allclose(ds[..., 1].double(), d * qb.sum(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantize_act(dtype, device):
+    M, K = 3, 1120  # 35 blocks: the second program's block range is partly past the row
+    x = torch.randn(M, K, dtype=torch.float32, device=device) * 3
+    x[1, 32:64] = 0  # an all-zero block: d = 0, q = 0
+    x[2, 100] = 300.0  # one large value: its block's other entries round to small codes
+    x = x.to(dtype)
+    q, ds = quantize_act(x)
+    assert q.dtype == torch.int8 and q.shape == (M, K) and ds.shape == (M, K // 32, 2)
+    _check_rounding(x, q, ds)
+    assert (q[1, 32:64] == 0).all() and (ds[1, 1] == 0).all()
+
+
+def test_quantize_act_silu(device):
+    g = torch.randn(2, 256, dtype=torch.float16, device=device) * 2
+    u = torch.randn(2, 256, dtype=torch.float16, device=device)
+    q, ds = quantize_act(g, u)
+    a = torch.nn.functional.silu(g.float()) * u.float()
+    _check_rounding(a, q, ds)
+
+
+def _run(fmt, N, K, M, config, sms, device, dtype=torch.float16, **kw):
+    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+    x = torch.randn(M, K, dtype=dtype, device=device)
+    q, ds = quantize_act(x)
+    y = _finish(launch_i8(q, ds, qt.data, fmt, N, K, config, sms, not interpreter_mode(), dtype, **kw), dtype)
+    ref = gemv_ref(_dequant_act(q, ds), qt)
+    tol = 4e-3 if dtype == torch.float16 else 2e-2
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("N,K,config,sms", [
+    (37, 512, (2, 1, 1), 4),    # rows not a multiple of the tile, K split in two
+    (19, 768, (1, 1, 1), 1),    # one row per thread, three steps (q4_0/q4_k) in one program
+    (130, 256, (2, 2, 1), 64),  # one step per row, more programs than steps
+    (21, 1024, (4, 1, 1), 3),   # four rows per thread, K split unevenly
+])
+def test_i8_kernel(fmt, N, K, config, sms, device):
+    assert i8_layout(fmt) is not None
+    _run(fmt, N, K, 1, config, sms, device)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("M,rows_per_program,fixup,dtype", [
+    (2, 4, True, torch.bfloat16), (3, 2, False, torch.float16), (5, 4, True, torch.float16),
+    (16, 4, True, torch.bfloat16)])
+def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, device):
+    """Activation rows share the unpacked codes; surplus rows of the last program read a real row, are not stored."""
+    _run(fmt, 45, 512, M, (2, 1, 1), 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+def test_gemv_act_int8(fmt, device):
+    """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T); silu_mul_gemv rounds silu(g) * u."""
+    N, K = 40, 512
+    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+    x = torch.randn(3, K, dtype=torch.float16, device=device)
+    y = lk.gemv(x, qt, act_int8=True)
+    q, ds = quantize_act(x)
+    ref = gemv_ref(_dequant_act(q, ds), qt)
+    assert_close(y, ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+    exact = gemv_ref(x, qt)
+    assert ((y.double().cpu() - exact.cpu()).abs().max() / exact.abs().max()).item() < 3e-2
+    g = torch.randn(2, K, dtype=torch.float16, device=device)
+    u = torch.randn(2, K, dtype=torch.float16, device=device)
+    y2 = lk.silu_mul_gemv(g, u, qt, act_int8=True)
+    q2, ds2 = quantize_act(g, u)
+    ref2 = gemv_ref(_dequant_act(q2, ds2), qt)
+    assert_close(y2, ref2, torch.float16, atol=4e-3 * ref2.abs().max().item(), rtol=4e-3)
+
+
+def test_gemv_act_int8_fallbacks(device):
+    """Formats and shapes without an int8 kernel compute exactly; a non-bool act_int8 is a TypeError."""
+    K = 256
+    x = torch.randn(2, K, dtype=torch.float16, device=device)
+    qt5 = lk.quantize(torch.randn(24, K) * 0.05, "q5_k").to(device)
+    ref = gemv_ref(x, qt5)
+    assert_close(lk.gemv(x, qt5, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+    qt_short = lk.quantize(torch.randn(24, 288) * 0.05, "q4_0").to(device)  # K not a multiple of 256
+    assert not i8_supports(qt_short.data, "q4_0", 288)
+    xs = torch.randn(1, 288, dtype=torch.float16, device=device)
+    ref = gemv_ref(xs, qt_short)
+    assert_close(lk.gemv(xs, qt_short, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(),
+                 rtol=4e-3)
+    with pytest.raises(TypeError, match="act_int8"):
+        lk.gemv(x, qt5, act_int8=1)
