@@ -231,6 +231,8 @@ def _combine_last(PO, PLSE, O, LSE, SINKS, COUNT, idx, q_tok, head, row_ok, offs
     COUNT[idx] after storing its partial (release); the last to arrive (acquire: it sees every partial) merges the
     partials of its rows like combine_kernel, o = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m), writes O (and
     LSE) and sets the counter back to zero, so the buffer is ready for the next launch (and CUDA-graph replay)."""
+    # the count is one thread's atomic: every warp's partial stores come before it (Triton puts no barrier there)
+    tl.debug_barrier()
     if tl.atomic_add(COUNT + idx, 1, sem="acq_rel") == num_splits - 1:
         t64 = q_tok.to(tl.int64)
         lse_ptrs = PLSE + t64 * num_heads + head

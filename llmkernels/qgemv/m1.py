@@ -291,8 +291,12 @@ def _store_rows(a0, a1, a2, a3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, s
             tl.store(part_k + 2 * N, a2, mask=n_ok & (m0 + 2 < M))
         if MR > 3:
             tl.store(part_k + 3 * N, a3, mask=n_ok & (m0 + 3 < M))
-        # release: the partials are visible before the count; acquire: the last sees every other partial
+        # release: the partials are visible before the count; acquire: the last sees every other partial. A scalar
+        # atomic runs in one thread only and Triton does not synchronize the warps before it, so without the
+        # barrier the count could be released while other warps' partials are still being stored (seen on an
+        # H100: wrong sums with one row per thread)
         tile = pid_m * tl.num_programs(0) + tl.program_id(0)
+        tl.debug_barrier()
         if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == split - 1:
             for j in tl.static_range(MR):
                 ok = n_ok & (m0 + j < M)

@@ -61,8 +61,11 @@ def test_words_supports_and_routing(device):
         assert_close(lk.gemv(xi, qt), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
 
 
-def test_words_rejects_one_row_per_thread(device):
-    qt = lk.quantize(torch.randn(8, 256) * 0.05, "q4_0").to(device)
-    with pytest.raises(ValueError, match="rows per thread"):
-        launch_words(torch.randn(1, 256, dtype=torch.float16, device=device), qt.data, "q4_0", 8, 256,
-                     (1, 8, 1, 1), 4, 1)
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_words_one_row_per_thread(fmt, device):
+    """R = 1 with 4 warps and split-K summed in the kernel: on an H100 this returned wrong sums until the arrival
+    count got a barrier before it (the count's atomic runs in one thread; other warps were still storing)."""
+    interp = interpreter_mode()
+    for _ in range(1 if interp else 5):  # a race shows up in some launches only
+        _check(fmt, 300 if interp else 14336, 1024, 1, (1, 4, 4, 1 if interp else 3), 8 if interp else 132,
+               torch.float16, device)
