@@ -1,10 +1,10 @@
 """GEMV with int8 activations (qgemv/int8.py) on the GPU: configs of the dp4a kernel against the exact gemv.
 
-    python scripts/i8_lab.py [formats] [R/warps/stages/waves,...] [--m-curve]
+    python scripts/i8_lab.py [formats] [R/GP/warps/stages/waves,...] [--m-curve]
 
 At the Llama-3-8B shapes, for M = 1: the exact gemv (current routing), gemv(act_int8=True) (activation rounding
-plus the kernel), and the kernel alone on pre-rounded activations for each config (R rows per thread, warps,
-stages, programs per SM for the K split), each checked against x' @ dequantize(W).T and timed by CUDA-graph replay
+plus the kernel), and the kernel alone on pre-rounded activations for each config (R row sets per thread, GP
+groups of a row across threads, warps, stages, programs per SM for the K split), each checked against x' @ dequantize(W).T and timed by CUDA-graph replay
 over enough weight copies to overflow L2. Effective TB/s counts the stored weight bytes. With --m-curve: both gemv
 paths at M = 1, 2, 4, 8, 16.
 """
@@ -26,7 +26,8 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     fmts = args[0].split(",") if args else ["q4_0", "q4_k", "q8_0"]
     cfgs = [tuple(int(v) for v in c.split("/")) for c in args[1].split(",")] if len(args) > 1 else \
-        [(2, 4, 3, 4), (1, 4, 3, 4), (4, 4, 3, 4), (2, 8, 3, 4), (2, 4, 3, 8), (2, 4, 3, 2)]
+        [(2, 1, 4, 3, 4), (1, 8, 4, 3, 4), (2, 8, 4, 3, 4), (1, 16, 4, 3, 4), (2, 16, 4, 3, 4), (1, 4, 4, 3, 4),
+         (2, 8, 4, 3, 2), (1, 8, 8, 3, 4), (4, 8, 4, 3, 4), (2, 8, 4, 3, 8)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"read bandwidth {measure_read_bandwidth():.3f} TB/s", flush=True)
     for fmt in fmts:
@@ -49,8 +50,8 @@ def main():
                         f"{tb(t_i):5.2f} TB/s {'WRONG %.1e' % err if err > 4e-3 else ''} |")
                 if M == 1:
                     for cfg in cfgs:
-                        run = lambda qt: _finish(launch_i8(q, ds, qt.data, fmt, N, K, cfg[:3], sms, True,  # noqa
-                                                           x.dtype, waves=cfg[3]), x.dtype)
+                        run = lambda qt: _finish(launch_i8(q, ds, qt.data, fmt, N, K, cfg[:4], sms, True,  # noqa
+                                                           x.dtype, waves=cfg[4]), x.dtype)
                         try:
                             y = run(first)
                         except Exception as e:  # noqa: BLE001

@@ -87,7 +87,7 @@ def main():
 
     for fmt in ("q4_0", "q8_0", "q4_k"):
         qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
-        for config, sms in (((1, 1, 1), 4), ((2, 4, 3), 132), ((4, 2, 3), 7), ((2, 4, 3), 1)):
+        for config, sms in (((1, 1, 1, 1), 4), ((2, 8, 4, 3), 132), ((4, 2, 2, 3), 7), ((2, 4, 4, 3), 1)):
             for M, fixup, rpp in ((1, True, 2), (3, True, 2), (2, False, 2), (5, True, 4)):
                 q, ds = quantize_act(torch.randn(M, 768, device=dev, dtype=torch.bfloat16))
                 launch_i8(q, ds, qt.data, fmt, 37, 768, config, sms, True, torch.float16, fixup=fixup,

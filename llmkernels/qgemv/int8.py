@@ -110,17 +110,30 @@ def _q4k_scale(w1, w2, w3, j: tl.constexpr):
 
 
 @triton.jit
+def _row_sums(acc, LPR: tl.constexpr, GP: tl.constexpr, R: tl.constexpr):
+    """[LPR * GP, R] per-thread sums -> [LPR, R] row sums (threads GP apart hold one row's groups)."""
+    if GP == 1:
+        return acc
+    else:
+        return tl.sum(tl.reshape(acc, (LPR, GP, R)), axis=1)
+
+
+@triton.jit
 def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stride_ys, stride_ym, row_words,
                    ngroups, groups_per_split, split,
                    FMT: tl.constexpr, BB: tl.constexpr, G: tl.constexpr, VW: tl.constexpr, NV: tl.constexpr,
                    LOG_MAIN: tl.constexpr, LOG_VW: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
-                   MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr):
-    """y[m, n] (+)= sum over this program's K split of x'[m] . w[n] for BLOCK_N = ROWS_T * R rows, with x' given as
-    int8 words XQ (stride_xq words per row) and per-block (d, s) in XS (stride_xs floats per row).
+                   GP: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr):
+    """y[m, n] (+)= sum over this program's K split of x'[m] . w[n] for BLOCK_N = ROWS_T // GP * R rows, with x'
+    given as int8 words XQ (stride_xq words per row) and per-block (d, s) in XS (stride_xs floats per row).
 
-    A step is G blocks (q4_0, q8_0) or one super-block (q4_k) per row: NV vectors of VW words [ROWS_T, R, NV, VW]
-    and one more [ROWS_T, R, VW], all in the thread; threads and warps go over ROWS_T."""
-    BLOCK_N: tl.constexpr = ROWS_T * R
+    A group is G blocks (q4_0, q8_0) or one super-block (q4_k) of a row: NV vectors of VW words and one more, all in
+    one thread. The ROWS_T threads (lanes and warps) take GP consecutive groups of ROWS_T // GP rows per step, so a
+    warp reads GP * 144 (or 272) contiguous bytes of each of its rows at once (GP = 1: one row per thread, 32
+    scattered rows per warp, which measured 1.7-1.9 TB/s at most on an H100 even with no arithmetic); R such
+    row sets per thread. The GP partial sums of a row are added across threads at the end."""
+    LPR: tl.constexpr = ROWS_T // GP  # rows per rep
+    BLOCK_N: tl.constexpr = LPR * R
     GW: tl.constexpr = G * BB // 4  # words per step and row
     XB: tl.constexpr = 8 if FMT == 10 else G  # activation blocks of 32 per step
     pid_n = tl.program_id(0)
@@ -129,18 +142,19 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     m0 = pid_m * MR
     rt = tl.arange(0, ROWS_T)[:, None]
     rr = tl.arange(0, R)[None, :]
-    rows = tl.minimum(pid_n * BLOCK_N + rr * ROWS_T + rt, N - 1).to(tl.int64)  # [ROWS_T, R]
+    gl = rt % GP  # this thread's group within the step
+    rows = tl.minimum(pid_n * BLOCK_N + rr * LPR + rt // GP, N - 1).to(tl.int64)  # [ROWS_T, R]
     g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, ngroups)
-    base = rows * row_words + g_start * GW
+    g_end = tl.minimum(g_start + groups_per_split, ngroups)  # the host keeps both multiples of GP
+    base = rows * row_words + (g_start + gl) * GW
     w_ptrs = W32 + base[:, :, None, None] + tl.arange(0, NV)[None, None, :, None] * VW \
         + tl.arange(0, VW)[None, None, None, :]
     t_ptrs = W32 + base[:, :, None] + NV * VW + tl.arange(0, VW)[None, None, :]
     # activation pointers with the row axis broadcast (x gets the rows' layout): 8 words and one (d, s) per block
-    zr = (rt * 0)[:, :, None]
-    xw_ptrs = XQ + m0 * stride_xq + g_start * XB * 8 + tl.arange(0, 2)[None, None, :, None] * 4 \
-        + tl.arange(0, 4)[None, None, None, :] + zr[:, :, :, None]
-    xs_ptrs = XS + m0 * stride_xs + g_start * XB * 2 + tl.arange(0, 2)[None, None, :] + zr
+    xg = (g_start + gl)[:, :, None]  # [ROWS_T, 1, 1]: each thread's group (the same for its R rows)
+    xw_ptrs = XQ + m0 * stride_xq + xg[:, :, :, None] * (XB * 8) + tl.arange(0, 2)[None, None, :, None] * 4 \
+        + tl.arange(0, 4)[None, None, None, :]
+    xs_ptrs = XS + m0 * stride_xs + xg * (XB * 2) + tl.arange(0, 2)[None, None, :]
     xo1 = tl.minimum(m0 + 1, M - 1) - m0
     xo2 = tl.minimum(m0 + 2, M - 1) - m0
     xo3 = tl.minimum(m0 + 3, M - 1) - m0
@@ -148,7 +162,7 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     acc1 = tl.zeros([ROWS_T, R], dtype=tl.float32)
     acc2 = tl.zeros([ROWS_T, R], dtype=tl.float32)
     acc3 = tl.zeros([ROWS_T, R], dtype=tl.float32)
-    for g in range(g_start, g_end):
+    for g in range(g_start, g_end, GP):
         words = _scalars(tl.load(w_ptrs), ROWS_T, R, NV * VW, LOG_MAIN) + _scalars(tl.load(t_ptrs), ROWS_T, R, VW,
                                                                                   LOG_VW)
         if FMT == 10:
@@ -208,13 +222,14 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
                     acc2 += _legacy_update(lo, hi, dw, xj + xo2 * stride_xq, sj + xo2 * stride_xs, FMT, ROWS_T, UNPACK)
                 if MR > 3:
                     acc3 += _legacy_update(lo, hi, dw, xj + xo3 * stride_xq, sj + xo3 * stride_xs, FMT, ROWS_T, UNPACK)
-        w_ptrs += GW
-        t_ptrs += GW
-        xw_ptrs += XB * 8
-        xs_ptrs += XB * 2
-    rows2 = pid_n * BLOCK_N + rr * ROWS_T + rt
-    _store_rows(acc0, acc1, acc2, acc3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym,
-                ROWS_T, R, MR, FIXUP)
+        w_ptrs += GP * GW
+        t_ptrs += GP * GW
+        xw_ptrs += GP * XB * 8
+        xs_ptrs += GP * XB * 2
+    rows2 = pid_n * BLOCK_N + rr * LPR + tl.arange(0, LPR)[:, None]
+    _store_rows(_row_sums(acc0, LPR, GP, R), _row_sums(acc1, LPR, GP, R), _row_sums(acc2, LPR, GP, R),
+                _row_sums(acc3, LPR, GP, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
+                stride_ym, LPR, R, MR, FIXUP)
 
 
 @triton.jit
@@ -277,20 +292,25 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
               fixup: bool = True, rows_per_program: int = 2, return_kernel: bool = False):
     """Run gemv_i8_kernel for quantized activations (xq, ds) and q4_0/q8_0/q4_k weights; returns y [split, M, N]
     like m1.launch_m1 (y [1, M, N] in out_dtype when the kernel sums its split-K partials). ``config`` is
-    (R, num_warps, num_stages) with R rows per thread."""
+    (R, GP, num_warps, num_stages): R row sets per thread, up to GP consecutive groups of a row across threads
+    (the largest power of two <= GP that divides the row's group count)."""
     from .ops import split_k
 
-    reps, warps, stages = config
+    reps, gp_max, warps, stages = config
     fid, bb, G, vw, nv = i8_layout(fmt)
     rows_t = 32 * warps
-    block_n = rows_t * reps
-    row_words = data.shape[-1] * data.element_size() // 4
     ngroups = K // (32 * G) if fid != 10 else K // 256
+    gp = 1
+    while gp * 2 <= min(gp_max, rows_t) and ngroups % (gp * 2) == 0:
+        gp *= 2
+    block_n = rows_t // gp * reps
+    row_words = data.shape[-1] * data.element_size() // 4
     programs_n = triton.cdiv(N, block_n)
     M = xq.shape[0]
     mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
     grid_m = triton.cdiv(M, mr)
-    split, per_split = split_k(programs_n * grid_m, ngroups, 1, sms, waves if programs_n * grid_m < 2 * sms else 0)
+    # splits of whole steps (GP groups), so every program's range is a multiple of GP
+    split, per_split = split_k(programs_n * grid_m, ngroups, gp, sms, waves if programs_n * grid_m < 2 * sms else 0)
     y, part, counters = split_outputs(torch.empty(M, 0, dtype=out_dtype, device=xq.device), N, split,
                                       programs_n * grid_m, fixup)
     main = nv * vw
@@ -298,5 +318,6 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
         xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, M, N,
         xq.stride(0) // 4, ds.stride(0), y.stride(0), y.stride(1), row_words, ngroups, per_split, split,
         FMT=fid, BB=bb, G=G, VW=vw, NV=nv, LOG_MAIN=main.bit_length() - 1, LOG_VW=vw.bit_length() - 1,
-        ROWS_T=rows_t, R=reps, MR=mr, UNPACK=2 if asm else 1, FIXUP=counters is not None, num_warps=warps, num_stages=stages)
+        ROWS_T=rows_t, R=reps, GP=gp, MR=mr, UNPACK=2 if asm else 1, FIXUP=counters is not None, num_warps=warps,
+        num_stages=stages)
     return (y, kernel) if return_kernel else y

@@ -133,9 +133,9 @@ def _launch_i8(x, x2, data, fmt, N, K):
     interp = interpreter_mode()
     xq, ds = quantize_act(x, x2)
     if interp:
-        config = (2, 1, 1) if N < 128 else (2, 4, 1)
+        config = (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
     else:
-        config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}") or (2, 4, 3))
+        config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}") or (2, 8, 4, 3))
     y = launch_i8(xq, ds, data, fmt, N, K, config, num_sms(x.device), not interp, x.dtype)
     return _finish(y, x.dtype)
 

@@ -65,10 +65,12 @@ def _run(fmt, N, K, M, config, sms, device, dtype=torch.float16, **kw):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
 @pytest.mark.parametrize("N,K,config,sms", [
-    (37, 512, (2, 1, 1), 4),    # rows not a multiple of the tile, K split in two
-    (19, 768, (1, 1, 1), 1),    # one row per thread, three steps (q4_0/q4_k) in one program
-    (130, 256, (2, 2, 1), 64),  # one step per row, more programs than steps
-    (21, 1024, (4, 1, 1), 3),   # four rows per thread, K split unevenly
+    (37, 512, (2, 1, 1, 1), 4),    # one row per thread, rows not a multiple of the tile, K split in two
+    (19, 768, (1, 1, 1, 1), 1),    # three steps (q4_0/q4_k) in one program
+    (130, 256, (2, 1, 2, 1), 64),  # one step per row, more programs than steps
+    (21, 1024, (4, 1, 1, 1), 3),   # four rows per thread, K split unevenly
+    (45, 1536, (2, 4, 1, 1), 2),   # groups across threads: 2 of the 6 per step (q4_0/q4_k; q8_0: 1 of 3)
+    (70, 2048, (1, 8, 2, 1), 1),   # 8 groups of a row across threads, 8 rows per warp pair, no split
 ])
 def test_i8_kernel(fmt, N, K, config, sms, device):
     assert i8_layout(fmt) is not None
@@ -81,7 +83,7 @@ def test_i8_kernel(fmt, N, K, config, sms, device):
     (16, 4, True, torch.bfloat16)])
 def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, device):
     """Activation rows share the unpacked codes; surplus rows of the last program read a real row, are not stored."""
-    _run(fmt, 45, 512, M, (2, 1, 1), 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
+    _run(fmt, 45, 512, M, (2, 2, 1, 1), 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
