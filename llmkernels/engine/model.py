@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.ops import embedding, gemv
+from ..qgemv.ops import I8_MAX_M, embedding, gemv, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -78,6 +78,8 @@ class Model:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        # round GEMV activations to int8 per block of 32 (gemv's act_int8; LLM(act_int8=True) sets it)
+        self.act_int8 = False
         D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self._expect_shapes(tensors)
         it = progress if progress is not None else (lambda x, **k: x)
@@ -167,16 +169,21 @@ class Model:
     # --- forward --------------------------------------------------------------------------------------------------
     def _qkv(self, x, layer):
         if len(layer.qkv) == 1:
-            return gemv(x, layer.qkv[0])
-        return torch.cat([gemv(x, m) for m in layer.qkv], dim=1)
+            return gemv(x, layer.qkv[0], act_int8=self.act_int8)
+        return torch.cat([gemv(x, m, act_int8=self.act_int8) for m in layer.qkv], dim=1)
 
     def _mlp(self, x, layer):
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
+        i8 = self.act_int8
         if len(layer.gate_up) == 1:
-            gu = gemv(x, layer.gate_up[0])
+            gu = gemv(x, layer.gate_up[0], act_int8=i8)
         else:
-            gu = torch.cat([gemv(x, m) for m in layer.gate_up], dim=1)
-        return gemv(silu_mul(gu), layer.down)
+            gu = torch.cat([gemv(x, m, act_int8=i8) for m in layer.gate_up], dim=1)
+        if i8 and gu.shape[0] <= I8_MAX_M and layer.down.format in ("q4_0", "q8_0", "q4_k"):
+            # silu(g) * u formed by the activation-rounding kernel, written once as int8
+            F = gu.shape[1] // 2
+            return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
+        return gemv(silu_mul(gu), layer.down, act_int8=i8)
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``."""
@@ -196,11 +203,11 @@ class Model:
             o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
                                 inp.max_q, causal=True, plan=plan, validate=False,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
-            delta = gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo)
+            delta = gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8)
             x = add_rmsnorm(delta, layer.ffn_norm, cfg.rms_eps, residual=h)
             delta = self._mlp(x, layer)
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
         x = add_rmsnorm(ds, self.output_norm, cfg.rms_eps, residual=hs)
-        return gemv(x, self.output).float()
+        return gemv(x, self.output, act_int8=self.act_int8).float()

@@ -135,7 +135,9 @@ def _launch_i8(x, x2, data, fmt, N, K):
     if interp:
         config = (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
     else:
-        config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}") or (2, 8, 4, 3))
+        # three size classes (scripts/i8_lab.py on an H100: the best config of one class loses up to 1.4x on another)
+        size = "wide" if N >= 32768 else ("large" if N * K > 32 * 2**20 else "small")
+        config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}/{size}") or (1, 4, 4, 3))
     y = launch_i8(xq, ds, data, fmt, N, K, config, num_sms(x.device), not interp, x.dtype)
     return _finish(y, x.dtype)
 

@@ -47,6 +47,21 @@ def test_logits_match_transformers(model_files, arch, fmt):
     check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[1]))
 
 
+def test_act_int8_logits(model_files):
+    """LLM(act_int8=True): the q4_k projections take int8-rounded activations; the logits move (the path ran) but
+    stay within twice the activation tolerance of transformers on the same weights."""
+    d, path, hf = model_files("llama", "q4_k")
+    ids = [3, 17, 101, 9, 250, 7, 64, 12]
+    exact = LLM(path, progress=False, max_num_batched_tokens=64)
+    i8 = LLM(path, progress=False, max_num_batched_tokens=64, act_int8=True)
+    a, b = exact.logits(ids).cpu(), i8.logits(ids).cpu()
+    assert 0 < rel_err(b, a) < ACT_TOL[i8.dtype]
+    same = hf_logits(hf_model_from_state_dict(d, gguf_to_hf_state_dict(path)), ids)
+    assert rel_err(b, same) < 2 * ACT_TOL[i8.dtype]
+    with pytest.raises(TypeError, match="act_int8"):
+        LLM(path, progress=False, act_int8="yes")
+
+
 @pytest.mark.parametrize("arch,fmt", [("llama", "f32"), ("qwen2", "f16")])
 def test_greedy_tokens_identical(model_files, arch, fmt):
     d, path, hf = model_files(arch, fmt)
@@ -189,6 +204,23 @@ def test_gpu_larger_models(model_files, arch, fmt):
     got = graphs.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert graphs.stats.graph_steps > 0 and eager.stats.graph_steps == 0
+
+
+@pytest.mark.gpu
+def test_gpu_act_int8_graphs(model_files):
+    """act_int8 on a q4_k model: the same tokens eagerly and through CUDA graphs, logits near transformers'."""
+    kw = dict(layers=4, hidden=1024, ffn=2560, heads=8, kv_heads=2, head_dim=128, vocab=1024)
+    d, path, hf = model_files("llama", "q4_k", **kw)
+    eager = LLM(path, progress=False, cuda_graphs=False, max_num_batched_tokens=64, num_splits=2, act_int8=True)
+    ids = eager.tokenizer.encode(PROMPTS[1])
+    same = hf_logits(hf_model_from_state_dict(d, gguf_to_hf_state_dict(path)), ids)
+    assert rel_err(eager.logits(ids).cpu(), same) < 2 * ACT_TOL[eager.dtype]
+    prompts = [PROMPTS[1] * 20, PROMPTS[0], PROMPTS[2] * 3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    graphs = LLM(path, progress=False, max_num_batched_tokens=64, num_splits=2, act_int8=True)
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == want
+    assert graphs.stats.graph_steps > 0
 
 
 @pytest.mark.gpu

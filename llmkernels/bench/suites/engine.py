@@ -67,11 +67,12 @@ def _decode_rate(llm: LLM, batch: int) -> tuple[float, float, int]:
     return made / (t2 - t1), t2 - t0, steps
 
 
-def _format_case(ctx, fmt: str):
+def _format_case(ctx, fmt: str, act_int8: bool = False):
     def run():
         cfg = llama3_8b_config()
         model = synthetic_model(fmt, cfg)
-        llm = LLM.from_model(model, max_num_seqs=64, max_model_len=PROMPT + GEN + 16, max_num_batched_tokens=2048)
+        llm = LLM.from_model(model, max_num_seqs=64, max_model_len=PROMPT + GEN + 16, max_num_batched_tokens=2048,
+                             act_int8=act_int8)
         llm.capture_graphs([1, 16, 64] if not ctx.quick else [1])
         bytes_per_token = model.decode_bytes_per_token()
         bound = ctx.read_bw_TBps * 1e12 / bytes_per_token
@@ -82,7 +83,8 @@ def _format_case(ctx, fmt: str):
             rate, wall, steps = _decode_rate(llm, batch)
             per_seq = rate / batch
             pct = 100.0 * rate / bound if batch == 1 else None
-            row = Row("engine", f"llama3-8b {fmt} batch{batch} decode (prompt {PROMPT}, {GEN} new)", "tokens/s",
+            label = f"{fmt} act_int8" if act_int8 else fmt
+            row = Row("engine", f"llama3-8b {label} batch{batch} decode (prompt {PROMPT}, {GEN} new)", "tokens/s",
                       rate, pct, {"bound_batch1": bound})
             row.note = (f"{bytes_per_token / 1e9:.2f} GB/token stored weights; bound {bound:.0f} tok/s; "
                         f"{per_seq:.1f} tok/s per sequence; {1e3 / per_seq:.2f} ms/step; whole run {wall:.1f} s "
@@ -95,4 +97,7 @@ def _format_case(ctx, fmt: str):
 
 def cases(ctx):
     fmts = ["q4_k", "q8_0", "bf16"] if not ctx.quick else ["q4_k"]
-    return [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
+    out = [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
+    if not ctx.quick:  # activations rounded to int8 (LLM(act_int8=True))
+        out.append(("engine q4_k act_int8", _format_case(ctx, "q4_k", True)))
+    return out

@@ -11,7 +11,9 @@ from ..harness import Row, copies_for, time_graph_ms
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 FORMATS = [("q4_0", {}), ("q4_k", {}), ("q5_k", {}), ("q6_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64)),
-           ("f16", {})]
+           ("f16", {}),
+           # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py)
+           ("q4_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)), ("q8_0", dict(act_int8=True))]
 MS = [1, 2, 4, 8, 16]
 
 
@@ -37,12 +39,14 @@ def _shape_case(ctx, N, K, formats, ms):
                 pass
         del packs
         for fmt, kw in formats:
+            i8 = kw.get("act_int8", False)
+            kw = {k: v for k, v in kw.items() if k != "act_int8"}
             first = random_qtensor(fmt, N, K, "cuda", **kw)
             qts = [first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)]
-            label = fmt if fmt != "mlx" else f"mlx{kw['bits']}g{kw['group_size']}"
+            label = (fmt if fmt != "mlx" else f"mlx{kw['bits']}g{kw['group_size']}") + (" act_int8" if i8 else "")
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                t = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts])
+                t = time_graph_ms([lambda qt=qt: gemv(x, qt, act_int8=i8) for qt in qts])
                 act = M * K * 2 + M * N * 2
                 ours = (first.nbytes + act) / (t * 1e-3) / 1e12
                 anchors, ratio = {}, {}
@@ -60,18 +64,19 @@ def _shape_case(ctx, N, K, formats, ms):
     return run
 
 
-def _silu_case(ctx):
+def _silu_case(ctx, i8: bool = False):
     def run():
         N, K = 4096, 14336
         qts = [random_qtensor("q4_k", N, K, "cuda") for _ in range(8)]
         gate = torch.randn(1, K, device="cuda", dtype=torch.float16)
         up = torch.randn(1, K, device="cuda", dtype=torch.float16)
-        fused = time_graph_ms([lambda qt=qt: silu_mul_gemv(gate, up, qt) for qt in qts])
-        two_step = time_graph_ms([lambda qt=qt: gemv(torch.nn.functional.silu(gate) * up, qt) for qt in qts])
+        fused = time_graph_ms([lambda qt=qt: silu_mul_gemv(gate, up, qt, act_int8=i8) for qt in qts])
+        two_step = time_graph_ms([lambda qt=qt: gemv(torch.nn.functional.silu(gate) * up, qt, act_int8=i8)
+                                  for qt in qts])
         nbytes = qts[0].nbytes + 2 * K * 2 + N * 2
         ours = nbytes / (fused * 1e-3) / 1e12
-        row = Row("gemv", f"silu_mul q4_k N{N} K{K} M1 (fused vs two-step)", "TB/s", ours, ctx.bw_pct(ours),
-                  {"two_step": nbytes / (two_step * 1e-3) / 1e12})
+        name = f"silu_mul q4_k N{N} K{K} M1{' act_int8' if i8 else ''} (fused vs two-step)"
+        row = Row("gemv", name, "TB/s", ours, ctx.bw_pct(ours), {"two_step": nbytes / (two_step * 1e-3) / 1e12})
         row.time_ratio = {"two_step": two_step / fused}
         row.note = f"two-step {two_step * 1e3:.1f} us, fused {fused * 1e3:.1f} us"
         return row
@@ -84,4 +89,5 @@ def cases(ctx):
         fmts = FORMATS if not ctx.quick else FORMATS[:2]
         out.append((f"N{N} K{K}", _shape_case(ctx, N, K, fmts, MS if not ctx.quick else [1, 8])))
     out.append(("silu_mul", _silu_case(ctx)))
+    out.append(("silu_mul act_int8", _silu_case(ctx, True)))
     return out
