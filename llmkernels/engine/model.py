@@ -179,7 +179,7 @@ class Model:
             gu = gemv(x, layer.gate_up[0], act_int8=i8)
         else:
             gu = torch.cat([gemv(x, m, act_int8=i8) for m in layer.gate_up], dim=1)
-        if i8 and gu.shape[0] <= I8_MAX_M and layer.down.format in ("q4_0", "q8_0", "q4_k"):
+        if i8 and gu.shape[0] <= I8_MAX_M.get(layer.down.format, 0):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
             F = gu.shape[1] // 2
             return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)

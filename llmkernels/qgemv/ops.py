@@ -22,8 +22,12 @@ MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + 
 M1_MAX_M = {"q4_k": 4, "mlx": 2}
 # q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
 WORDS_MAX_M = {"q4_0": 4}
-# with act_int8: the integer dot-product kernel (int8.py) up to this M
-I8_MAX_M = 16
+# with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
+# exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
+# beyond it reads the weights once per two activation rows and loses up to 3x); q4_k's vocabulary-sized shape
+# (N >= 32768) stays exact (141 against 133 us)
+I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 1}
+I8_WIDE = ("q4_0", "q8_0")
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -144,7 +148,8 @@ def _launch_i8(x, x2, data, fmt, N, K):
 
 def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode, act=0):
     M = x.shape[0]
-    if act == 1 and mode != 2 and M <= I8_MAX_M and x.dtype != torch.float32:
+    if act == 1 and mode != 2 and M <= I8_MAX_M.get(fmt, 0) and x.dtype != torch.float32 and \
+            (N < 32768 or fmt in I8_WIDE):
         from .int8 import i8_supports
 
         if i8_supports(data, fmt, K):
@@ -324,10 +329,10 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
     Args:
         x: [M, K] (or [..., K]) fp16/bf16 (fp32 accepted), last dim contiguous.
         qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
-        act_int8: round x to int8 per block of 32 first (scale absmax / 127, like llama.cpp's q8_1 activations)
-            and use integer dot products: faster for q4_0, q8_0 and q4_k at M <= 16 with fp16/bf16 x and K a
-            multiple of 256, at the cost of that rounding (about 1/254 of each block's absmax per element). Other
-            cases compute exactly as without it.
+        act_int8: allow rounding x to int8 per block of 32 (scale absmax / 127, like llama.cpp's q8_1
+            activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M <= 2, q4_k at
+            M = 1 (N < 32768), with fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each
+            block's absmax per element. Other cases compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
     M = 64 it launches M-blocks of 16; beyond, it dequantizes once and calls cuBLAS.
 

@@ -88,18 +88,26 @@ def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, device):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
 def test_gemv_act_int8(fmt, device):
-    """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T); silu_mul_gemv rounds silu(g) * u."""
+    """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T) up to the format's M limit, exact
+    beyond it; silu_mul_gemv rounds silu(g) * u."""
+    from llmkernels.qgemv.ops import I8_MAX_M
+
     N, K = 40, 512
     qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
-    x = torch.randn(3, K, dtype=torch.float16, device=device)
-    y = lk.gemv(x, qt, act_int8=True)
-    q, ds = quantize_act(x)
+    M = I8_MAX_M[fmt]
+    x = torch.randn(M + 1, K, dtype=torch.float16, device=device)
+    y = lk.gemv(x[:M], qt, act_int8=True)
+    q, ds = quantize_act(x[:M])
     ref = gemv_ref(_dequant_act(q, ds), qt)
     assert_close(y, ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
-    exact = gemv_ref(x, qt)
-    assert ((y.double().cpu() - exact.cpu()).abs().max() / exact.abs().max()).item() < 3e-2
-    g = torch.randn(2, K, dtype=torch.float16, device=device)
-    u = torch.randn(2, K, dtype=torch.float16, device=device)
+    exact = gemv_ref(x[:M], qt)
+    err = ((y.double().cpu() - exact.cpu()).abs().max() / exact.abs().max()).item()
+    assert 1e-4 < err < 3e-2  # the rounding shows, and stays small
+    exact = gemv_ref(x, qt)  # one row more: exact
+    assert_close(lk.gemv(x, qt, act_int8=True), exact, torch.float16, atol=4e-3 * exact.abs().max().item(),
+                 rtol=4e-3)
+    g = torch.randn(1, K, dtype=torch.float16, device=device)
+    u = torch.randn(1, K, dtype=torch.float16, device=device)
     y2 = lk.silu_mul_gemv(g, u, qt, act_int8=True)
     q2, ds2 = quantize_act(g, u)
     ref2 = gemv_ref(_dequant_act(q2, ds2), qt)
