@@ -12,10 +12,14 @@ Layout of the quantized activations (``quantize_act``): q int8 [M, K] (read as i
 ds float32 [M, K / 32, 2] with (d, s) per block: d = absmax / 127 and s = d * sum(q), so that
 sum_j (c_j - z) x'_j = d * sum_j c_j q_j - z * s for codes c and a zero point z.
 
-Weights are read like in words.py: a step is G blocks (q4_0, q8_0) or one super-block (q4_k) per row, loaded as
-NV + 1 vectors of VW int32 words and split into single words in the registers (rows past N read row N - 1, never
-stored). A block of q4_0 or q8_0 that starts in the middle of a word gets its code words from two neighbours with one
-byte permute each.
+Weights are read like in words.py: a group is G blocks (q4_0, q8_0) or one super-block (q4_k) of a row, loaded by
+one thread as NV + 1 vectors of VW int32 words and split into single words in the registers (rows past N read row
+N - 1, never stored). A block of q4_0 or q8_0 that starts in the middle of a word gets its code words from two
+neighbours with one byte permute each. Unlike words.py, GP threads take consecutive groups of one row, so a warp's
+loads cover contiguous bytes (see gemv_i8_kernel).
+
+Measured on an H100 (bench/NOTES.md, session 9): 5-20% faster than the exact kernels at M = 1 and 2, slower beyond
+(ops.I8_MAX_M routes accordingly); the access pattern, not the arithmetic, now limits it.
 """
 import torch
 import triton
@@ -311,6 +315,7 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
     grid_m = triton.cdiv(M, mr)
     # splits of whole steps (GP groups), so every program's range is a multiple of GP
     split, per_split = split_k(programs_n * grid_m, ngroups, gp, sms, waves if programs_n * grid_m < 2 * sms else 0)
+    # split_outputs takes M, the output dtype and the device from an activation tensor: an empty stand-in
     y, part, counters = split_outputs(torch.empty(M, 0, dtype=out_dtype, device=xq.device), N, split,
                                       programs_n * grid_m, fixup)
     main = nv * vw
