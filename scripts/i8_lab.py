@@ -4,8 +4,8 @@
 
 At the Llama-3-8B shapes, for M = 1: the exact gemv (current routing), gemv(act_int8=True) (activation rounding
 plus the kernel), and the kernel alone on pre-rounded activations for each config (R row sets per thread, GP
-groups of a row across threads, warps, stages, programs per SM for the K split), each checked against x' @ dequantize(W).T and timed by CUDA-graph replay
-over enough weight copies to overflow L2. Effective TB/s counts the stored weight bytes. With --m-curve: both gemv
+groups of a row across threads, warps, stages, programs per SM for the K split), each checked against
+x' @ dequantize(W).T and timed by CUDA-graph replay over enough weight copies to overflow L2. Effective TB/s counts the stored weight bytes. With --m-curve: both gemv
 paths at M = 1, 2, 4, 8, 16.
 """
 import sys
