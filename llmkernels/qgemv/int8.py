@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .m1 import _split_words, _store_rows, split_outputs
-from .words import _funnel, _scalars
+from .words import _block_codes, _scalars
 
 # format -> (FMT id, bytes per block or super-block, blocks per step)
 I8_FORMATS = {"q4_0": (3, 18, 8), "q8_0": (7, 34, 8), "q4_k": (10, 144, 1)}
@@ -198,17 +198,7 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
         else:
             NW: tl.constexpr = 4 if FMT == 3 else 8  # code words per block
             for j in tl.static_range(G):
-                # block j starts at byte BB * j, in word (BB * j) // 4
-                if (BB * j) % 4 == 0:  # d in the low half of that word, codes across word boundaries
-                    dw = _split_words(words[(BB * j) // 4], tl.float16)[0]
-                    cw = ()
-                    for t in tl.static_range(NW):
-                        cw = cw + (_funnel(words[(BB * j) // 4 + t], words[(BB * j) // 4 + t + 1], UNPACK), )
-                else:  # d in the high half, codes word-aligned from the next word
-                    dw = _split_words(words[(BB * j) // 4], tl.float16)[1]
-                    cw = ()
-                    for t in tl.static_range(NW):
-                        cw = cw + (words[(BB * j) // 4 + 1 + t], )
+                dw, cw = _block_codes(words, j, BB, NW, UNPACK)
                 lo = ()
                 hi = ()
                 for t in tl.static_range(NW):

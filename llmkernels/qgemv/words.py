@@ -55,6 +55,23 @@ def _funnel(a, b, UNPACK: tl.constexpr):
 
 
 @triton.jit
+def _block_codes(words, j: tl.constexpr, BB: tl.constexpr, NW: tl.constexpr, UNPACK: tl.constexpr):
+    """(fp16 scale d as float32, its NW code words) of block j of a group held as single words ``words``: the
+    block starts at byte BB * j, in word (BB * j) // 4."""
+    if (BB * j) % 4 == 0:  # d in the low half of that word, codes across word boundaries (one permute each)
+        d = _split_words(words[(BB * j) // 4], tl.float16)[0]
+        cw = ()
+        for t in tl.static_range(NW):
+            cw = cw + (_funnel(words[(BB * j) // 4 + t], words[(BB * j) // 4 + t + 1], UNPACK), )
+    else:  # d in the high half, codes word-aligned from the next word
+        d = _split_words(words[(BB * j) // 4], tl.float16)[1]
+        cw = ()
+        for t in tl.static_range(NW):
+            cw = cw + (words[(BB * j) // 4 + 1 + t], )
+    return d, cw
+
+
+@triton.jit
 def _unpack_word(w, FMT: tl.constexpr, UNPACK: tl.constexpr):
     """The 4 bytes of int32 codes ``w`` as floats: q4_0 -> 8 values (1 + lo/256 of bytes 0-3, then 1 + hi/16),
     q8_0 -> 4 values 1 + (q + 128)/256."""
@@ -163,17 +180,7 @@ def gemv_words_kernel(XW, W32, Y, PART, COUNT, M, N, stride_xm, stride_ys, strid
         words = _scalars(tl.load(w_ptrs), ROWS_T, R, NV * VW, LOG_MAIN) + _scalars(tl.load(t_ptrs), ROWS_T, R, VW,
                                                                                   LOG_VW)
         for j in tl.static_range(G):
-            # block j starts at byte BB * j, in word (BB * j) // 4
-            if (BB * j) % 4 == 0:  # d in the low half of that word, codes from the next two-word windows
-                d = _split_words(words[(BB * j) // 4], tl.float16)[0]
-                cw = ()
-                for t in tl.static_range(NW):
-                    cw = cw + (_funnel(words[(BB * j) // 4 + t], words[(BB * j) // 4 + t + 1], UNPACK), )
-            else:  # d in the high half, codes word-aligned from the next word
-                d = _split_words(words[(BB * j) // 4], tl.float16)[1]
-                cw = ()
-                for t in tl.static_range(NW):
-                    cw = cw + (words[(BB * j) // 4 + 1 + t], )
+            d, cw = _block_codes(words, j, BB, NW, UNPACK)
             codes = ()
             for t in tl.static_range(NW):
                 codes = codes + _unpack_word(cw[t], FMT, UNPACK)
