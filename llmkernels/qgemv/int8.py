@@ -305,9 +305,7 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
     grid_m = triton.cdiv(M, mr)
     # splits of whole steps (GP groups), so every program's range is a multiple of GP
     split, per_split = split_k(programs_n * grid_m, ngroups, gp, sms, waves if programs_n * grid_m < 2 * sms else 0)
-    # split_outputs takes M, the output dtype and the device from an activation tensor: an empty stand-in
-    y, part, counters = split_outputs(torch.empty(M, 0, dtype=out_dtype, device=xq.device), N, split,
-                                      programs_n * grid_m, fixup)
+    y, part, counters = split_outputs(M, out_dtype, xq.device, N, split, programs_n * grid_m, fixup)
     main = nv * vw
     kernel = gemv_i8_kernel[(programs_n, split, grid_m)](
         xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, M, N,

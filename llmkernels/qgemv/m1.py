@@ -348,21 +348,20 @@ def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
     return True
 
 
-def split_outputs(x, N: int, split: int, tiles: int, fixup: bool):
-    """(y, part, counters) for an m1/words launch over x [M, K] with ``split`` K splits and ``tiles`` output tiles.
-    With fixup, a counter buffer (see _runtime.split_counters) and room for the tiles: y [1, M, N] in x's dtype,
-    float32 partials part [split, M, N] summed in the kernel. Otherwise counters is None and y [split, M, N] (float32
-    when split) is also part."""
+def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: bool):
+    """(y, part, counters) for an m1/words/int8 launch with M activation rows, output ``dtype``, ``split`` K splits
+    and ``tiles`` output tiles. With fixup, a counter buffer (see _runtime.split_counters) and room for the tiles:
+    y [1, M, N] in ``dtype``, float32 partials part [split, M, N] summed in the kernel. Otherwise counters is None
+    and y [split, M, N] (float32 when split) is also part."""
     import torch
 
     from .._runtime import empty, split_counters
 
-    M = x.shape[0]
-    counters = split_counters(x.device) if fixup and split > 1 else None
+    counters = split_counters(device) if fixup and split > 1 else None
     if counters is not None and tiles <= counters.numel():
-        y = empty(1, M, N, dtype=x.dtype, device=x.device)
-        return y, empty(split, M, N, dtype=torch.float32, device=x.device), counters
-    y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+        y = empty(1, M, N, dtype=dtype, device=device)
+        return y, empty(split, M, N, dtype=torch.float32, device=device), counters
+    y = empty(split, M, N, dtype=torch.float32 if split > 1 else dtype, device=device)
     return y, y, None
 
 
@@ -391,7 +390,7 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
     grid_m = triton.cdiv(M, mr)
     split, per_split = split_k(programs_n * grid_m, nblocks, nb, sms, waves)
-    y, part, counters = split_outputs(x, N, split, programs_n * grid_m, fixup)
+    y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)
     # MLX 4-bit reads x as int32 words (pairs); other formats pass x itself in that slot (unused)
     xw = x.view(torch.int32) if fid == 13 and bits == 4 else x

@@ -247,7 +247,7 @@ def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: in
     # up to ``waves`` programs per SM (4 measured best on an H100), but a grid that already has two waves is not
     # split (the vocabulary projection: 1.84 TB/s unsplit, 1.55 split in two)
     split, per_split = split_k(programs_n * grid_m, ngroups, 1, sms, waves if programs_n * grid_m < 2 * sms else 0)
-    y, part, counters = split_outputs(x, N, split, programs_n * grid_m, fixup)
+    y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     main = nv * vw
     kernel = gemv_words_kernel[(programs_n, split, grid_m)](
         x.view(torch.int32), data.view(torch.int32), y, part, counters if counters is not None else y, M, N,
