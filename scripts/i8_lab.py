@@ -1,12 +1,13 @@
 """GEMV with int8 activations (qgemv/int8.py) on the GPU: configs of the dp4a kernel against the exact gemv.
 
-    python scripts/i8_lab.py [formats] [R/GP/warps/stages/waves,...] [--m-curve]
+    python scripts/i8_lab.py [formats] [R/GP/warps/stages/waves[/coal/prefetch],...] [--m-curve]
 
 At the Llama-3-8B shapes, for M = 1: the exact gemv (current routing), gemv(act_int8=True) (activation rounding
 plus the kernel), and the kernel alone on pre-rounded activations for each config (R row sets per thread, GP
-groups of a row across threads, warps, stages, programs per SM for the K split), each checked against
-x' @ dequantize(W).T and timed by CUDA-graph replay over enough weight copies to overflow L2. Effective TB/s counts the stored weight bytes. With --m-curve: both gemv
-paths at M = 1, 2, 4, 8, 16.
+groups of a row across threads, warps, stages, programs per SM for the K split, and gemv_i8_kernel's COAL and
+PREFETCH), each checked against x' @ dequantize(W).T and timed by CUDA-graph replay over enough weight copies to
+overflow L2. Effective TB/s counts the stored weight bytes. 28672 x 4096 is the engine's fused gate/up matrix. With
+--m-curve: both gemv paths at M = 1, 2, 4, 8, 16.
 """
 import sys
 
@@ -19,7 +20,7 @@ from llmkernels.qgemv.ops import _finish
 from llmkernels.quant import dequantize
 from llmkernels.testing.random_weights import random_qtensor
 
-SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (128256, 4096)]
 
 
 def main():
@@ -50,8 +51,8 @@ def main():
                         f"{tb(t_i):5.2f} TB/s {'WRONG %.1e' % err if err > 4e-3 else ''} |")
                 if M == 1:
                     for cfg in cfgs:
-                        run = lambda qt: _finish(launch_i8(q, ds, qt.data, fmt, N, K, cfg[:4], sms, True,  # noqa
-                                                           x.dtype, waves=cfg[4]), x.dtype)
+                        run = lambda qt: _finish(launch_i8(q, ds, qt.data, fmt, N, K, cfg[:4] + cfg[5:7], sms,  # noqa
+                                                           True, x.dtype, waves=cfg[4]), x.dtype)
                         try:
                             y = run(first)
                         except Exception as e:  # noqa: BLE001

@@ -82,12 +82,14 @@ def main():
                     launch_words(torch.randn(M, 768, device=dev, dtype=dt), qt.data, fmt, 37, 768, config, sms, 2,
                                  fixup=fixup)
     # int8 activations (int8.py): the rounding kernel on a partial block range, the dp4a kernel on every format,
-    # one to four rows per thread, odd rows, split or not, several activation rows per program
+    # one to four rows per thread, odd rows, split or not, several activation rows per program, coalesced and
+    # prefetched weight loads
     from llmkernels.qgemv.int8 import launch_i8, quantize_act
 
     for fmt in ("q4_0", "q8_0", "q4_k"):
         qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
-        for config, sms in (((1, 1, 1, 1), 4), ((2, 8, 4, 3), 132), ((4, 2, 2, 3), 7), ((2, 4, 4, 3), 1)):
+        for config, sms in (((1, 1, 1, 1), 4), ((2, 8, 4, 3), 132), ((4, 2, 2, 3), 7), ((2, 4, 4, 3), 1),
+                            ((1, 1, 1, 1, 1, 1), 4), ((2, 4, 4, 3, 1, 1), 1), ((1, 4, 4, 3, 0, 1), 132)):
             for M, fixup, rpp in ((1, True, 2), (3, True, 2), (2, False, 2), (5, True, 4)):
                 q, ds = quantize_act(torch.randn(M, 768, device=dev, dtype=torch.bfloat16))
                 launch_i8(q, ds, qt.data, fmt, 37, 768, config, sms, True, torch.float16, fixup=fixup,

@@ -127,7 +127,8 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
                    ngroups, groups_per_split, split,
                    FMT: tl.constexpr, BB: tl.constexpr, G: tl.constexpr, VW: tl.constexpr, NV: tl.constexpr,
                    LOG_MAIN: tl.constexpr, LOG_VW: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
-                   GP: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr):
+                   GP: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
+                   COAL: tl.constexpr, PREFETCH: tl.constexpr):
     """y[m, n] (+)= sum over this program's K split of x'[m] . w[n] for BLOCK_N = ROWS_T // GP * R rows, with x'
     given as int8 words XQ (stride_xq words per row) and per-block (d, s) in XS (stride_xs floats per row).
 
@@ -135,7 +136,14 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     one thread. The ROWS_T threads (lanes and warps) take GP consecutive groups of ROWS_T // GP rows per step, so a
     warp reads GP * 144 (or 272) contiguous bytes of each of its rows at once (GP = 1: one row per thread, 32
     scattered rows per warp, which measured 1.7-1.9 TB/s at most on an H100 even with no arithmetic); R such
-    row sets per thread. The GP partial sums of a row are added across threads at the end."""
+    row sets per thread. The GP partial sums of a row are added across threads at the end.
+
+    COAL = 1 loads the first NV * VW words of each group as one contiguous run (the compiler's coalescing then puts
+    8 lanes with 16 bytes each along a group's 128 bytes instead of one thread per group) and lets the compiler move
+    them to one thread per group through shared memory. PREFETCH = 1 loads the next step's weights before this
+    step's arithmetic (twice the weight registers). Both pay off where the grid has many steps per program: on an
+    H100 (scripts/i8_lab.py, bench/NOTES.md) 128256 x 4096 went from 132-134 to 116-117 us for q4_0 and from 245
+    to 197-198 us for q8_0, while the 9-33 MB matrices stayed within +-10%."""
     LPR: tl.constexpr = ROWS_T // GP  # rows per rep
     BLOCK_N: tl.constexpr = LPR * R
     GW: tl.constexpr = G * BB // 4  # words per step and row
@@ -151,8 +159,11 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, ngroups)  # the host keeps both multiples of GP
     base = rows * row_words + (g_start + gl) * GW
-    w_ptrs = W32 + base[:, :, None, None] + tl.arange(0, NV)[None, None, :, None] * VW \
-        + tl.arange(0, VW)[None, None, None, :]
+    if COAL:
+        w_ptrs = W32 + base[:, :, None] + tl.arange(0, NV * VW)[None, None, :]
+    else:
+        w_ptrs = W32 + base[:, :, None, None] + tl.arange(0, NV)[None, None, :, None] * VW \
+            + tl.arange(0, VW)[None, None, None, :]
     t_ptrs = W32 + base[:, :, None] + NV * VW + tl.arange(0, VW)[None, None, :]
     # activation pointers with the row axis broadcast (x gets the rows' layout): 8 words and one (d, s) per block
     xg = (g_start + gl)[:, :, None]  # [ROWS_T, 1, 1]: each thread's group (the same for its R rows)
@@ -166,9 +177,20 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     acc1 = tl.zeros([ROWS_T, R], dtype=tl.float32)
     acc2 = tl.zeros([ROWS_T, R], dtype=tl.float32)
     acc3 = tl.zeros([ROWS_T, R], dtype=tl.float32)
+    if PREFETCH:  # the first step's weights; each step then loads the next one's before its arithmetic
+        wa = tl.load(w_ptrs, mask=g_start < g_end)
+        wb = tl.load(t_ptrs, mask=g_start < g_end)
     for g in range(g_start, g_end, GP):
-        words = _scalars(tl.load(w_ptrs), ROWS_T, R, NV * VW, LOG_MAIN) + _scalars(tl.load(t_ptrs), ROWS_T, R, VW,
-                                                                                  LOG_VW)
+        if PREFETCH:
+            nstep = tl.where(g + GP < g_end, GP * GW, 0)  # the last step reloads its own words
+            na = tl.load(w_ptrs + nstep)
+            nb = tl.load(t_ptrs + nstep)
+            cur_a = wa
+            cur_b = wb
+        else:
+            cur_a = tl.load(w_ptrs)
+            cur_b = tl.load(t_ptrs)
+        words = _scalars(cur_a, ROWS_T, R, NV * VW, LOG_MAIN) + _scalars(cur_b, ROWS_T, R, VW, LOG_VW)
         if FMT == 10:
             d, dmin = _split_words(words[0], tl.float16)
             for c in tl.static_range(4):
@@ -218,6 +240,9 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
                     acc3 += _legacy_update(lo, hi, dw, xj + xo3 * stride_xq, sj + xo3 * stride_xs, FMT, ROWS_T, UNPACK)
         w_ptrs += GP * GW
         t_ptrs += GP * GW
+        if PREFETCH:
+            wa = na
+            wb = nb
         xw_ptrs += GP * XB * 8
         xs_ptrs += GP * XB * 2
     rows2 = pid_n * BLOCK_N + rr * LPR + tl.arange(0, LPR)[:, None]
@@ -286,11 +311,13 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
               fixup: bool = True, rows_per_program: int = 2, return_kernel: bool = False):
     """Run gemv_i8_kernel for quantized activations (xq, ds) and q4_0/q8_0/q4_k weights; returns y [split, M, N]
     like m1.launch_m1 (y [1, M, N] in out_dtype when the kernel sums its split-K partials). ``config`` is
-    (R, GP, num_warps, num_stages): R row sets per thread, up to GP consecutive groups of a row across threads
-    (the largest power of two <= GP that divides the row's group count)."""
+    (R, GP, num_warps, num_stages[, COAL, PREFETCH]): R row sets per thread, up to GP consecutive groups of a row
+    across threads (the largest power of two <= GP that divides the row's group count); COAL and PREFETCH (0 or 1,
+    default 0) as in gemv_i8_kernel."""
     from .ops import split_k
 
-    reps, gp_max, warps, stages = config
+    reps, gp_max, warps, stages = config[:4]
+    coal, prefetch = (config[4], config[5]) if len(config) > 4 else (0, 0)
     fid, bb, G, vw, nv = i8_layout(fmt)
     rows_t = 32 * warps
     ngroups = K // (32 * G) if fid != 10 else K // 256
@@ -311,6 +338,6 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
         xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, M, N,
         xq.stride(0) // 4, ds.stride(0), y.stride(0), y.stride(1), row_words, ngroups, per_split, split,
         FMT=fid, BB=bb, G=G, VW=vw, NV=nv, LOG_MAIN=main.bit_length() - 1, LOG_VW=vw.bit_length() - 1,
-        ROWS_T=rows_t, R=reps, GP=gp, MR=mr, UNPACK=2 if asm else 1, FIXUP=counters is not None, num_warps=warps,
-        num_stages=stages)
+        ROWS_T=rows_t, R=reps, GP=gp, MR=mr, UNPACK=2 if asm else 1, FIXUP=counters is not None, COAL=coal,
+        PREFETCH=prefetch, num_warps=warps, num_stages=stages)
     return (y, kernel) if return_kernel else y

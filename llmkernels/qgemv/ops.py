@@ -24,10 +24,9 @@ M1_MAX_M = {"q4_k": 4, "mlx": 2}
 WORDS_MAX_M = {"q4_0": 4}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
-# beyond it reads the weights once per two activation rows and loses up to 3x); q4_k's vocabulary-sized shape
-# (N >= 32768) stays exact (141 against 133 us)
+# beyond it reads the weights once per two activation rows and loses up to 3x). q4_k's vocabulary-sized shape
+# (N >= 32768) runs it too since the coalesced, prefetched configs (118 against 148 us exact on 128256 x 4096)
 I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 1}
-I8_WIDE = ("q4_0", "q8_0")
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -139,7 +138,8 @@ def _launch_i8(x, x2, data, fmt, N, K):
     if interp:
         config = (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
     else:
-        # three size classes (scripts/i8_lab.py on an H100: the best config of one class loses up to 1.4x on another)
+        # three size classes (tuning.tune gemv_i8, scripts/i8_lab.py: on an H100 the best config of one class loses
+        # up to 1.4x on another)
         size = "wide" if N >= 32768 else ("large" if N * K > 32 * 2**20 else "small")
         config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}/{size}") or (1, 4, 4, 3))
     y = launch_i8(xq, ds, data, fmt, N, K, config, num_sms(x.device), not interp, x.dtype)
@@ -148,8 +148,7 @@ def _launch_i8(x, x2, data, fmt, N, K):
 
 def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode, act=0):
     M = x.shape[0]
-    if act == 1 and mode != 2 and M <= I8_MAX_M.get(fmt, 0) and x.dtype != torch.float32 and \
-            (N < 32768 or fmt in I8_WIDE):
+    if act == 1 and mode != 2 and M <= I8_MAX_M.get(fmt, 0) and x.dtype != torch.float32:
         from .int8 import i8_supports
 
         if i8_supports(data, fmt, K):

@@ -1,4 +1,4 @@
-"""Regenerate the tuned tables on this GPU: ``python -m llmkernels.tuning.tune [prefill] [decode] [gemv]``.
+"""Regenerate the tuned tables on this GPU: ``python -m llmkernels.tuning.tune [prefill] [decode] [gemv] [gemv_i8]``.
 
 For each key of a table (what stays fixed across steps: dtype, head dim, page-size class, format, M class) the
 candidates are timed on representative shapes and the fastest is written to ``<table>.json`` under this GPU's
@@ -187,29 +187,60 @@ def tune_gemv(gpu):
     return out
 
 
-TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "gemv": tune_gemv}
+# int8-activation gemv (qgemv/int8.py): the size classes of ops._launch_i8 with representative shapes, and candidate
+# configs (R, GP, warps, stages, COAL, PREFETCH)
+I8_CLASSES = {"small": [(4096, 4096), (6144, 4096)], "large": [(4096, 14336), (28672, 4096)],
+              "wide": [(128256, 4096)]}
+I8_CANDIDATES = [(2, 16, 4, 3, 0, 0), (1, 4, 4, 3, 0, 0), (1, 16, 4, 3, 0, 0), (4, 8, 4, 3, 0, 0),
+                 (2, 4, 4, 3, 1, 1), (1, 4, 4, 3, 1, 1), (1, 1, 4, 3, 1, 1), (2, 2, 4, 3, 1, 1)]
+
+
+def tune_gemv_i8(gpu):
+    from ..bench.harness import copies_for
+    from ..qgemv import gemv
+    from ..testing.random_weights import random_qtensor
+
+    out = {}
+    for fmt in ("q4_0", "q4_k", "q8_0"):
+        for size, shapes in I8_CLASSES.items():
+            works = []
+            for N, K in shapes:
+                first = random_qtensor(fmt, N, K, "cuda")
+                copies = [first] + [random_qtensor(fmt, N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)]
+                x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+                works.append([lambda x=x, qt=qt: gemv(x, qt, act_int8=True) for qt in copies])
+            key = f"i8/{fmt}/{size}"
+            out[key] = _best("gemv", key, I8_CANDIDATES, works)
+            del works
+    return out
+
+
+# table name -> tuner, or (JSON table it writes into, tuner)
+TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "gemv": tune_gemv,
+          "gemv_i8": ("gemv", tune_gemv_i8)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmkernels.tuning.tune", description=__doc__)
-    p.add_argument("tables", nargs="*", default=["prefill", "decode", "gemv"])
+    p.add_argument("tables", nargs="*", default=["prefill", "decode", "gemv", "gemv_i8"])
     p.add_argument("--out", default=str(_DIR), help="folder for the JSON tables (default: the package's)")
     args = p.parse_args(argv)
+    unknown = [t for t in args.tables if t not in TUNERS]
+    if unknown:
+        p.error(f"unknown table {unknown[0]!r}: expected some of {', '.join(TUNERS)}")
     if not torch.cuda.is_available():
         print("tuning needs a CUDA GPU", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name()
     for name in args.tables:
         t0 = time.time()
-        fn = TUNERS[name]
-        table = "paged" if name == "decode" else name
-        fn = fn[1] if isinstance(fn, tuple) else fn
+        table, fn = TUNERS[name] if isinstance(TUNERS[name], tuple) else (name, TUNERS[name])
         print(f"tuning {name} on {gpu}", flush=True)
         entries = fn(gpu)
         path = Path(args.out) / f"{table}.json"
         doc = json.loads(path.read_text()) if path.exists() else {}
         doc.setdefault(gpu, {}).update(entries)
-        path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         load_table.cache_clear()
         print(f"wrote {path} ({len(entries)} entries, {time.time() - t0:.0f} s)", flush=True)
     return 0

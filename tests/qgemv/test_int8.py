@@ -66,10 +66,11 @@ def _run(fmt, N, K, M, config, sms, device, dtype=torch.float16, **kw):
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
 @pytest.mark.parametrize("N,K,config,sms", [
     (37, 512, (2, 1, 1, 1), 4),    # one row per thread, rows not a multiple of the tile, K split in two
-    (19, 768, (1, 1, 1, 1), 1),    # three steps (q4_0/q4_k) in one program
+    (19, 768, (1, 1, 1, 1, 1, 1), 1),  # three steps (q4_0/q4_k) in one program, coalesced + prefetched loads
     (130, 256, (2, 1, 2, 1), 64),  # one step per row, more programs than steps
-    (21, 1024, (4, 1, 1, 1), 3),   # four rows per thread, K split unevenly
+    (21, 1024, (4, 1, 1, 1, 0, 1), 3),  # four rows per thread, K split unevenly, next step prefetched
     (45, 1536, (2, 4, 1, 1), 2),   # groups across threads: 2 of the 6 per step (q4_0/q4_k; q8_0: 1 of 3)
+    (45, 1536, (2, 4, 1, 1, 1, 1), 2),  # the same, coalesced + prefetched
     (70, 2048, (1, 8, 2, 1), 1),   # 8 groups of a row across threads, 8 rows per warp pair, no split
 ])
 def test_i8_kernel(fmt, N, K, config, sms, device):
