@@ -25,7 +25,8 @@ WORDS_MAX_M = {"q4_0": 4}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k's vocabulary-sized shape
-# (N >= 32768) runs it too since the coalesced, prefetched configs (118 against 148 us exact on 128256 x 4096)
+# (N >= 32768) runs it too since the coalesced, prefetched configs (bench file 20261122-185140: 121.3 us against
+# 131.6 exact on 128256 x 4096)
 I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 1}
 
 

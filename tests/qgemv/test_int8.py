@@ -79,12 +79,13 @@ def test_i8_kernel(fmt, N, K, config, sms, device):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
-@pytest.mark.parametrize("M,rows_per_program,fixup,dtype", [
-    (2, 4, True, torch.bfloat16), (3, 2, False, torch.float16), (5, 4, True, torch.float16),
-    (16, 4, True, torch.bfloat16)])
-def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, device):
+@pytest.mark.parametrize("M,rows_per_program,fixup,dtype,config", [
+    (2, 4, True, torch.bfloat16, (2, 2, 1, 1)), (3, 2, False, torch.float16, (2, 2, 1, 1)),
+    (5, 4, True, torch.float16, (2, 2, 1, 1)), (16, 4, True, torch.bfloat16, (2, 2, 1, 1)),
+    (2, 2, True, torch.float16, (2, 2, 1, 1, 1, 1))])  # the routed M = 2 with coalesced + prefetched loads
+def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, config, device):
     """Activation rows share the unpacked codes; surplus rows of the last program read a real row, are not stored."""
-    _run(fmt, 45, 512, M, (2, 2, 1, 1), 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
+    _run(fmt, 45, 512, M, config, 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
