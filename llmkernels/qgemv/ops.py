@@ -16,6 +16,9 @@ FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
+# f16/bf16 weights with activations of the same dtype go to cuBLAS from M = 2 (f32 stays on the kernel, whose float32
+# products do not depend on torch's TF32 setting)
+DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # the m1 kernel (up to 4 activation rows per program) up to this M: q4_k against the tensor-core tile path (faster at
 # M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4;
 # MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py --m-curve)
@@ -246,6 +249,10 @@ def _gemv_impl(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, sca
              biases2: torch.Tensor | None, fmt: str, N: int, K: int, bits: int, group_size: int,
              mode: int, act: int) -> torch.Tensor:
     M = x.shape[0]
+    if mode == 0 and M >= 2 and DENSE_DTYPES.get(fmt) == x.dtype and data.shape[-1] == K * x.element_size():
+        # weights stored in x's dtype: cuBLAS on them as they lie (faster than the dense kernel from M = 2: 1.02-1.3x
+        # less time at M = 2..16 on an H100, bench file 20261122-185140, f16 rows; M = 1 stays on the kernel)
+        return x @ data.view(x.dtype).T
     if M > MID_M:  # large M: dequantize once with the embedding kernel, then one cuBLAS product
         a = x if mode != 1 else torch.nn.functional.silu(x.float()).mul_(x2.float()).to(x.dtype)
         w = _launch_embedding(torch.arange(N, device=x.device), data, scales, biases, fmt, N, K, bits,

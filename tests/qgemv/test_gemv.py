@@ -72,6 +72,22 @@ def test_mid_and_large_m_paths(device):
         rel_close(lk.gemv(x, qt), gemv_ref(x, qt), torch.float16)
 
 
+@pytest.mark.parametrize("fmt,dtype", [("f16", torch.float16), ("bf16", torch.bfloat16), ("f32", torch.float32)])
+def test_dense_weights_in_x_dtype(fmt, dtype, device):
+    """f16/bf16 weights stored in x's dtype go to torch's matmul from M = 2 (the kernel at M = 1, for f32, and for
+    silu_mul_gemv): every path right."""
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("bf16 activations are tested on the GPU (the interpreter's bf16 is unreliable)")
+    qt = weights(fmt, {}, 23, 96, device)
+    for M in (1, 2, 17, 40):
+        x = torch.randn(M, 96, dtype=dtype, device=device)
+        y = lk.gemv(x, qt)
+        assert y.shape == (M, 23) and y.dtype == dtype
+        rel_close(y, gemv_ref(x, qt), dtype)
+    g, u = torch.randn(2, 17, 96, dtype=dtype, device=device)
+    rel_close(lk.silu_mul_gemv(g, u, qt), silu_mul_gemv_ref(g, u, qt), dtype)
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda qt, d: lk.gemv(torch.randn(1, 100, dtype=torch.float16, device=d), qt), ValueError, "K=64"),
     (lambda qt, d: lk.gemv(torch.randn(0, 64, dtype=torch.float16, device=d), qt), ValueError, "M = 0"),

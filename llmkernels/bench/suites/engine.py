@@ -90,7 +90,8 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
                       rate, pct, {"bound_batch1": bound})
             row.note = (f"{bytes_per_token / 1e9:.2f} GB/token stored weights; bound {bound:.0f} tok/s; "
                         f"{per_seq:.1f} tok/s per sequence; {1e3 / per_seq:.2f} ms/step; whole run {wall:.1f} s "
-                        f"(prefill included), {steps} decode steps, graph replays {llm.stats.graph_steps}")
+                        f"(prefill included), {steps} decode steps, graph replays {llm.stats.graph_steps}, preemptions "
+                        f"{llm.scheduler.num_preemptions}")
             rows.append(row)
         del llm, model
         return rows
