@@ -191,8 +191,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             else:
                 config = tuple(lookup("gemv", gpu_name(), f"words/{fmt}") or (2, 8, 4, 3))
             return _finish(launch_words(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2), out_dtype)
-    if fmt == "q4_k" and M1_MAX_M[fmt] < M <= SMALL_M and mode == 0 and aligned and x.dtype != torch.float32:
-        # tensor cores (tc.py)
+    if fmt == "q4_k" and M1_MAX_M[fmt] < M <= MID_M and mode == 0 and aligned and x.dtype != torch.float32:
+        # tensor cores (tc.py), all M rows in one program up to 64 (M-blocks of 16 read the weights once per block)
         from .tc import launch_tc
 
         interp = interpreter_mode()

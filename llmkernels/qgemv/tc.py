@@ -1,4 +1,4 @@
-"""q4_k GEMV for 5 <= M <= 16 on the tensor cores: weights dequantized to fp16/bf16 in registers, fed to tl.dot.
+"""q4_k GEMV for 5 <= M <= 64 on the tensor cores: weights dequantized to fp16/bf16 in registers, fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
@@ -119,7 +119,8 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, waves: int
 
     block_n, warps, stages = config
     M = x.shape[0]
-    m_pad = 16
+    # the activation rows are the dot's N: 16, 32 or 64 of them per program, so up to M = 64 each weight is read once
+    m_pad = 16 if M <= 16 else (32 if M <= 32 else 64)
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // 256
     programs_n = triton.cdiv(N, block_n)

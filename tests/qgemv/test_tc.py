@@ -1,4 +1,4 @@
-"""The tensor-core q4_k kernel for 5 <= M <= 16 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
+"""The tensor-core q4_k kernel for 5 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
 split-K, M classes, and on the GPU fp16 and bf16 at model shapes, through gemv and directly."""
 import pytest
 import torch
@@ -22,6 +22,8 @@ def _check(y, x, qt, dtype):
     (37, 512, 5, (16, 4, 1), 4),     # rows not a multiple of the tile, K split into single super-blocks
     (70, 768, 16, (16, 4, 1), 1),    # one program column, three super-blocks, no split
     (130, 256, 9, (64, 4, 1), 64),   # more programs than blocks: the split is capped by the block count
+    (45, 512, 29, (16, 4, 1), 2),    # 32 activation rows per program, 3 of them padding
+    (21, 256, 64, (16, 4, 1), 3),    # 64 activation rows in one program
 ])
 def test_tc_kernel(N, K, M, config, sms, device):
     qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
@@ -31,19 +33,19 @@ def test_tc_kernel(N, K, M, config, sms, device):
 
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
-    """gemv routes q4_k at M = 5..16 (fp16/bf16) to the tensor-core kernel and fp32 activations elsewhere."""
+    """gemv routes q4_k at M = 5..64 (fp16/bf16) to the tensor-core kernel and fp32 activations elsewhere."""
     import llmkernels.qgemv.tc as tc
 
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     qt = lk.quantize(torch.randn(40, 256) * 0.05, "q4_k").to(device)
-    for M in (4, 5, 16, 17):
+    for M in (4, 5, 16, 17, 64, 65):
         x = torch.randn(M, 256, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     y = lk.gemv(torch.randn(6, 256, device=device), qt)  # fp32 x: the planes kernel
     assert y.dtype == torch.float32
-    assert calls == [(5, 256), (16, 256)]
+    assert calls == [(5, 256), (16, 256), (17, 256), (64, 256)]
 
 
 @pytest.mark.gpu
@@ -51,7 +53,8 @@ def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
 def test_tc_kernel_gpu(dtype, device):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K, M, config in [(4096, 4096, 8, (128, 8, 2)), (1001, 14336, 16, (64, 4, 3)), (77, 1024, 5, (128, 8, 2)),
-                            (14336, 4096, 13, (128, 8, 3))]:
+                            (14336, 4096, 13, (128, 8, 3)), (4096, 4096, 33, (128, 4, 3)),
+                            (6144, 4096, 64, (128, 4, 3))]:
         qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2), dtype), x, qt, dtype)
