@@ -338,10 +338,11 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
         qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
         act_int8: allow rounding x to int8 per block of 32 (scale absmax / 127, like llama.cpp's q8_1
             activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M <= 2, q4_k at
-            M = 1 (N < 32768), with fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each
-            block's absmax per element. Other cases compute exactly as without it.
+            M = 1, with fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax
+            per element. Other cases compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
-    M = 64 it launches M-blocks of 16; beyond, it dequantizes once and calls cuBLAS.
+    M = 64 it launches M-blocks of 16 (q4_k: all rows in one tensor-core program); beyond, it dequantizes once and
+    calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
 
     >>> qt = llmkernels.quantize(torch.randn(4096, 4096), "q4_k").cuda()
     >>> y = gemv(torch.randn(1, 4096, dtype=torch.float16, device="cuda"), qt)
