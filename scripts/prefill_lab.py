@@ -1,4 +1,4 @@
-"""Prefill attention experiments on the GPU: (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE) per tuning key.
+"""Prefill attention experiments on the GPU: (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE, TMA) per tuning key.
 
     python scripts/prefill_lab.py [--keys 128/full,128/causal] [--configs 128/64/8/3/1,...] [--budget SECONDS]
     ncu --clock-control none -k regex:flash_fwd --launch-skip 2 --launch-count 1 --section SpeedOfLight \
@@ -6,7 +6,8 @@
 
 Each candidate is checked once against the float64 reference (a ragged bf16 batch, causal and not), then timed at
 the prefill suite's shapes for its key, next to SDPA cuDNN on the same inputs. Prints TFLOP/s and the ratio to
-cuDNN. FOLD_SCALE 1 runs key blocks that every query sees through ``_prefill_full`` (attention/prefill_kernel.py).
+cuDNN. FOLD_SCALE 1 runs key blocks that every query sees through ``_prefill_full`` (attention/prefill_kernel.py);
+TMA 1 loads that loop's K/V tiles through tensor descriptors.
 A varlen batch (16 causal sequences, lengths 100..8000, as in the bench suite) is timed with the causal keys.
 """
 import argparse
@@ -31,9 +32,10 @@ SHAPES = {
     "256/causal": [(1, 16, 16, 8192, 256)],
 }
 CONFIGS = {
-    128: [(128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (128, 64, 8, 4, 0), (64, 64, 4, 3, 1), (64, 64, 4, 3, 0)],
-    64: [(128, 64, 8, 4, 0), (128, 64, 8, 3, 1), (128, 32, 8, 4, 1)],
-    256: [(128, 64, 8, 2, 0), (128, 64, 8, 2, 1)],
+    128: [(128, 64, 8, 4, 1, 0), (128, 128, 8, 3, 1, 0), (128, 64, 8, 4, 1, 1), (128, 64, 8, 3, 1, 1),
+          (128, 128, 8, 3, 1, 1), (128, 128, 8, 2, 1, 1)],
+    64: [(128, 64, 8, 3, 1, 0), (128, 64, 8, 3, 1, 1), (128, 128, 8, 3, 1, 1), (128, 64, 8, 4, 1, 1)],
+    256: [(128, 64, 8, 2, 0, 0), (128, 64, 8, 2, 1, 1), (64, 64, 4, 2, 1, 1), (64, 64, 4, 3, 1, 1)],
 }
 
 
@@ -81,7 +83,7 @@ def _warm_up(seconds=3.0):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--keys", default="128/full,128/causal,64/full,64/causal,256/full,256/causal")
-    p.add_argument("--configs", default="", help="only these, e.g. 128/64/8/3/1 (BLOCK_M/BLOCK_N/warps/stages/FOLD_SCALE)")
+    p.add_argument("--configs", default="", help="only these, e.g. 128/64/8/3/1/1 (BLOCK_M/BLOCK_N/warps/stages/FOLD_SCALE/TMA)")
     p.add_argument("--budget", type=float, default=500.0, help="stop starting new configs after this many seconds")
     p.add_argument("--eager", action="store_true", help="run the keys' shapes 3 times each with the tuned table, "
                    "no timing or checks (for ncu)")

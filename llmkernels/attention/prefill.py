@@ -8,25 +8,49 @@ import triton
 
 from .._checks import call_op, check_cu_seqlens, check_device, check_tensor, interpreter_mode
 from .._runtime import gpu_name
-from ..tuning import lookup
+from ..tuning import OVERRIDES, lookup
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, FOLD_SCALE) from the tuned table (GPU, dtype, head dim, causal).
+def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, FOLD_SCALE, TMA) from the tuned table (GPU, dtype, head dim, causal).
 
     FOLD_SCALE 1 sends key blocks that every query sees through the loop with the scale folded into the exponent;
-    entries written before it existed have four fields and mean 0."""
+    TMA 1 loads that loop's K/V tiles through tensor descriptors where the layout allows (``_kv_descriptors``).
+    Entries written before a field existed are shorter and mean 0 for it. Under the interpreter the table is not
+    read; an ``OVERRIDES[("prefill", "interpret")]`` entry replaces the small default there (tests use it)."""
     if interpreter_mode():
-        return 32, 32, 4, 1, 1
-    block_d = max(16, 1 << (head_dim - 1).bit_length())  # tuned per padded head dim: 80 and 96 share 128's entry
-    key = f"{str(dtype).replace('torch.', '')}/{block_d}/{'causal' if causal else 'full'}"
-    entry = lookup("prefill", gpu_name(), key)
-    if entry is not None:
-        return tuple(entry) + (0,) * (5 - len(entry))
-    return (128, 64, 8, 3, 1) if head_dim <= 128 else (128, 64, 8, 2, 0)
+        entry = OVERRIDES.get(("prefill", "interpret"), (32, 32, 4, 1, 1, 1))
+    else:
+        block_d = max(16, 1 << (head_dim - 1).bit_length())  # tuned per padded head dim: 80 and 96 use 128's entry
+        key = f"{str(dtype).replace('torch.', '')}/{block_d}/{'causal' if causal else 'full'}"
+        entry = lookup("prefill", gpu_name(), key)
+        if entry is None:
+            entry = (128, 64, 8, 3, 1) if head_dim <= 128 else (128, 64, 8, 2, 0)
+    return tuple(entry) + (0,) * (6 - len(entry))
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """TMA descriptors over K and V viewed as [tokens, kv heads * head dim] with [block_n, head dim] tiles, or None
+    where that view does not exist or TMA cannot read it: heads not packed (stride(1) != head dim), a head dim that
+    is not a power of two (the tile would reach into the next head), rows or base not 16-byte aligned, or a GPU
+    before Hopper."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    D = k.shape[2]
+    if D & (D - 1) or D < 16:
+        return None
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return None
+    descs = []
+    for t in (k, v):
+        row_bytes = t.stride(0) * t.element_size()
+        if t.stride(2) != 1 or t.stride(1) != D or row_bytes % 16 or t.data_ptr() % 16 or t.shape[0] == 0:
+            return None
+        descs.append(TensorDescriptor(t, [t.shape[0], t.shape[1] * D], [t.stride(0), 1], [block_n, D]))
+    return descs
 
 
 def _check_window(window_size) -> tuple[int, int]:
@@ -88,7 +112,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         if lse is not None:
             lse.fill_(float("-inf"))
         return
-    BLOCK_M, BLOCK_N, num_warps, num_stages, fold = prefill_config(q.dtype, D, causal)
+    BLOCK_M, BLOCK_N, num_warps, num_stages, fold, tma = prefill_config(q.dtype, D, causal)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -97,16 +121,19 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
     num_m = triton.cdiv(max_seqlen_q, BLOCK_M)
     grid = (num_m * batch * Hq,)
+    # the descriptors serve only the unmasked loop, which runs when the scale is folded and there is no softcap
+    descs = _kv_descriptors(k, v, BLOCK_N) if tma and fold and softcap <= 0 else None
     from .prefill_kernel import flash_fwd_kernel
 
     flash_fwd_kernel[grid](
         q, k, v, out, lse if lse is not None else out, sinks if sinks is not None else out,
-        cu_seqlens_q, cu_seqlens_k,
+        cu_seqlens_q, cu_seqlens_k, *(descs or (None, None)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         Hq, Hq // Hkv, num_m, qk_scale, softcap, left, right,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0, HAS_SINK=sinks is not None,
-        WRITE_LSE=lse is not None, FOLD_SCALE=fold, num_warps=num_warps, num_stages=num_stages)
+        WRITE_LSE=lse is not None, FOLD_SCALE=fold, USE_TMA=descs is not None, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

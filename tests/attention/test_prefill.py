@@ -71,6 +71,48 @@ def test_fused_qkv_views(device):
     assert_close(o, ref, torch.float16)
 
 
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("layout", ["packed", "fused_qkv", "heads_strided"])
+def test_unmasked_loop_tma_and_pointer_loads(tma, layout, device, monkeypatch):
+    # long sequences so most key blocks take the unmasked loop; TMA loads there where the layout allows
+    from llmkernels.attention.prefill import _kv_descriptors
+    from llmkernels.tuning import OVERRIDES
+
+    if device.type == "cpu":
+        monkeypatch.setitem(OVERRIDES, ("prefill", "interpret"), (16, 16, 4, 1, 1, tma))
+    else:
+        for key in ("float16/32/full", "float16/32/causal"):
+            monkeypatch.setitem(OVERRIDES, ("prefill", key), (64, 16, 4, 2, 1, tma))
+    lens, Hq, Hkv, D = [70, 3, 45], 4, 2, 32
+    T = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(device)
+    if layout == "packed":
+        k, v = (torch.randn(T, Hkv, D, dtype=torch.float16, device=device) for _ in range(2))
+    elif layout == "fused_qkv":
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=torch.float16, device=device)
+        k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    else:  # heads 2 * D apart: no [tokens, heads * D] view, so no descriptor
+        k, v = (torch.randn(T, Hkv, 2 * D, dtype=torch.float16, device=device)[:, :, :D] for _ in range(2))
+    assert (_kv_descriptors(k, v, 16) is None) == (layout == "heads_strided")
+    q = torch.randn(T, Hq, D, dtype=torch.float16, device=device)
+    for causal in (False, True):
+        out = poison(torch.empty_like(q))
+        lk.flash_attn_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=causal, out=out)
+        ref, _ = flash_attn_varlen_ref(q, k, v, cu, cu, causal=causal)
+        assert_close(out, ref, torch.float16)
+
+
+def test_kv_descriptors_need_a_power_of_two_head_dim(device):
+    from llmkernels.attention.prefill import _kv_descriptors
+
+    k = torch.randn(9, 2, 80, dtype=torch.float16, device=device)
+    assert _kv_descriptors(k, k, 16) is None
+    assert _kv_descriptors(k[:, :, :64], k[:, :, :64], 16) is None  # heads 80 apart
+    k = torch.randn(9, 2, 64, dtype=torch.float16, device=device)
+    assert len(_kv_descriptors(k, k, 16)) == 2
+
+
 def test_all_queries_empty(device):
     q, k, v, cq, ck, _, _ = make([0, 0], [3, 0], 2, 1, 32, torch.float16, device)
     o, lse = lk.flash_attn_varlen(q, k, v, cq, ck, 0, 3, return_lse=True)
