@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.ops import I8_MAX_M, embedding, gemv, silu_mul_gemv
+from ..qgemv.ops import I8_MAX_M, embedding, gemv, silu_fused_at, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -179,10 +179,13 @@ class Model:
             gu = gemv(x, layer.gate_up[0], act_int8=i8)
         else:
             gu = torch.cat([gemv(x, m, act_int8=i8) for m in layer.gate_up], dim=1)
+        F = gu.shape[1] // 2
         if i8 and gu.shape[0] <= I8_MAX_M.get(layer.down.format, 0):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
-            F = gu.shape[1] // 2
             return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
+        if not i8 and silu_fused_at(layer.down, gu.shape[0]):
+            # silu(g) * u formed in the m1 kernel's loads, never written: one launch fewer
+            return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down)
         return gemv(silu_mul(gu), layer.down, act_int8=i8)
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:

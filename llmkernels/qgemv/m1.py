@@ -97,33 +97,52 @@ def _load(ptrs, ok, NB: tl.constexpr):
 
 
 @triton.jit
-def _plane_dot(codes, x_ptrs, ok, NB: tl.constexpr):
+def _silu_mul(g, u, XDT: tl.constexpr):
+    """silu(g) * u in float32, rounded to the activation dtype as the two-step path (and the generic kernel) do."""
+    return (g / (1.0 + tl.exp(-g)) * u).to(XDT).to(tl.float32)
+
+
+@triton.jit
+def _act(x_ptrs, ok, x2_off, XDT: tl.constexpr, NB: tl.constexpr, SILU: tl.constexpr):
+    """Activations as float32: x, or with SILU silu(x) * x2 where x2 lies x2_off elements after x."""
+    xv = _load(x_ptrs, ok, NB).to(tl.float32)
+    if SILU:
+        xv = _silu_mul(xv, _load(x_ptrs + x2_off, ok, NB).to(tl.float32), XDT)
+    return xv
+
+
+@triton.jit
+def _plane_dot(codes, x_ptrs, ok, x2_off, XDT: tl.constexpr, NB: tl.constexpr, SILU: tl.constexpr):
     """(sum of code' * x, sum of x) over a block's bytes (axes 4 and 5) for one plane of codes'.
     x comes in through pointers of shape [C, ROWS_T, NB, 1, U // V, V]; the sums are [C, ROWS_T, NB, R] and
     [C, ROWS_T, NB, 1]."""
-    xv = _load(x_ptrs, ok, NB).to(tl.float32)
+    xv = _act(x_ptrs, ok, x2_off, XDT, NB, SILU)
     s = tl.sum(tl.sum(codes * xv, axis=5), axis=4)
     return s, tl.sum(tl.sum(xv, axis=5), axis=4)
 
 
 @triton.jit
-def _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, f0, f1, g0, g1, XDT: tl.constexpr, FMT: tl.constexpr,
-                BITS: tl.constexpr, NB: tl.constexpr):
+def _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, x2_off, f0, f1, g0, g1, XDT: tl.constexpr, FMT: tl.constexpr,
+                BITS: tl.constexpr, NB: tl.constexpr, SILU: tl.constexpr):
     """One activation row's increment f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 for a step, where s0 = sum code' x
     and sx0 = sum x over the low-nibble (or only) plane, s1 and sx1 over the high-nibble plane."""
     if FMT == 13 and BITS == 4:
         xe, xo = _split_words(_load(x0_ptrs, x_ok, NB), XDT)
+        if SILU:  # x2_off counts int32 words here
+            ue, uo = _split_words(_load(x0_ptrs + x2_off, x_ok, NB), XDT)
+            xe = _silu_mul(xe, ue, XDT)
+            xo = _silu_mul(xo, uo, XDT)
         s0 = tl.sum(tl.sum(lo * xe, axis=5), axis=4)
         sx0 = tl.sum(tl.sum(xe, axis=5), axis=4)
         s1 = tl.sum(tl.sum(hi * xo, axis=5), axis=4)
         sx1 = tl.sum(tl.sum(xo, axis=5), axis=4)
         return f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1
     elif FMT == 7 or FMT == 13:  # one plane
-        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, NB)
+        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, x2_off, XDT, NB, SILU)
         return f0 * s0 + g0 * sx0
     else:
-        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, NB)
-        s1, sx1 = _plane_dot(hi, x1_ptrs, x_ok, NB)
+        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, x2_off, XDT, NB, SILU)
+        s1, sx1 = _plane_dot(hi, x1_ptrs, x_ok, x2_off, XDT, NB, SILU)
         return f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1
 
 
@@ -146,10 +165,11 @@ def _q4k_scales(w1, w2, w3, c):
 
 @triton.jit
 def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes,
-                   scale_stride, nblocks, blocks_per_split, split,
+                   scale_stride, nblocks, blocks_per_split, split, x2_off,
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
-                   BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr):
+                   BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
+                   SILU: tl.constexpr):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -161,6 +181,9 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     MLX (FMT 13): a "block" is C groups, chunk c is group c, U = group_size * BITS / 8 bytes. 4-bit bytes hold
     weights 2l (low nibble) and 2l + 1 (high), so the activations come in as int32 words XW (two x values each, the
     same memory as X) and split into their even and odd halves; 8-bit bytes pair with x in natural order.
+
+    SILU (silu_mul_gemv): the activations are silu(x) * x2, x2 being x2_off elements (MLX 4-bit: int32 words) after
+    x with x's row stride; the product is formed as it loads, rounded to x's dtype, never written.
 
     The sums are stored by _store_rows (FIXUP: split-K partials summed in the kernel)."""
     BLOCK_N: tl.constexpr = ROWS_T * R
@@ -248,16 +271,17 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             d = _load(h_ptrs, ok4, NB).to(tl.float32)
             f0, f1, g0, g1 = 256.0 * d, d * 0.0, -384.0 * d, d * 0.0
             h_ptrs += NB * BLOCK_BYTES // 2
-        acc0 += _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, f0, f1, g0, g1, X.dtype.element_ty, FMT, BITS, NB)
+        acc0 += _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, x2_off, f0, f1, g0, g1, X.dtype.element_ty, FMT,
+                            BITS, NB, SILU)
         if MR > 1:
-            acc1 += _row_update(lo, hi, x0_ptrs + xo1, x1_ptrs + xo1, x_ok, f0, f1, g0, g1, X.dtype.element_ty,
-                                FMT, BITS, NB)
+            acc1 += _row_update(lo, hi, x0_ptrs + xo1, x1_ptrs + xo1, x_ok, x2_off, f0, f1, g0, g1,
+                                X.dtype.element_ty, FMT, BITS, NB, SILU)
         if MR > 2:
-            acc2 += _row_update(lo, hi, x0_ptrs + xo2, x1_ptrs + xo2, x_ok, f0, f1, g0, g1, X.dtype.element_ty,
-                                FMT, BITS, NB)
+            acc2 += _row_update(lo, hi, x0_ptrs + xo2, x1_ptrs + xo2, x_ok, x2_off, f0, f1, g0, g1,
+                                X.dtype.element_ty, FMT, BITS, NB, SILU)
         if MR > 3:
-            acc3 += _row_update(lo, hi, x0_ptrs + xo3, x1_ptrs + xo3, x_ok, f0, f1, g0, g1, X.dtype.element_ty,
-                                FMT, BITS, NB)
+            acc3 += _row_update(lo, hi, x0_ptrs + xo3, x1_ptrs + xo3, x_ok, x2_off, f0, f1, g0, g1,
+                                X.dtype.element_ty, FMT, BITS, NB, SILU)
         w_ptrs += NB * BLOCK_BYTES
         if FMT == 13 and BITS == 4:
             x0_ptrs += NB * BS // 2
@@ -336,16 +360,32 @@ def m1_layout(fmt: str, bits: int = 0, group_size: int = 0, K: int = 0):
     return 13, C, U, 2 if bits == 4 else 1, C * group_size, C * U
 
 
-def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0) -> bool:
+def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, x2=None) -> bool:
     """Whether the m1 kernel can take these operands: a layout for the format, 16-byte aligned weights (int32 header
-    loads, 8-byte code loads), and for MLX 4-bit an x whose rows can be read as int32 words."""
+    loads, 8-byte code loads), for MLX 4-bit an x whose rows can be read as int32 words, and an x2 (silu_mul_gemv's
+    up) of x's shape, dtype and strides at a whole number of load units from x."""
     if m1_layout(fmt, bits, group_size, K) is None or data.data_ptr() % 16:
+        return False
+    if x2 is not None and (x2.dtype != x.dtype or x2.stride() != x.stride() or x2.shape != x.shape
+                           or (x2.data_ptr() - x.data_ptr()) % (x.element_size() * (2 if bits == 4 else 1))):
         return False
     if fmt == "mlx" and bits == 4:
         import torch
 
-        return x.dtype in (torch.float16, torch.bfloat16) and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
+        return all(t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0
+                   for t in (x, x2 if x2 is not None else x))
     return True
+
+
+def _x2_offset(x, x2, elems_per_unit: int) -> int:
+    """x2's distance from x in load units (elements, or int32 words for MLX 4-bit); 0 without x2."""
+    if x2 is None:
+        return 0
+    gap = x2.data_ptr() - x.data_ptr()
+    unit = x.element_size() * elems_per_unit
+    if gap % unit:
+        raise ValueError(f"x2 must lie a whole number of {unit}-byte units from x, got {gap} bytes")
+    return gap // unit
 
 
 def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: bool):
@@ -367,12 +407,13 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
-              rows_per_program: int = 4):
+              rows_per_program: int = 4, x2=None):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages) with R rows per thread; K is split until the
     grid has ``waves`` programs per SM. Each program takes up to ``rows_per_program`` (1, 2 or 4) activation rows,
-    which share its unpacked weights. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
+    which share its unpacked weights. With ``x2`` (same shape, dtype and row stride as x; see m1_supports) the
+    activations are silu(x) * x2. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
     its own split-K partials and y is [1, M, N]."""
     import torch
 
@@ -399,8 +440,8 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     kernel = gemv_m1_kernel[(programs_n, split, grid_m)](
         x, xw, w8, w8.view(torch.float16), ws, wb, y, part, counters if counters is not None else y, M, N, K,
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
-        per_split, split,
+        per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
-        UNPACK=unpack, FIXUP=counters is not None,
+        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None,
         num_warps=warps, num_stages=stages)
     return (y, kernel) if return_kernel else y

@@ -168,10 +168,11 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     wb = biases if biases is not None else w16
     aligned = data.data_ptr() % 16 == 0  # m1 and tc read the q4_k header as int32 words
     m1_fmt = fmt == "q4_k" or (fmt == "mlx" and bits in (4, 8))
-    if m1_fmt and M <= M1_MAX_M[fmt] and mode == 0:  # scales factored out of the products (m1.py)
+    if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1, m1_supports
 
-        if m1_supports(x, data, fmt, bits, group_size, K):
+        silu_x2 = x2 if mode == 1 else None  # silu_mul_gemv: silu(x) * x2 formed in the kernel's loads
+        if m1_supports(x, data, fmt, bits, group_size, K, x2=silu_x2):
             interp = interpreter_mode()
             if interp:
                 config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
@@ -179,7 +180,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 name = fmt if fmt != "mlx" else f"mlx{bits}"
                 config = tuple(lookup("gemv", gpu_name(), f"m1/{name}") or (4, 1, 4, 3))
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
-                          bits=bits, group_size=group_size)
+                          bits=bits, group_size=group_size, x2=silu_x2)
             return _finish(y, out_dtype)
     if fmt in WORDS_MAX_M and M <= WORDS_MAX_M[fmt] and mode == 0:  # q4_0 from aligned words (words.py)
         from .words import launch_words, words_supports
@@ -354,6 +355,14 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
     act = _check_act(act_int8)
     y = call_op(_gemv_op, _gemv_impl, x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0, act)
     return y.reshape(*x.shape[:-1], N)
+
+
+def silu_fused_at(qt: QuantizedTensor, M: int) -> bool:
+    """Whether silu_mul_gemv(gate, up, qt) with M rows runs the m1 kernel, which forms silu(gate) * up in its loads
+    at gemv's speed (q4_k up to M = 4, MLX 4- and 8-bit up to M = 2; the engine then saves a launch per layer).
+    Other formats take the generic or planes kernel in that mode, slower than gemv after a separate product."""
+    fmt = qt.format
+    return M <= M1_MAX_M.get(fmt, 0) and (fmt == "q4_k" or (fmt == "mlx" and qt.bits in (4, 8)))
 
 
 def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.Tensor:

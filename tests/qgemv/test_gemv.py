@@ -57,6 +57,33 @@ def test_silu_mul_and_gate_up(device):
     rel_close(lk.gate_up_silu(x, wg, wu), torch.nn.functional.silu(g) * u, torch.float16)
 
 
+@pytest.mark.parametrize("fmt,kw,M", [("q4_k", {}, 1), ("q4_k", {}, 3), ("mlx", {"bits": 4, "group_size": 64}, 2),
+                                      ("mlx", {"bits": 8, "group_size": 32}, 1)])
+@pytest.mark.parametrize("layout", ["halves", "separate"])
+def test_silu_mul_fused_in_m1(fmt, kw, M, layout, device, monkeypatch):
+    """silu_mul_gemv at small M runs the m1 kernel with the product formed in its loads: gate and up as the halves
+    of one [M, 2K] projection output (the engine's layout) or as two tensors."""
+    from llmkernels.qgemv import m1
+
+    calls = []
+    real = m1.launch_m1
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("x2") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(m1, "launch_m1", spy)
+    N, K = 37, 512
+    qt = weights(fmt, kw, N, K, device)
+    if layout == "halves":
+        gu = torch.randn(M, 2 * K, dtype=torch.float16, device=device)
+        gate, up = gu[:, :K], gu[:, K:]
+    else:
+        gate, up = (torch.randn(M, K, dtype=torch.float16, device=device) for _ in range(2))
+    rel_close(lk.silu_mul_gemv(gate, up, qt), silu_mul_gemv_ref(gate, up, qt), torch.float16)
+    assert calls == [True]
+
+
 def test_fp32_activations_and_leading_dims(device):
     qt = weights("q5_1", {}, 17, 128, device)
     x = torch.randn(2, 3, 128, dtype=torch.float32, device=device)
