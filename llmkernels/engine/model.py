@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.ops import I8_MAX_M, embedding, gemv, silu_fused_at, silu_mul_gemv
+from ..qgemv.ops import I8_MAX_M, embedding, gemv, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -183,9 +183,9 @@ class Model:
         if i8 and gu.shape[0] <= I8_MAX_M.get(layer.down.format, 0):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
             return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
-        if not i8 and silu_fused_at(layer.down, gu.shape[0]):
-            # silu(g) * u formed in the m1 kernel's loads, never written: one launch fewer
-            return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down)
+        # exact mode keeps the separate product: silu_mul_gemv's m1 path measured 28.7 us against 26.7 for the two
+        # steps (q4_k 4096 x 14336, H100, file 20261122-204954); the engine's q4_k batch 1 ran 246.9 tok/s with it
+        # there, 261.9 without in an earlier run on another machine (file 20261122-192031)
         return gemv(silu_mul(gu), layer.down, act_int8=i8)
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:

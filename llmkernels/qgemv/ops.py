@@ -357,14 +357,6 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
     return y.reshape(*x.shape[:-1], N)
 
 
-def silu_fused_at(qt: QuantizedTensor, M: int) -> bool:
-    """Whether silu_mul_gemv(gate, up, qt) with M rows runs the m1 kernel, which forms silu(gate) * up in its loads
-    at gemv's speed (q4_k up to M = 4, MLX 4- and 8-bit up to M = 2; the engine then saves a launch per layer).
-    Other formats take the generic or planes kernel in that mode, slower than gemv after a separate product."""
-    fmt = qt.format
-    return M <= M1_MAX_M.get(fmt, 0) and (fmt == "q4_k" or (fmt == "mlx" and qt.bits in (4, 8)))
-
-
 def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ dequantize(qt).T, the product formed while loading (never written to memory).
 
