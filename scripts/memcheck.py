@@ -19,7 +19,7 @@ def main():
         lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37, causal=True, window_size=(5, -1), softcap=10.0,
                              sinks=torch.randn(14, device=dev), return_lse=True)
         lk.flash_attn_varlen(q, k, k, cq, ck, 37, 37)
-    for D in (96, 128):  # lengths spanning several key blocks: the unmasked (scale-folded) loop runs
+    for D in (64, 96, 128, 256):  # lengths spanning several key blocks: the unmasked loop runs (TMA at D=256)
         cq = torch.tensor([0, 200, 201, 330], dtype=torch.int32, device=dev)
         q = torch.randn(330, 6, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(330, 3, D, device=dev, dtype=torch.bfloat16)
