@@ -83,7 +83,8 @@ def _warm_up(seconds=3.0):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--keys", default="128/full,128/causal,64/full,64/causal,256/full,256/causal")
-    p.add_argument("--configs", default="", help="only these, e.g. 128/64/8/3/1/1 (BLOCK_M/BLOCK_N/warps/stages/FOLD_SCALE/TMA)")
+    p.add_argument("--configs", default="",
+                   help="only these, e.g. 128/64/8/3/1/1 (BLOCK_M/BLOCK_N/warps/stages/FOLD_SCALE/TMA)")
     p.add_argument("--budget", type=float, default=500.0, help="stop starting new configs after this many seconds")
     p.add_argument("--eager", action="store_true", help="run the keys' shapes 3 times each with the tuned table, "
                    "no timing or checks (for ncu)")

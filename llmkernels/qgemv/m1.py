@@ -366,8 +366,9 @@ def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
     up) of x's shape, dtype and strides at a whole number of load units from x."""
     if m1_layout(fmt, bits, group_size, K) is None or data.data_ptr() % 16:
         return False
+    unit = x.element_size() * (2 if fmt == "mlx" and bits == 4 else 1)  # int32 words for MLX 4-bit
     if x2 is not None and (x2.dtype != x.dtype or x2.stride() != x.stride() or x2.shape != x.shape
-                           or (x2.data_ptr() - x.data_ptr()) % (x.element_size() * (2 if bits == 4 else 1))):
+                           or (x2.data_ptr() - x.data_ptr()) % unit):
         return False
     if fmt == "mlx" and bits == 4:
         import torch
