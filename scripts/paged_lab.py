@@ -59,7 +59,7 @@ def _check(kv, ps):
     return err
 
 
-def _time(B, L, ps, kv, num_splits):
+def _time(B, L, ps, kv, num_splits, most=4):
     cu = torch.arange(B + 1, dtype=torch.int32)
     sl = torch.full((B,), L, dtype=torch.int32)
     plan = plan_paged_attention(cu, sl, ps, HQ, HKV, D, q_dtype=torch.bfloat16, kv_dtype=kv, num_splits=num_splits,
@@ -68,7 +68,7 @@ def _time(B, L, ps, kv, num_splits):
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     kv_bytes = 2 * B * L * HKV * D * (1 if kv != torch.bfloat16 else 2)
-    caches = [_cache(B, L, ps, kv) for _ in range(copies_for(kv_bytes, most=4))]
+    caches = [_cache(B, L, ps, kv) for _ in range(copies_for(kv_bytes, most=most))]
     sc = dict(k_scale=1.0, v_scale=1.0) if kv != torch.bfloat16 else {}
     fns = [lambda c=c: paged_attention(q, c[0], c[1], c[2], sl, cu, 1, plan=plan, out=out, validate=False, **sc)
            for c in caches]
@@ -100,7 +100,10 @@ def main():
     p.add_argument("--pages", default="16,1,64")
     p.add_argument("--budget", type=float, default=500.0, help="stop starting new configs after this many seconds")
     p.add_argument("--splits", default="", help="extra fixed split counts to time for each shape, e.g. 2,4,8 "
-                   "(those leaving fewer than 256 keys per split are skipped)")
+                   "(those leaving fewer than --min-keys keys per split are skipped)")
+    p.add_argument("--cold", action="store_true", help="rotate over up to 64 cache copies (>= 256 MB) instead of "
+                   "4, so that short contexts are read from DRAM as in an engine step, not from L2")
+    p.add_argument("--min-keys", type=int, default=256, help="least keys per split of the --splits counts")
     p.add_argument("--configs", default="", help="only these configs, e.g. 32/4/5,64/4/5 (BLOCK_N/warps/stages)")
     p.add_argument("--shapes", default="", help="only these shapes, e.g. 1x32768,16x4096")
     p.add_argument("--eager", action="store_true", help="run each (config, shape) 3 times without graphs or timing "
@@ -130,8 +133,8 @@ def main():
                     continue
                 cells = []
                 for B, L in shapes:
-                    for ns in [0] + [n for n in extra if L // n >= 256]:
-                        tbs, us, used = _time(B, L, ps, kv, ns)
+                    for ns in [0] + [n for n in extra if L // n >= args.min_keys]:
+                        tbs, us, used = _time(B, L, ps, kv, ns, most=64 if args.cold else 4)
                         cells.append(f"B{B}xL{L}/s{used}: {tbs:.2f} ({100 * tbs / bw:.0f}%) {us:.1f}us")
                 print(f"{kvname} p{ps} {cfg} err {err:.2e} | " + " | ".join(cells), flush=True)
             OVERRIDES.pop(key, None)

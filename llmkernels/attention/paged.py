@@ -5,6 +5,7 @@ import torch
 import triton
 
 from .._checks import _capturing, _capturing_compile, call_op, check_device, check_tensor, interpreter_mode
+from .._pdl import pdl_options, pdl_supported
 from .._runtime import split_counters
 from ..kv_cache import FP8_DTYPES, as_scale_tensor
 from .plan import PagedAttentionPlan, plan_paged_attention
@@ -51,6 +52,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     counters = split_counters(q.device) if split else None
     caps = configs[5::6]
     fused = counters is not None and max(caps) * Hkv <= counters.numel()
+    pdl = pdl_supported(q.device)
     for i in range(len(configs) // 6):
         block_q, block_m, block_n, warps, stages, cap = configs[6 * i:6 * i + 6]
         tile_seq, tile_q, num_tiles = tiles[3 * i:3 * i + 3]
@@ -69,8 +71,8 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
             SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype),
-            COMBINE=fused, COMBINE_SINK=sinks is not None, COMBINE_LSE=write_lse,
-            num_warps=warps, num_stages=stages)
+            COMBINE=fused, COMBINE_SINK=sinks is not None, COMBINE_LSE=write_lse, PDL=pdl,
+            num_warps=warps, num_stages=stages, **pdl_options(pdl))
     if split and not fused:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,

@@ -12,6 +12,7 @@ elements of the row).
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_trigger, pdl_wait
 from ._softmax import align_down, finalize, key_ranges, online_softmax_update, scale_scores, window_mask
 
 
@@ -134,13 +135,14 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
                       WRITE_LSE: tl.constexpr, FP8: tl.constexpr, COMBINE: tl.constexpr,
-                      COMBINE_SINK: tl.constexpr, COMBINE_LSE: tl.constexpr):
+                      COMBINE_SINK: tl.constexpr, COMBINE_LSE: tl.constexpr, PDL: tl.constexpr = False):
     """With COMBINE (split-KV), O and LSE receive this split's partials and the last split program of each (tile,
     KV head) to finish merges them into OUT / LSE_OUT (see _combine_last); without it O / LSE are the outputs (or
-    the partials for combine_kernel)."""
+    the partials for combine_kernel). PDL: see _pdl.py (the next kernel may launch once the key loops are done)."""
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(PDL)
     if tile >= tl.load(NUM_TILES):
         return
     b = tl.load(TILE_SEQ + tile)
@@ -207,6 +209,7 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                                  stride_mask, stride_kp, stride_ks, k_head_off, stride_vp, stride_vs, v_head_off,
                                  qk_scale, softcap, left, right, offs_n, offs_d, d_ok, True, CUSTOM_MASK, SOFTCAP,
                                  HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, FP8)
+    pdl_trigger(PDL)
     sink_log2 = 0.0
     if HAS_SINK:
         sink_log2 = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634

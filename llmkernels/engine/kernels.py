@@ -10,12 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from ..kv_cache import FP8_DTYPES
 
 
 @triton.jit
 def _add_rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, H, eps, HAS_RES: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -41,9 +44,10 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     if T == 0:
         return y
     r = residual if residual is not None else x
+    pdl = pdl_supported(x.device)
     _add_rmsnorm_kernel[(T,)](x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), H, eps,
-                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(H),
-                              num_warps=4 if H <= 4096 else 8)
+                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(H), PDL=pdl,
+                              num_warps=4 if H <= 4096 else 8, **pdl_options(pdl))
     return y
 
 
@@ -51,7 +55,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 def _rope_store_kernel(QKV, POS, SLOT, INV_FREQ, BIAS, QNW, KNW, KC, VC, stride_t, stride_kc_slot, stride_kc_h,
                        k_inv_scale, v_inv_scale, mscale, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                        D: tl.constexpr, NEOX: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                       FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # 0..HQ-1: query heads; HQ..HQ+HKV-1: key/value heads
     is_q = h < HQ
@@ -127,17 +133,20 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
     fp8 = k_cache.dtype in FP8_DTYPES
     fp8_max = torch.finfo(k_cache.dtype).max if fp8 else 0.0
     dummy = inv_freq
+    pdl = pdl_supported(qkv.device)
     _rope_store_kernel[(T, n_heads + n_kv_heads)](
         qkv, positions, slots, inv_freq, bias if bias is not None else dummy,
         q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy, k_cache, v_cache,
         qkv.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale, mscale, eps,
         HQ=n_heads, HKV=n_kv_heads, D=D, NEOX=neox, HAS_BIAS=bias is not None, QK_NORM=q_norm is not None,
-        FP8=fp8, FP8_MAX=fp8_max, num_warps=1 if D <= 64 else 2)
+        FP8=fp8, FP8_MAX=fp8_max, PDL=pdl, num_warps=1 if D <= 64 else 2, **pdl_options(pdl))
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, stride_gu, stride_y, F, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Y, stride_gu, stride_y, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -154,5 +163,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         BLOCK = 1024
-        _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=BLOCK)
+        pdl = pdl_supported(gate_up.device)
+        _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=BLOCK,
+                                                      PDL=pdl, **pdl_options(pdl))
     return y

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from .m1 import _split_words, _store_rows, split_outputs
 from .words import _block_codes, _scalars
 
@@ -128,7 +129,7 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
                    FMT: tl.constexpr, BB: tl.constexpr, G: tl.constexpr, VW: tl.constexpr, NV: tl.constexpr,
                    LOG_MAIN: tl.constexpr, LOG_VW: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    GP: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
-                   COAL: tl.constexpr, PREFETCH: tl.constexpr):
+                   COAL: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x'[m] . w[n] for BLOCK_N = ROWS_T // GP * R rows, with x'
     given as int8 words XQ (stride_xq words per row) and per-block (d, s) in XS (stride_xs floats per row).
 
@@ -151,6 +152,7 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    pdl_wait(PDL)  # PDL: see _pdl.py
     m0 = pid_m * MR
     rt = tl.arange(0, ROWS_T)[:, None]
     rr = tl.arange(0, R)[None, :]
@@ -245,6 +247,7 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
             wb = nb
         xw_ptrs += GP * XB * 8
         xs_ptrs += GP * XB * 2
+    pdl_trigger(PDL)
     rows2 = pid_n * BLOCK_N + rr * LPR + tl.arange(0, LPR)[:, None]
     _store_rows(_row_sums(acc0, LPR, GP, R), _row_sums(acc1, LPR, GP, R), _row_sums(acc2, LPR, GP, R),
                 _row_sums(acc3, LPR, GP, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
@@ -253,9 +256,11 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
 
 @triton.jit
 def quantize_act_kernel(X, X2, Q, DS, K, stride_x, stride_x2, stride_q, stride_ds, NBLK: tl.constexpr,
-                        SILU: tl.constexpr):
+                        SILU: tl.constexpr, PDL: tl.constexpr = False):
     """Row pid(0), blocks pid(1) * NBLK ..: q = round(x / d) half away from zero with d = absmax / 127, and
     (d, d * sum q) per block of 32. SILU: x is silu(X) * X2, formed in float32."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1) * NBLK + tl.arange(0, NBLK)
     ok = b < K // 32
@@ -284,9 +289,10 @@ def quantize_act(x: torch.Tensor, x2: torch.Tensor | None = None):
     q = empty(M, K, dtype=torch.int8, device=x.device)
     ds = empty(M, K // 32, 2, dtype=torch.float32, device=x.device)
     nblk = 32
+    pdl = pdl_supported(x.device)
     quantize_act_kernel[(M, triton.cdiv(K // 32, nblk))](
         x, x2 if x2 is not None else x, q, ds, K, x.stride(0), x2.stride(0) if x2 is not None else 0, q.stride(0),
-        ds.stride(0), NBLK=nblk, SILU=x2 is not None, num_warps=4)
+        ds.stride(0), NBLK=nblk, SILU=x2 is not None, PDL=pdl, num_warps=4, **pdl_options(pdl))
     return q, ds
 
 
@@ -334,10 +340,11 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
     split, per_split = split_k(programs_n * grid_m, ngroups, gp, sms, waves if programs_n * grid_m < 2 * sms else 0)
     y, part, counters = split_outputs(M, out_dtype, xq.device, N, split, programs_n * grid_m, fixup)
     main = nv * vw
+    pdl = pdl_supported(xq.device)
     kernel = gemv_i8_kernel[(programs_n, split, grid_m)](
         xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, M, N,
         xq.stride(0) // 4, ds.stride(0), y.stride(0), y.stride(1), row_words, ngroups, per_split, split,
         FMT=fid, BB=bb, G=G, VW=vw, NV=nv, LOG_MAIN=main.bit_length() - 1, LOG_VW=vw.bit_length() - 1,
         ROWS_T=rows_t, R=reps, GP=gp, MR=mr, UNPACK=2 if asm else 1, FIXUP=counters is not None, COAL=coal,
-        PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+        PREFETCH=prefetch, PDL=pdl, num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y

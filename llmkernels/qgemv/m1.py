@@ -16,6 +16,7 @@ compiler otherwise emits; the interpreter uses the Triton expression (UNPACK=1).
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_options, pdl_trigger, pdl_wait
 from .planes import _small_int_to_f32
 
 
@@ -169,7 +170,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
-                   SILU: tl.constexpr):
+                   SILU: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -185,11 +186,15 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     SILU (silu_mul_gemv): the activations are silu(x) * x2, x2 being x2_off elements (MLX 4-bit: int32 words) after
     x with x's row stride; the product is formed as it loads, rounded to x's dtype, never written.
 
-    The sums are stored by _store_rows (FIXUP: split-K partials summed in the kernel)."""
+    The sums are stored by _store_rows (FIXUP: split-K partials summed in the kernel).
+
+    PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let the next one
+    launch after their loop."""
     BLOCK_N: tl.constexpr = ROWS_T * R
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # MR activation rows per program along the third grid axis
+    pdl_wait(PDL)
     X += pid_m * MR * stride_xm
     XW += pid_m * MR * (stride_xm // 2)
     rt = tl.arange(0, ROWS_T)[None, :, None, None]
@@ -288,6 +293,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
         else:
             x0_ptrs += NB * BS
             x1_ptrs += NB * BS
+    pdl_trigger(PDL)
     rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_T + tl.arange(0, ROWS_T)[:, None]
     _store_rows(tl.sum(tl.sum(acc0, axis=2), axis=0), tl.sum(tl.sum(acc1, axis=2), axis=0),
                 tl.sum(tl.sum(acc2, axis=2), axis=0), tl.sum(tl.sum(acc3, axis=2), axis=0), rows2, Y, PART, COUNT,
@@ -408,14 +414,15 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
-              rows_per_program: int = 4, x2=None):
+              rows_per_program: int = 4, x2=None, pdl: bool = False):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages) with R rows per thread; K is split until the
     grid has ``waves`` programs per SM. Each program takes up to ``rows_per_program`` (1, 2 or 4) activation rows,
     which share its unpacked weights. With ``x2`` (same shape, dtype and row stride as x; see m1_supports) the
     activations are silu(x) * x2. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
-    its own split-K partials and y is [1, M, N]."""
+    its own split-K partials and y is [1, M, N]. With ``pdl`` the launch may overlap the previous kernel
+    (see _pdl.py)."""
     import torch
 
     from .ops import split_k
@@ -443,6 +450,6 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
         per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
-        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None,
-        num_warps=warps, num_stages=stages)
+        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, PDL=pdl,
+        num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from .._checks import call_op, check_device, check_tensor, interpreter_mode
+from .._pdl import pdl_supported
 from .._runtime import empty, gpu_name, num_sms
 from ..quant.formats import GGUF_FORMATS
 from ..quant.tensor import QuantizedTensor
@@ -180,7 +181,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 name = fmt if fmt != "mlx" else f"mlx{bits}"
                 config = tuple(lookup("gemv", gpu_name(), f"m1/{name}") or (4, 1, 4, 3))
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
-                          bits=bits, group_size=group_size, x2=silu_x2)
+                          bits=bits, group_size=group_size, x2=silu_x2, pdl=pdl_supported(x.device))
             return _finish(y, out_dtype)
     if fmt in WORDS_MAX_M and M <= WORDS_MAX_M[fmt] and mode == 0:  # q4_0 from aligned words (words.py)
         from .words import launch_words, words_supports
