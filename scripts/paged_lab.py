@@ -31,6 +31,16 @@ def _key(kv, ps):
     return ("paged", f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8")
 
 
+def _override(kv, ps, cfg):
+    """Make the plan use ``cfg`` (None: the table again) for every batch, the few-programs key included."""
+    table, key = _key(kv, ps)
+    for k in (key, key + "/few"):
+        if cfg is None:
+            OVERRIDES.pop((table, k), None)
+        else:
+            OVERRIDES[(table, k)] = cfg
+
+
 def _cache(B, L, ps, kv):
     pages = -(-L // ps)
     k = torch.randn(B * pages, ps, HKV, D, device="cuda", dtype=torch.bfloat16).to(kv)
@@ -81,7 +91,7 @@ def _eager(args):
         kv = KV[kvname]
         for ps in [int(s) for s in args.pages.split(",")]:
             for cfg in [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",") if c]:
-                OVERRIDES[_key(kv, ps)] = cfg
+                _override(kv, ps, cfg)
                 for B, L in [tuple(int(v) for v in c.split("x")) for c in args.shapes.split(",") if c]:
                     k, v, pt = _cache(B, L, ps, kv)
                     cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
@@ -125,7 +135,7 @@ def main():
                 if time.time() - t0 > args.budget:
                     print("budget spent", flush=True)
                     return
-                OVERRIDES[key] = cfg
+                _override(kv, ps, cfg)
                 try:
                     err = _check(kv, ps)
                 except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
@@ -137,7 +147,7 @@ def main():
                         tbs, us, used = _time(B, L, ps, kv, ns, most=64 if args.cold else 4)
                         cells.append(f"B{B}xL{L}/s{used}: {tbs:.2f} ({100 * tbs / bw:.0f}%) {us:.1f}us")
                 print(f"{kvname} p{ps} {cfg} err {err:.2e} | " + " | ".join(cells), flush=True)
-            OVERRIDES.pop(key, None)
+            _override(kv, ps, None)
     print(f"done in {time.time() - t0:.0f} s")
 
 

@@ -20,6 +20,7 @@ from ..tuning import lookup
 
 PAGED_HEAD_DIMS = (64, 96, 128, 256)
 MIN_KEYS_PER_SPLIT = 512  # keys per split below which a second wave of split programs does not pay
+MIN_KEYS_FEW = 64  # the same with few programs (see _kernel_config's "few" tiles)
 MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K/V tiles)
 
 
@@ -165,14 +166,22 @@ def _fill(ln: TileLaunch, seqs, starts):
     ln.used = n
 
 
-def _kernel_config(name, kv_dtype, head_dim, page_size, group):
-    """(block_n, num_warps, num_stages) from the tuned table (GPU, kv dtype, D, page-size class, group class)."""
+def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False):
+    """(block_n, num_warps, num_stages) from the tuned table (GPU, kv dtype, D, page-size class, group class).
+
+    ``few``: the batch has so few (tile, KV head) programs that at most half the SMs would be busy without split-KV
+    (batch-1 decode). Its splits hold few keys each, and short key tiles measured faster there: H100, B=1, GQA 32/8,
+    bf16, page 16, caches read from DRAM (scripts/paged_lab.py --cold), BLOCK_N 16 against 32 at the splits each
+    chose: L=532 7.7 against 9.5 us, L=4096 14.8 against 22.9, L=32768 57.2 against 69.4. The table's key gets the
+    suffix "/few" (decode_few in tuning/tune.py); without such an entry the general one applies."""
     if interpreter_mode():
         return 16 if name == "short" else 32, 4, 1
     page_class = "p1" if page_size == 1 else ("small" if page_size < 64 else "large")
     group_class = "g1" if group == 1 else ("g<=8" if group <= 8 else "g>8")
     key = f"{name}/{str(kv_dtype)[6:]}/{head_dim}/{page_class}/{group_class}"
-    entry = lookup("paged", gpu_name(), key)
+    entry = lookup("paged", gpu_name(), key + "/few") if few else None
+    if entry is None:
+        entry = lookup("paged", gpu_name(), key)
     if entry is not None:
         return tuple(entry)
     if head_dim > 128:
@@ -220,22 +229,10 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     n_short, n_long = len(tiles["short"][0]), len(tiles["long"][0])
     reasons.append(f"sequences with 1..{short_q_max} new tokens -> 'short' tiles of {short_q_max} tokens "
                    f"({short_q_max * group} rows); longer ones -> 'long' tiles of {block_q['long']} tokens")
-    variant = "mixed" if n_short and n_long else ("extend" if n_long else "decode")
-    launches = []
-    for name, count in (("short", n_short), ("long", n_long)):
-        if count == 0 and not (name == "short" and n_long == 0):
-            continue
-        cap = max(count, (max_tiles or 0), 1)
-        bq = block_q[name]
-        bm = max(16, triton.next_power_of_2(bq * group))
-        bn, warps, stages = _kernel_config(name, kv_dtype, head_dim, page_size, group)
-        buf = torch.zeros(2 * cap + 1, dtype=torch.int32, device=device)
-        ln = TileLaunch(name, bq, bm, bn, warps, stages, cap, buf[:cap], buf[cap:2 * cap], buf[2 * cap:])
-        _fill(ln, *tiles[name])
-        launches.append(ln)
     total_tiles = n_short + n_long
     sms = num_sms(device)
     programs = max(1, total_tiles * num_kv_heads)
+    few = 2 * programs <= sms
     if num_splits == 0:
         max_len = int(k_lens.max()) if len(k_lens) else 0
         if programs >= sms:
@@ -246,18 +243,34 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
             # per program); otherwise one wave, down to MIN_KEYS_SHORT keys per split. H100, B=1, GQA 32/8, page 16
             # (graph-timed): L=600 1/4/8/16 splits 22.4/11.9/10.4/9.9 us; L=8192 16 splits 28.6 us, 32 31.0;
             # L=32768 32 splits 56.5 us, 16 64.1
+            # With few programs (batch 1) the splits use short key tiles (see _kernel_config), and two waves pay
+            # from MIN_KEYS_FEW keys per split: B=1, L=4096 33 splits 14.8 us against 17 splits 17.3 (BLOCK_N 16)
             two = -(-2 * sms // programs)
-            if max_len // two >= MIN_KEYS_PER_SPLIT:
+            min_keys = MIN_KEYS_FEW if few else MIN_KEYS_PER_SPLIT
+            if max_len // two >= min_keys:
                 num_splits = int(min(two, 64))
-                why = f"2 waves: {two} splits of >= {MIN_KEYS_PER_SPLIT} keys"
+                why = f"2 waves: {two} splits of >= {min_keys} keys"
             else:
                 one = -(-sms // programs)
                 num_splits = int(max(1, min(one, max_len // MIN_KEYS_SHORT, 64)))
                 why = (f"1 wave: wanted {one}, at most longest {max_len} keys / {MIN_KEYS_SHORT}; 2 waves would "
-                       f"leave < {MIN_KEYS_PER_SPLIT} keys per split")
+                       f"leave < {min_keys} keys per split")
             reasons.append(f"{programs} programs < {sms} SMs -> split-KV x{num_splits} ({why})")
     else:
         reasons.append(f"num_splits={num_splits} fixed by the caller (batch-invariant results)")
+    variant = "mixed" if n_short and n_long else ("extend" if n_long else "decode")
+    launches = []
+    for name, count in (("short", n_short), ("long", n_long)):
+        if count == 0 and not (name == "short" and n_long == 0):
+            continue
+        cap = max(count, (max_tiles or 0), 1)
+        bq = block_q[name]
+        bm = max(16, triton.next_power_of_2(bq * group))
+        bn, warps, stages = _kernel_config(name, kv_dtype, head_dim, page_size, group, few and num_splits > 1)
+        buf = torch.zeros(2 * cap + 1, dtype=torch.int32, device=device)
+        ln = TileLaunch(name, bq, bm, bn, warps, stages, cap, buf[:cap], buf[cap:2 * cap], buf[2 * cap:])
+        _fill(ln, *tiles[name])
+        launches.append(ln)
     total_q = int(q_lens.sum())
     plan = PagedAttentionPlan(page_size, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, num_splits,
                               launches, variant, len(q_lens), total_q, device, reasons, short_q_max=short_q_max)

@@ -1,4 +1,5 @@
-"""Regenerate the tuned tables on this GPU: ``python -m llmkernels.tuning.tune [prefill] [decode] [gemv] [gemv_i8]``.
+"""Regenerate the tuned tables on this GPU:
+``python -m llmkernels.tuning.tune [prefill] [decode] [decode_few] [gemv] [gemv_i8]``.
 
 For each key of a table (what stays fixed across steps: dtype, head dim, page-size class, format, M class) the
 candidates are timed on representative shapes and the fastest is written to ``<table>.json`` under this GPU's
@@ -128,6 +129,22 @@ def tune_decode(gpu):
     return out
 
 
+def tune_decode_few(gpu):
+    """The "/few" entries (attention/plan.py _kernel_config): batch-1 decode, split-KV, caches read from DRAM."""
+    out = {}
+    Hq, Hkv, D = 32, 8, 128
+    cands = [(16, 4, 3), (16, 4, 5), (16, 4, 7), (32, 4, 3), (32, 4, 5), (64, 4, 5), (16, 2, 5)]
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        for page_class, ps in (("p1", 1), ("small", 16), ("large", 64)):
+            key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8/few"
+            # copies so that each graph replay reads its K/V from DRAM, as in an engine step
+            works = [[_DecodeWork(key, 1, L, ps, kv, Hq, Hkv, D) for _ in range(n)]
+                     for L, n in ((600, 48), (4096, 8), (32768, 2))]
+            out[key] = _best("paged", key, cands, works)
+            del works
+    return out
+
+
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
 # blocks (m1) or GGUF blocks per step (words), warps, stages)
 SMALL_M_KERNEL = {
@@ -216,13 +233,14 @@ def tune_gemv_i8(gpu):
 
 
 # table name -> tuner, or (JSON table it writes into, tuner)
-TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "gemv": tune_gemv,
+TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "decode_few": ("paged", tune_decode_few),
+          "gemv": tune_gemv,
           "gemv_i8": ("gemv", tune_gemv_i8)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmkernels.tuning.tune", description=__doc__)
-    p.add_argument("tables", nargs="*", default=["prefill", "decode", "gemv", "gemv_i8"])
+    p.add_argument("tables", nargs="*", default=["prefill", "decode", "decode_few", "gemv", "gemv_i8"])
     p.add_argument("--out", default=str(_DIR), help="folder for the JSON tables (default: the package's)")
     args = p.parse_args(argv)
     unknown = [t for t in args.tables if t not in TUNERS]

@@ -89,11 +89,12 @@ def test_plan_describes_and_updates(device):
         plan.update(torch.tensor([0, 40], dtype=torch.int32), torch.tensor([50], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("B,L,splits", [(1, 600, 17), (1, 300, 9), (1, 8192, 17), (1, 32768, 33), (16, 4096, 3),
-                                         (16, 600, 2), (64, 1024, 1)])
+@pytest.mark.parametrize("B,L,splits", [(1, 600, 17), (1, 300, 9), (1, 2048, 17), (1, 8192, 33), (1, 32768, 33),
+                                         (4, 4096, 9), (16, 4096, 3), (16, 600, 2), (64, 1024, 1)])
 def test_plan_split_count(B, L, splits, monkeypatch):
-    """On 132 SMs with GQA 32/8: two waves of split programs while each keeps >= 512 keys, else one wave down to
-    32 keys per split; no split once tiles x kv heads fill the SMs."""
+    """On 132 SMs with GQA 32/8: two waves of split programs while each keeps >= 512 keys (>= 64 when the programs
+    fill at most half the SMs), else one wave down to 32 keys per split; no split once tiles x kv heads fill the
+    SMs."""
     import llmkernels.attention.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "num_sms", lambda dev: 132)
