@@ -135,14 +135,15 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
                       WRITE_LSE: tl.constexpr, FP8: tl.constexpr, COMBINE: tl.constexpr,
-                      COMBINE_SINK: tl.constexpr, COMBINE_LSE: tl.constexpr, PDL: tl.constexpr = False):
+                      COMBINE_SINK: tl.constexpr, COMBINE_LSE: tl.constexpr, PDL: tl.constexpr = 0):
     """With COMBINE (split-KV), O and LSE receive this split's partials and the last split program of each (tile,
     KV head) to finish merges them into OUT / LSE_OUT (see _combine_last); without it O / LSE are the outputs (or
-    the partials for combine_kernel). PDL: see _pdl.py (the next kernel may launch once the key loops are done)."""
+    the partials for combine_kernel). PDL (see _pdl.py): 1, programs wait for the previous kernel first and the next
+    one launches when they exit; 2, it may launch once their key loops are done (paged.py says when)."""
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_wait(PDL)
+    pdl_wait(PDL > 0)
     if tile >= tl.load(NUM_TILES):
         return
     b = tl.load(TILE_SEQ + tile)
@@ -209,7 +210,7 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                                  stride_mask, stride_kp, stride_ks, k_head_off, stride_vp, stride_vs, v_head_off,
                                  qk_scale, softcap, left, right, offs_n, offs_d, d_ok, True, CUSTOM_MASK, SOFTCAP,
                                  HAS_LEFT, HAS_RIGHT, PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, FP8)
-    pdl_trigger(PDL)
+    pdl_trigger(PDL == 2)
     sink_log2 = 0.0
     if HAS_SINK:
         sink_log2 = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
