@@ -1,7 +1,7 @@
 """Batch-1 GEMV experiments on the GPU: the m1 kernel (scales factored out) against the planes kernel.
 
-    python scripts/gemv_lab.py [out_dir] [formats] [unpack/R/NB/warps/stages/waves,...]
-    python scripts/gemv_lab.py --m-curve [formats] [R/NB/warps/stages/rows_per_program,...]
+    python scripts/gemv_lab.py [out_dir] [formats] [unpack/R/NB/warps/stages/waves[/KT],...]
+    python scripts/gemv_lab.py --m-curve [formats] [R/NB/warps/stages/rows_per_program[/KT/H/waves],...]
 
 Formats: q4_k, q4_0, q8_0, mlx4g64 (MLX bits and group size). At Llama-3-8B shapes: checks each candidate config
 against x @ dequantize(W).T, times it by CUDA-graph replay over enough weight copies to overflow L2, prints effective
@@ -24,7 +24,7 @@ from llmkernels.quant import dequantize
 from llmkernels.testing.random_weights import random_qtensor
 
 WORDS = []  # non-empty while a words-kernel format ('wq4_0') is measured
-SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (28672, 4096)]
 
 
 def _parse(name: str):
@@ -63,9 +63,10 @@ def m_curve(names, cfgs):
                 for cfg in cfgs:
                     if cfg[4] > M and cfg[4] > 1:
                         continue
-                    y = _finish(_m1(x, first, cfg[:4], sms, 2, rows_per_program=cfg[4]), x.dtype)
+                    kcfg = cfg[:4] + cfg[5:]  # R/NB/warps/stages/rows_per_program[/KT/H/waves]
+                    y = _finish(_m1(x, first, kcfg, sms, 2, rows_per_program=cfg[4]), x.dtype)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                    t = time_graph_ms([lambda qt=qt: _finish(_m1(x, qt, cfg[:4], sms, 2, rows_per_program=cfg[4]),
+                    t = time_graph_ms([lambda qt=qt: _finish(_m1(x, qt, kcfg, sms, 2, rows_per_program=cfg[4]),
                                                              x.dtype) for qt in qts])
                     line += f" {'/'.join(map(str, cfg))} {t * 1e3:6.1f}" + (f" WRONG {err:.1e}" if err > 2e-2 else "")
                 print(line, flush=True)
@@ -99,8 +100,9 @@ def main():
             print(f"{name} N{N} K{K} gemv (current): {t * 1e3:7.1f} us {first.nbytes / t / 1e9:6.2f} TB/s",
                   flush=True)
         results = []
-        for unpack, reps, nb, warps, stages, waves in cands:
-            cfg = (reps, nb, warps, stages)
+        for cand in cands:
+            unpack, reps, nb, warps, stages, waves = cand[:6]
+            cfg = (reps, nb, warps, stages) + tuple(cand[6:])  # a 7th number: lanes along K (m1.py's KT)
             times, bad = [], None
             t0 = time.time()
             for (N, K), (qts, x, ref) in data.items():

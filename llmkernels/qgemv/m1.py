@@ -89,9 +89,9 @@ def _split_words(w, DT: tl.constexpr):
 
 
 @triton.jit
-def _load(ptrs, ok, NB: tl.constexpr):
-    """A load that is masked only when a step can pass the end of the K split (NB > 1 blocks per step)."""
-    if NB == 1:
+def _load(ptrs, ok, MASK: tl.constexpr):
+    """A load that is masked only when a step can pass the end of the K split (MASK)."""
+    if not MASK:
         return tl.load(ptrs)
     else:
         return tl.load(ptrs, mask=ok, other=0)
@@ -104,33 +104,33 @@ def _silu_mul(g, u, XDT: tl.constexpr):
 
 
 @triton.jit
-def _act(x_ptrs, ok, x2_off, XDT: tl.constexpr, NB: tl.constexpr, SILU: tl.constexpr):
+def _act(x_ptrs, ok, x2_off, XDT: tl.constexpr, MASK: tl.constexpr, SILU: tl.constexpr):
     """Activations as float32: x, or with SILU silu(x) * x2 where x2 lies x2_off elements after x."""
-    xv = _load(x_ptrs, ok, NB).to(tl.float32)
+    xv = _load(x_ptrs, ok, MASK).to(tl.float32)
     if SILU:
-        xv = _silu_mul(xv, _load(x_ptrs + x2_off, ok, NB).to(tl.float32), XDT)
+        xv = _silu_mul(xv, _load(x_ptrs + x2_off, ok, MASK).to(tl.float32), XDT)
     return xv
 
 
 @triton.jit
-def _plane_dot(codes, x_ptrs, ok, x2_off, XDT: tl.constexpr, NB: tl.constexpr, SILU: tl.constexpr):
+def _plane_dot(codes, x_ptrs, ok, x2_off, XDT: tl.constexpr, MASK: tl.constexpr, SILU: tl.constexpr):
     """(sum of code' * x, sum of x) over a block's bytes (axes 4 and 5) for one plane of codes'.
     x comes in through pointers of shape [C, ROWS_T, NB, 1, U // V, V]; the sums are [C, ROWS_T, NB, R] and
     [C, ROWS_T, NB, 1]."""
-    xv = _act(x_ptrs, ok, x2_off, XDT, NB, SILU)
+    xv = _act(x_ptrs, ok, x2_off, XDT, MASK, SILU)
     s = tl.sum(tl.sum(codes * xv, axis=5), axis=4)
     return s, tl.sum(tl.sum(xv, axis=5), axis=4)
 
 
 @triton.jit
 def _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, x2_off, f0, f1, g0, g1, XDT: tl.constexpr, FMT: tl.constexpr,
-                BITS: tl.constexpr, NB: tl.constexpr, SILU: tl.constexpr):
+                BITS: tl.constexpr, MASK: tl.constexpr, SILU: tl.constexpr):
     """One activation row's increment f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 for a step, where s0 = sum code' x
     and sx0 = sum x over the low-nibble (or only) plane, s1 and sx1 over the high-nibble plane."""
     if FMT == 13 and BITS == 4:
-        xe, xo = _split_words(_load(x0_ptrs, x_ok, NB), XDT)
+        xe, xo = _split_words(_load(x0_ptrs, x_ok, MASK), XDT)
         if SILU:  # x2_off counts int32 words here
-            ue, uo = _split_words(_load(x0_ptrs + x2_off, x_ok, NB), XDT)
+            ue, uo = _split_words(_load(x0_ptrs + x2_off, x_ok, MASK), XDT)
             xe = _silu_mul(xe, ue, XDT)
             xo = _silu_mul(xo, uo, XDT)
         s0 = tl.sum(tl.sum(lo * xe, axis=5), axis=4)
@@ -139,11 +139,11 @@ def _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, x2_off, f0, f1, g0, g1, XDT: tl.
         sx1 = tl.sum(tl.sum(xo, axis=5), axis=4)
         return f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1
     elif FMT == 7 or FMT == 13:  # one plane
-        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, x2_off, XDT, NB, SILU)
+        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, x2_off, XDT, MASK, SILU)
         return f0 * s0 + g0 * sx0
     else:
-        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, x2_off, XDT, NB, SILU)
-        s1, sx1 = _plane_dot(hi, x1_ptrs, x_ok, x2_off, XDT, NB, SILU)
+        s0, sx0 = _plane_dot(lo, x0_ptrs, x_ok, x2_off, XDT, MASK, SILU)
+        s1, sx1 = _plane_dot(hi, x1_ptrs, x_ok, x2_off, XDT, MASK, SILU)
         return f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1
 
 
@@ -170,7 +170,8 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
-                   SILU: tl.constexpr, PDL: tl.constexpr = False):
+                   SILU: tl.constexpr, KT: tl.constexpr = 1, H: tl.constexpr = 1, EVEN: tl.constexpr = True,
+                   PDL: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -186,11 +187,23 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     SILU (silu_mul_gemv): the activations are silu(x) * x2, x2 being x2_off elements (MLX 4-bit: int32 words) after
     x with x's row stride; the product is formed as it loads, rounded to x's dtype, never written.
 
+    KT > 1 spreads the ROWS_T axis over KT consecutive blocks of ROWS_T // KT rows (lane t: row t // KT, block
+    t % KT), so that a warp's load covers KT consecutive blocks of each row (longer contiguous runs per row, fewer
+    rows at once); the KT partial sums of a row are added after the loop. A step then takes NB * KT blocks; EVEN
+    says every split is a whole number of steps (no masks).
+
+    H > 1 splits each format chunk (q4_k: 32-byte sub-block pair; MLX: group; q4_0/q8_0: the block's codes) into H
+    pieces of U bytes, one per thread: C = H * (chunks per block). Threads then hold fewer bytes per row, so they can
+    take more rows (R) for the same registers, and neighbouring threads read neighbouring bytes.
+
     The sums are stored by _store_rows (FIXUP: split-K partials summed in the kernel).
 
     PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let the next one
     launch after their loop."""
-    BLOCK_N: tl.constexpr = ROWS_T * R
+    ROWS_G: tl.constexpr = ROWS_T // KT  # distinct rows per rep
+    BLOCK_N: tl.constexpr = ROWS_G * R
+    STEP: tl.constexpr = NB * KT  # blocks per step
+    MASK: tl.constexpr = not EVEN
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # MR activation rows per program along the third grid axis
@@ -200,37 +213,39 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     rt = tl.arange(0, ROWS_T)[None, :, None, None]
     rr = tl.arange(0, R)[None, None, None, :]
     # rows past N read row N - 1 (in bounds, never stored), so the weight loads need no mask
-    rows4 = tl.minimum(pid_n * BLOCK_N + rr * ROWS_T + rt, N - 1).to(tl.int64)  # [1, ROWS_T, 1, R]
+    rows4 = tl.minimum(pid_n * BLOCK_N + rr * ROWS_G + rt // KT, N - 1).to(tl.int64)  # [1, ROWS_T, 1, R]
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
     c4 = tl.arange(0, C)[:, None, None, None]
     c = c4[:, :, :, :, None, None]
-    nb4 = tl.arange(0, NB)[None, None, :, None]
+    CG: tl.constexpr = C // H  # format chunks per block
+    cg4 = c4 // H  # a thread's format chunk
+    blk4 = tl.arange(0, NB)[None, None, :, None] * KT + rt % KT  # a thread's blocks within a step [1, ROWS_T, NB, 1]
     zt = (rt * 0)[:, :, :, :, None, None]  # [1, ROWS_T, 1, 1, 1, 1] zeros: gives x the rows' thread layout
     # V bytes per thread and load: 8, or 4 for MLX 4-bit, whose 4 bytes pair with 4 int32 words of x (16 bytes, the
     # widest load, so both tiles get the same layout)
     V: tl.constexpr = 4 if FMT == 13 and BITS == 4 else 8
     u = tl.arange(0, U // V)[None, None, None, None, :, None] * V + tl.arange(0, V)[None, None, None, None, None, :]
-    # pointers of the first step, advanced by NB blocks per step
-    base4 = rows4 * row_bytes + (kb_start + nb4) * BLOCK_BYTES + c4 * 0  # [C, ROWS_T, NB, R] byte offsets
-    xk = ((kb_start + nb4) * BS)[:, :, :, :, None, None] + zt  # [1, ROWS_T, NB, 1, 1, 1]
+    # pointers of the first step, advanced by STEP blocks per step
+    base4 = rows4 * row_bytes + (kb_start + blk4) * BLOCK_BYTES + c4 * 0  # [C, ROWS_T, NB, R] byte offsets
+    xk = ((kb_start + blk4) * BS)[:, :, :, :, None, None] + zt  # [1, ROWS_T, NB, 1, 1, 1]
     if FMT == 10:  # q4_k: d, dmin, 12 bytes of scales (4 int32 words), C = 4 chunks of 32 bytes
-        w_ptrs = W8 + base4[:, :, :, :, None, None] + 16 + c * 32 + u
+        w_ptrs = W8 + base4[:, :, :, :, None, None] + 16 + c * U + u
         h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
-        x0_ptrs = X + xk + c * 64 + u
+        x0_ptrs = X + xk + (c // H) * 64 + (c % H) * U + u
         x1_ptrs = x0_ptrs + 32
     elif FMT == 13:  # MLX: codes only; scale and bias per (row, group) in WS, WB
         w_ptrs = W8 + base4[:, :, :, :, None, None] + c * U + u
-        s_ptrs = rows4 * scale_stride + (kb_start + nb4) * C + c4
+        s_ptrs = rows4 * scale_stride + (kb_start + blk4) * CG + cg4
         if BITS == 4:  # word u of group c: x[2u] (low nibble of byte u) and x[2u + 1] (high)
             x0_ptrs = XW + xk // 2 + c * (U) + u
         else:
             x0_ptrs = X + xk + c * U + u
         x1_ptrs = x0_ptrs
     else:  # q4_0 / q8_0: d, then the codes
-        w_ptrs = W8 + base4[:, :, :, :, None, None] + 2 + u
+        w_ptrs = W8 + base4[:, :, :, :, None, None] + 2 + c * U + u
         h_ptrs = W16 + base4 // 2
-        x0_ptrs = X + xk + u + c * 0
+        x0_ptrs = X + xk + u + c * U
         x1_ptrs = x0_ptrs + 16  # q4_0's high nibbles: weights 16-31
     # the other activation rows of this program: offsets from row pid_m * MR, rows past M repeat row M - 1 (never
     # stored); MLX 4-bit reads x in int32 words, so its offsets are in words
@@ -243,61 +258,74 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     acc1 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
     acc2 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
     acc3 = tl.zeros([C, ROWS_T, NB, R], dtype=tl.float32)
-    for kb in range(kb_start, kb_end, NB):
-        ok4 = (kb + nb4 < kb_end) & (c4 >= 0)  # with NB > 1 the last step may pass the split's end
-        units = _load(w_ptrs, ok4[:, :, :, :, None, None], NB)
+    for kb in range(kb_start, kb_end, STEP):
+        ok4 = (kb + blk4 < kb_end) & (c4 >= 0)  # unless EVEN, the last step may pass the split's end
+        units = _load(w_ptrs, ok4[:, :, :, :, None, None], MASK)
         lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
         x_ok = ok4[:, :, :, :, None, None] & (zt == 0)
         # per (row, block) factors of the four partial sums, shared by the activation rows: the increment is
         # f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 (see _row_sums for s, sx)
         if FMT == 13:  # w = scale * q + bias per group
-            sc = _load(WS + s_ptrs, ok4, NB).to(tl.float32)
-            bi = _load(WB + s_ptrs, ok4, NB).to(tl.float32)
+            sc = _load(WS + s_ptrs, ok4, MASK).to(tl.float32)
+            bi = _load(WB + s_ptrs, ok4, MASK).to(tl.float32)
             if BITS == 4:  # sum q x = 256 (s0 - sx0) (low nibbles, even x) + 16 (s1 - sx1) (high, odd x)
                 f0, f1, g0, g1 = 256.0 * sc, 16.0 * sc, bi - 256.0 * sc, bi - 16.0 * sc
             else:  # 8-bit: 1 + b/256 with b the code itself
                 f0, f1, g0, g1 = 256.0 * sc, sc * 0.0, bi - 256.0 * sc, sc * 0.0
-            s_ptrs += NB * C
+            s_ptrs += STEP * CG
         elif FMT == 10:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 256 (s0 - sx0) (low), 16 (s1 - sx1) (high)
-            hd = _load(h_ptrs, ok4, NB)
-            d, dmin = _split_words(hd, tl.float16)  # the header's first word: fp16 d, fp16 dmin
-            sc0, mn0, sc1, mn1 = _q4k_scales(_load(h_ptrs + 1, ok4, NB), _load(h_ptrs + 2, ok4, NB),
-                                             _load(h_ptrs + 3, ok4, NB), c4)
+            # the 16-byte header as one vector of 4 words: fp16 d and dmin, then the 12 scale bytes
+            hw = tl.reshape(_load(h_ptrs[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :],
+                                  ok4[:, :, :, :, None], MASK), [C, ROWS_T, NB, R, 2, 2])
+            w02, w13 = tl.split(hw)
+            hd, w2 = tl.split(w02)
+            w1, w3 = tl.split(w13)
+            d, dmin = _split_words(hd, tl.float16)
+            sc0, mn0, sc1, mn1 = _q4k_scales(w1, w2, w3, cg4)
             f0 = 256.0 * d * sc0
             f1 = 16.0 * d * sc1
             g0 = -f0 - dmin * mn0
             g1 = -f1 - dmin * mn1
-            h_ptrs += NB * BLOCK_BYTES // 4
+            h_ptrs += STEP * BLOCK_BYTES // 4
         elif FMT == 3:  # w = d * (q - 8): sum q x - 8 sum x = 256 s0 - 264 sx0 + 16 s1 - 24 sx1
-            d = _load(h_ptrs, ok4, NB).to(tl.float32)
+            d = _load(h_ptrs, ok4, MASK).to(tl.float32)
             f0, f1, g0, g1 = 256.0 * d, 16.0 * d, -264.0 * d, -24.0 * d
-            h_ptrs += NB * BLOCK_BYTES // 2
+            h_ptrs += STEP * BLOCK_BYTES // 2
         else:  # w = d * (b - 128):  sum b x - 128 sum x = 256 s - 384 sx
-            d = _load(h_ptrs, ok4, NB).to(tl.float32)
+            d = _load(h_ptrs, ok4, MASK).to(tl.float32)
             f0, f1, g0, g1 = 256.0 * d, d * 0.0, -384.0 * d, d * 0.0
-            h_ptrs += NB * BLOCK_BYTES // 2
+            h_ptrs += STEP * BLOCK_BYTES // 2
         acc0 += _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, x2_off, f0, f1, g0, g1, X.dtype.element_ty, FMT,
-                            BITS, NB, SILU)
+                            BITS, MASK, SILU)
         if MR > 1:
             acc1 += _row_update(lo, hi, x0_ptrs + xo1, x1_ptrs + xo1, x_ok, x2_off, f0, f1, g0, g1,
-                                X.dtype.element_ty, FMT, BITS, NB, SILU)
+                                X.dtype.element_ty, FMT, BITS, MASK, SILU)
         if MR > 2:
             acc2 += _row_update(lo, hi, x0_ptrs + xo2, x1_ptrs + xo2, x_ok, x2_off, f0, f1, g0, g1,
-                                X.dtype.element_ty, FMT, BITS, NB, SILU)
+                                X.dtype.element_ty, FMT, BITS, MASK, SILU)
         if MR > 3:
             acc3 += _row_update(lo, hi, x0_ptrs + xo3, x1_ptrs + xo3, x_ok, x2_off, f0, f1, g0, g1,
-                                X.dtype.element_ty, FMT, BITS, NB, SILU)
-        w_ptrs += NB * BLOCK_BYTES
+                                X.dtype.element_ty, FMT, BITS, MASK, SILU)
+        w_ptrs += STEP * BLOCK_BYTES
         if FMT == 13 and BITS == 4:
-            x0_ptrs += NB * BS // 2
+            x0_ptrs += STEP * BS // 2
         else:
-            x0_ptrs += NB * BS
-            x1_ptrs += NB * BS
+            x0_ptrs += STEP * BS
+            x1_ptrs += STEP * BS
     pdl_trigger(PDL)
-    rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_T + tl.arange(0, ROWS_T)[:, None]
-    _store_rows(tl.sum(tl.sum(acc0, axis=2), axis=0), tl.sum(tl.sum(acc1, axis=2), axis=0),
-                tl.sum(tl.sum(acc2, axis=2), axis=0), tl.sum(tl.sum(acc3, axis=2), axis=0), rows2, Y, PART, COUNT,
-                M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym, ROWS_T, R, MR, FIXUP)
+    rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_G + tl.arange(0, ROWS_G)[:, None]
+    _store_rows(_row_sums(acc0, ROWS_G, KT, R), _row_sums(acc1, ROWS_G, KT, R), _row_sums(acc2, ROWS_G, KT, R),
+                _row_sums(acc3, ROWS_G, KT, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
+                stride_ym, ROWS_G, R, MR, FIXUP)
+
+
+@triton.jit
+def _row_sums(acc, ROWS_G: tl.constexpr, KT: tl.constexpr, R: tl.constexpr):
+    """[ROWS_G, R] row sums of an accumulator [C, ROWS_T, NB, R] whose ROWS_T axis holds KT lanes per row."""
+    s = tl.sum(tl.sum(acc, axis=2), axis=0)
+    if KT > 1:
+        s = tl.sum(tl.reshape(s, [ROWS_G, KT, R]), axis=1)
+    return s
 
 
 @triton.jit
@@ -417,7 +445,8 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
               rows_per_program: int = 4, x2=None, pdl: bool = False):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
-    compiled kernel too. ``config`` is (R, NB, num_warps, num_stages) with R rows per thread; K is split until the
+    compiled kernel too. ``config`` is (R, NB, num_warps, num_stages[, KT[, H[, waves]]]) with R rows per thread
+    (KT and H: see gemv_m1_kernel; waves from the config replaces the argument); K is split until the
     grid has ``waves`` programs per SM. Each program takes up to ``rows_per_program`` (1, 2 or 4) activation rows,
     which share its unpacked weights. With ``x2`` (same shape, dtype and row stride as x; see m1_supports) the
     activations are silu(x) * x2. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
@@ -427,10 +456,20 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
 
     from .ops import split_k
 
+    reps, nb, warps, stages = config[:4]
+    kt = config[4] if len(config) > 4 else 1  # lanes along K (consecutive blocks of a row)
+    h = config[5] if len(config) > 5 else 1  # threads per format chunk
+    waves = config[6] if len(config) > 6 else waves  # a tuned split rule overrides the argument
     fid, C, U, P, BS, BB = m1_layout(fmt, bits, group_size, K)
-    reps, nb, warps, stages = config
-    rows_t = 32 // C * warps  # one row per thread and rep (C threads share a row's block)
-    block_n = rows_t * reps
+    V = 4 if fid == 13 and bits == 4 else 8  # bytes per thread and load
+    if h < 1 or U % h or (U // h) % V or (32 // C) % h:
+        raise ValueError(f"config: {h} threads per chunk do not divide the format's {U}-byte chunks into "
+                         f"{V}-byte loads within a warp")
+    C, U = C * h, U // h
+    rows_t = 32 // C * warps  # one row (or with kt, one block of a row) per thread and rep
+    if (32 // C) % kt:
+        raise ValueError(f"config: lanes along K ({kt}) must divide the {32 // C} lanes per warp on the row axis")
+    block_n = rows_t // kt * reps
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // BS
     programs_n = triton.cdiv(N, block_n)
@@ -438,7 +477,8 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     # 3 rows run as 4 (one repeated, not stored): the MR=3 build measured slower than MR=4 on an H100
     mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
     grid_m = triton.cdiv(M, mr)
-    split, per_split = split_k(programs_n * grid_m, nblocks, nb, sms, waves)
+    split, per_split = split_k(programs_n * grid_m, nblocks, nb * kt, sms, waves)
+    even = per_split % (nb * kt) == 0 and nblocks % (nb * kt) == 0
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)
     # MLX 4-bit reads x as int32 words (pairs); other formats pass x itself in that slot (unused)
@@ -450,6 +490,6 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
         per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
-        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, PDL=pdl,
+        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, KT=kt, H=h, EVEN=even, PDL=pdl,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y

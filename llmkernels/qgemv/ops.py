@@ -102,6 +102,12 @@ def _views(data: torch.Tensor):
     return w8, w16, w8.view(torch.int8)
 
 
+def m1_key(name: str, M: int) -> str:
+    """The tuned-table key of the m1 kernel's config for format ``name`` ('q4_k', 'mlx4', 'mlx8') at M rows: one per
+    M class, since M = 1, 2 and 3-4 (run as 4 rows per program) favour different tiles."""
+    return f"m1/{name}" + ("" if M == 1 else "/m2" if M == 2 else "/m4")
+
+
 def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2) -> tuple[int, int]:
     """(split, blocks per split) for a grid of ``programs`` output tiles over ``nblocks`` K blocks taken ``nb`` per
     step: K is split until the grid has about ``waves`` programs per SM (never below one step per split)."""
@@ -179,7 +185,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
             else:
                 name = fmt if fmt != "mlx" else f"mlx{bits}"
-                config = tuple(lookup("gemv", gpu_name(), f"m1/{name}") or (4, 1, 4, 3))
+                config = tuple(lookup("gemv", gpu_name(), m1_key(name, M)) or lookup("gemv", gpu_name(), f"m1/{name}")
+                               or (4, 1, 4, 3))
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
                           bits=bits, group_size=group_size, x2=silu_x2, pdl=pdl_supported(x.device))
             return _finish(y, out_dtype)

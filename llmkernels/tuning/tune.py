@@ -1,5 +1,5 @@
 """Regenerate the tuned tables on this GPU:
-``python -m llmkernels.tuning.tune [prefill] [decode] [decode_few] [gemv] [gemv_i8]``.
+``python -m llmkernels.tuning.tune [prefill] [decode] [decode_few] [gemv] [gemv_m1] [gemv_i8]``.
 
 For each key of a table (what stays fixed across steps: dtype, head dim, page-size class, format, M class) the
 candidates are timed on representative shapes and the fastest is written to ``<table>.json`` under this GPU's
@@ -148,8 +148,8 @@ def tune_decode_few(gpu):
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
 # blocks (m1) or GGUF blocks per step (words), warps, stages)
 SMALL_M_KERNEL = {
-    "q4_k": ("m1/q4_k", [(4, 1, 4, 3), (2, 1, 4, 3), (2, 1, 8, 3), (4, 1, 8, 3), (2, 2, 4, 3), (4, 1, 4, 1),
-                         (1, 1, 4, 3), (2, 1, 2, 3)]),
+    "q4_k": ("m1/q4_k", [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 2, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1),
+                         (8, 1, 4, 3, 4, 2, 1), (4, 1, 4, 3, 4, 1, 1), (2, 1, 4, 3, 8, 1, 1), (2, 1, 4, 3)]),
     "q4_0": ("words/q4_0", [(2, 8, 4, 3), (2, 4, 4, 3), (2, 8, 2, 3), (4, 4, 4, 3), (2, 8, 4, 1), (4, 2, 4, 3)]),
 }
 
@@ -204,6 +204,37 @@ def tune_gemv(gpu):
     return out
 
 
+# m1 kernel (qgemv/m1.py) configs (R, NB, warps, stages[, KT lanes along K, H threads per chunk, waves]) for the
+# M classes other than q4_k at M = 1 (tuned with the other small-M kernels in tune_gemv)
+M1_CANDIDATES = [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1), (8, 1, 4, 3, 4, 2, 1),
+                 (8, 1, 4, 3, 2, 4, 1), (2, 1, 4, 3, 8, 1, 1)]
+
+
+def tune_gemv_m1(gpu):
+    """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, MLX 4- and 8-bit (group 64) at M = 1 and 2, on a small, a
+    wide and a long Llama-3-8B shape, weights read from DRAM."""
+    from ..bench.harness import copies_for
+    from ..qgemv import gemv
+    from ..qgemv.ops import m1_key
+    from ..testing.random_weights import random_qtensor
+
+    out = {}
+    shapes = [(4096, 4096), (28672, 4096), (4096, 14336)]
+    for name, fmt, kw, ms in (("q4_k", "q4_k", {}, (2, 4)), ("mlx4", "mlx", dict(bits=4, group_size=64), (1, 2)),
+                              ("mlx8", "mlx", dict(bits=8, group_size=64), (1, 2))):
+        qts = []
+        for N, K in shapes:
+            first = random_qtensor(fmt, N, K, "cuda", **kw)
+            qts.append([first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)])
+        for M in ms:
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
+            works = [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)]
+            key = m1_key(name, M)
+            out[key] = _best("gemv", key, M1_CANDIDATES, works)
+        del qts
+    return out
+
+
 # int8-activation gemv (qgemv/int8.py): the size classes of ops._launch_i8 with representative shapes, and candidate
 # configs (R, GP, warps, stages, COAL, PREFETCH)
 I8_CLASSES = {"small": [(4096, 4096), (6144, 4096)], "large": [(4096, 14336), (28672, 4096)],
@@ -234,13 +265,13 @@ def tune_gemv_i8(gpu):
 
 # table name -> tuner, or (JSON table it writes into, tuner)
 TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "decode_few": ("paged", tune_decode_few),
-          "gemv": tune_gemv,
+          "gemv": tune_gemv, "gemv_m1": ("gemv", tune_gemv_m1),
           "gemv_i8": ("gemv", tune_gemv_i8)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmkernels.tuning.tune", description=__doc__)
-    p.add_argument("tables", nargs="*", default=["prefill", "decode", "decode_few", "gemv", "gemv_i8"])
+    p.add_argument("tables", nargs="*", default=["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_i8"])
     p.add_argument("--out", default=str(_DIR), help="folder for the JSON tables (default: the package's)")
     args = p.parse_args(argv)
     unknown = [t for t in args.tables if t not in TUNERS]

@@ -16,17 +16,19 @@ FORMATS = [(f, {}) for f in sorted(M1_LAYOUTS)] + [("mlx", dict(bits=b, group_si
 IDS = [f if not kw else f"mlx{kw['bits']}g{kw['group_size']}" for f, kw in FORMATS]
 
 
-def _run(fmt, kw, N, K, config, sms, unpack, dtype, device):
+def _run(fmt, kw, N, K, configs, sms, unpack, dtype, device):
+    """Each config on one quantized matrix, a fresh x per config, output checked against the float64 reference."""
     if K % kw.get("group_size", 1):
         pytest.skip("K is not a multiple of the group size")
     qt = lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
-    x = torch.randn(1, K, dtype=dtype, device=device)
-    y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack, scales=qt.scales, biases=qt.biases,
-                          bits=qt.bits or 0, group_size=qt.group_size or 0), dtype)
-    ref = gemv_ref(x, qt)
-    tol = 4e-3 if dtype == torch.float16 else 2e-2
-    assert y.shape == (1, N) and y.dtype == dtype
-    assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+    for config in configs:
+        x = torch.randn(1, K, dtype=dtype, device=device)
+        y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack, scales=qt.scales, biases=qt.biases,
+                              bits=qt.bits or 0, group_size=qt.group_size or 0), dtype)
+        ref = gemv_ref(x, qt)
+        tol = 4e-3 if dtype == torch.float16 else 2e-2
+        assert y.shape == (1, N) and y.dtype == dtype
+        assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
 @pytest.mark.parametrize("fmt,kw", FORMATS, ids=IDS)
@@ -35,11 +37,14 @@ def _run(fmt, kw, N, K, config, sms, unpack, dtype, device):
     (19, 768, (2, 2, 1, 1), 1),    # two rows per thread, two blocks per step, K split unevenly (3 q4_k blocks)
     (130, 256, (1, 1, 2, 1), 64),  # more programs than blocks: the split is capped by the block count
     (21, 320, (1, 1, 1, 1), 3),    # MLX: an odd group count (g64) or two groups per block (g32)
+    (37, 2304, (2, 1, 1, 1, 8), 4),  # lanes along K: 8 blocks of a row per step, the last step partly past K
+    (19, 1024, (1, 2, 2, 1, 2), 1),  # 2 lanes along K times 2 blocks per thread: whole steps, no masks
+    (45, 2304, (4, 1, 1, 1, 4, 2), 2),  # two threads per chunk, 4 lanes along K, 4 rows per thread
 ])
 def test_m1_kernel(fmt, kw, N, K, config, sms, device):
     if fmt != "mlx" and K % 256:
         pytest.skip("K is not a multiple of 256")
-    _run(fmt, kw, N, K, config, sms, 1 if interpreter_mode() else 2, torch.float16, device)
+    _run(fmt, kw, N, K, [config], sms, 1 if interpreter_mode() else 2, torch.float16, device)
 
 
 @pytest.mark.parametrize("fmt,kw", [FORMATS[2], FORMATS[0], FORMATS[4]], ids=[IDS[2], IDS[0], IDS[4]])
@@ -59,7 +64,7 @@ def test_m1_rows_per_program(fmt, kw, M, rows_per_program, fixup, device):
 
 def test_m1_mlx_bf16_activations(device):
     """bf16 activations split from int32 words by shifts (fp16 goes through a conversion)."""
-    _run("mlx", dict(bits=4, group_size=64), 45, 512, (1, 1, 1, 1), 4, 1 if interpreter_mode() else 2,
+    _run("mlx", dict(bits=4, group_size=64), 45, 512, [(1, 1, 1, 1)], 4, 1 if interpreter_mode() else 2,
          torch.bfloat16, device)
 
 
@@ -69,8 +74,11 @@ def test_m1_mlx_bf16_activations(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_m1_kernel_gpu(fmt, kw, unpack, dtype, device):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for N, K, config in [(4096, 4096, (4, 1, 4, 3)), (1001, 14336, (2, 2, 8, 1)), (77, 1024, (1, 1, 4, 3))]:
-        _run(fmt, kw, N, K, config, sms, unpack, dtype, device)
+    # rows across lanes, lanes along K (KT), two threads per chunk (H) with 8 rows each, masked last steps
+    for N, K, configs in [(4096, 4096, [(4, 1, 4, 3), (4, 1, 4, 3, 8), (8, 1, 4, 3, 4, 2)]),
+                          (1001, 14336, [(2, 2, 8, 1), (2, 1, 4, 1, 4), (4, 1, 2, 3, 2, 2)]),
+                          (77, 2304, [(1, 1, 4, 3), (1, 2, 4, 3, 2), (4, 1, 4, 3, 8, 1, 1)])]:
+        _run(fmt, kw, N, K, configs, sms, unpack, dtype, device)
 
 
 @pytest.mark.parametrize("fixup", [True, False])
