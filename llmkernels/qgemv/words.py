@@ -144,13 +144,18 @@ def gemv_words_kernel(XW, W32, Y, PART, COUNT, M, N, stride_xm, stride_ys, strid
                       FMT: tl.constexpr, BB: tl.constexpr, NW: tl.constexpr, G: tl.constexpr, VW: tl.constexpr,
                       NV: tl.constexpr, LOG_MAIN: tl.constexpr, LOG_VW: tl.constexpr, ROWS_T: tl.constexpr,
                       R: tl.constexpr, MR: tl.constexpr, XBF16: tl.constexpr, UNPACK: tl.constexpr,
-                      FIXUP: tl.constexpr):
+                      FIXUP: tl.constexpr, KT: tl.constexpr = 1):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     A step is one group of G blocks per row: NV vectors of VW words [ROWS_T, R, NV, VW] and one more vector
     [ROWS_T, R, VW] (Triton's layout keeps both in the thread: threads and warps go over ROWS_T). XW is x as int32
-    words (stride_xm counts x elements)."""
-    BLOCK_N: tl.constexpr = ROWS_T * R
+    words (stride_xm counts x elements).
+
+    KT > 1: lane t of the ROWS_T axis takes row t // KT and group t % KT of each KT consecutive groups, so one warp
+    load covers KT neighbouring groups of a row; the KT partial sums of a row are added after the loop. The split
+    must be a whole number of KT-group steps (launch_words checks)."""
+    ROWS_G: tl.constexpr = ROWS_T // KT  # distinct rows per rep
+    BLOCK_N: tl.constexpr = ROWS_G * R
     GW: tl.constexpr = G * BB // 4  # words per group, NV * VW + VW
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -159,15 +164,17 @@ def gemv_words_kernel(XW, W32, Y, PART, COUNT, M, N, stride_xm, stride_ys, strid
     rt = tl.arange(0, ROWS_T)[:, None]
     rr = tl.arange(0, R)[None, :]
     # rows past N read row N - 1 (in bounds, never stored), so the weight loads need no mask
-    rows = tl.minimum(pid_n * BLOCK_N + rr * ROWS_T + rt, N - 1).to(tl.int64)  # [ROWS_T, R]
+    rows = tl.minimum(pid_n * BLOCK_N + rr * ROWS_G + rt // KT, N - 1).to(tl.int64)  # [ROWS_T, R]
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, ngroups)
-    base = rows * row_words + g_start * GW
+    base = rows * row_words + (g_start + rt % KT) * GW
     w_ptrs = W32 + base[:, :, None, None] + tl.arange(0, NV)[None, None, :, None] * VW \
         + tl.arange(0, VW)[None, None, None, :]
     t_ptrs = W32 + base[:, :, None] + NV * VW + tl.arange(0, VW)[None, None, :]
-    # x words of block j of the first group: [ROWS_T, 1, 4, 4] (the row axis broadcast, so x gets the rows' layout)
-    xv = tl.arange(0, 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :] + (rt * 0)[:, :, None, None]
+    # x words of block j of the lane's first group: [ROWS_T, 1, 4, 4] (with KT = 1 the row axis only broadcasts, so
+    # x gets the rows' layout)
+    xv = tl.arange(0, 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :] \
+        + ((rt % KT) * G * 16)[:, :, None, None]
     x_ptrs = XW + m0 * (stride_xm // 2) + g_start * G * 16 + xv
     xo1 = (tl.minimum(m0 + 1, M - 1) - m0) * (stride_xm // 2)
     xo2 = (tl.minimum(m0 + 2, M - 1) - m0) * (stride_xm // 2)
@@ -176,7 +183,7 @@ def gemv_words_kernel(XW, W32, Y, PART, COUNT, M, N, stride_xm, stride_ys, strid
     acc1 = tl.zeros([ROWS_T, R], dtype=tl.float32)
     acc2 = tl.zeros([ROWS_T, R], dtype=tl.float32)
     acc3 = tl.zeros([ROWS_T, R], dtype=tl.float32)
-    for g in range(g_start, g_end):
+    for g in range(g_start, g_end, KT):
         words = _scalars(tl.load(w_ptrs), ROWS_T, R, NV * VW, LOG_MAIN) + _scalars(tl.load(t_ptrs), ROWS_T, R, VW,
                                                                                   LOG_VW)
         for j in tl.static_range(G):
@@ -192,12 +199,21 @@ def gemv_words_kernel(XW, W32, Y, PART, COUNT, M, N, stride_xm, stride_ys, strid
                 acc2 += _block_update(codes, d, xj + xo2, XBF16, ROWS_T, FMT)
             if MR > 3:
                 acc3 += _block_update(codes, d, xj + xo3, XBF16, ROWS_T, FMT)
-        w_ptrs += GW
-        t_ptrs += GW
-        x_ptrs += G * 16
-    rows2 = pid_n * BLOCK_N + rr * ROWS_T + rt
-    _store_rows(acc0, acc1, acc2, acc3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym,
-                ROWS_T, R, MR, FIXUP)
+        w_ptrs += KT * GW
+        t_ptrs += KT * GW
+        x_ptrs += KT * G * 16
+    rows2 = pid_n * BLOCK_N + rr * ROWS_G + tl.arange(0, ROWS_G)[:, None]
+    _store_rows(_lane_sums(acc0, ROWS_G, KT, R), _lane_sums(acc1, ROWS_G, KT, R), _lane_sums(acc2, ROWS_G, KT, R),
+                _lane_sums(acc3, ROWS_G, KT, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
+                stride_ym, ROWS_G, R, MR, FIXUP)
+
+
+@triton.jit
+def _lane_sums(acc, ROWS_G: tl.constexpr, KT: tl.constexpr, R: tl.constexpr):
+    """[ROWS_G, R] row sums of an accumulator [ROWS_T, R] whose ROWS_T axis holds KT lanes per row."""
+    if KT > 1:
+        acc = tl.sum(tl.reshape(acc, [ROWS_G, KT, R]), axis=1)
+    return acc
 
 
 def words_layout(fmt: str, G: int):
@@ -227,17 +243,21 @@ def words_supports(x, data, fmt: str, K: int) -> bool:
 def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, waves: int = 4,
                  fixup: bool = True, rows_per_program: int = 2, return_kernel: bool = False):
     """Run gemv_words_kernel for x [M, K] and q4_0/q8_0 blocks; returns y [split, M, N] like m1.launch_m1.
-    ``config`` is (R, G, num_warps, num_stages): R rows per thread, G blocks per step."""
+    ``config`` is (R, G, num_warps, num_stages[, KT]): R rows per thread, G blocks per step, KT lanes along K (see
+    gemv_words_kernel; 1 where the group count is not a multiple of KT)."""
     import torch
 
     from .ops import split_k
 
-    reps, G, warps, stages = config
+    reps, G, warps, stages = config[:4]
     fid, bb, nw, vw, nv = words_layout(fmt, G)
     rows_t = 32 * warps
-    block_n = rows_t * reps
     row_words = data.shape[-1] * data.element_size() // 4
     ngroups = K // (32 * G)
+    kt = config[4] if len(config) > 4 and ngroups % config[4] == 0 else 1
+    if 32 % kt:
+        raise ValueError(f"config: lanes along K ({kt}) must divide the 32 lanes of a warp")
+    block_n = rows_t // kt * reps
     programs_n = triton.cdiv(N, block_n)
     M = x.shape[0]
     # 2 activation rows per program measured best at M = 2..4 (H100, scripts/gemv_lab.py --m-curve wq4_0): with 4
@@ -246,7 +266,7 @@ def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: in
     grid_m = triton.cdiv(M, mr)
     # up to ``waves`` programs per SM (4 measured best on an H100), but a grid that already has two waves is not
     # split (the vocabulary projection: 1.84 TB/s unsplit, 1.55 split in two)
-    split, per_split = split_k(programs_n * grid_m, ngroups, 1, sms, waves if programs_n * grid_m < 2 * sms else 0)
+    split, per_split = split_k(programs_n * grid_m, ngroups, kt, sms, waves if programs_n * grid_m < 2 * sms else 0)
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     main = nv * vw
     kernel = gemv_words_kernel[(programs_n, split, grid_m)](
@@ -254,5 +274,5 @@ def launch_words(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: in
         x.stride(0), y.stride(0), y.stride(1), row_words, ngroups, per_split, split,
         FMT=fid, BB=bb, NW=nw, G=G, VW=vw, NV=nv, LOG_MAIN=main.bit_length() - 1, LOG_VW=vw.bit_length() - 1,
         ROWS_T=rows_t, R=reps, MR=mr, XBF16=x.dtype == torch.bfloat16, UNPACK=unpack,
-        FIXUP=counters is not None, num_warps=warps, num_stages=stages)
+        FIXUP=counters is not None, KT=kt, num_warps=warps, num_stages=stages)
     return (y, kernel) if return_kernel else y

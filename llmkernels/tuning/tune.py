@@ -146,11 +146,13 @@ def tune_decode_few(gpu):
 
 
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
-# blocks (m1) or GGUF blocks per step (words), warps, stages)
+# blocks (m1) or GGUF blocks per step (words), warps, stages[, lanes along K, ...]: see m1.launch_m1 and
+# words.launch_words)
 SMALL_M_KERNEL = {
     "q4_k": ("m1/q4_k", [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 2, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1),
                          (8, 1, 4, 3, 4, 2, 1), (4, 1, 4, 3, 4, 1, 1), (2, 1, 4, 3, 8, 1, 1), (2, 1, 4, 3)]),
-    "q4_0": ("words/q4_0", [(2, 8, 4, 3), (2, 4, 4, 3), (2, 8, 2, 3), (4, 4, 4, 3), (2, 8, 4, 1), (4, 2, 4, 3)]),
+    "q4_0": ("words/q4_0", [(2, 8, 4, 3), (2, 8, 4, 3, 4), (2, 8, 4, 3, 2), (4, 4, 4, 3, 8), (2, 4, 4, 3),
+                            (2, 8, 2, 3), (4, 4, 4, 3), (4, 2, 4, 3)]),
 }
 
 

@@ -27,6 +27,9 @@ def _check(fmt, N, K, M, config, sms, dtype, device, **kw):
     (19, 768, (2, 4, 1, 1), 1),    # 4 blocks per step: 2-word vectors (q4_0) / 2-word (q8_0), 6 steps, no split
     (130, 256, (2, 8, 2, 1), 64),  # 8 blocks per step: 4-word vectors, one step per row, more programs than steps
     (21, 1024, (4, 8, 1, 1), 3),   # four rows per thread, K split unevenly
+    (37, 2048, (2, 8, 1, 1, 8), 4),  # lanes along K: 8 neighbouring groups of a row per warp load
+    (45, 4096, (1, 8, 1, 1, 4), 8),  # 4 lanes along K with K split in 4 (one 4-group step per split)
+    (19, 768, (2, 4, 1, 1, 8), 1),  # 6 groups: not a multiple of 8 lanes, so one lane per row
 ])
 def test_words_kernel(fmt, N, K, config, sms, device):
     assert words_layout(fmt, config[1]) is not None
@@ -68,4 +71,6 @@ def test_words_one_row_per_thread(fmt, device):
     interp = interpreter_mode()
     for _ in range(1 if interp else 5):  # a race shows up in some launches only
         _check(fmt, 300 if interp else 14336, 1024, 1, (1, 4, 4, 1 if interp else 3), 8 if interp else 132,
+               torch.float16, device)
+        _check(fmt, 300 if interp else 14336, 1024, 1, (1, 4, 4, 1 if interp else 3, 8), 8 if interp else 132,
                torch.float16, device)
