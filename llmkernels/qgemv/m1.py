@@ -229,7 +229,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     # pointers of the first step, advanced by STEP blocks per step
     base4 = rows4 * row_bytes + (kb_start + blk4) * BLOCK_BYTES + c4 * 0  # [C, ROWS_T, NB, R] byte offsets
     xk = ((kb_start + blk4) * BS)[:, :, :, :, None, None] + zt  # [1, ROWS_T, NB, 1, 1, 1]
-    if FMT == 10:  # q4_k: d, dmin, 12 bytes of scales (4 int32 words), C = 4 chunks of 32 bytes
+    if FMT == 10:  # q4_k: d, dmin, 12 bytes of scales (4 int32 words), 4 chunks of 32 bytes (H pieces each)
         w_ptrs = W8 + base4[:, :, :, :, None, None] + 16 + c * U + u
         h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
         x0_ptrs = X + xk + (c // H) * 64 + (c % H) * U + u
@@ -264,7 +264,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
         lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
         x_ok = ok4[:, :, :, :, None, None] & (zt == 0)
         # per (row, block) factors of the four partial sums, shared by the activation rows: the increment is
-        # f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 (see _row_sums for s, sx)
+        # f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 (see _row_update for s, sx)
         if FMT == 13:  # w = scale * q + bias per group
             sc = _load(WS + s_ptrs, ok4, MASK).to(tl.float32)
             bi = _load(WB + s_ptrs, ok4, MASK).to(tl.float32)
