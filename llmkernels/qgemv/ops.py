@@ -185,10 +185,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
             else:
                 name = fmt if fmt != "mlx" else f"mlx{bits}"
-                keys = [m1_key(name, M), f"m1/{name}"]
-                if silu_x2 is not None:  # the activations' loads and silu weigh more: a key of its own first
-                    keys.insert(0, m1_key(name, M) + "/silu")
-                config = tuple(next((e for e in (lookup("gemv", gpu_name(), k) for k in keys) if e), (4, 1, 4, 3)))
+                config = tuple(lookup("gemv", gpu_name(), m1_key(name, M)) or lookup("gemv", gpu_name(), f"m1/{name}")
+                               or (4, 1, 4, 3))
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
                           bits=bits, group_size=group_size, x2=silu_x2, pdl=pdl_supported(x.device))
             return _finish(y, out_dtype)

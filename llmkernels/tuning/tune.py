@@ -214,9 +214,9 @@ M1_CANDIDATES = [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1), (8,
 
 def tune_gemv_m1(gpu):
     """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, MLX 4- and 8-bit (group 64) at M = 1 and 2, on a small, a
-    wide and a long Llama-3-8B shape, and q4_k's silu_mul_gemv at M = 1 ('/silu'), weights read from DRAM."""
+    wide and a long Llama-3-8B shape, weights read from DRAM."""
     from ..bench.harness import copies_for
-    from ..qgemv import gemv, silu_mul_gemv
+    from ..qgemv import gemv
     from ..qgemv.ops import m1_key
     from ..testing.random_weights import random_qtensor
 
@@ -234,15 +234,6 @@ def tune_gemv_m1(gpu):
             key = m1_key(name, M)
             out[key] = _best("gemv", key, M1_CANDIDATES, works)
         del qts
-    # silu_mul_gemv (down projections: silu(gate) * up formed in the loads) on q4_k at M = 1
-    qts = []
-    for N, K in [(4096, 14336), (4096, 4096)]:
-        first = random_qtensor("q4_k", N, K, "cuda")
-        qts.append([first] + [random_qtensor("q4_k", N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)])
-    gus = [torch.randn(2, qt[0].shape[1], device="cuda", dtype=torch.float16) for qt in qts]
-    works = [[lambda gu=gu, qt=qt: silu_mul_gemv(gu[:1], gu[1:], qt) for qt in copies] for gu, copies in zip(gus, qts)]
-    key = m1_key("q4_k", 1) + "/silu"
-    out[key] = _best("gemv", key, M1_CANDIDATES + [(2, 1, 4, 3), (4, 1, 4, 3, 4, 1, 1)], works)
     return out
 
 
