@@ -12,11 +12,12 @@ import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from ..kv_cache import FP8_DTYPES
+from ..qgemv.m1 import lane_pos, lanes_width
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, H, eps, HAS_RES: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, Y, YL, stride_x, stride_r, stride_y, stride_yl, H, eps, HAS_RES: tl.constexpr,
+                        LANES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -31,24 +32,27 @@ def _add_rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, H, eps, HAS_RE
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    if LANES:  # a second copy in the q4_k GEMV's lane order (qgemv.m1.lane_pos)
+        tl.store(YL + row * stride_yl + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, lanes: bool = False):
     """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first.
 
-    x, residual: [T, H] fp16/bf16/fp32 (last dim contiguous); weight: [H] any float dtype. Returns y [T, H].
+    x, residual: [T, H] fp16/bf16/fp32 (last dim contiguous); weight: [H] any float dtype. Returns y [T, H], and with
+    ``lanes`` (y, y in lane order [T, lanes_width(H)]) for qgemv.ops.gemv_lanes.
     """
     T, H = x.shape
     y = out if out is not None else torch.empty_like(x)
-    if T == 0:
-        return y
-    r = residual if residual is not None else x
-    pdl = pdl_supported(x.device)
-    _add_rmsnorm_kernel[(T,)](x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), H, eps,
-                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(H), PDL=pdl,
-                              num_warps=4 if H <= 4096 else 8, **pdl_options(pdl))
-    return y
+    yl = torch.empty(T, lanes_width(H), dtype=y.dtype, device=y.device) if lanes else y
+    if T:
+        r = residual if residual is not None else x
+        pdl = pdl_supported(x.device)
+        _add_rmsnorm_kernel[(T,)](x, r, weight, y, yl, x.stride(0), r.stride(0), y.stride(0), yl.stride(0), H, eps,
+                                  HAS_RES=residual is not None, LANES=lanes, BLOCK=triton.next_power_of_2(H),
+                                  PDL=pdl, num_warps=4 if H <= 4096 else 8, **pdl_options(pdl))
+    return (y, yl) if lanes else y
 
 
 @triton.jit
@@ -144,7 +148,8 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, stride_gu, stride_y, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(GU, Y, YL, stride_gu, stride_y, stride_yl, F, LANES: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -154,16 +159,20 @@ def _silu_mul_kernel(GU, Y, stride_gu, stride_y, F, BLOCK: tl.constexpr, PDL: tl
     u = tl.load(GU + row * stride_gu + F + cols, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    if LANES:
+        tl.store(YL + row * stride_yl + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u for gate_up = [g | u] of shape [T, 2F] (one fused gate/up projection); returns [T, F]."""
+def silu_mul(gate_up: torch.Tensor, lanes: bool = False):
+    """silu(g) * u for gate_up = [g | u] of shape [T, 2F] (one fused gate/up projection); returns [T, F], and with
+    ``lanes`` (y, y in lane order [T, lanes_width(F)]) for qgemv.ops.gemv_lanes."""
     T, F2 = gate_up.shape
     F = F2 // 2
     y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
+    yl = torch.empty(T, lanes_width(F), dtype=y.dtype, device=y.device) if lanes else y
     if T:
         BLOCK = 1024
         pdl = pdl_supported(gate_up.device)
-        _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=BLOCK,
-                                                      PDL=pdl, **pdl_options(pdl))
-    return y
+        _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, yl, gate_up.stride(0), y.stride(0), yl.stride(0), F,
+                                                      LANES=lanes, BLOCK=BLOCK, PDL=pdl, **pdl_options(pdl))
+    return (y, yl) if lanes else y

@@ -171,7 +171,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
                    SILU: tl.constexpr, KT: tl.constexpr = 1, H: tl.constexpr = 1, EVEN: tl.constexpr = True,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, XP: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -197,6 +197,9 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     take more rows (R) for the same registers, and neighbouring threads read neighbouring bytes.
 
     The sums are stored by _store_rows (FIXUP: split-K partials summed in the kernel).
+
+    XP (q4_k with KT = 8, NB = 1, H = 1): X holds the activations in lane order (see lane_pos), so that the values
+    a warp loads at once lie together.
 
     PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let the next one
     launch after their loop."""
@@ -232,8 +235,16 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     if FMT == 10:  # q4_k: d, dmin, 12 bytes of scales (4 int32 words), 4 chunks of 32 bytes (H pieces each)
         w_ptrs = W8 + base4[:, :, :, :, None, None] + 16 + c * U + u
         h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
-        x0_ptrs = X + xk + (c // H) * 64 + (c % H) * U + u
-        x1_ptrs = x0_ptrs + 32
+        if XP:  # activations in lane order (lane_pos): a warp's x load is 512 contiguous bytes
+            tl.static_assert(KT == 8 and NB == 1 and H == 1, "lane order is laid out for KT = 8, NB = 1, H = 1")
+            kt6 = (rt % KT)[:, :, :, :, None, None]
+            a6 = tl.arange(0, U // 8)[None, None, None, None, :, None]
+            v6 = tl.arange(0, 8)[None, None, None, None, None, :]
+            x0_ptrs = X + kb_start * BS + a6 * 256 + (kt6 * 4 + c) * 8 + v6
+            x1_ptrs = x0_ptrs + 1024  # the high-nibble plane: p = 1
+        else:
+            x0_ptrs = X + xk + (c // H) * 64 + (c % H) * U + u
+            x1_ptrs = x0_ptrs + 32
     elif FMT == 13:  # MLX: codes only; scale and bias per (row, group) in WS, WB
         w_ptrs = W8 + base4[:, :, :, :, None, None] + c * U + u
         s_ptrs = rows4 * scale_stride + (kb_start + blk4) * CG + cg4
@@ -374,6 +385,53 @@ def _store_rows(a0, a1, a2, a3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, s
             tl.store(y_ptrs + 3 * stride_ym, a3.to(Y.dtype.element_ty), mask=n_ok & (m0 + 3 < M))
 
 
+LANE_GROUP = 2048  # activations per lane-order group: one step of the q4_k kernel with 8 lanes along K
+
+
+@triton.jit
+def lane_pos(k):
+    """Where activation k lies in lane order, the layout the q4_k kernel with KT = 8 (XP) reads.
+
+    In natural order the 32 lanes of a warp (chunk c, block kt: lane c + 4 kt) need 16-byte pieces of x 128 or 512
+    bytes apart, 32 lines per load. Lane order keeps each group of 2048 elements (8 blocks) in place as a whole and
+    orders it by (plane p, load a, lane, element v), so the piece a lane loads is next to its neighbours': element
+    kt * 256 + c * 64 + p * 32 + a * 8 + v of a group goes to ((p * 4 + a) * 8 + kt) * 32 + c * 8 + v."""
+    r = k % 2048  # LANE_GROUP
+    kt = r // 256
+    c = (r // 64) % 4
+    p = (r // 32) % 2
+    a = (r // 8) % 4
+    return k - r + ((p * 4 + a) * 8 + kt) * 32 + c * 8 + r % 8
+
+
+@triton.jit
+def _lane_order_kernel(X, XL, K, stride_x, stride_xl, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    row = tl.program_id(1).to(tl.int64)
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = k < K
+    tl.store(XL + row * stride_xl + lane_pos(k), tl.load(X + row * stride_x + k, mask=ok), mask=ok)
+
+
+def lanes_width(K: int) -> int:
+    """Columns of an activation buffer in lane order for K inputs: whole groups (the tail of the last one is never
+    read: its blocks lie past K)."""
+    return triton.cdiv(K, LANE_GROUP) * LANE_GROUP
+
+
+def lane_order(x, pdl: bool = False):
+    """x [M, K] (last dim contiguous) copied into lane order: [M, lanes_width(K)], see lane_pos."""
+    from .._runtime import empty
+
+    M, K = x.shape
+    xl = empty(M, lanes_width(K), dtype=x.dtype, device=x.device)
+    BLOCK = 1024
+    _lane_order_kernel[(triton.cdiv(K, BLOCK), M)](x, xl, K, x.stride(0), xl.stride(0), BLOCK=BLOCK, PDL=pdl,
+                                                   **pdl_options(pdl))
+    return xl
+
+
 M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)
     "q4_0": (3, 1, 16, 2, 32, 18),
     "q8_0": (7, 1, 32, 1, 32, 34),
@@ -442,7 +500,7 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
-              rows_per_program: int = 4, x2=None, pdl: bool = False):
+              rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages[, KT[, H[, waves]]]) with R rows per thread
@@ -451,7 +509,8 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     which share its unpacked weights. With ``x2`` (same shape, dtype and row stride as x; see m1_supports) the
     activations are silu(x) * x2. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
     its own split-K partials and y is [1, M, N]. With ``pdl`` the launch may overlap the previous kernel
-    (see _pdl.py)."""
+    (see _pdl.py). With ``x_perm`` x is in lane order ([M, lanes_width(K)], see lane_order): q4_k with
+    KT = 8, NB = 1, H = 1 only."""
     import torch
 
     from .ops import split_k
@@ -459,6 +518,9 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     reps, nb, warps, stages = config[:4]
     kt = config[4] if len(config) > 4 else 1  # lanes along K (consecutive blocks of a row)
     h = config[5] if len(config) > 5 else 1  # threads per format chunk
+    if x_perm and (fmt != "q4_k" or (nb, kt, h) != (1, 8, 1) or x.shape[1] != lanes_width(K) or x2 is not None):
+        raise ValueError(f"lane-order activations need q4_k with NB=1, KT=8, H=1, x [M, {lanes_width(K)}] and no "
+                         f"x2, got {fmt} with config {tuple(config)}, x {tuple(x.shape)}")
     waves = config[6] if len(config) > 6 else waves  # a tuned split rule overrides the argument
     fid, C, U, P, BS, BB = m1_layout(fmt, bits, group_size, K)
     V = 4 if fid == 13 and bits == 4 else 8  # bytes per thread and load
@@ -490,6 +552,6 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
         per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
-        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, KT=kt, H=h, EVEN=even, PDL=pdl,
+        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, KT=kt, H=h, EVEN=even, PDL=pdl, XP=x_perm,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y

@@ -32,6 +32,10 @@ WORDS_MAX_M = {"q4_0": 4}
 # (N >= 32768) runs it too since the coalesced, prefetched configs (bench file 20261122-185140: 121.3 us against
 # 131.6 exact on 128256 x 4096)
 I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 1}
+# q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
+# order first from this N on (the copy is one more launch, paid back only by wide matrices)
+LANES_MIN_N = 32768
+LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -157,8 +161,35 @@ def _launch_i8(x, x2, data, fmt, N, K):
     return _finish(y, x.dtype)
 
 
+def lanes_apply(M: int, dtype: torch.dtype, data: torch.Tensor, fmt: str, K: int, act: int = 0) -> bool:
+    """Whether gemv of M activation rows of ``dtype`` with these weights runs the lane-order kernel: q4_k (with the
+    16-byte aligned blocks the m1 kernel reads), M = 1, fp16/bf16, exact activations."""
+    return (fmt == "q4_k" and M == 1 and not act and dtype in (torch.float16, torch.bfloat16) and K % 256 == 0
+            and data.data_ptr() % 16 == 0)
+
+
+def _launch_lanes(x, xl, data, N, K):
+    """The q4_k m1 kernel over xl, x in lane order (m1.lane_order)."""
+    from .m1 import launch_m1
+
+    interp = interpreter_mode()
+    if interp:
+        config = (1, 1, 1, 1, 8) if N < 128 else (2, 1, 4, 1, 8)
+    else:
+        config = tuple(lookup("gemv", gpu_name(), "lanes/q4_k") or LANES_DEFAULT)
+    y = launch_m1(xl, data, "q4_k", N, K, config, num_sms(x.device), unpack=1 if interp else 2,
+                  pdl=pdl_supported(x.device), x_perm=True)
+    return _finish(y, x.dtype)
+
+
 def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size, mode, act=0):
     M = x.shape[0]
+    if mode == 3:  # x2: x in lane order (_gemv_impl has checked that the lane kernel applies)
+        return _launch_lanes(x, x2, data, N, K)
+    if mode == 0 and N >= LANES_MIN_N and lanes_apply(M, x.dtype, data, fmt, K, act):
+        from .m1 import lane_order
+
+        return _launch_lanes(x, lane_order(x, pdl_supported(x.device)), data, N, K)
     if act == 1 and mode != 2 and M <= I8_MAX_M.get(fmt, 0) and x.dtype != torch.float32:
         from .int8 import i8_supports
 
@@ -258,6 +289,8 @@ def _gemv_impl(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, sca
              biases2: torch.Tensor | None, fmt: str, N: int, K: int, bits: int, group_size: int,
              mode: int, act: int) -> torch.Tensor:
     M = x.shape[0]
+    if mode == 3 and not lanes_apply(M, x.dtype, data, fmt, K):  # gemv_lanes where the lane kernel does not apply
+        mode, x2 = 0, None
     if mode == 0 and M >= 2 and DENSE_DTYPES.get(fmt) == x.dtype and data.shape[-1] == K * x.element_size():
         # weights stored in x's dtype: cuBLAS on them as they lie (faster than the dense kernel from M = 2: 1.02-1.3x
         # less time at M = 2..16 on an H100, bench file 20261122-185140, f16 rows; M = 1 stays on the kernel)
@@ -362,6 +395,27 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
     check_device(x=x, qt_data=qt.data)
     act = _check_act(act_int8)
     y = call_op(_gemv_op, _gemv_impl, x2, None, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 0, act)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def gemv_lanes(x: torch.Tensor, x_lanes: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """gemv(x, qt) for a caller that also has x in lane order (``x_lanes`` = m1.lane_order(x), or written so by the
+    kernel that produced x, as the engine's RMSNorm and SiLU kernels do). q4_k at M = 1 then reads the activations
+    as whole lines (see m1.lane_pos); every other case computes gemv(x, qt) and ignores x_lanes.
+
+    x: [M, K] fp16/bf16/fp32; x_lanes: [M, m1.lanes_width(K)], x's dtype.
+    """
+    from .m1 import lanes_width
+
+    _check_qt("qt", qt)
+    N, K = qt.shape
+    x2 = _check_x("x", x, K)
+    check_tensor("x_lanes", x_lanes, dtypes=(x.dtype,), last_dim_contiguous=True)
+    if tuple(x_lanes.shape) != (x2.shape[0], lanes_width(K)):
+        raise ValueError(f"x_lanes must be [M, {lanes_width(K)}] for x of shape {tuple(x.shape)}, got "
+                         f"{tuple(x_lanes.shape)}")
+    check_device(x=x, x_lanes=x_lanes, qt_data=qt.data)
+    y = call_op(_gemv_op, _gemv_impl, x2, x_lanes, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 3, 0)
     return y.reshape(*x.shape[:-1], N)
 
 

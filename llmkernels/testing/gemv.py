@@ -26,3 +26,14 @@ def silu_mul_gemv_ref(gate, up, qt, dtype=torch.float64):
 def embedding_ref(ids, qt, dtype=torch.float64):
     """Rows of dequantize(qt) picked by ids -> [*ids.shape, K]."""
     return _dense(qt, dtype).to(ids.device)[ids.long()]
+
+
+def lane_positions(K: int) -> torch.Tensor:
+    """Where each activation k < K lies in the q4_k GEMV's lane order (qgemv.m1.lane_pos), built by reshaping: a
+    group of 2048 is (block kt, chunk c, plane p, load a, element v) in natural order, (p, a, kt, c, v) in lane
+    order."""
+    W = -(-K // 2048) * 2048
+    natural_at = torch.arange(W).view(W // 2048, 8, 4, 2, 4, 8).permute(0, 3, 4, 1, 2, 5).reshape(-1)
+    pos = torch.empty(W, dtype=torch.long)
+    pos[natural_at] = torch.arange(W)
+    return pos[:K]

@@ -1,5 +1,5 @@
 """Regenerate the tuned tables on this GPU:
-``python -m llmkernels.tuning.tune [prefill] [decode] [decode_few] [gemv] [gemv_m1] [gemv_i8]``.
+``python -m llmkernels.tuning.tune [prefill] [decode] [decode_few] [gemv] [gemv_m1] [gemv_lanes] [gemv_i8]``.
 
 For each key of a table (what stays fixed across steps: dtype, head dim, page-size class, format, M class) the
 candidates are timed on representative shapes and the fastest is written to ``<table>.json`` under this GPU's
@@ -210,6 +210,9 @@ def tune_gemv(gpu):
 # M classes other than q4_k at M = 1 (tuned with the other small-M kernels in tune_gemv)
 M1_CANDIDATES = [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1), (8, 1, 4, 3, 4, 2, 1),
                  (8, 1, 4, 3, 2, 4, 1), (2, 1, 4, 3, 8, 1, 1)]
+# the lane-order q4_k kernel (ops.gemv_lanes, key "lanes/q4_k"): NB = 1, KT = 8, H = 1 are fixed by the layout
+LANE_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1), (2, 1, 4, 4, 8, 1, 1), (4, 1, 4, 3, 8, 1, 1),
+                   (1, 1, 4, 3, 8, 1, 1), (2, 1, 8, 3, 8, 1, 1), (2, 1, 4, 3, 8, 1, 2), (4, 1, 2, 3, 8, 1, 1)]
 
 
 def tune_gemv_m1(gpu):
@@ -235,6 +238,24 @@ def tune_gemv_m1(gpu):
             out[key] = _best("gemv", key, M1_CANDIDATES, works)
         del qts
     return out
+
+
+def tune_gemv_lanes(gpu):
+    """The lane-order q4_k kernel at M = 1 (key "lanes/q4_k"): the shapes of tune_gemv_m1 and the vocabulary
+    projection (gemv copies x into lane order itself from ops.LANES_MIN_N), weights read from DRAM."""
+    from ..bench.harness import copies_for
+    from ..qgemv.m1 import lane_order
+    from ..qgemv.ops import gemv_lanes
+    from ..testing.random_weights import random_qtensor
+
+    works = []
+    for N, K in [(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+        first = random_qtensor("q4_k", N, K, "cuda")
+        copies = [first] + [random_qtensor("q4_k", N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+        xl = lane_order(x)
+        works.append([lambda x=x, xl=xl, qt=qt: gemv_lanes(x, xl, qt) for qt in copies])
+    return {"lanes/q4_k": _best("gemv", "lanes/q4_k", LANE_CANDIDATES, works)}
 
 
 # int8-activation gemv (qgemv/int8.py): the size classes of ops._launch_i8 with representative shapes, and candidate
@@ -268,12 +289,14 @@ def tune_gemv_i8(gpu):
 # table name -> tuner, or (JSON table it writes into, tuner)
 TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "decode_few": ("paged", tune_decode_few),
           "gemv": tune_gemv, "gemv_m1": ("gemv", tune_gemv_m1),
+          "gemv_lanes": ("gemv", tune_gemv_lanes),
           "gemv_i8": ("gemv", tune_gemv_i8)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmkernels.tuning.tune", description=__doc__)
-    p.add_argument("tables", nargs="*", default=["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_i8"])
+    p.add_argument("tables", nargs="*", default=["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes",
+                                                   "gemv_i8"])
     p.add_argument("--out", default=str(_DIR), help="folder for the JSON tables (default: the package's)")
     args = p.parse_args(argv)
     unknown = [t for t in args.tables if t not in TUNERS]

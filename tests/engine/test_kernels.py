@@ -7,6 +7,7 @@ import torch
 from llmkernels.engine.config import ModelConfig, llama3_rope_factors, rope_inv_freq
 from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 from llmkernels.engine.scheduler import PageAllocator, Scheduler, Sequence
+from llmkernels.testing import lane_positions
 from llmkernels.testing.tolerances import assert_close
 
 
@@ -26,12 +27,18 @@ def test_add_rmsnorm(H, device):
     assert torch.equal(r, h_want)  # the residual stream is updated in place, in fp16 like the reference
     assert_close(y, rmsnorm_ref(h_want, w, 1e-5), torch.float16)
     assert_close(add_rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5), torch.float16)
+    # with lanes: also y in the q4_k GEMV's lane order, the same values
+    y, yl = add_rmsnorm(x, w, 1e-5, lanes=True)
+    assert yl.shape == (5, 2048) and torch.equal(yl[:, lane_positions(H).to(device)], y)
 
 
 def test_silu_mul(device):
     gu = torch.randn(3, 2 * 1100, dtype=torch.float16, device=device) * 3
     g, u = gu[:, :1100].double(), gu[:, 1100:].double()
     assert_close(silu_mul(gu), torch.nn.functional.silu(g) * u, torch.float16)
+    y, yl = silu_mul(gu, lanes=True)
+    assert yl.shape == (3, 2048) and torch.equal(yl[:, lane_positions(1100).to(device)], y)
+    assert_close(y, torch.nn.functional.silu(g) * u, torch.float16)
 
 
 def rope_ref(x, pos, inv_freq, neox, mscale=1.0):

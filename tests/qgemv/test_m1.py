@@ -8,7 +8,7 @@ import llmkernels as lk
 from llmkernels._checks import interpreter_mode
 from llmkernels.qgemv.m1 import M1_LAYOUTS, launch_m1
 from llmkernels.qgemv.ops import _finish
-from llmkernels.testing import assert_close, gemv_ref
+from llmkernels.testing import assert_close, gemv_ref, lane_positions
 
 # GGUF formats, then MLX (bits, group size): 4-bit reads x as int32 pairs, 8-bit in natural order
 FORMATS = [(f, {}) for f in sorted(M1_LAYOUTS)] + [("mlx", dict(bits=b, group_size=g))
@@ -128,3 +128,105 @@ def test_gemv_mlx4_activations_not_word_aligned(device):
     for x in (buf[1:].view(1, K), buf[:K].view(1, K)):
         ref = gemv_ref(x, qt)
         assert_close(lk.gemv(x, qt), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+
+
+# --- activations in lane order (m1.lane_pos): the q4_k kernel with KT = 8 reading x laid out for its loads ---------
+def _lanes_poisoned(x):
+    """x in lane order with NaN in the positions no k maps to (the tail of the last group)."""
+    from llmkernels.qgemv.m1 import lanes_width
+
+    M, K = x.shape
+    xl = torch.full((M, lanes_width(K)), float("nan"), dtype=x.dtype, device=x.device)
+    xl[:, lane_positions(K).to(x.device)] = x
+    return xl
+
+
+@pytest.mark.parametrize("K", [2048, 2304, 4352])
+def test_lane_order(K, device):
+    from llmkernels.qgemv.m1 import lane_order
+
+    x = torch.randn(3, K + 5, dtype=torch.float16, device=device)[:, 2:K + 2]  # a row stride that is not K
+    xl = lane_order(x)
+    pos = lane_positions(K).to(device)
+    assert torch.equal(xl[:, pos], x)
+
+
+@pytest.mark.parametrize("N,K,config,sms,fixup", [
+    (37, 2304, (1, 1, 1, 1, 8), 4, True),      # 9 blocks: one whole step and a masked one past K
+    (19, 4096, (2, 1, 2, 1, 8), 2, False),    # two splits of one step each, partials summed after the kernel
+    (45, 2048, (2, 1, 1, 1, 8, 1, 1), 64, True),  # a table-style config, one step, no split
+])
+def test_m1_lane_order(N, K, config, sms, fixup, device):
+    """The lane-order kernel against the float64 reference, x laid out independently of lane_pos with NaN in the
+    unused tail, output poisoned before the call."""
+    from llmkernels.qgemv.m1 import launch_m1
+
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    for dtype in (torch.float16,) if interpreter_mode() else (torch.float16, torch.bfloat16):
+        x = torch.randn(1, K, dtype=dtype, device=device)
+        y = _finish(launch_m1(_lanes_poisoned(x), qt.data, "q4_k", N, K, config, sms,
+                              1 if interpreter_mode() else 2, fixup=fixup, x_perm=True), dtype)
+        ref = gemv_ref(x, qt)
+        tol = 4e-3 if dtype == torch.float16 else 2e-2
+        assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_gemv_lanes_routes(device, monkeypatch):
+    """gemv_lanes takes the lane kernel for q4_k at M = 1 and computes gemv otherwise (other formats, M > 1, float32
+    x); gemv itself copies x into lane order for N >= LANES_MIN_N."""
+    from llmkernels.qgemv import ops
+    from llmkernels.qgemv.m1 import lane_order
+
+    calls = []
+    real = ops._launch_lanes
+    monkeypatch.setattr(ops, "_launch_lanes", lambda *a: calls.append(1) or real(*a))
+    N, K = 21, 2304
+    for fmt, M, dtype, lanes in [("q4_k", 1, torch.float16, True), ("q8_0", 1, torch.float16, False),
+                                 ("q4_k", 2, torch.float16, False), ("q4_k", 1, torch.float32, False)]:
+        qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        calls.clear()
+        y = ops.gemv_lanes(x, lane_order(x), qt)
+        assert len(calls) == int(lanes), (fmt, M, dtype)
+        ref = gemv_ref(x, qt)
+        assert_close(y, ref, dtype, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+    monkeypatch.setattr(ops, "LANES_MIN_N", 16)
+    calls.clear()
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    ref = gemv_ref(x, qt)
+    assert_close(lk.gemv(x, qt), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+    assert calls == [1]
+
+
+def test_gemv_lanes_bad_input(device):
+    from llmkernels.qgemv.m1 import launch_m1
+    from llmkernels.qgemv.ops import gemv_lanes
+
+    N, K = 16, 2304
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="x_lanes must be"):
+        gemv_lanes(x, torch.zeros(1, K, dtype=torch.float16, device=device), qt)
+    with pytest.raises(TypeError, match="x_lanes"):
+        gemv_lanes(x, torch.zeros(1, 4096, dtype=torch.bfloat16, device=device), qt)
+    with pytest.raises(ValueError, match="lane-order"):
+        launch_m1(torch.zeros(1, 4096, dtype=torch.float16, device=device), qt.data, "q4_k", N, K, (1, 1, 1, 1, 4),
+                  4, 1, x_perm=True)
+
+
+@pytest.mark.gpu
+def test_m1_lane_order_gpu(device):
+    """Model-sized shapes, the tuned config and neighbours, inline-PTX unpacking, fp16 and bf16."""
+    from llmkernels.qgemv.m1 import launch_m1
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K in [(4096, 4096), (1001, 14336), (77, 2304)]:
+        qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+        for config in [(2, 1, 4, 3, 8, 1, 1), (4, 1, 2, 4, 8, 1, 2), (1, 1, 8, 3, 8)]:
+            for dtype in (torch.float16, torch.bfloat16):
+                x = torch.randn(1, K, dtype=dtype, device=device)
+                y = _finish(launch_m1(_lanes_poisoned(x), qt.data, "q4_k", N, K, config, sms, 2, x_perm=True), dtype)
+                ref = gemv_ref(x, qt)
+                tol = 4e-3 if dtype == torch.float16 else 2e-2
+                assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)

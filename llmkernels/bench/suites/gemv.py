@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...qgemv import gemv, silu_mul_gemv
+from ...qgemv.m1 import lane_order
+from ...qgemv.ops import gemv_lanes
 from ...testing.random_weights import random_qtensor
 from ..anchors import make_int4pack
 from ..harness import Row, copies_for, time_graph_ms
@@ -13,7 +15,11 @@ SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 409
 FORMATS = [("q4_0", {}), ("q4_k", {}), ("q5_k", {}), ("q6_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64)),
            ("f16", {}),
            # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py)
-           ("q4_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)), ("q8_0", dict(act_int8=True))]
+           ("q4_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)), ("q8_0", dict(act_int8=True)),
+           # ops.gemv_lanes at M = 1: x handed over in lane order as well, as the engine's RMSNorm and SiLU kernels
+           # write it (the copy into lane order is not timed: there it costs a second store in a kernel that runs
+           # anyway)
+           ("q4_k", dict(lanes=True))]
 MS = [1, 2, 4, 8, 16]
 
 
@@ -40,13 +46,19 @@ def _shape_case(ctx, N, K, formats, ms):
         del packs
         for fmt, kw in formats:
             i8 = kw.get("act_int8", False)
-            kw = {k: v for k, v in kw.items() if k != "act_int8"}
+            lanes = kw.get("lanes", False)
+            kw = {k: v for k, v in kw.items() if k not in ("act_int8", "lanes")}
             first = random_qtensor(fmt, N, K, "cuda", **kw)
             qts = [first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)]
-            label = (fmt if fmt != "mlx" else f"mlx{kw['bits']}g{kw['group_size']}") + (" act_int8" if i8 else "")
-            for M in ms:
+            label = (fmt if fmt != "mlx" else f"mlx{kw['bits']}g{kw['group_size']}") + (" act_int8" if i8 else "") \
+                + (" lanes" if lanes else "")
+            for M in ms if not lanes else [1]:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                t = time_graph_ms([lambda qt=qt: gemv(x, qt, act_int8=i8) for qt in qts])
+                if lanes:
+                    xl = lane_order(x)
+                    t = time_graph_ms([lambda qt=qt: gemv_lanes(x, xl, qt) for qt in qts])
+                else:
+                    t = time_graph_ms([lambda qt=qt: gemv(x, qt, act_int8=i8) for qt in qts])
                 act = M * K * 2 + M * N * 2
                 ours = (first.nbytes + act) / (t * 1e-3) / 1e12
                 anchors, ratio = {}, {}
