@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import os
+
 import torch
 
 from ..attention.paged import paged_attention
@@ -169,8 +171,8 @@ class Model:
     # --- forward --------------------------------------------------------------------------------------------------
     def _lanes(self, T: int, *mats) -> bool:
         """Whether the kernel producing these matrices' input should also write it in lane order: q4_k at batch 1
-        reads activations laid out for its loads (qgemv.m1.lane_pos), 8-19% less time per GEMV on an H100."""
-        return all(lanes_apply(T, self.dtype, m.data, m.format, m.shape[1], int(self.act_int8))
+        reads activations laid out for its loads (qgemv.m1.lane_pos). LLMK_LANES=0 turns it off (for A/B runs)."""
+        return os.environ.get("LLMK_LANES", "1") != "0" and all(lanes_apply(T, self.dtype, m.data, m.format, m.shape[1], int(self.act_int8))
                               for m in mats)
 
     def _gemv(self, x, xl, m):
