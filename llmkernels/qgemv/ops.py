@@ -33,8 +33,11 @@ WORDS_MAX_M = {"q4_0": 4}
 # 131.6 exact on 128256 x 4096)
 I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 1}
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
-# order first from this N on (the copy is one more launch, paid back only by wide matrices)
-LANES_MIN_N = 32768
+# order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
+# an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
+# against 18.5; 14336 x 4096: fp16 17.2 against 17.6, bf16 17.9 against 17.7; 6144 x 4096 loses 0.6-1.3 us;
+# .lab/lanes_min.py, session 14)
+LANES_MIN_WEIGHTS = 1 << 25
 LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 
 
@@ -186,7 +189,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     M = x.shape[0]
     if mode == 3:  # x2: x in lane order (_gemv_impl has checked that the lane kernel applies)
         return _launch_lanes(x, x2, data, N, K)
-    if mode == 0 and N >= LANES_MIN_N and lanes_apply(M, x.dtype, data, fmt, K, act):
+    if mode == 0 and N * K >= LANES_MIN_WEIGHTS and lanes_apply(M, x.dtype, data, fmt, K, act):
         from .m1 import lane_order
 
         return _launch_lanes(x, lane_order(x, pdl_supported(x.device)), data, N, K)

@@ -242,7 +242,7 @@ def tune_gemv_m1(gpu):
 
 def tune_gemv_lanes(gpu):
     """The lane-order q4_k kernel at M = 1 (key "lanes/q4_k"): the shapes of tune_gemv_m1 and the vocabulary
-    projection (gemv copies x into lane order itself from ops.LANES_MIN_N), weights read from DRAM."""
+    projection (gemv copies x into lane order itself from ops.LANES_MIN_WEIGHTS), weights read from DRAM."""
     from ..bench.harness import copies_for
     from ..qgemv.m1 import lane_order
     from ..qgemv.ops import gemv_lanes

@@ -173,7 +173,7 @@ def test_m1_lane_order(N, K, config, sms, fixup, device):
 
 def test_gemv_lanes_routes(device, monkeypatch):
     """gemv_lanes takes the lane kernel for q4_k at M = 1 and computes gemv otherwise (other formats, M > 1, float32
-    x); gemv itself copies x into lane order for N >= LANES_MIN_N."""
+    x); gemv itself copies x into lane order for N * K >= LANES_MIN_WEIGHTS."""
     from llmkernels.qgemv import ops
     from llmkernels.qgemv.m1 import lane_order
 
@@ -190,7 +190,7 @@ def test_gemv_lanes_routes(device, monkeypatch):
         assert len(calls) == int(lanes), (fmt, M, dtype)
         ref = gemv_ref(x, qt)
         assert_close(y, ref, dtype, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
-    monkeypatch.setattr(ops, "LANES_MIN_N", 16)
+    monkeypatch.setattr(ops, "LANES_MIN_WEIGHTS", 16)
     calls.clear()
     qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
     x = torch.randn(1, K, dtype=torch.float16, device=device)
