@@ -65,6 +65,19 @@ def main():
             for M, fixup in ((1, True), (3, True), (2, False)):  # split-K summed in the kernel or after it
                 launch_m1(torch.randn(M, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms,
                           2, fixup=fixup)
+    # q4_k with activations in lane order: a partial last group (K = 2304, 4352), split-K or not, the public copy path
+    from llmkernels.qgemv import ops
+    from llmkernels.qgemv.m1 import lane_order
+
+    for N, K in ((77, 2304), (5, 4352)):
+        qt = lk.quantize(torch.randn(N, K, device=dev), "q4_k")
+        for dt in (torch.float16, torch.bfloat16):
+            x = torch.randn(1, K, device=dev, dtype=dt)
+            for config, sms, fixup in (((1, 1, 1, 1, 8), 132, True), ((2, 1, 2, 3, 8, 1, 1), 4, False)):
+                launch_m1(lane_order(x), qt.data, "q4_k", N, K, config, sms, 2, fixup=fixup, x_perm=True)
+            ops.LANES_MIN_WEIGHTS, saved = 1, ops.LANES_MIN_WEIGHTS
+            lk.gemv(x, qt)
+            ops.LANES_MIN_WEIGHTS = saved
     for bits, gs, K in ((4, 64, 768), (4, 32, 96), (8, 128, 640), (4, 128, 384)):  # MLX: 4/2/1 groups per block
         qt = lk.quantize(torch.randn(37, K, device=dev), "mlx", bits=bits, group_size=gs)
         for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7)):
@@ -109,9 +122,11 @@ def main():
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 
     silu_mul(torch.randn(3, 2 * 1100, device=dev, dtype=torch.bfloat16))
+    silu_mul(torch.randn(1, 2 * 1100, device=dev, dtype=torch.bfloat16), lanes=True)
 
     x = torch.randn(7, 1000, device=dev, dtype=torch.bfloat16)
     add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, residual=torch.randn_like(x))
+    add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, lanes=True)
     for kv, neox in ((torch.bfloat16, True), (torch.float8_e4m3fn, False)):
         T, Hq, Hkv, D = 5, 6, 2, 64
         qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=dev, dtype=torch.bfloat16)

@@ -8,7 +8,6 @@ the paged cache first, then ``paged_attention`` reads the cache, so chunked pref
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 import torch
@@ -172,8 +171,9 @@ class Model:
     def _lanes(self, T: int, *mats) -> bool:
         """Whether the kernel producing these matrices' input should also write it in lane order: q4_k at batch 1
         reads activations laid out for its loads (qgemv.m1.lane_pos). LLMK_LANES=0 turns it off (for A/B runs)."""
-        return os.environ.get("LLMK_LANES", "1") != "0" and all(lanes_apply(T, self.dtype, m.data, m.format, m.shape[1], int(self.act_int8))
-                              for m in mats)
+        if os.environ.get("LLMK_LANES", "1") == "0":
+            return False
+        return all(lanes_apply(T, self.dtype, m.data, m.format, m.shape[1], int(self.act_int8)) for m in mats)
 
     def _gemv(self, x, xl, m):
         return gemv_lanes(x, xl, m) if xl is not None else gemv(x, m, act_int8=self.act_int8)

@@ -19,7 +19,9 @@ neighbours with one byte permute each. Unlike words.py, GP threads take consecut
 loads cover contiguous bytes (see gemv_i8_kernel).
 
 Measured on an H100 (bench/NOTES.md, session 9): 5-20% faster than the exact kernels at M = 1 and 2, slower beyond
-(ops.I8_MAX_M routes accordingly); the access pattern, not the arithmetic, now limits it.
+(ops.I8_MAX_M routes accordingly); the access pattern, not the arithmetic, now limits it. Since session 14 the exact
+q4_k kernel with lane-order activations is faster on every Llama-3-8B shape, so gemv no longer routes q4_k here
+(the kernel stays, tested through launch_i8).
 """
 import torch
 import triton

@@ -28,15 +28,15 @@ M1_MAX_M = {"q4_k": 4, "mlx": 2}
 WORDS_MAX_M = {"q4_0": 4}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
-# beyond it reads the weights once per two activation rows and loses up to 3x). q4_k's vocabulary-sized shape
-# (N >= 32768) runs it too since the coalesced, prefetched configs (bench file 20261122-185140: 121.3 us against
-# 131.6 exact on 128256 x 4096)
-I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 1}
+# beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
+# kernel with lane-order activations overtook it on every Llama-3-8B shape (bench file 20261123-014329: 7.3 / 9.1 /
+# 17.1 / 17.0 / 116.8 us exact against 8.3 / 10.5 / 20.3 / 21.7 / 121.3 with int8), so q4_k now computes exactly
+I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 0}
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
 # an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
 # against 18.5; 14336 x 4096: fp16 17.2 against 17.6, bf16 17.9 against 17.7; 6144 x 4096 loses 0.6-1.3 us;
-# .lab/lanes_min.py, session 14)
+# scripts/lanes_lab.py, bench/NOTES.md session 14)
 LANES_MIN_WEIGHTS = 1 << 25
 LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 
@@ -166,9 +166,10 @@ def _launch_i8(x, x2, data, fmt, N, K):
 
 def lanes_apply(M: int, dtype: torch.dtype, data: torch.Tensor, fmt: str, K: int, act: int = 0) -> bool:
     """Whether gemv of M activation rows of ``dtype`` with these weights runs the lane-order kernel: q4_k (with the
-    16-byte aligned blocks the m1 kernel reads), M = 1, fp16/bf16, exact activations."""
-    return (fmt == "q4_k" and M == 1 and not act and dtype in (torch.float16, torch.bfloat16) and K % 256 == 0
-            and data.data_ptr() % 16 == 0)
+    16-byte aligned blocks the m1 kernel reads), M = 1, fp16/bf16, unless ``act`` (act_int8) sends it to the int8
+    kernel."""
+    return (fmt == "q4_k" and M == 1 and not (act and M <= I8_MAX_M.get(fmt, 0))
+            and dtype in (torch.float16, torch.bfloat16) and K % 256 == 0 and data.data_ptr() % 16 == 0)
 
 
 def _launch_lanes(x, xl, data, N, K):
@@ -382,9 +383,9 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
         x: [M, K] (or [..., K]) fp16/bf16 (fp32 accepted), last dim contiguous.
         qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
         act_int8: allow rounding x to int8 per block of 32 (scale absmax / 127, like llama.cpp's q8_1
-            activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M <= 2, q4_k at
-            M = 1, with fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax
-            per element. Other cases compute exactly as without it.
+            activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M <= 2, with
+            fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax per element.
+            Other cases (q4_k included) compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
     M = 64 it launches M-blocks of 16 (q4_k: all rows in one tensor-core program); beyond, it dequantizes once and
     calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.

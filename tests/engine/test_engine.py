@@ -48,14 +48,18 @@ def test_logits_match_transformers(model_files, arch, fmt):
 
 
 def test_act_int8_logits(model_files):
-    """LLM(act_int8=True): the q4_k projections take int8-rounded activations; the logits move (the path ran) but
-    stay within twice the activation tolerance of transformers on the same weights."""
-    d, path, hf = model_files("llama", "q4_k")
-    ids = [17]  # q4_k takes the int8 kernel at M = 1 only: one token
+    """LLM(act_int8=True): the q8_0 projections take int8-rounded activations; the logits move (the path ran) but
+    stay within twice the activation tolerance of transformers on the same weights. q4_k computes exactly (its exact
+    kernel is the faster one): the same logits as without act_int8."""
+    _, q4k, _ = model_files("llama", "q4_k")
+    a = LLM(q4k, progress=False, max_num_batched_tokens=64).logits([17]).cpu()
+    assert torch.equal(LLM(q4k, progress=False, max_num_batched_tokens=64, act_int8=True).logits([17]).cpu(), a)
+    d, path, hf = model_files("llama", "q8_0")
+    ids = [17]
     exact = LLM(path, progress=False, max_num_batched_tokens=64)
     i8 = LLM(path, progress=False, max_num_batched_tokens=64, act_int8=True)
     a, b = exact.logits(ids).cpu(), i8.logits(ids).cpu()
-    assert 0 < rel_err(b, a) < ACT_TOL[i8.dtype]
+    assert 0 < rel_err(b, a) < 2 * ACT_TOL[i8.dtype]  # the rounding compounds over the layers (2.1e-2 seen)
     same = hf_logits(hf_model_from_state_dict(d, gguf_to_hf_state_dict(path)), ids)
     assert rel_err(b, same) < 2 * ACT_TOL[i8.dtype]
     with pytest.raises(TypeError, match="act_int8"):
@@ -208,10 +212,10 @@ def test_gpu_larger_models(model_files, arch, fmt):
 
 @pytest.mark.gpu
 def test_gpu_act_int8_graphs(model_files):
-    """act_int8 on a q4_k model (batch-1 decode steps take the int8 kernel): the same tokens eagerly and through
-    CUDA graphs, one-token logits near transformers'."""
+    """act_int8 on a q8_0 model (decode steps take the int8 kernel): the same tokens eagerly and through CUDA
+    graphs, one-token logits near transformers'."""
     kw = dict(layers=4, hidden=1024, ffn=2560, heads=8, kv_heads=2, head_dim=128, vocab=1024)
-    d, path, hf = model_files("llama", "q4_k", **kw)
+    d, path, hf = model_files("llama", "q8_0", **kw)
     eager = LLM(path, progress=False, cuda_graphs=False, max_num_batched_tokens=64, num_splits=2, act_int8=True)
     same = hf_logits(hf_model_from_state_dict(d, gguf_to_hf_state_dict(path)), [17])
     assert rel_err(eager.logits([17]).cpu(), same) < 2 * ACT_TOL[eager.dtype]

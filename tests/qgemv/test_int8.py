@@ -88,7 +88,7 @@ def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, config, dev
     _run(fmt, 45, 512, M, config, 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_gemv_act_int8(fmt, device):
     """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T) up to the format's M limit, exact
     beyond it; silu_mul_gemv rounds silu(g) * u."""
