@@ -78,6 +78,15 @@ def main():
             ops.LANES_MIN_WEIGHTS, saved = 1, ops.LANES_MIN_WEIGHTS
             lk.gemv(x, qt)
             ops.LANES_MIN_WEIGHTS = saved
+    # GLU (silu(x G^T) * (x U^T), a gate and an up row per thread): odd N, M = 1..4, x natural or in lane order
+    g, u = (lk.quantize(torch.randn(37, 768, device=dev), "q4_k") for _ in range(2))
+    for config in ((2, 1, 1, 1), (4, 1, 4, 3, 4, 2)):
+        for M in (1, 3, 4):
+            launch_m1(torch.randn(M, 768, device=dev, dtype=torch.float16), g.data, "q4_k", 37, 768, config, 132, 2,
+                      up=u.data)
+    g, u = (lk.quantize(torch.randn(77, 2304, device=dev), "q4_k") for _ in range(2))
+    x = torch.randn(1, 2304, device=dev, dtype=torch.bfloat16)
+    launch_m1(lane_order(x), g.data, "q4_k", 77, 2304, (2, 1, 2, 3, 8, 1, 1), 132, 2, up=u.data, x_perm=True)
     for bits, gs, K in ((4, 64, 768), (4, 32, 96), (8, 128, 640), (4, 128, 384)):  # MLX: 4/2/1 groups per block
         qt = lk.quantize(torch.randn(37, K, device=dev), "mlx", bits=bits, group_size=gs)
         for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7)):

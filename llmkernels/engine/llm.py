@@ -17,7 +17,7 @@ from ..attention.plan import plan_paged_attention
 from ..quant.gguf_io import read_gguf
 from .config import ModelConfig
 from .model import Model, StepInputs
-from .sampler import SamplingParams, make_generator, sample
+from .sampler import SamplingParams, make_generator, sample_tokens
 from .scheduler import PageAllocator, Scheduler, Sequence, pages_for
 from .tokenizer import Tokenizer
 
@@ -39,6 +39,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read (LLM.step)
 
 
 class LLM:
@@ -132,6 +133,8 @@ class LLM:
         self.max_pages_per_seq = pages_for(self.max_model_len, page_size)
         self.stats = EngineStats()
         self.graphs = {}
+        self._ahead = None  # (batch, logits) of a step launched before the previous one's tokens were read
+        self._tokens_host = None
         self.use_graphs = bool(cuda_graphs and on_gpu)
         self.max_graph_batch = min(max_graph_batch, max_num_seqs)
         if not isinstance(num_splits, int) or num_splits < 0:
@@ -195,7 +198,7 @@ class LLM:
             table.append(s.pages + [0] * (width - len(s.pages)))
         return ids, pos, slots, cu, lens, logits_idx, table
 
-    def _eager(self, host):
+    def _eager(self, host, ids_dev=None):
         ids, pos, slots, cu, lens, logits_idx, table = host
         dev = self.device
         i32 = dict(dtype=torch.int32)
@@ -203,24 +206,79 @@ class LLM:
         plan = plan_paged_attention(cu_h, lens_h, self.page_size, self.cfg.n_heads, self.cfg.n_kv_heads,
                                     self.cfg.head_dim, q_dtype=self.dtype, kv_dtype=self.kv_dtype,
                                     num_splits=self.num_splits, device=dev)
-        inp = StepInputs(torch.tensor(ids, **i32).to(dev), torch.tensor(pos, **i32).to(dev),
+        ids_t = ids_dev.to(torch.int32) if ids_dev is not None else torch.tensor(ids, **i32).to(dev)
+        inp = StepInputs(ids_t, torch.tensor(pos, **i32).to(dev),
                          torch.tensor(slots, dtype=torch.int64).to(dev), torch.tensor(table, **i32).to(dev),
                          lens_h.to(dev), cu_h.to(dev), max(b - a for a, b in zip(cu, cu[1:])),
                          torch.tensor(logits_idx, dtype=torch.int64).to(dev))
         return self.model.forward(inp, self.k_caches, self.v_caches, plan)
 
-    def step(self) -> list:
-        """Run one scheduler step; returns the sequences that finished in it."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        host = self._inputs(batch)
+    def _run(self, batch, host, ids_dev=None):
+        """Launch the forward pass of a scheduled batch; returns (logits, whether it was a decode-only step).
+        ``ids_dev``: the token ids on the device (a step launched ahead), replacing host[0]."""
         decode_only = all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in batch)
         if decode_only and self.use_graphs and len(batch) <= self.max_graph_batch:
-            logits = self._graph_step(host)
             self.stats.graph_steps += 1
+            return self._graph_step(host, ids_dev), True
+        return self._eager(host, ids_dev), decode_only
+
+    def _can_look_ahead(self, batch) -> bool:
+        """Whether the next step can be launched before this one's tokens are known: every running sequence decodes
+        in this step and, whatever it samples except a stop token, decodes again in the next one with nothing else
+        scheduled (nobody waiting, no length limit reached, pages for the next slot free without preempting)."""
+        if os.environ.get("LLMK_LOOKAHEAD", "1") == "0" or self.scheduler.waiting:
+            return False
+        if [s for s, _ in batch] != self.scheduler.running or self.scheduler.max_tokens < len(batch):
+            return False
+        need = 0
+        for s, _ in batch:
+            if len(s.out_ids) + 1 >= s.params.max_tokens or s.num_tokens + 1 >= self.max_model_len:
+                return False
+            need += max(0, pages_for(s.num_computed + 1, self.page_size) - len(s.pages))
+        return need <= self.allocator.num_free
+
+    def _token_buffer(self, n: int) -> torch.Tensor:
+        """A host buffer for n sampled ids (pinned on a GPU machine, so the copy into it is asynchronous); read
+        before the next copy into it is queued."""
+        if self._tokens_host is None or self._tokens_host.numel() < n:
+            pin = self.device.type == "cuda"
+            self._tokens_host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=pin)
+        return self._tokens_host[:n]
+
+    def _look_ahead(self, batch, tokens: torch.Tensor) -> None:
+        """Schedule and launch the next decode step with this step's sampled ids still on the device (``tokens``);
+        each sequence holds a placeholder for them until the host has read them."""
+        for s, _ in batch:
+            s.out_ids.append(-1)
+        nxt = self.scheduler.schedule()
+        if [(s, n) for s, n in nxt] != [(s, 1) for s, _ in batch]:
+            raise RuntimeError("look-ahead scheduled another batch than this step's (engine bug)")
+        logits, _ = self._run(nxt, self._inputs(nxt), ids_dev=tokens)
+        self._ahead = (nxt, logits)
+        self.stats.ahead_steps += 1
+
+    def step(self) -> list:
+        """Run one scheduler step; returns the sequences that finished in it.
+
+        Decode steps run one step ahead where the scheduler's next batch is known (see _can_look_ahead): the next
+        step is launched, fed with the sampled ids on the device, before the host waits for this step's ids, so the
+        GPU does not idle while the host samples, schedules and uploads. A sequence that stops (a stop token) while
+        its next step is in flight has that step's result dropped. LLMK_LOOKAHEAD=0 turns this off (A/B runs)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # launched by the previous call
+            batch, logits = ahead
+            keep = [k for k, (s, _) in enumerate(batch) if s.finish_reason is None]
+            if not keep:
+                return self.step()
+            if len(keep) < len(batch):
+                batch = [batch[k] for k in keep]
+                logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
+            decode_only = True
         else:
-            logits = self._eager(host)
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            logits, decode_only = self._run(batch, self._inputs(batch))
         self.stats.steps += 1
         sampled = [s for s, n in batch if s.num_computed + n == s.num_tokens]
         for s, n in batch:
@@ -231,9 +289,25 @@ class LLM:
             s.num_computed += n
         finished = []
         if sampled:
-            toks = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-            for s, t in zip(sampled, toks):
-                s.out_ids.append(t)
+            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            ahead = decode_only and len(sampled) == len(batch) and self._can_look_ahead(batch)
+            if ahead:
+                # read the ids back through pinned memory with an event, queued before the next step: a plain
+                # .tolist() would wait for everything queued on the stream, the step launched ahead included
+                host = self._token_buffer(len(sampled))
+                host.copy_(tokens, non_blocking=True)
+                done = torch.cuda.Event() if tokens.is_cuda else None
+                if done is not None:
+                    done.record()
+                self._look_ahead(batch, tokens)
+                if done is not None:
+                    done.synchronize()
+                tokens = host
+            for s, t in zip(sampled, tokens.tolist()):
+                if ahead:
+                    s.out_ids[-1] = t
+                else:
+                    s.out_ids.append(t)
                 if t in self._eos_ids(s.params):
                     s.finish_reason = "stop"
                 elif len(s.out_ids) >= s.params.max_tokens or s.num_tokens >= self.max_model_len:
@@ -251,9 +325,9 @@ class LLM:
             g = self.graphs[bs] = _DecodeGraph(self, bs)
         return g
 
-    def _graph_step(self, host):
+    def _graph_step(self, host, ids_dev=None):
         bs = min(1 << (len(host[0]) - 1).bit_length(), self.max_graph_batch)
-        return self._graph_for(bs).run(host)
+        return self._graph_for(bs).run(host, ids_dev)
 
     def capture_graphs(self, sizes=None) -> None:
         """Capture decode graphs ahead of time (they are otherwise captured at first use)."""
@@ -344,8 +418,11 @@ class _DecodeGraph:
         cfg, dev = llm.cfg, llm.device
         self.llm, self.bs = llm, bs
         P = self.P = llm.max_pages_per_seq
-        self.host32 = torch.zeros(3 * bs + bs * P, dtype=torch.int32).pin_memory()
-        self.host64 = torch.full((bs,), -1, dtype=torch.int64).pin_memory()
+        # two sets of pinned input buffers, used in turn: with look-ahead a step is filled while the previous one's
+        # upload may still be queued (the one before that has been read: its tokens were synchronised on)
+        self.host32s = [torch.zeros(3 * bs + bs * P, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.host64s = [torch.full((bs,), -1, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.turn = 0
         self.dev32 = torch.zeros(3 * bs + bs * P, dtype=torch.int32, device=dev)
         self.ids, self.pos, self.lens = self.dev32[:bs], self.dev32[bs:2 * bs], self.dev32[2 * bs:3 * bs]
         self.table = self.dev32[3 * bs:].view(bs, P)
@@ -372,20 +449,23 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, stream=s):
             self.logits = fwd()
 
-    def run(self, host):
+    def run(self, host, ids_dev=None):
         ids, pos, slots, cu, lens, logits_idx, table = host
         n, bs, P = len(ids), self.bs, self.P
-        h = self.host32.numpy()
+        self.turn ^= 1
+        host32, host64 = self.host32s[self.turn], self.host64s[self.turn]
+        h = host32.numpy()
         h[:] = 0
         h[:n], h[bs:bs + n] = ids, pos
         h[2 * bs:3 * bs] = 1  # padding rows: one key at page 0, outputs unused
         h[2 * bs:2 * bs + n] = lens
         h[3 * bs:].reshape(bs, P)[:n, :len(table[0])] = table
-        h64 = self.host64.numpy()
+        h64 = host64.numpy()
         h64[:] = -1  # padding rows store nothing
         h64[:n] = slots
-        # the previous step's sampling synchronised, so the pinned buffers are free to refill
-        self.dev32.copy_(self.host32, non_blocking=True)
-        self.slots.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(host32, non_blocking=True)
+        self.slots.copy_(host64, non_blocking=True)
+        if ids_dev is not None:  # sampled by the previous step, still on the device
+            self.ids[:n].copy_(ids_dev)
         self.graph.replay()
         return self.logits[:n]

@@ -55,6 +55,11 @@ def make_generator(params: SamplingParams, device) -> torch.Generator | None:
 
 def sample(logits: torch.Tensor, params: list, generators: list) -> list:
     """One token id per row of float32 ``logits`` [S, V], row i drawn with params[i] and generators[i]."""
+    return sample_tokens(logits, params, generators).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: list, generators: list) -> torch.Tensor:
+    """As ``sample``, the ids left on the logits' device (int64 [S]): no synchronisation with the host."""
     S, V = logits.shape
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -78,4 +83,4 @@ def sample(logits: torch.Tensor, params: list, generators: list) -> list:
             noise[j].exponential_(generator=generators[i])
         choice = torch.argmax(probs / noise, dim=-1)
         out[idx] = order.gather(1, choice[:, None]).squeeze(1)
-    return out.tolist()
+    return out

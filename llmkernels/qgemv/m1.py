@@ -166,12 +166,12 @@ def _q4k_scales(w1, w2, w3, c):
 
 @triton.jit
 def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes,
-                   scale_stride, nblocks, blocks_per_split, split, x2_off,
+                   scale_stride, nblocks, blocks_per_split, split, x2_off, WU,
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
                    SILU: tl.constexpr, KT: tl.constexpr = 1, H: tl.constexpr = 1, EVEN: tl.constexpr = True,
-                   PDL: tl.constexpr = False, XP: tl.constexpr = False):
+                   PDL: tl.constexpr = False, XP: tl.constexpr = False, GLU: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -201,6 +201,10 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     XP (q4_k with KT = 8, NB = 1, H = 1): X holds the activations in lane order (see lane_pos), so that the values
     a warp loads at once lie together.
 
+    GLU (q4_k, R even, one K split): y[m, n] = silu(x[m] . g[n]) * (x[m] . u[n]) with g the rows of W8 and u those
+    of WU. Row slot r < R // 2 of a thread reads a gate row and slot r + R // 2 the up row of the same output, so
+    both sums end in one thread; a program makes BLOCK_N // 2 outputs.
+
     PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let the next one
     launch after their loop."""
     ROWS_G: tl.constexpr = ROWS_T // KT  # distinct rows per rep
@@ -216,7 +220,13 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     rt = tl.arange(0, ROWS_T)[None, :, None, None]
     rr = tl.arange(0, R)[None, None, None, :]
     # rows past N read row N - 1 (in bounds, never stored), so the weight loads need no mask
-    rows4 = tl.minimum(pid_n * BLOCK_N + rr * ROWS_G + rt // KT, N - 1).to(tl.int64)  # [1, ROWS_T, 1, R]
+    if GLU:  # slots r and r + R // 2 read the gate and up rows of one output
+        tl.static_assert(FMT == 10 and R % 2 == 0, "GLU is built for q4_k with an even R")
+        rows4 = tl.minimum(pid_n * (BLOCK_N // 2) + (rr % (R // 2)) * ROWS_G + rt // KT, N - 1).to(tl.int64)
+        wbase = tl.where(rr >= R // 2, WU, W8)  # [1, 1, 1, R] pointers
+    else:
+        rows4 = tl.minimum(pid_n * BLOCK_N + rr * ROWS_G + rt // KT, N - 1).to(tl.int64)  # [1, ROWS_T, 1, R]
+        wbase = W8
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
     c4 = tl.arange(0, C)[:, None, None, None]
@@ -233,8 +243,9 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     base4 = rows4 * row_bytes + (kb_start + blk4) * BLOCK_BYTES + c4 * 0  # [C, ROWS_T, NB, R] byte offsets
     xk = ((kb_start + blk4) * BS)[:, :, :, :, None, None] + zt  # [1, ROWS_T, NB, 1, 1, 1]
     if FMT == 10:  # q4_k: d, dmin, 12 bytes of scales (4 int32 words), 4 chunks of 32 bytes (H pieces each)
-        w_ptrs = W8 + base4[:, :, :, :, None, None] + 16 + c * U + u
-        h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
+        wb4 = wbase + base4 * 0  # the (gate or) weight rows' base, [C, ROWS_T, NB, R]
+        w_ptrs = wb4[:, :, :, :, None, None] + base4[:, :, :, :, None, None] + 16 + c * U + u
+        h_ptrs = wb4.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
         if XP:  # activations in lane order (lane_pos): a warp's x load is 512 contiguous bytes
             tl.static_assert(KT == 8 and NB == 1 and H == 1, "lane order is laid out for KT = 8, NB = 1, H = 1")
             kt6 = (rt % KT)[:, :, :, :, None, None]
@@ -324,10 +335,24 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             x0_ptrs += STEP * BS
             x1_ptrs += STEP * BS
     pdl_trigger(PDL)
-    rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_G + tl.arange(0, ROWS_G)[:, None]
-    _store_rows(_row_sums(acc0, ROWS_G, KT, R), _row_sums(acc1, ROWS_G, KT, R), _row_sums(acc2, ROWS_G, KT, R),
-                _row_sums(acc3, ROWS_G, KT, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
-                stride_ym, ROWS_G, R, MR, FIXUP)
+    if GLU:
+        HR: tl.constexpr = R // 2
+        rows2 = pid_n * (BLOCK_N // 2) + tl.arange(0, HR)[None, :] * ROWS_G + tl.arange(0, ROWS_G)[:, None]
+        _store_rows(_glu(_row_sums(acc0, ROWS_G, KT, R), ROWS_G, HR), _glu(_row_sums(acc1, ROWS_G, KT, R), ROWS_G, HR),
+                    _glu(_row_sums(acc2, ROWS_G, KT, R), ROWS_G, HR), _glu(_row_sums(acc3, ROWS_G, KT, R), ROWS_G, HR),
+                    rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys, stride_ym, ROWS_G, HR, MR, False)
+    else:
+        rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * ROWS_G + tl.arange(0, ROWS_G)[:, None]
+        _store_rows(_row_sums(acc0, ROWS_G, KT, R), _row_sums(acc1, ROWS_G, KT, R), _row_sums(acc2, ROWS_G, KT, R),
+                    _row_sums(acc3, ROWS_G, KT, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
+                    stride_ym, ROWS_G, R, MR, FIXUP)
+
+
+@triton.jit
+def _glu(s, ROWS_G: tl.constexpr, HR: tl.constexpr):
+    """silu(gate) * up from row sums [ROWS_G, 2 * HR] whose slots < HR hold gate sums and the others up sums."""
+    g, u = tl.split(tl.permute(tl.reshape(s, [ROWS_G, 2, HR]), [0, 2, 1]))
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -500,7 +525,7 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
-              rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False):
+              rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False, up=None):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages[, KT[, H[, waves]]]) with R rows per thread
@@ -510,7 +535,10 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     activations are silu(x) * x2. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
     its own split-K partials and y is [1, M, N]. With ``pdl`` the launch may overlap the previous kernel
     (see _pdl.py). With ``x_perm`` x is in lane order ([M, lanes_width(K)], see lane_order): q4_k with
-    KT = 8, NB = 1, H = 1 only."""
+    KT = 8, NB = 1, H = 1 only.
+
+    With ``up`` (q4_k weights of the up projection, [N, K] like ``data``, 16-byte aligned) the kernel computes
+    silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N]."""
     import torch
 
     from .ops import split_k
@@ -522,6 +550,11 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         raise ValueError(f"lane-order activations need q4_k with NB=1, KT=8, H=1, x [M, {lanes_width(K)}] and no "
                          f"x2, got {fmt} with config {tuple(config)}, x {tuple(x.shape)}")
     waves = config[6] if len(config) > 6 else waves  # a tuned split rule overrides the argument
+    if up is not None:
+        if fmt != "q4_k" or reps % 2 or x2 is not None or up.data_ptr() % 16 or up.shape != data.shape:
+            raise ValueError(f"GLU needs q4_k weights and up of one shape, 16-byte aligned, an even R and no x2; got "
+                             f"{fmt}, config {tuple(config)}, up {tuple(up.shape)} for {tuple(data.shape)}")
+        waves = 0  # one K split: silu needs whole sums
     fid, C, U, P, BS, BB = m1_layout(fmt, bits, group_size, K)
     V = 4 if fid == 13 and bits == 4 else 8  # bytes per thread and load
     if h < 1 or U % h or (U // h) % V or (32 // C) % h:
@@ -531,7 +564,7 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     rows_t = 32 // C * warps  # one row (or with kt, one block of a row) per thread and rep
     if (32 // C) % kt:
         raise ValueError(f"config: lanes along K ({kt}) must divide the {32 // C} lanes per warp on the row axis")
-    block_n = rows_t // kt * reps
+    block_n = rows_t // kt * reps // (2 if up is not None else 1)  # outputs per program
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // BS
     programs_n = triton.cdiv(N, block_n)
@@ -551,7 +584,9 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         x, xw, w8, w8.view(torch.float16), ws, wb, y, part, counters if counters is not None else y, M, N, K,
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
         per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
+        up.view(torch.uint8) if up is not None else w8,
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
         UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, KT=kt, H=h, EVEN=even, PDL=pdl, XP=x_perm,
+        GLU=up is not None,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y

@@ -172,17 +172,43 @@ def lanes_apply(M: int, dtype: torch.dtype, data: torch.Tensor, fmt: str, K: int
             and dtype in (torch.float16, torch.bfloat16) and K % 256 == 0 and data.data_ptr() % 16 == 0)
 
 
-def _launch_lanes(x, xl, data, N, K):
-    """The q4_k m1 kernel over xl, x in lane order (m1.lane_order)."""
+def _lanes_config(N: int, glu: bool):
+    """The lane-order kernel's config (GLU needs an even R: two weight rows per output)."""
+    if interpreter_mode():
+        return (2 if glu else 1, 1, 1, 1, 8) if N < 128 else (2, 1, 4, 1, 8)
+    config = tuple(lookup("gemv", gpu_name(), "lanes/q4_k") or LANES_DEFAULT)
+    return config if not glu or config[0] % 2 == 0 else LANES_DEFAULT
+
+
+def _launch_lanes(x, xl, data, N, K, up=None):
+    """The q4_k m1 kernel over xl, x in lane order (m1.lane_order); with ``up``, silu(x W^T) * (x up^T)."""
     from .m1 import launch_m1
 
+    y = launch_m1(xl, data, "q4_k", N, K, _lanes_config(N, up is not None), num_sms(x.device),
+                  unpack=1 if interpreter_mode() else 2, pdl=pdl_supported(x.device), x_perm=True, up=up)
+    return _finish(y, x.dtype)
+
+
+def _launch_glu(x, data, up, N, K):
+    """silu(x W^T) * (x up^T) for q4_k at M <= M1_MAX_M through the m1 kernel (GLU: both rows of an output in one
+    thread), or None where it does not apply (then the generic dual kernel runs)."""
+    from .m1 import lane_order, launch_m1, m1_supports
+
+    M = x.shape[0]
+    if not (M <= M1_MAX_M["q4_k"] and up.data_ptr() % 16 == 0 and m1_supports(x, data, "q4_k")):
+        return None
+    if N * K >= LANES_MIN_WEIGHTS and lanes_apply(M, x.dtype, data, "q4_k", K):
+        return _launch_lanes(x, lane_order(x, pdl_supported(x.device)), data, N, K, up=up)
     interp = interpreter_mode()
     if interp:
-        config = (1, 1, 1, 1, 8) if N < 128 else (2, 1, 4, 1, 8)
+        config = (2, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
     else:
-        config = tuple(lookup("gemv", gpu_name(), "lanes/q4_k") or LANES_DEFAULT)
-    y = launch_m1(xl, data, "q4_k", N, K, config, num_sms(x.device), unpack=1 if interp else 2,
-                  pdl=pdl_supported(x.device), x_perm=True)
+        config = tuple(lookup("gemv", gpu_name(), m1_key("q4_k", M)) or lookup("gemv", gpu_name(), "m1/q4_k")
+                       or (4, 1, 4, 3))
+        if config[0] % 2:
+            return None
+    y = launch_m1(x, data, "q4_k", N, K, config, num_sms(x.device), unpack=1 if interp else 2,
+                  pdl=pdl_supported(x.device), up=up)
     return _finish(y, x.dtype)
 
 
@@ -194,6 +220,10 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         from .m1 import lane_order
 
         return _launch_lanes(x, lane_order(x, pdl_supported(x.device)), data, N, K)
+    if mode == 2 and fmt == "q4_k" and x.dtype != torch.float32:  # both projections' rows in one thread (m1 GLU)
+        y = _launch_glu(x, data, data2, N, K)
+        if y is not None:
+            return y
     if act == 1 and mode != 2 and M <= I8_MAX_M.get(fmt, 0) and x.dtype != torch.float32:
         from .int8 import i8_supports
 

@@ -241,3 +241,35 @@ def test_gpu_fp8_kv_cache(model_files):
     assert err < 3 * ACT_TOL[torch.bfloat16]
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+def test_look_ahead_keeps_outputs(model_files, monkeypatch):
+    """Decode steps launched before the previous step's tokens are read give the same tokens as without: a batch
+    whose sequences stop at different steps (length limits, a stop token while the next step is in flight, a
+    seeded sampled request), a request added while a step is in flight; no page is lost."""
+    _, path, _ = model_files("llama", "f32")
+    ids = LLM(path, progress=False).tokenizer.encode(PROMPTS[0])
+
+    def run(look_ahead):
+        monkeypatch.setenv("LLMK_LOOKAHEAD", "1" if look_ahead else "0")
+        llm = LLM(path, progress=False, page_size=4)
+        first = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].token_ids
+        params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first[2]]),
+                  SamplingParams(temperature=0.8, seed=3, max_tokens=7, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
+        outs = [o.token_ids for o in llm.generate([ids, ids, PROMPTS[1], PROMPTS[2]], params)]
+        # a request joins while a decode step is in flight
+        a = llm.add_request(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        b = llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while llm.scheduler.has_work():
+            llm.step()
+        assert llm.allocator.num_free == llm.num_pages
+        return first, outs, a.out_ids, b.out_ids, llm.stats.ahead_steps
+
+    base, ahead = run(False), run(True)
+    assert base[:4] == ahead[:4]
+    assert base[1][1] == base[0][:3]  # the stop token ended the second request
+    assert base[4] == 0 and ahead[4] > 5

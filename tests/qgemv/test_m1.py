@@ -230,3 +230,64 @@ def test_m1_lane_order_gpu(device):
                 ref = gemv_ref(x, qt)
                 tol = 4e-3 if dtype == torch.float16 else 2e-2
                 assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def _glu_ref(x, g, u):
+    return torch.nn.functional.silu(gemv_ref(x, g)) * gemv_ref(x, u)
+
+
+@pytest.mark.parametrize("N,K,M,config,lanes", [
+    (37, 512, 1, (2, 1, 1, 1), False),            # one gate and one up row per thread, tile past N
+    (19, 768, 3, (4, 1, 1, 1), False),            # three activation rows (run as four), two output rows per thread
+    (45, 2048, 2, (4, 1, 1, 1, 4, 2), False),     # lanes along K and two threads per chunk
+    (45, 2304, 1, (2, 1, 1, 1, 8, 1, 1), True),   # x in lane order (NaN in its unused tail)
+    (130, 4096, 1, (2, 1, 2, 1, 8, 1, 1), True),  # two warps, two steps per program
+])
+def test_m1_glu(N, K, M, config, lanes, device):
+    """silu(x G^T) * (x U^T) with the gate and up rows of each output in one thread (GLU), against float64, output
+    poisoned before the call."""
+    g = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    u = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    for dtype in (torch.float16,) if interpreter_mode() else (torch.float16, torch.bfloat16):
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        y = _finish(launch_m1(_lanes_poisoned(x) if lanes else x, g.data, "q4_k", N, K, config, 4,
+                              1 if interpreter_mode() else 2, up=u.data, x_perm=lanes), dtype)
+        ref = _glu_ref(x, g, u)
+        tol = 4e-3 if dtype == torch.float16 else 2e-2
+        assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_m1_glu_bad_config(device):
+    g = lk.quantize(torch.randn(16, 256) * 0.05, "q4_k").to(device)
+    x = torch.randn(1, 256, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="even R"):
+        launch_m1(x, g.data, "q4_k", 16, 256, (1, 1, 1, 1), 4, 1, up=g.data)
+    with pytest.raises(ValueError, match="of one shape"):
+        launch_m1(x, g.data, "q4_k", 16, 256, (2, 1, 1, 1), 4, 1, up=g.data[:8])
+
+
+def test_gate_up_silu_q4k_routes(device, monkeypatch):
+    """Public gate_up_silu on q4_k at M <= 4 runs the m1 GLU kernel (through the lane copy for M = 1 on large
+    matrices), larger M the general path; all against float64."""
+    from llmkernels.qgemv import m1, ops
+
+    calls = []
+    real = m1.launch_m1
+
+    def spy(*a, **kw):
+        calls.append((kw.get("up") is not None, kw.get("x_perm", False)))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(m1, "launch_m1", spy)
+    N, K = 21, 2304
+    g = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    u = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    for M, min_w, want in [(1, 1 << 62, [(True, False)]), (4, 1 << 62, [(True, False)]), (1, 16, [(True, True)]),
+                           (9, 1 << 62, [])]:
+        monkeypatch.setattr(ops, "LANES_MIN_WEIGHTS", min_w)
+        calls.clear()
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        y = lk.gate_up_silu(x, g, u)
+        assert [c for c in calls if c[0]] == want, (M, min_w)
+        ref = _glu_ref(x, g, u)
+        assert_close(y, ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
