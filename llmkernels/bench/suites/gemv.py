@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...qgemv import gemv, silu_mul_gemv
+from ...qgemv import gate_up_silu, gemv, silu_mul_gemv
 from ...qgemv.m1 import lane_order
 from ...qgemv.ops import gemv_lanes
 from ...testing.random_weights import random_qtensor
@@ -77,19 +77,37 @@ def _shape_case(ctx, N, K, formats, ms):
     return run
 
 
-def _silu_case(ctx, i8: bool = False):
+def _silu_case(ctx):
     def run():
         N, K = 4096, 14336
         qts = [random_qtensor("q4_k", N, K, "cuda") for _ in range(8)]
         gate = torch.randn(1, K, device="cuda", dtype=torch.float16)
         up = torch.randn(1, K, device="cuda", dtype=torch.float16)
-        fused = time_graph_ms([lambda qt=qt: silu_mul_gemv(gate, up, qt, act_int8=i8) for qt in qts])
-        two_step = time_graph_ms([lambda qt=qt: gemv(torch.nn.functional.silu(gate) * up, qt, act_int8=i8)
-                                  for qt in qts])
+        fused = time_graph_ms([lambda qt=qt: silu_mul_gemv(gate, up, qt) for qt in qts])
+        two_step = time_graph_ms([lambda qt=qt: gemv(torch.nn.functional.silu(gate) * up, qt) for qt in qts])
         nbytes = qts[0].nbytes + 2 * K * 2 + N * 2
         ours = nbytes / (fused * 1e-3) / 1e12
-        name = f"silu_mul q4_k N{N} K{K} M1{' act_int8' if i8 else ''} (fused vs two-step)"
+        name = f"silu_mul q4_k N{N} K{K} M1 (fused vs two-step)"
         row = Row("gemv", name, "TB/s", ours, ctx.bw_pct(ours), {"two_step": nbytes / (two_step * 1e-3) / 1e12})
+        row.time_ratio = {"two_step": two_step / fused}
+        row.note = f"two-step {two_step * 1e3:.1f} us, fused {fused * 1e3:.1f} us"
+        return row
+    return run
+
+
+def _gate_up_case(ctx):
+    """gate_up_silu (one pass over both matrices) against two gemv calls and torch's silu * up, q4_k, M = 1."""
+    def run():
+        N, K = 14336, 4096
+        pairs = [(random_qtensor("q4_k", N, K, "cuda"), random_qtensor("q4_k", N, K, "cuda")) for _ in range(4)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        fused = time_graph_ms([lambda g=g, u=u: gate_up_silu(x, g, u) for g, u in pairs])
+        two_step = time_graph_ms([lambda g=g, u=u: torch.nn.functional.silu(gemv(x, g)) * gemv(x, u)
+                                  for g, u in pairs])
+        nbytes = 2 * pairs[0][0].nbytes + K * 2 + N * 2
+        ours = nbytes / (fused * 1e-3) / 1e12
+        row = Row("gemv", f"gate_up_silu q4_k N{N} K{K} M1 bf16 (fused vs two gemv + silu*up)", "TB/s", ours,
+                  ctx.bw_pct(ours), {"two_step": nbytes / (two_step * 1e-3) / 1e12})
         row.time_ratio = {"two_step": two_step / fused}
         row.note = f"two-step {two_step * 1e3:.1f} us, fused {fused * 1e3:.1f} us"
         return row
@@ -101,5 +119,6 @@ def cases(ctx):
     for N, K in SHAPES:
         fmts = FORMATS if not ctx.quick else FORMATS[:2]
         out.append((f"N{N} K{K}", _shape_case(ctx, N, K, fmts, MS if not ctx.quick else [1, 8])))
-    out.append(("silu_mul", _silu_case(ctx)))  # (its act_int8 twin measured q4_k, which now computes exactly)
+    out.append(("silu_mul", _silu_case(ctx)))
+    out.append(("gate_up_silu", _gate_up_case(ctx)))
     return out
