@@ -115,6 +115,15 @@ def m1_key(name: str, M: int) -> str:
     return f"m1/{name}" + ("" if M == 1 else "/m2" if M == 2 else "/m4")
 
 
+def _m1_config(name: str, M: int, N: int) -> tuple:
+    """The m1 kernel's config for format ``name`` at M rows: the tuned table's M-class entry, else its M = 1 entry
+    (the interpreter: a small fixed tile)."""
+    if interpreter_mode():
+        return (2, 1, 4, 1)
+    return tuple(lookup("gemv", gpu_name(), m1_key(name, M)) or lookup("gemv", gpu_name(), f"m1/{name}")
+                 or (4, 1, 4, 3))
+
+
 def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2) -> tuple[int, int]:
     """(split, blocks per split) for a grid of ``programs`` output tiles over ``nblocks`` K blocks taken ``nb`` per
     step: K is split until the grid has about ``waves`` programs per SM (never below one step per split)."""
@@ -200,13 +209,9 @@ def _launch_glu(x, data, up, N, K):
     if N * K >= LANES_MIN_WEIGHTS and lanes_apply(M, x.dtype, data, "q4_k", K):
         return _launch_lanes(x, lane_order(x, pdl_supported(x.device)), data, N, K, up=up)
     interp = interpreter_mode()
-    if interp:
-        config = (2, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
-    else:
-        config = tuple(lookup("gemv", gpu_name(), m1_key("q4_k", M)) or lookup("gemv", gpu_name(), "m1/q4_k")
-                       or (4, 1, 4, 3))
-        if config[0] % 2:
-            return None
+    config = (2, 1, 1, 1) if interp and N < 128 else _m1_config("q4_k", M, N)
+    if config[0] % 2:
+        return None
     y = launch_m1(x, data, "q4_k", N, K, config, num_sms(x.device), unpack=1 if interp else 2,
                   pdl=pdl_supported(x.device), up=up)
     return _finish(y, x.dtype)
@@ -246,12 +251,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         silu_x2 = x2 if mode == 1 else None  # silu_mul_gemv: silu(x) * x2 formed in the kernel's loads
         if m1_supports(x, data, fmt, bits, group_size, K, x2=silu_x2):
             interp = interpreter_mode()
-            if interp:
-                config = (1, 1, 1, 1) if N < 128 else (2, 1, 4, 1)
-            else:
-                name = fmt if fmt != "mlx" else f"mlx{bits}"
-                config = tuple(lookup("gemv", gpu_name(), m1_key(name, M)) or lookup("gemv", gpu_name(), f"m1/{name}")
-                               or (4, 1, 4, 3))
+            config = (1, 1, 1, 1) if interp and N < 128 else _m1_config(fmt if fmt != "mlx" else f"mlx{bits}", M, N)
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
                           bits=bits, group_size=group_size, x2=silu_x2, pdl=pdl_supported(x.device))
             return _finish(y, out_dtype)
