@@ -125,7 +125,8 @@ def main():
 
     qt = lk.quantize(torch.randn(77, 768, device=dev), "q4_k")
     for dt in (torch.float16, torch.bfloat16):
-        for M, config, sms in ((5, (128, 4, 3), 132), (16, (64, 4, 3), 7), (9, (128, 8, 2), 1), (40, (128, 4, 3), 7)):
+        for M, config, sms in ((5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7), (9, (128, 8, 1, 2), 1),
+                               (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
             launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul

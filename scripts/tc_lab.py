@@ -1,6 +1,6 @@
 """Small-M q4_k GEMV on the tensor cores (qgemv/tc.py) against gemv's current path, on the GPU.
 
-    python scripts/tc_lab.py [--configs BLOCK_N/warps/stages,...] [--m 1,8,16] [--dtypes fp16,bf16] [--waves 2]
+    python scripts/tc_lab.py [--configs BLOCK_N/warps/stages/waves,...] [--m 1,8,16] [--dtypes fp16,bf16]
 
 Checks each config against x @ dequantize(W).T (float32), then times it by CUDA-graph replay over enough weight
 copies to overflow L2 and prints effective TB/s (weight + activation bytes / time) next to gemv's time.
@@ -22,17 +22,15 @@ SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 409
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="64/4/3,64/4/4,128/8/3,128/8/2")
+    ap.add_argument("--configs", default="64/4/1/4,64/4/1/2,128/8/1/2,128/4/1/2")
     ap.add_argument("--m", default="1,8,16")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--shapes", default="")
-    ap.add_argument("--waves", default="2")
     args = ap.parse_args()
     cfgs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     dts = [{"fp16": torch.float16, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    waves_l = [int(v) for v in args.waves.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"read bandwidth {measure_read_bandwidth():.3f} TB/s", flush=True)
     summary = {}
@@ -48,21 +46,19 @@ def main():
                 t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
                 line = f"N{N} K{K} {str(dt)[6:]} M{M}: gemv {t_g * 1e3:6.1f} us {nbytes / t_g / 1e9:5.2f} TB/s |"
                 for cfg in cfgs:
-                    bn, warps, stages = cfg
-                    for waves in waves_l:
-                        try:
-                            y = _finish(launch_tc(x, first.data, N, K, cfg, sms, 2, waves=waves), dt)
-                        except Exception as e:  # noqa: BLE001
-                            line += f" {cfg}: {type(e).__name__} {str(e)[:80]}"
-                            continue
-                        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                        if not err < 2e-2:
-                            line += f" {cfg}w{waves}: WRONG {err:.2e}"
-                            continue
-                        t = time_graph_ms([lambda qt=qt: _finish(launch_tc(x, qt.data, N, K, cfg, sms, 2, waves=waves),
-                                                                 dt) for qt in qts], reps=10, trials=3)
-                        summary.setdefault((cfg, waves, str(dt), M), []).append(t_g / t)
-                        line += f" {bn}/{warps}/{stages}w{waves} {t * 1e3:6.1f} us {nbytes / t / 1e9:5.2f} ({err:.0e})"
+                    try:
+                        y = _finish(launch_tc(x, first.data, N, K, cfg, sms, 2), dt)
+                    except Exception as e:  # noqa: BLE001
+                        line += f" {cfg}: {type(e).__name__} {str(e)[:80]}"
+                        continue
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    if not err < 2e-2:
+                        line += f" {cfg}: WRONG {err:.2e}"
+                        continue
+                    t = time_graph_ms([lambda qt=qt: _finish(launch_tc(x, qt.data, N, K, cfg, sms, 2), dt)
+                                       for qt in qts], reps=10, trials=3)
+                    summary.setdefault((cfg, str(dt), M), []).append(t_g / t)
+                    line += f" {'/'.join(map(str, cfg))} {t * 1e3:6.1f} us {nbytes / t / 1e9:5.2f} ({err:.0e})"
                 print(line, flush=True)
     print("geomean speed-up over gemv:")
     for key, v in sorted(summary.items()):

@@ -24,6 +24,12 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4;
 # MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py --m-curve)
 M1_MAX_M = {"q4_k": 4, "mlx": 2}
+# plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
+# on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
+# 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 /
+# 157.2. silu_mul_gemv and the GLU keep the m1 kernel up to M1_MAX_M.
+TC_MIN_M = 3
+TC_WIDE_N = 32768
 # q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
 WORDS_MAX_M = {"q4_0": 4}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
@@ -245,6 +251,14 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     wb = biases if biases is not None else w16
     aligned = data.data_ptr() % 16 == 0  # m1 and tc read the q4_k header as int32 words
     m1_fmt = fmt == "q4_k" or (fmt == "mlx" and bits in (4, 8))
+    tc_m = fmt == "q4_k" and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
+    if tc_m and mode == 0 and aligned and x.dtype != torch.float32:
+        # tensor cores (tc.py), all M rows in one program up to 64 (M-blocks of 16 read the weights once per block)
+        from .tc import launch_tc
+
+        interp = interpreter_mode()
+        config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), "tc/q4_k") or (64, 4, 1, 4))
+        return _finish(launch_tc(x, data, N, K, config, sms, unpack=1 if interp else 2), out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1, m1_supports
 
@@ -265,14 +279,6 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             else:
                 config = tuple(lookup("gemv", gpu_name(), f"words/{fmt}") or (2, 8, 4, 3))
             return _finish(launch_words(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2), out_dtype)
-    if fmt == "q4_k" and M1_MAX_M[fmt] < M <= MID_M and mode == 0 and aligned and x.dtype != torch.float32:
-        # tensor cores (tc.py), all M rows in one program up to 64 (M-blocks of 16 read the weights once per block)
-        from .tc import launch_tc
-
-        interp = interpreter_mode()
-        config = (16, 4, 1) if interp else tuple(lookup("gemv", gpu_name(), "tc/q4_k") or (128, 4, 3))
-        y = launch_tc(x, data, N, K, config, sms, unpack=1 if interp else 2)
-        return _finish(y, out_dtype)
     planes = _planes_layout(fmt, bits, group_size)
     if planes is not None and mode != 2:
         from .planes import gemv_planes_kernel

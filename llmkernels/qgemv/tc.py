@@ -1,15 +1,23 @@
-"""q4_k GEMV for 5 <= M <= 64 on the tensor cores: weights dequantized to fp16/bf16 in registers, fed to tl.dot.
+"""q4_k GEMV for 3 <= M <= 64 on the tensor cores: weights dequantized to fp16/bf16 in registers, fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
 sub-block's scale and min), so the per-weight cost does not depend on M: the M rows share every dequantized tile.
 The weight is rounded once to fp16 (or bf16) before the product, like dequantizing first and calling cuBLAS.
 
-Layout: a step is one super-block per row. Its 128 code bytes form a tile [BLOCK_N, 4, 32] (chunk c, byte l: low
-nibble = weight 64c + l, high = 64c + 32 + l). The tile columns of the dot are ordered k = 16 lh + 8 p + 2 c + ll
-(byte l = 2 lh + ll, plane p), which puts each thread's share of the Hopper wgmma A fragment on 32 consecutive
-bytes of one chunk: Triton then reads the code tile from shared memory with 16-byte loads (LDS.128).
-x is loaded in natural order and permuted to the same k order.
+A step is one super-block (256 weights, 144 bytes) of BLOCK_N rows; the dot's k order is chosen so that the
+dequantized tile is already in the wgmma A-operand layout (no shared-memory round trip):
+- the code tile is [4 t, 8 g, A, 2 h, 2 half, 16 byte]: row 16 a + 8 h + g, byte b = 16 half + byte of chunk t
+  (low nibble = weight 64 t + b, high = 64 t + 32 + b). Triton gives lanes to t and g (lane = t + 4 g, as in the
+  mma fragment), warps to a, and keeps h, half and the 16 bytes in the thread (16-byte loads). With the 32 bytes
+  as one axis it would spread them over two lanes;
+- the dot's column k = 16 lh + 8 p + 2 t + ll holds weight 64 t + 32 p + 2 lh + ll, so lane (t, g) owns exactly
+  the fragment elements k = 16 j + 2 t + {0, 1, 8, 9} of rows g and g + 8;
+- the header words come through pointers [4, 8, A, 2, 1, 1] of the same layout (each lane decodes the scales of its
+  chunk), and x is loaded in natural order ([256, M_PAD], 16-byte loads) and permuted to the k order on its way
+  into shared memory, where the wgmma reads it as the B operand.
+Loads go straight to registers (num_stages 1): letting Triton's pipeliner stage the codes in shared memory measured
+2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle).
 """
 import triton
 import triton.language as tl
@@ -72,52 +80,52 @@ def gemv_tc_kernel(X, W8, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     DT: tl.constexpr = X.dtype.element_ty
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows past N read row N - 1 (in bounds, never stored)
-    r64 = tl.minimum(rows, N - 1).to(tl.int64)
-    m = pid_m * M_PAD + tl.arange(0, M_PAD)
+    A: tl.constexpr = BLOCK_N // 16
+    t_ = tl.arange(0, 4)[:, None, None, None, None, None]
+    g_ = tl.arange(0, 8)[None, :, None, None, None, None]
+    a_ = tl.arange(0, A)[None, None, :, None, None, None]
+    h_ = tl.arange(0, 2)[None, None, None, :, None, None]
+    half_ = tl.arange(0, 2)[None, None, None, None, :, None]
+    b_ = tl.arange(0, 16)[None, None, None, None, None, :]
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
-    c2 = tl.arange(0, 4)[None, :]
-    base = r64 * row_bytes + kb_start * 144
-    w_ptrs = W8 + base[:, None, None] + 16 + c2[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + (base // 4)[:, None] + c2 * 0  # [BLOCK_N, 4]
-    # x in natural order as [4 c, 2 p, 16 lh, 2 ll, M_PAD]: weight 64 c + 32 p + 2 lh + ll
-    xk = (tl.arange(0, 4)[:, None, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None, None] * 32 +
-          tl.arange(0, 16)[None, None, :, None, None] * 2 + tl.arange(0, 2)[None, None, None, :, None])
-    xm = m[None, None, None, None, :]
-    x_ok = (xm < M) & (xk >= 0)
-    x_ptrs = X + xm * stride_xm + kb_start * 256 + xk
+    # rows past N read row N - 1 (in bounds, never stored)
+    base = tl.minimum(pid_n * BLOCK_N + 16 * a_ + 8 * h_ + g_, N - 1).to(tl.int64) * row_bytes + kb_start * 144
+    w_ptrs = W8 + base + 16 + t_ * 32 + half_ * 16 + b_
+    h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base // 4 + t_ * 0
+    m = pid_m * M_PAD + tl.arange(0, M_PAD)
+    x_ptrs = X + m[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
+    x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         units = tl.load(w_ptrs)
-        hd = tl.load(h_ptrs)
-        d, dmin = _split_words(hd, tl.float16)  # the header's first word: fp16 d, fp16 dmin
-        sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), c2)
-        w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT)[:, :, None], (-dmin * mn0).to(DT)[:, :, None],
-                             (d * sc1).to(DT)[:, :, None], (-dmin * mn1).to(DT)[:, :, None], DT, UNPACK)
-        w = tl.join(tl.reshape(w_lo, (BLOCK_N, 4, 16, 2)), tl.reshape(w_hi, (BLOCK_N, 4, 16, 2)))
-        w = tl.reshape(tl.permute(w, (0, 2, 4, 1, 3)), (BLOCK_N, 256))  # [row, lh, p, c, ll]
-        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        xt = tl.reshape(tl.permute(xn, (2, 1, 0, 3, 4)), (256, M_PAD))  # [lh, p, c, ll, m]
+        d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
+        sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
+        w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT), (-dmin * mn1).to(DT),
+                             DT, UNPACK)
+        w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
+        w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
+        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)  # weight 64 t + 32 p + 16 half + 2 lhl + ll
+        xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
         acc = tl.dot(w, xt, acc)
         w_ptrs += 144
         h_ptrs += 36
         x_ptrs += 256
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rows < N)[:, None] & (m < M)[None, :])
 
 
-def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, waves: int = 2):
+def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and q4_k blocks; returns y [split, M, N] (float32 partials when
-    split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages); K is split until the grid
-    has ``waves`` programs per SM."""
+    split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages, waves); K is split until the
+    grid has ``waves`` programs per SM."""
     import torch
 
     from .._runtime import empty
     from .ops import split_k
 
-    block_n, warps, stages = config
+    block_n, warps, stages, waves = config
     M = x.shape[0]
     # the activation rows are the dot's N: 16, 32 or 64 of them per program, so up to M = 64 each weight is read once
     m_pad = 16 if M <= 16 else (32 if M <= 32 else 64)

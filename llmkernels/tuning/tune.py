@@ -179,9 +179,10 @@ def tune_gemv(gpu):
                 cands = [(32, nb, 4, 3), (64, nb, 4, 3), (64, nb, 8, 3), (128, nb, 8, 3), (64, half, 4, 4),
                          (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
             key = f"planes/{name}/{mclass}"
-            if fmt == "q4_k" and mclass == "m16":  # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages)
-                out["tc/q4_k"] = _best("gemv", "tc/q4_k", [(128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 4, 3),
-                                                           (256, 8, 3), (64, 4, 4)], works)
+            if fmt == "q4_k" and mclass == "m16":
+                # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
+                out["tc/q4_k"] = _best("gemv", "tc/q4_k", [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2),
+                                                           (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)], works)
                 works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             if fmt in SMALL_M_KERNEL and mclass == "m1":  # gemv takes another kernel; silu_mul_gemv takes planes
                 planes_works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]

@@ -1,4 +1,4 @@
-"""The tensor-core q4_k kernel for 5 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
+"""The tensor-core q4_k kernel for 3 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
 split-K, M classes, and on the GPU fp16 and bf16 at model shapes, through gemv and directly."""
 import pytest
 import torch
@@ -19,11 +19,12 @@ def _check(y, x, qt, dtype):
 
 
 @pytest.mark.parametrize("N,K,M,config,sms", [
-    (37, 512, 5, (16, 4, 1), 4),     # rows not a multiple of the tile, K split into single super-blocks
-    (70, 768, 16, (16, 4, 1), 1),    # one program column, three super-blocks, no split
-    (130, 256, 9, (64, 4, 1), 64),   # more programs than blocks: the split is capped by the block count
-    (45, 512, 29, (16, 4, 1), 2),    # 32 activation rows per program, 3 of them padding
-    (21, 256, 64, (16, 4, 1), 3),    # 64 activation rows in one program
+    (37, 512, 5, (16, 4, 1, 2), 4),     # rows not a multiple of the tile, K split into single super-blocks
+    (70, 768, 16, (16, 4, 1, 2), 1),    # one program column, three super-blocks, no split
+    (130, 256, 9, (64, 4, 1, 2), 64),   # more programs than blocks: the split is capped by the block count
+    (45, 512, 29, (32, 4, 1, 2), 2),    # 32 activation rows per program, 3 of them padding
+    (21, 256, 64, (16, 4, 1, 2), 3),    # 64 activation rows in one program
+    (19, 512, 3, (16, 4, 1, 2), 2),     # 3 rows: 13 of the 16 padding
 ])
 def test_tc_kernel(N, K, M, config, sms, device):
     qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
@@ -33,28 +34,37 @@ def test_tc_kernel(N, K, M, config, sms, device):
 
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
-    """gemv routes q4_k at M = 5..64 (fp16/bf16) to the tensor-core kernel and fp32 activations elsewhere."""
+    """gemv routes q4_k at M = 3..64 (fp16/bf16), and M = 2 on wide matrices, to the tensor-core kernel; fp32
+    activations, silu_mul_gemv and other M elsewhere."""
+    import llmkernels.qgemv.ops as ops
     import llmkernels.qgemv.tc as tc
 
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     qt = lk.quantize(torch.randn(40, 256) * 0.05, "q4_k").to(device)
-    for M in (4, 5, 16, 17, 64, 65):
+    for M in (1, 2, 3, 4, 16, 17, 64, 65):
         x = torch.randn(M, 256, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     y = lk.gemv(torch.randn(6, 256, device=device), qt)  # fp32 x: the planes kernel
     assert y.dtype == torch.float32
-    assert calls == [(5, 256), (16, 256), (17, 256), (64, 256)]
+    lk.silu_mul_gemv(torch.randn(3, 256, dtype=torch.float16, device=device),
+                     torch.randn(3, 256, dtype=torch.float16, device=device), qt)
+    assert calls == [(3, 256), (4, 256), (16, 256), (17, 256), (64, 256)]
+    monkeypatch.setattr(ops, "TC_WIDE_N", 40)  # M = 2 from this N on
+    x = torch.randn(2, 256, dtype=torch.float16, device=device)
+    _check(lk.gemv(x, qt), x, qt, torch.float16)
+    assert calls[-1] == (2, 256)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tc_kernel_gpu(dtype, device):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for N, K, M, config in [(4096, 4096, 8, (128, 8, 2)), (1001, 14336, 16, (64, 4, 3)), (77, 1024, 5, (128, 8, 2)),
-                            (14336, 4096, 13, (128, 8, 3)), (4096, 4096, 33, (128, 4, 3)),
-                            (6144, 4096, 64, (128, 4, 3))]:
+    for N, K, M, config in [(4096, 4096, 8, (128, 8, 1, 2)), (1001, 14336, 16, (64, 4, 1, 4)),
+                            (77, 1024, 5, (128, 8, 1, 2)), (14336, 4096, 13, (64, 4, 1, 4)),
+                            (4096, 4096, 33, (128, 4, 1, 2)), (6144, 4096, 64, (64, 4, 1, 4)),
+                            (32768, 1024, 2, (64, 4, 1, 4)), (300, 2048, 3, (64, 4, 2, 2))]:
         qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2), dtype), x, qt, dtype)
