@@ -20,9 +20,10 @@ MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + 
 # f16/bf16 weights with activations of the same dtype go to cuBLAS from M = 2 (f32 stays on the kernel, whose float32
 # products do not depend on torch's TF32 setting)
 DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-# the m1 kernel (up to 4 activation rows per program) up to this M: q4_k against the tensor-core tile path (faster at
-# M = 2, 3, 4 on an H100, slower at 8), MLX 4-bit against the planes kernel (faster at M = 2, slower at 3 and 4;
-# MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py --m-curve)
+# the m1 kernel (up to 4 activation rows per program) up to this M: for q4_k that now covers silu_mul_gemv and the
+# GLU (plain gemv takes the tensor-core kernel from TC_MIN_M, below), MLX 4-bit against the planes kernel (faster at
+# M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
+# --m-curve)
 M1_MAX_M = {"q4_k": 4, "mlx": 2}
 # plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
 # on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
@@ -253,7 +254,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     m1_fmt = fmt == "q4_k" or (fmt == "mlx" and bits in (4, 8))
     tc_m = fmt == "q4_k" and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
     if tc_m and mode == 0 and aligned and x.dtype != torch.float32:
-        # tensor cores (tc.py), all M rows in one program up to 64 (M-blocks of 16 read the weights once per block)
+        # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
         from .tc import launch_tc
 
         interp = interpreter_mode()
