@@ -128,6 +128,12 @@ def main():
         for M, config, sms in ((5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7), (9, (128, 8, 1, 2), 1),
                                (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
             launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2)
+    # the same kernel on MLX 4-bit, each group size
+    for gs in (32, 64, 128):
+        qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
+        for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+            launch_tc(torch.randn(M, 768, device=dev, dtype=torch.bfloat16), qt.data, 77, 768, config, sms, 2,
+                      qt.scales, qt.biases, gs)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 

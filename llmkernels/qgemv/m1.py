@@ -395,7 +395,7 @@ def _store_rows(a0, a1, a2, a3, rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, s
             for j in tl.static_range(MR):
                 ok = n_ok & (m0 + j < M)
                 total = tl.zeros([ROWS_T, R], dtype=tl.float32)
-                for s in range(0, split):
+                for s in range(split):
                     total += tl.load(part + j * N + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
                 tl.store(Y + (m0 + j) * stride_ym + rows2, total.to(Y.dtype.element_ty), mask=ok)
             tl.atomic_xchg(COUNT + tile, 0)

@@ -28,7 +28,9 @@ M1_MAX_M = {"q4_k": 4, "mlx": 2}
 # plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
 # on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
 # 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 /
-# 157.2. silu_mul_gemv and the GLU keep the m1 kernel up to M1_MAX_M.
+# 157.2. silu_mul_gemv and the GLU keep the m1 kernel up to M1_MAX_M. MLX 4-bit (K a multiple of 256) takes the
+# same limits (session 17, bf16, group 64, m1 or planes / tc: M = 2 8.8 / 10.2, 11.0 / 11.4, 21.9 / 21.5, 21.5 /
+# 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 / 22.0, 280.2 / 135.0).
 TC_MIN_M = 3
 TC_WIDE_N = 32768
 # q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
@@ -250,16 +252,19 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
-    aligned = data.data_ptr() % 16 == 0  # m1 and tc read the q4_k header as int32 words
     m1_fmt = fmt == "q4_k" or (fmt == "mlx" and bits in (4, 8))
-    tc_m = fmt == "q4_k" and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
-    if tc_m and mode == 0 and aligned and x.dtype != torch.float32:
+    tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
+    tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
+    if tc_m and mode == 0:
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
-        from .tc import launch_tc
+        from .tc import launch_tc, tc_supports
 
-        interp = interpreter_mode()
-        config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), "tc/q4_k") or (64, 4, 1, 4))
-        return _finish(launch_tc(x, data, N, K, config, sms, unpack=1 if interp else 2), out_dtype)
+        if tc_supports(x, data, fmt, bits, group_size, K, scales, biases):
+            interp = interpreter_mode()
+            name = fmt if fmt != "mlx" else "mlx4"
+            config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), f"tc/{name}") or (64, 4, 1, 4))
+            y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size)
+            return _finish(y, out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1, m1_supports
 
@@ -424,7 +429,7 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
             fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax per element.
             Other cases (q4_k included) compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
-    M = 64 it launches M-blocks of 16 (q4_k: all rows in one tensor-core program); beyond, it dequantizes once and
+    M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3: all rows in one tensor-core program); beyond, it dequantizes once and
     calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
 
     >>> qt = llmkernels.quantize(torch.randn(4096, 4096), "q4_k").cuda()

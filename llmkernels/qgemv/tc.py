@@ -1,4 +1,5 @@
-"""q4_k GEMV for 3 <= M <= 64 on the tensor cores: weights dequantized to fp16/bf16 in registers, fed to tl.dot.
+"""GEMV for 3 <= M <= 64 on the tensor cores, q4_k and MLX 4-bit: weights dequantized to fp16/bf16 in registers and
+fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
@@ -16,8 +17,12 @@ dequantized tile is already in the wgmma A-operand layout (no shared-memory roun
 - the header words come through pointers [4, 8, A, 2, 1, 1] of the same layout (each lane decodes the scales of its
   chunk), and x is loaded in natural order ([256, M_PAD], 16-byte loads) and permuted to the k order on its way
   into shared memory, where the wgmma reads it as the B operand.
+MLX 4-bit uses the same tile: a step is 128 bytes of codes per row, byte b of chunk t holding weights 64 t + 2 b (low
+nibble) and 64 t + 2 b + 1 (high), so only x's permutation differs; each 16-byte half chunk takes the scale and bias
+of its group (group size 32, 64 or 128) as its fma operands.
 Loads go straight to registers (num_stages 1): letting Triton's pipeliner stage the codes in shared memory measured
-2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle).
+2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle), and loading
+the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 programs per SM instead of 4).
 """
 import triton
 import triton.language as tl
@@ -73,14 +78,20 @@ def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
-def gemv_tc_kernel(X, W8, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes, nblocks, blocks_per_split,
-                   BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr):
-    """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows."""
+def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes, scale_stride, nblocks,
+                   blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   M_PAD: tl.constexpr, UNPACK: tl.constexpr):
+    """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
+
+    FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
+    codes (256 weights) per row, the scale and bias of group g of row n at WS/WB + n * scale_stride + g, GS weights
+    per group."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     DT: tl.constexpr = X.dtype.element_ty
     A: tl.constexpr = BLOCK_N // 16
+    STEP: tl.constexpr = 144 if FMT == 10 else 128  # bytes of one row per step
     t_ = tl.arange(0, 4)[:, None, None, None, None, None]
     g_ = tl.arange(0, 8)[None, :, None, None, None, None]
     a_ = tl.arange(0, A)[None, None, :, None, None, None]
@@ -90,36 +101,67 @@ def gemv_tc_kernel(X, W8, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
     # rows past N read row N - 1 (in bounds, never stored)
-    base = tl.minimum(pid_n * BLOCK_N + 16 * a_ + 8 * h_ + g_, N - 1).to(tl.int64) * row_bytes + kb_start * 144
-    w_ptrs = W8 + base + 16 + t_ * 32 + half_ * 16 + b_
-    h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base // 4 + t_ * 0
+    row = tl.minimum(pid_n * BLOCK_N + 16 * a_ + 8 * h_ + g_, N - 1).to(tl.int64)
+    base = row * row_bytes + kb_start * STEP
+    if FMT == 10:
+        w_ptrs = W8 + base + 16 + t_ * 32 + half_ * 16 + b_
+        h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base // 4 + t_ * 0
+    else:  # the group of each 32-weight half chunk: (256 kb + 64 t + 32 half) // GS
+        w_ptrs = W8 + base + t_ * 32 + half_ * 16 + b_
+        s_off = row * scale_stride + kb_start * (256 // GS) + (64 * t_ + 32 * half_) // GS
+        s_ptrs = WS + s_off
+        z_ptrs = WB + s_off
     m = pid_m * M_PAD + tl.arange(0, M_PAD)
     x_ptrs = X + m[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
     x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         units = tl.load(w_ptrs)
-        d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
-        sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
-        w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT), (-dmin * mn1).to(DT),
-                             DT, UNPACK)
+        if FMT == 10:
+            d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
+            sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
+            w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT),
+                                 (-dmin * mn1).to(DT), DT, UNPACK)
+            h_ptrs += 36
+        else:
+            s = tl.load(s_ptrs).to(DT)
+            z = tl.load(z_ptrs).to(DT)
+            w_lo, w_hi = _deq_q4(units, s, z, s, z, DT, UNPACK)
+            s_ptrs += 256 // GS
+            z_ptrs += 256 // GS
         w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
         w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
-        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)  # weight 64 t + 32 p + 16 half + 2 lhl + ll
-        xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
+        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if FMT == 10:  # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
+            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
+        else:  # MLX, nibbles LSB-first: weight 64 t + 32 half + 4 lhl + 2 ll + p
+            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 4, 0, 3, 5)), (256, M_PAD))
         acc = tl.dot(w, xt, acc)
-        w_ptrs += 144
-        h_ptrs += 36
+        w_ptrs += STEP
         x_ptrs += 256
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rows < N)[:, None] & (m < M)[None, :])
 
 
-def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int):
-    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and q4_k blocks; returns y [split, M, N] (float32 partials when
-    split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages, waves); K is split until the
-    grid has ``waves`` programs per SM."""
+def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, scales=None, biases=None) -> bool:
+    """Whether gemv_tc_kernel reads these weights: q4_k or MLX 4-bit (K a multiple of 256, scales and biases with
+    a contiguous last dim), fp16/bf16 x, and weight data 16-byte aligned (16-byte code loads)."""
+    import torch
+
+    if x.dtype not in (torch.float16, torch.bfloat16) or data.data_ptr() % 16:
+        return False
+    if fmt == "q4_k":
+        return True
+    return (fmt == "mlx" and bits == 4 and group_size in (32, 64, 128) and K % 256 == 0
+            and scales.stride(-1) == 1 and biases.stride(-1) == 1 and scales.stride(0) == biases.stride(0))
+
+
+def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0):
+    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and q4_k blocks, or MLX 4-bit words with ``scales``/``biases``
+    [N, K / group_size]; returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum).
+    ``config`` is (BLOCK_N, num_warps, num_stages, waves); K is split until the grid has ``waves`` programs per
+    SM."""
     import torch
 
     from .._runtime import empty
@@ -135,7 +177,11 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int):
     grid_m = triton.cdiv(M, m_pad)
     split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves)
     y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    w8 = data.view(torch.uint8)
+    mlx = scales is not None
     gemv_tc_kernel[(programs_n, split, grid_m)](
-        x, data.view(torch.uint8), y, M, N, K, x.stride(0), y.stride(0), y.stride(1), row_bytes, nblocks, per_split,
-        BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, num_warps=warps, num_stages=stages)
+        x, w8, scales if mlx else w8, biases if mlx else w8, y, M, N, K, x.stride(0), y.stride(0), y.stride(1),
+        row_bytes, scales.stride(0) if mlx else 0, nblocks, per_split, FMT=13 if mlx else 10,
+        GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, num_warps=warps,
+        num_stages=stages)
     return y

@@ -145,6 +145,9 @@ def tune_decode_few(gpu):
     return out
 
 
+# the tensor-core kernel (qgemv/tc.py, q4_k and MLX 4-bit at M = 3..64): (BLOCK_N, warps, stages, waves); pipelined
+# stages (> 1) lost 2x, and so did loading the next step's weights one step ahead (163 registers: 3 programs per SM)
+TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
 # blocks (m1) or GGUF blocks per step (words), warps, stages[, lanes along K, ...]: see m1.launch_m1 and
 # words.launch_words)
@@ -181,8 +184,7 @@ def tune_gemv(gpu):
             key = f"planes/{name}/{mclass}"
             if fmt == "q4_k" and mclass == "m16":
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
-                out["tc/q4_k"] = _best("gemv", "tc/q4_k", [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2),
-                                                           (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)], works)
+                out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works)
                 works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             if fmt in SMALL_M_KERNEL and mclass == "m1":  # gemv takes another kernel; silu_mul_gemv takes planes
                 planes_works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
@@ -192,6 +194,11 @@ def tune_gemv(gpu):
                 out[small_key] = _best("gemv", small_key, small_cands, works)
             else:
                 out[key] = _best("gemv", key, cands, works)
+    # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
+    mlx = [[random_qtensor("mlx", N, K, "cuda", bits=4, group_size=64) for _ in range(6)] for N, K in shapes]
+    xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]
+    out["tc/mlx4"] = _best("gemv", "tc/mlx4", TC_CANDS,
+                           [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, mlx)])
     generic = [("legacy", "q5_0", {}, 8), ("kquant", "q6_k", {}, 1), ("dense", "f16", {}, 8),
                ("mlx_odd", "mlx", dict(bits=3, group_size=64), 4)]
     for family, fmt, kw, nb in generic:

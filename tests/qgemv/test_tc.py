@@ -1,4 +1,4 @@
-"""The tensor-core q4_k kernel for 3 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
+"""The tensor-core kernel for q4_k and MLX 4-bit at 3 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in float64: tile edges,
 split-K, M classes, and on the GPU fp16 and bf16 at model shapes, through gemv and directly."""
 import pytest
 import torch
@@ -31,6 +31,33 @@ def test_tc_kernel(N, K, M, config, sms, device):
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2), x.dtype), x, qt,
            torch.float16)
+
+
+@pytest.mark.parametrize("N,K,M,gs,sdt", [
+    (37, 512, 5, 64, torch.float16),   # rows not a multiple of the tile, K split
+    (20, 768, 3, 32, torch.float16),   # group 32: two groups per lane chunk
+    (45, 512, 17, 128, torch.float16), # group 128: one group over two lanes; 32 rows per program
+    (70, 256, 9, 64, torch.bfloat16),  # bf16 scales with fp16 x
+])
+def test_tc_kernel_mlx(N, K, M, gs, sdt, device):
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "mlx", bits=4, group_size=gs, scale_dtype=sdt).to(device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    y = launch_tc(x, qt.data, N, K, (16, 4, 1, 2), 4, 1 if interpreter_mode() else 2, qt.scales, qt.biases, gs)
+    _check(_finish(y, x.dtype), x, qt, torch.float16)
+
+
+def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
+    """MLX 4-bit at M = 3..64 goes to the tensor-core kernel; 8-bit, K not a multiple of 256 and M = 2 do not."""
+    import llmkernels.qgemv.tc as tc
+
+    calls = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for bits, K, M in ((4, 256, 2), (4, 256, 3), (4, 256, 16), (8, 256, 8), (4, 320, 8)):
+        qt = lk.quantize(torch.randn(24, K) * 0.05, "mlx", bits=bits, group_size=64).to(device)
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        _check(lk.gemv(x, qt), x, qt, torch.float16)
+    assert calls == [(3, 256), (16, 256)]
 
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
@@ -68,4 +95,18 @@ def test_tc_kernel_gpu(dtype, device):
         qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2), dtype), x, qt, dtype)
+        _check(lk.gemv(x, qt), x, qt, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tc_kernel_mlx_gpu(dtype, device):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K, M, gs, config in [(4096, 4096, 8, 64, (64, 4, 1, 4)), (1001, 14336, 16, 32, (64, 4, 1, 4)),
+                                (77, 1024, 5, 128, (128, 8, 1, 2)), (14336, 4096, 33, 64, (64, 4, 1, 4)),
+                                (300, 2048, 3, 64, (64, 4, 2, 2))]:
+        qt = lk.quantize(torch.randn(N, K) * 0.05, "mlx", bits=4, group_size=gs).to(device)
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        y = launch_tc(x, qt.data, N, K, config, sms, 2, qt.scales, qt.biases, gs)
+        _check(_finish(y, dtype), x, qt, dtype)
         _check(lk.gemv(x, qt), x, qt, dtype)
