@@ -98,9 +98,19 @@ def _load(ptrs, ok, MASK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(g, u, XDT: tl.constexpr):
-    """silu(g) * u in float32, rounded to the activation dtype as the two-step path (and the generic kernel) do."""
-    return (g / (1.0 + tl.exp(-g)) * u).to(XDT).to(tl.float32)
+def _silu_mul(g, u, XDT: tl.constexpr, SILU: tl.constexpr):
+    """silu(g) * u in float32, rounded to the activation dtype as the two-step path (and the generic kernel) do.
+
+    SILU 2 (GPU): sigmoid(g) = 0.5 + 0.5 tanh(g / 2) with tanh.approx.f32, one special-function op per value
+    instead of ex2 plus an IEEE division (relative error of tanh.approx about 2^-11, below fp16's rounding)."""
+    if SILU == 2:
+        hg = 0.5 * g
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [hg], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        s = hg * t + hg
+    else:
+        s = g / (1.0 + tl.exp(-g))
+    return (s * u).to(XDT).to(tl.float32)
 
 
 @triton.jit
@@ -108,7 +118,7 @@ def _act(x_ptrs, ok, x2_off, XDT: tl.constexpr, MASK: tl.constexpr, SILU: tl.con
     """Activations as float32: x, or with SILU silu(x) * x2 where x2 lies x2_off elements after x."""
     xv = _load(x_ptrs, ok, MASK).to(tl.float32)
     if SILU:
-        xv = _silu_mul(xv, _load(x_ptrs + x2_off, ok, MASK).to(tl.float32), XDT)
+        xv = _silu_mul(xv, _load(x_ptrs + x2_off, ok, MASK).to(tl.float32), XDT, SILU)
     return xv
 
 
@@ -131,8 +141,8 @@ def _row_update(lo, hi, x0_ptrs, x1_ptrs, x_ok, x2_off, f0, f1, g0, g1, XDT: tl.
         xe, xo = _split_words(_load(x0_ptrs, x_ok, MASK), XDT)
         if SILU:  # x2_off counts int32 words here
             ue, uo = _split_words(_load(x0_ptrs + x2_off, x_ok, MASK), XDT)
-            xe = _silu_mul(xe, ue, XDT)
-            xo = _silu_mul(xo, uo, XDT)
+            xe = _silu_mul(xe, ue, XDT, SILU)
+            xo = _silu_mul(xo, uo, XDT, SILU)
         s0 = tl.sum(tl.sum(lo * xe, axis=5), axis=4)
         sx0 = tl.sum(tl.sum(xe, axis=5), axis=4)
         s1 = tl.sum(tl.sum(hi * xo, axis=5), axis=4)
@@ -184,8 +194,9 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     weights 2l (low nibble) and 2l + 1 (high), so the activations come in as int32 words XW (two x values each, the
     same memory as X) and split into their even and odd halves; 8-bit bytes pair with x in natural order.
 
-    SILU (silu_mul_gemv): the activations are silu(x) * x2, x2 being x2_off elements (MLX 4-bit: int32 words) after
-    x with x's row stride; the product is formed as it loads, rounded to x's dtype, never written.
+    SILU (silu_mul_gemv, 1 exact, 2 through tanh.approx): the activations are silu(x) * x2, x2 being x2_off elements
+    (MLX 4-bit: int32 words) after x with x's row stride; the product is formed as it loads, rounded to x's dtype,
+    never written.
 
     KT > 1 spreads the ROWS_T axis over KT consecutive blocks of ROWS_T // KT rows (lane t: row t // KT, block
     t % KT), so that a warp's load covers KT consecutive blocks of each row (longer contiguous runs per row, fewer
@@ -525,17 +536,18 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
-              rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False, up=None):
+              rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False, up=None,
+              fast_silu: bool = True):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages[, KT[, H[, waves]]]) with R rows per thread
     (KT and H: see gemv_m1_kernel; waves from the config replaces the argument); K is split until the
     grid has ``waves`` programs per SM. Each program takes up to ``rows_per_program`` (1, 2 or 4) activation rows,
     which share its unpacked weights. With ``x2`` (same shape, dtype and row stride as x; see m1_supports) the
-    activations are silu(x) * x2. With ``fixup`` (and a counter buffer, see _runtime.split_counters) the kernel sums
-    its own split-K partials and y is [1, M, N]. With ``pdl`` the launch may overlap the previous kernel
-    (see _pdl.py). With ``x_perm`` x is in lane order ([M, lanes_width(K)], see lane_order): q4_k with
-    KT = 8, NB = 1, H = 1 only.
+    activations are silu(x) * x2 (``fast_silu``: sigmoid through tanh.approx on the GPU). With ``fixup`` (and a
+    counter buffer, see _runtime.split_counters) the kernel sums its own split-K partials and y is [1, M, N]. With
+    ``pdl`` the launch may overlap the previous kernel (see _pdl.py). With ``x_perm`` x is in lane order ([M,
+    lanes_width(K)], see lane_order): q4_k with KT = 8, NB = 1, H = 1 only.
 
     With ``up`` (q4_k weights of the up projection, [N, K] like ``data``, 16-byte aligned) the kernel computes
     silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N]."""
@@ -580,13 +592,14 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     xw = x.view(torch.int32) if fid == 13 and bits == 4 else x
     ws = scales if scales is not None else w8
     wb = biases if biases is not None else w8
+    silu = 0 if x2 is None else (2 if unpack == 2 and fast_silu else 1)  # 2: tanh.approx (inline PTX, GPU only)
     kernel = gemv_m1_kernel[(programs_n, split, grid_m)](
         x, xw, w8, w8.view(torch.float16), ws, wb, y, part, counters if counters is not None else y, M, N, K,
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
         per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
         up.view(torch.uint8) if up is not None else w8,
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
-        UNPACK=unpack, FIXUP=counters is not None, SILU=x2 is not None, KT=kt, H=h, EVEN=even, PDL=pdl, XP=x_perm,
+        UNPACK=unpack, FIXUP=counters is not None, SILU=silu, KT=kt, H=h, EVEN=even, PDL=pdl, XP=x_perm,
         GLU=up is not None,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y
