@@ -47,7 +47,12 @@ I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 0}
 # against 18.5; 14336 x 4096: fp16 17.2 against 17.6, bf16 17.9 against 17.7; 6144 x 4096 loses 0.6-1.3 us;
 # scripts/lanes_lab.py, bench/NOTES.md session 14)
 LANES_MIN_WEIGHTS = 1 << 25
-LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
+LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)
+# fused silu_mul_gemv, q4_k, M = 1, matrices of LANES_MIN_WEIGHTS or more: twice the rows per thread and lanes split
+# over half chunks, so fewer warps form each silu(gate) * up value (H100, 4096 x 14336, us with sigmoid through
+# tanh.approx: fp16 23.1 against 26.7 with m1/q4_k, bf16 23.7 against 24.4; on 4096 x 4096 it loses, 10.0 against
+# 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large".
+SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -272,6 +277,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         if m1_supports(x, data, fmt, bits, group_size, K, x2=silu_x2):
             interp = interpreter_mode()
             config = (1, 1, 1, 1) if interp and N < 128 else _m1_config(fmt if fmt != "mlx" else f"mlx{bits}", M, N)
+            if silu_x2 is not None and fmt == "q4_k" and M == 1 and N * K >= LANES_MIN_WEIGHTS and not interp:
+                config = tuple(lookup("gemv", gpu_name(), "m1/q4_k/silu_large") or SILU_LARGE_DEFAULT)
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
                           bits=bits, group_size=group_size, x2=silu_x2, pdl=pdl_supported(x.device))
             return _finish(y, out_dtype)
