@@ -47,12 +47,12 @@ I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 0}
 # against 18.5; 14336 x 4096: fp16 17.2 against 17.6, bf16 17.9 against 17.7; 6144 x 4096 loses 0.6-1.3 us;
 # scripts/lanes_lab.py, bench/NOTES.md session 14)
 LANES_MIN_WEIGHTS = 1 << 25
-LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)
+LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 # fused silu_mul_gemv, q4_k, M = 1, matrices of LANES_MIN_WEIGHTS or more: twice the rows per thread and lanes split
 # over half chunks, so fewer warps form each silu(gate) * up value (H100, 4096 x 14336, us with sigmoid through
 # tanh.approx: fp16 23.1 against 26.7 with m1/q4_k, bf16 23.7 against 24.4; on 4096 x 4096 it loses, 10.0 against
 # 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large".
-SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
+SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 1)  # (R, NB, warps, stages, KT, H, waves); not tuned, so not in the table
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
@@ -436,8 +436,8 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
             fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax per element.
             Other cases (q4_k included) compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
-    M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3: all rows in one tensor-core program); beyond, it dequantizes once and
-    calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
+    M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3: all rows in one tensor-core program); beyond,
+    it dequantizes once and calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
 
     >>> qt = llmkernels.quantize(torch.randn(4096, 4096), "q4_k").cuda()
     >>> y = gemv(torch.randn(1, 4096, dtype=torch.float16, device="cuda"), qt)
