@@ -49,7 +49,7 @@ def test_tc_kernel_mlx(N, K, M, gs, sdt, device):
 
 def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
     """MLX 4-bit at M = 3..64 goes to the tensor-core kernel; 8-bit, K not a multiple of 256 and M = 2 do not."""
-    import llmkernels.qgemv.tc as tc
+    from llmkernels.qgemv import tc
 
     calls = []
     real = tc.launch_tc
@@ -64,8 +64,7 @@ def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     """gemv routes q4_k at M = 3..64 (fp16/bf16), and M = 2 on wide matrices, to the tensor-core kernel; fp32
     activations, silu_mul_gemv and other M elsewhere."""
-    import llmkernels.qgemv.ops as ops
-    import llmkernels.qgemv.tc as tc
+    from llmkernels.qgemv import ops, tc
 
     calls = []
     real = tc.launch_tc
