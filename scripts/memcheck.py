@@ -8,6 +8,26 @@ import torch
 import llmkernels as lk
 
 
+def ws_cases(dev="cuda"):
+    """The Gluon prefill kernel (sm_90) at every tuning candidate: odd lengths, q_len != k_len, an empty sequence,
+    group 7, LSE written."""
+    from llmkernels.tuning import OVERRIDES
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
+    ck = torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev)
+    for D in (64, 128):
+        q = torch.randn(250, 14, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(190, 2, D, device=dev, dtype=torch.bfloat16)
+        for cfg in ((128, 2), (128, 3), (64, 3), (64, 4)):
+            for causal in (False, True):
+                OVERRIDES[("prefill", f"bfloat16/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)
+                lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True)
+    for key in [k for k in OVERRIDES if k[1].endswith("/ws")]:
+        del OVERRIDES[key]
+
+
 def main():
     dev = "cuda"
     torch.manual_seed(0)
@@ -25,6 +45,7 @@ def main():
         k = torch.randn(330, 3, D, device=dev, dtype=torch.bfloat16)
         for causal in (False, True):
             lk.flash_attn_varlen(q, k, k, cq, cq, 200, 200, causal=causal)
+    ws_cases()
     for ps, kv in ((1, torch.bfloat16), (3, torch.bfloat16), (16, torch.float8_e4m3fn), (3, torch.float8_e4m3fn),
                    (1, torch.float8_e5m2)):
         lens = [5, 33, 1]

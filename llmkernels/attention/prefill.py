@@ -1,6 +1,7 @@
 """Host side of varlen prefill attention: checks, config choice, launch, torch.library registration."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,6 +31,39 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int
         if entry is None:
             entry = (128, 64, 8, 3, 1) if head_dim <= 128 else (128, 64, 8, 2, 0)
     return tuple(entry) + (0,) * (6 - len(entry))
+
+
+def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) of the warp-specialized Gluon kernel (prefill_ws.py) from the table key
+    "<dtype>/<head dim>/<full|causal>/ws", or None where the entry is [0, 0] (the Triton kernel is faster there) or
+    missing."""
+    key = f"{str(dtype).replace('torch.', '')}/{head_dim}/{'causal' if causal else 'full'}/ws"
+    entry = lookup("prefill", gpu_name(), key)
+    if not entry or not entry[0]:
+        return None
+    return int(entry[0]), int(entry[1])
+
+
+@functools.cache
+def _gluon_hopper(device_index: int) -> bool:
+    """True on an sm_90 GPU with a Triton that has Gluon's Hopper API (the Gluon kernel's wgmma, TMA and
+    setmaxnreg are sm_90 code)."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from . import prefill_ws  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ws_eligible(q, D, left, right, causal, softcap, sinks) -> bool:
+    """The Gluon kernel serves head dims 64 and 128 without a window, softcap or sinks, on sm_90 GPUs."""
+    if interpreter_mode() or not q.is_cuda or D not in (64, 128):
+        return False
+    if left >= 0 or (right >= 0 and not causal) or softcap > 0 or sinks is not None:
+        return False
+    return _gluon_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
@@ -112,12 +146,21 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         if lse is not None:
             lse.fill_(float("-inf"))
         return
-    BLOCK_M, BLOCK_N, num_warps, num_stages, fold, tma = prefill_config(q.dtype, D, causal)
-    BLOCK_D = max(16, triton.next_power_of_2(D))
     if causal:
         right = 0 if right < 0 else min(right, 0)
     softcap = float(softcap)
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    ws = ws_config(q.dtype, D, causal) if _ws_eligible(q, D, left, right, causal, softcap, sinks) else None
+    if ws is not None:
+        from .prefill_ws import launch_ws, ws_descriptors
+
+        descs = ws_descriptors(q, k, v, ws[0])
+        if descs is not None:  # None: heads not packed or rows not 16-byte aligned; the Triton kernel takes it
+            launch_ws(descs, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, Hq, Hq // Hkv,
+                      scale * 1.4426950408889634, causal, *ws)
+            return
+    BLOCK_M, BLOCK_N, num_warps, num_stages, fold, tma = prefill_config(q.dtype, D, causal)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
     num_m = triton.cdiv(max_seqlen_q, BLOCK_M)
     grid = (num_m * batch * Hq,)

@@ -1,4 +1,9 @@
 """flash_attn_varlen / flash_attn against the float64 reference."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -194,3 +199,87 @@ def test_offsets_past_2_31_bytes(device):
                                    torch.tensor([0, 300], dtype=torch.int32, device=device), causal=True,
                                    window_size=(64, 0))
     assert_close(o[T - 300:], ref, torch.bfloat16)
+
+
+# --- the warp-specialized Gluon kernel (attention/prefill_ws.py): sm_90, head dims 64 and 128 ---------------------
+
+WS_CASES = [
+    ([1, 63, 64, 65, 127, 128, 129, 300, 1000], None, 8, 2, 128, True),
+    ([1, 63, 64, 65, 127, 128, 129, 300, 1000], None, 8, 2, 128, False),
+    ([5, 200, 0, 130], [300, 200, 7, 1000], 7, 1, 128, True),  # q_len != k_len, group 7, an empty sequence
+    ([5, 200, 0, 130], [300, 200, 7, 1000], 7, 1, 128, False),
+    ([40, 300], [20, 100], 4, 4, 64, True),  # q_len > k_len: the first queries see no key (o = 0, lse = -inf)
+    ([2003], None, 4, 1, 64, False),
+]
+
+
+def test_ws_config_reads_the_table(monkeypatch):
+    from llmkernels.attention.prefill import ws_config
+    from llmkernels.tuning import OVERRIDES
+
+    monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/causal/ws"), [128, 3])
+    monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/full/ws"), [0, 0])
+    assert ws_config(torch.bfloat16, 128, True) == (128, 3)
+    assert ws_config(torch.bfloat16, 128, False) is None
+
+
+@pytest.mark.parametrize("block_n, stages, head_dim, causal", [(128, 2, 128, True), (64, 3, 64, False)])
+def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal):
+    # compiled for sm_90 on any machine (ptxas ships with Triton): catches a kernel that no longer builds, or one
+    # that uses local memory (spills), where CI has no GPU. A subprocess, because under TRITON_INTERPRET=1 Gluon
+    # functions are interpreted and cannot be compiled.
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    code = ("from llmkernels.attention.prefill_ws import compile_sm90; "
+            f"k = compile_sm90({block_n}, {stages}, {head_dim}, {causal}); p = k.asm['ptx']; "
+            "print('wgmma', 'wgmma.mma_async' in p, 'setmaxnreg', 'setmaxnreg' in p, 'local', '.local' in p)")
+    env = dict(os.environ, TRITON_INTERPRET="0")  # (llmkernels would set 1 on a machine without a GPU)
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["wgmma", "True", "setmaxnreg", "True", "local", "False"], res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(128, 2), (128, 3), (64, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}")
+def test_ws_kernel_gpu(case, dtype, config, device, monkeypatch):
+    from llmkernels.attention import prefill_ws
+    from llmkernels.tuning import OVERRIDES
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 code")
+    q_lens, k_lens, Hq, Hkv, D, causal = case
+    key = f"{str(dtype).replace('torch.', '')}/{D}/{'causal' if causal else 'full'}/ws"
+    monkeypatch.setitem(OVERRIDES, ("prefill", key), list(config))
+    launches = []
+    real = prefill_ws.launch_ws
+    monkeypatch.setattr(prefill_ws, "launch_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    check((q_lens, k_lens, Hq, Hkv, D, causal, (-1, -1), 0.0, False), dtype, device)
+    assert launches, "the call did not take the Gluon kernel"
+
+
+@pytest.mark.gpu
+def test_ws_kernel_fused_qkv_views_and_fallbacks(device, monkeypatch):
+    from llmkernels.attention import prefill_ws
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 code")
+    launches = []
+    real = prefill_ws.launch_ws
+    monkeypatch.setattr(prefill_ws, "launch_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    T, Hq, Hkv, D = 333, 8, 2, 128
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=torch.bfloat16, device=device)
+    q = qkv[:, :Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    cu = torch.tensor([0, 130, 333], dtype=torch.int32, device=device)
+    for kw in ({}, {"window_size": (64, -1)}, {"softcap": 20.0}):  # the last two take the Triton kernel
+        n = len(launches)
+        out = poison(torch.empty_like(q))
+        lk.flash_attn_varlen(q, k, v, cu, cu, 203, 203, causal=True, out=out, **kw)
+        ref, _ = flash_attn_varlen_ref(q, k, v, cu, cu, causal=True, **kw)
+        assert_close(out, ref, torch.bfloat16)
+        assert len(launches) == n + (0 if kw else 1)

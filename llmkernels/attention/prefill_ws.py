@@ -1,0 +1,230 @@
+"""Varlen prefill attention for Hopper (sm_90), written in Gluon: warp-specialized and fed by TMA.
+
+The Triton kernel (prefill_kernel.py) runs the two matmuls and the softmax of a key block one after the other in
+every warp, and its two warp groups meet at a barrier each step (the cp.async buffers), so little overlaps: it
+reaches about half the tensor-core peak. Here the work of one program (a 128-row query block of one (sequence,
+head), same grid order as the Triton kernel) is split between partitions of warps that meet only at mbarriers:
+
+- the loader (the default partition, 4 warps, one thread issues the copies): both 64-row halves of Q, then K and V
+  tiles of the key range into a ring of STAGES slots. ``k_ready[s]`` / ``v_ready[s]`` complete when the TMA bytes of
+  slot s have landed; ``kv_empty[s]`` completes when both consumers are done reading it.
+- two consumers, one warp group each (64 query rows): S = Q K^T with wgmma from shared memory, the online softmax in
+  registers, O += P V with P from registers. The groups run independently, so one's softmax overlaps the other's
+  matmuls. ``setmaxnreg`` gives them 240 registers each and the loader the rest.
+
+Key blocks every row of the 128-row block sees take a loop with no mask and no -inf guard; the rest (sequence end,
+causal diagonal) are masked. A tile near a sequence end reads rows of the next sequence (or TMA's zero fill past the
+last one); they are masked out of the scores, and their V rows are multiplied by p = 0.
+
+Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64 or 128, fp16/bf16, no window, softcap or sinks,
+Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel serves everything
+else, and the interpreter.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+            q_row, q_col, k_row, k_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    HALF: gl.constexpr = desc_q.block_type.shape[0]
+    mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(desc_q, [q_row + HALF, q_col], q_ready, q_smem.index(1))
+    for j in range(n_blocks):
+        s = j % STAGES
+        # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [k_row + j * BLOCK_N, k_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_v, [k_row + j * BLOCK_N, k_col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_scale, q_pos, k_len,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One key block: S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V."""
+    HALF: gl.constexpr = q.shape[0]
+    s = j % STAGES
+    ph = (j // STAGES) & 1
+    mbarrier.wait(k_ready.index(s), ph)
+    qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    if MASKED:
+        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = k_pos[None, :] < k_len
+        if CAUSAL:
+            ok = ok & (k_pos[None, :] <= q_pos[:, None])
+        sc = gl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = gl.exp2(sc - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+    else:  # every row sees every key: the new maximum is finite, the scale rides in the exponent's FMA
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p16 = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    mbarrier.wait(v_ready.index(s), ph)
+    acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    return acc, l_i, m_new
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, stride_ot, stride_oh,
+              q_start, q_len, k_len, m0, h, num_heads, n_full, n_blocks, qk_scale,
+              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    HALF: gl.constexpr = q_smem.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    r0 = m0 + HALF_ID * HALF
+    q_pos = r0 + gl.arange(0, HALF, layout=row_s) + (k_len - q_len)  # bottom-right aligned kv positions
+    m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([HALF], gl.float32, row_s)
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    q = q_smem.index(HALF_ID)
+    mbarrier.wait(q_ready, 0)
+    for j in range(n_full):
+        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_scale, q_pos,
+                              k_len, s_layout, o_layout, False, CAUSAL, BLOCK_N, STAGES)
+    for j in range(n_full, n_blocks):
+        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_scale, q_pos,
+                              k_len, s_layout, o_layout, True, CAUSAL, BLOCK_N, STAGES)
+
+    empty = l_i == 0.0  # a query that sees no key: o = 0, lse = -inf
+    l_safe = gl.where(empty, 1.0, l_i)
+    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    rows = r0 + gl.arange(0, HALF, layout=row_o)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+    gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
+    if WRITE_LSE:
+        rows_s = r0 + gl.arange(0, HALF, layout=row_s)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(LSE + (q_start + rows_s).to(gl.int64) * num_heads + h, lse, mask=rows_s < q_len)
+
+
+@gluon.jit
+def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
+                        num_m_blocks, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    HALF: gl.constexpr = desc_q.block_type.shape[0]
+    BLOCK_M: gl.constexpr = 2 * HALF
+    # query blocks fastest (K/V of one head stay in L2 across its query blocks), the last (heaviest causal) first
+    pid = gl.program_id(0)
+    pid_bh = pid // num_m_blocks
+    pid_m = num_m_blocks - 1 - pid % num_m_blocks
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start = gl.load(CU_Q + b)
+    q_len = gl.load(CU_Q + b + 1) - q_start
+    m0 = pid_m * BLOCK_M
+    if m0 < q_len:
+        k_start = gl.load(CU_K + b)
+        k_len = gl.load(CU_K + b + 1) - k_start
+        hk = h // group
+        hi = k_len
+        full_hi = k_len
+        if CAUSAL:
+            first_pos = m0 + k_len - q_len
+            last_pos = gl.minimum(m0 + BLOCK_M, q_len) - 1 + k_len - q_len
+            hi = gl.maximum(gl.minimum(k_len, last_pos + 1), 0)
+            full_hi = gl.maximum(gl.minimum(full_hi, first_pos + 1), 0)
+        n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
+        n_full = full_hi // BLOCK_N
+
+        dtype: gl.constexpr = desc_k.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], desc_q.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
+
+        gl.warp_specialize([
+            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                       q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, n_blocks, BLOCK_N, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, stride_ot, stride_oh,
+                         q_start, q_len, k_len, m0, h, num_heads, n_full, n_blocks, qk_scale, CAUSAL, WRITE_LSE, 0,
+                         BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, stride_ot, stride_oh,
+                         q_start, q_len, k_len, m0, h, num_heads, n_full, n_blocks, qk_scale, CAUSAL, WRITE_LSE, 1,
+                         BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 4], [240, 240])
+
+
+def ws_descriptors(q, k, v, block_n):
+    """Gluon TMA descriptors over Q, K, V viewed as [tokens, heads * D] (64-row Q tiles, block_n-row K/V tiles),
+    or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    D = q.shape[2]
+    descs = []
+    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
+        if (t.stride(2) != 1 or t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
+                or t.shape[0] == 0):
+            return None
+        gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gdt)
+        descs.append(TensorDescriptor(t, [t.shape[0], t.shape[1] * D], [t.stride(0), 1], [rows, D], layout))
+    return descs
+
+
+def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages):
+    """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e)."""
+    D = out.shape[2]
+    num_m = triton.cdiv(max_seqlen_q, 128)
+    batch = cu_q.shape[0] - 1
+    flash_fwd_ws_kernel[(num_m * batch * num_heads,)](
+        *descs, out, lse if lse is not None else out, cu_q, cu_k, out.stride(0), out.stride(1), num_heads, group,
+        num_m, qk_scale, CAUSAL=bool(causal), WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D,
+        STAGES=stages, num_warps=4)
+
+
+def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"):
+    """Compile the kernel for sm_90 without a GPU (ptxas ships with Triton) -> the compiled kernel (``.asm`` holds
+    ttgir / ptx / cubin, ``.metadata.shared`` the shared memory). Used by the tests and for reading the code the
+    compiler makes. It needs the compiler, not the interpreter: on a machine without a GPU set TRITON_INTERPRET=0
+    before importing llmkernels (which otherwise turns the interpreter on)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    kv_desc = f"tensordesc<{dtype}[{block_n},{head_dim}],{kv_layout!r}>"
+    sig = {"desc_q": f"tensordesc<{dtype}[64,{head_dim}],{q_layout!r}>", "desc_k": kv_desc, "desc_v": kv_desc,
+           "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
+           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32", "CAUSAL": "constexpr",
+           "WRITE_LSE": "constexpr", "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr", "STAGES": "constexpr"}
+    consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages}
+    return triton.compile(GluonASTSource(flash_fwd_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
