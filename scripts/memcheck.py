@@ -46,6 +46,12 @@ def main():
         for causal in (False, True):
             lk.flash_attn_varlen(q, k, k, cq, cq, 200, 200, causal=causal)
     ws_cases()
+    q8 = torch.randn(250, 14, 64, device=dev).to(torch.float8_e4m3fn)  # fp8 prefill, odd lengths
+    k8 = torch.randn(190, 2, 64, device=dev).to(torch.float8_e4m3fn)
+    for causal in (False, True):
+        lk.flash_attn_varlen(q8, k8, k8, torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev),
+                             torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev), 200, 133,
+                             causal=causal, return_lse=True, q_descale=0.5, k_descale=2.0, v_descale=3.0)
     for ps, kv in ((1, torch.bfloat16), (3, torch.bfloat16), (16, torch.float8_e4m3fn), (3, torch.float8_e4m3fn),
                    (1, torch.float8_e5m2)):
         lens = [5, 33, 1]

@@ -13,6 +13,7 @@ from ..tuning import OVERRIDES, lookup
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 _DTYPES = (torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn  # fp8 q/k/v (with descale factors); their output is bf16
 
 
 def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int, int, int]:
@@ -26,7 +27,8 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int
         entry = OVERRIDES.get(("prefill", "interpret"), (32, 32, 4, 1, 1, 1))
     else:
         block_d = max(16, 1 << (head_dim - 1).bit_length())  # tuned per padded head dim: 80 and 96 use 128's entry
-        key = f"{str(dtype).replace('torch.', '')}/{block_d}/{'causal' if causal else 'full'}"
+        name = "float16" if dtype == FP8 else str(dtype).replace("torch.", "")  # fp8 dots run in fp16
+        key = f"{name}/{block_d}/{'causal' if causal else 'full'}"
         entry = lookup("prefill", gpu_name(), key)
         if entry is None:
             entry = (128, 64, 8, 3, 1) if head_dim <= 128 else (128, 64, 8, 2, 0)
@@ -59,7 +61,7 @@ def _gluon_hopper(device_index: int) -> bool:
 
 def _ws_eligible(q, D, left, right, causal, softcap, sinks) -> bool:
     """The Gluon kernel serves head dims 64 and 128 without a window, softcap or sinks, on sm_90 GPUs."""
-    if interpreter_mode() or not q.is_cuda or D not in (64, 128):
+    if interpreter_mode() or not q.is_cuda or D not in (64, 128) or q.dtype not in _DTYPES:
         return False
     if left >= 0 or (right >= 0 and not causal) or softcap > 0 or sinks is not None:
         return False
@@ -101,20 +103,23 @@ def _check_softcap(softcap) -> None:
         raise ValueError(f"softcap must be >= 0 and finite, got {softcap}")
 
 
-def output_buffers(q, out, return_lse):
-    """(out [T, Hq, D] of q's dtype, checked or allocated; lse float32 [T, Hq], or an empty placeholder)."""
+def output_buffers(q, out, return_lse, out_dtype=None):
+    """(out [T, Hq, D] of q's dtype (or out_dtype), checked or allocated; lse float32 [T, Hq], or an empty
+    placeholder)."""
     T, Hq, D = q.shape
+    out_dtype = out_dtype or q.dtype
     if out is None:
-        out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+        out = torch.empty(T, Hq, D, dtype=out_dtype, device=q.device)
     else:
-        check_tensor("out", out, dtypes=(q.dtype,), shape=(T, Hq, D), last_dim_contiguous=True)
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(T, Hq, D), last_dim_contiguous=True)
     lse = torch.empty(T if return_lse else 0, Hq, dtype=torch.float32, device=q.device)
     return out, lse
 
 
-def check_attention_inputs(q, k, v, *, sinks=None, kv_dtypes=_DTYPES, q_name="q", k_name="k", v_name="v"):
+def check_attention_inputs(q, k, v, *, sinks=None, kv_dtypes=_DTYPES, q_name="q", k_name="k", v_name="v",
+                           q_dtypes=_DTYPES):
     """Shared checks for q [T, Hq, D] and k/v [..., Hkv, D]: dtypes, head counts, head dim, devices, last-dim strides."""
-    check_tensor(q_name, q, dtypes=_DTYPES, last_dim_contiguous=True)
+    check_tensor(q_name, q, dtypes=q_dtypes, last_dim_contiguous=True)
     check_tensor(k_name, k, dtypes=kv_dtypes, last_dim_contiguous=True)
     check_tensor(v_name, v, dtypes=kv_dtypes, last_dim_contiguous=True)
     if q.dim() != 3:
@@ -138,7 +143,7 @@ def check_attention_inputs(q, k, v, *, sinks=None, kv_dtypes=_DTYPES, q_name="q"
 
 
 def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, causal, softmax_scale, left, right,
-                    softcap, sinks):
+                    softcap, sinks, descales=None):
     total_q, Hq, D = q.shape
     Hkv = k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -165,26 +170,46 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
     num_m = triton.cdiv(max_seqlen_q, BLOCK_M)
     grid = (num_m * batch * Hq,)
     # the descriptors serve only the unmasked loop, which runs when the scale is folded and there is no softcap
-    descs = _kv_descriptors(k, v, BLOCK_N) if tma and fold and softcap <= 0 else None
+    descs = _kv_descriptors(k, v, BLOCK_N) if tma and fold and softcap <= 0 and q.dtype != FP8 else None
     from .prefill_kernel import flash_fwd_kernel
 
     flash_fwd_kernel[grid](
         q, k, v, out, lse if lse is not None else out, sinks if sinks is not None else out,
-        cu_seqlens_q, cu_seqlens_k, *(descs or (None, None)),
+        cu_seqlens_q, cu_seqlens_k, *(descs or (None, None)), descales if descales is not None else cu_seqlens_q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         Hq, Hq // Hkv, num_m, qk_scale, softcap, left, right,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0, HAS_SINK=sinks is not None,
-        WRITE_LSE=lse is not None, FOLD_SCALE=fold, USE_TMA=descs is not None, num_warps=num_warps,
-        num_stages=num_stages)
+        WRITE_LSE=lse is not None, FOLD_SCALE=fold, USE_TMA=descs is not None, FP8=q.dtype == FP8,
+        num_warps=num_warps, num_stages=num_stages)
+
+
+def _descales(q, fp8, q_descale, k_descale, v_descale):
+    """float32 [3] (q, k, v descale) on q's device for fp8 inputs, else None; descales with fp16/bf16 inputs are an
+    error (they would be ignored)."""
+    given = {n: d for n, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+             if d is not None}
+    if not fp8:
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to fp8 (float8_e4m3fn) inputs only, got {q.dtype} q")
+        return None
+    from ..kv_cache import as_scale_tensor
+
+    if any(isinstance(d, torch.Tensor) for d in given.values()):  # stays on the device: no sync, graph-safe
+        return torch.cat([as_scale_tensor(n, given.get(n, 1.0), q.device)
+                          for n in ("q_descale", "k_descale", "v_descale")])
+    for n, d in given.items():
+        as_scale_tensor(n, d, "cpu")  # value checks
+    return torch.tensor([float(given.get(n, 1.0)) for n in ("q_descale", "k_descale", "v_descale")],
+                        dtype=torch.float32, device=q.device)
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor,
                           write_lse: bool, causal: bool, softmax_scale: float, left: int, right: int, softcap: float,
-                          sinks: torch.Tensor | None) -> None:
+                          sinks: torch.Tensor | None, descales: torch.Tensor | None) -> None:
     _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse if write_lse else None, causal,
-                    softmax_scale, left, right, softcap, sinks)
+                    softmax_scale, left, right, softcap, sinks, descales)
 
 
 _flash_attn_varlen_op = torch.library.custom_op("llmkernels::flash_attn_varlen_out",
@@ -193,12 +218,13 @@ _flash_attn_varlen_op = torch.library.custom_op("llmkernels::flash_attn_varlen_o
 
 @_flash_attn_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, write_lse, causal, softmax_scale, left, right,
-      softcap, sinks):
+      softcap, sinks, descales):
     return None
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, causal=False,
-                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False, out=None):
+                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False, out=None,
+                      q_descale=None, k_descale=None, v_descale=None):
     """Attention over concatenated variable-length sequences (prefill), FlashAttention style.
 
     Args:
@@ -215,7 +241,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
         sinks: float32 [Hq], one extra logit per head in the softmax denominator (no value).
         return_lse: also return float32 [total_q, Hq], the natural-log sum of exp of the scaled scores
             (sink included); -inf for a query that sees nothing.
-        out: optional [total_q, Hq, D] output buffer of q's dtype.
+        out: optional [total_q, Hq, D] output buffer of q's dtype (bf16 for fp8 inputs).
+        q_descale, k_descale, v_descale: with fp8 (``torch.float8_e4m3fn``) q, k and v, which hold q / q_descale
+            and so on: per-tensor factors, floats or 1-element float32 tensors (default 1.0). The output is bf16.
 
     Returns o [total_q, Hq, D] (and lse). D in (32, 64, 80, 96, 128, 192, 256).
 
@@ -225,7 +253,10 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
     >>> cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device="cuda")
     >>> o = flash_attn_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True)
     """
-    Hq, Hkv, D = check_attention_inputs(q, k, v, sinks=sinks)
+    fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8
+    Hq, Hkv, D = check_attention_inputs(q, k, v, sinks=sinks, q_dtypes=(*_DTYPES, FP8),
+                                        kv_dtypes=(FP8,) if fp8 else _DTYPES)
+    descales = _descales(q, fp8, q_descale, k_descale, v_descale)
     if k.dim() != 3:
         raise ValueError(f"k must be [total_k, num_kv_heads, head_dim], got shape {tuple(k.shape)}")
     if D not in HEAD_DIMS:
@@ -238,15 +269,15 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
             raise TypeError(f"{name} must be a non-negative int, got {val!r}")
     left, right = _check_window(window_size)
     _check_softcap(softcap)
-    out, lse = output_buffers(q, out, return_lse)
+    out, lse = output_buffers(q, out, return_lse, torch.bfloat16 if fp8 else None)
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     call_op(_flash_attn_varlen_op, _flash_attn_varlen_impl, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks)
+            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks, descales)
     return (out, lse) if return_lse else out
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,
-               return_lse=False, out=None):
+               return_lse=False, out=None, q_descale=None, k_descale=None, v_descale=None):
     """Dense batched attention: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> o [B, Sq, Hq, D] (lse [B, Sq, Hq]).
 
     A convenience over ``flash_attn_varlen`` with equal lengths; same keyword arguments.
@@ -267,7 +298,8 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
     res = flash_attn_varlen(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, *k.shape[2:]),
                             v.reshape(B * Sk, *v.shape[2:]), cu_q, cu_k, Sq, Sk, causal=causal,
                             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, sinks=sinks,
-                            return_lse=return_lse, out=out_flat)
+                            return_lse=return_lse, out=out_flat, q_descale=q_descale, k_descale=k_descale,
+                            v_descale=v_descale)
     if return_lse:
         return res[0].view(B, Sq, Hq, D), res[1].view(B, Sq, Hq)
     return res.view(B, Sq, Hq, D)

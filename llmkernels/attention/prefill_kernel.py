@@ -34,6 +34,7 @@ def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos
             k = tl.load(k_base + k_pos[:, None] * stride_kt + offs_d[None, :], mask=ld_mask, other=0.0)
         else:  # every key of the block is in range: only padded head-dim columns are masked
             k = _load_rows(k_base, k_pos, stride_kt, offs_d, HEAD_DIM, BLOCK_D)
+        k = k.to(q.dtype)  # (fp8 inputs: q is fp16 already, and e4m3 -> fp16 is exact)
         s = scale_scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
         if MASKED:
             s = tl.where(window_mask(q_pos, k_pos, k_len, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
@@ -41,7 +42,7 @@ def _prefill_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos
             v = tl.load(v_base + k_pos[:, None] * stride_vt + offs_d[None, :], mask=ld_mask, other=0.0)
         else:
             v = _load_rows(v_base, k_pos, stride_vt, offs_d, HEAD_DIM, BLOCK_D)
-        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v)
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v.to(q.dtype))
     return acc, l_i, m_i
 
 
@@ -60,23 +61,26 @@ def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start,
             k = desc_k.load([k_row0 + start_n, k_col0])
         else:
             k = _load_rows(k_base, start_n + offs_n, stride_kt, offs_d, HEAD_DIM, BLOCK_D)
-        p, acc, l_i, m_i = online_softmax_update_full(acc, l_i, m_i, tl.dot(q, tl.trans(k)), qk_scale)
+        p, acc, l_i, m_i = online_softmax_update_full(acc, l_i, m_i, tl.dot(q, tl.trans(k.to(q.dtype))), qk_scale)
         if USE_TMA:
             v = desc_v.load([k_row0 + start_n, k_col0])
         else:
             v = _load_rows(v_base, start_n + offs_n, stride_vt, offs_d, HEAD_DIM, BLOCK_D)
-        acc = tl.dot(p.to(q.dtype), v, acc)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, l_i, m_i
 
 
 @triton.jit
-def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V,
+def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, DESCALES,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      num_heads, group, num_m_blocks, qk_scale, softcap, left, right,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                     USE_TMA: tl.constexpr):
+                     USE_TMA: tl.constexpr, FP8: tl.constexpr = 0):
+    """FP8: q, k, v are e4m3 holding values / descale; DESCALES -> float32 [q, k, v descale]. They are widened to
+    fp16 where loaded (exact), the dots run in fp16, q_descale * k_descale joins the score scale and v_descale the
+    output."""
     # One grid axis, query blocks fastest: the programs that run at the same time share a (sequence, head), and the
     # heads of one KV group are neighbours, so K/V tiles are read from DRAM once and then hit L2 for the other query
     # blocks. (Heads fastest, as before, spread the resident programs over all heads: at S=16384 the L2 hit rate was
@@ -103,6 +107,11 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V,
     d_ok = offs_d < HEAD_DIM
     q_ptrs = Q + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    v_descale = 1.0
+    if FP8:
+        q = q.to(tl.float16)
+        qk_scale = qk_scale * tl.load(DESCALES) * tl.load(DESCALES + 1)
+        v_descale = tl.load(DESCALES + 2)
     k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
 
@@ -136,6 +145,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V,
     if HAS_SINK:
         sink_log2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
     o, lse = finalize(acc, l_i, m_i, sink_log2, HAS_SINK)
+    if FP8:
+        o = o * v_descale
     o_ptrs = O + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:

@@ -283,3 +283,54 @@ def test_ws_kernel_fused_qkv_views_and_fallbacks(device, monkeypatch):
         ref, _ = flash_attn_varlen_ref(q, k, v, cu, cu, causal=True, **kw)
         assert_close(out, ref, torch.bfloat16)
         assert len(launches) == n + (0 if kw else 1)
+
+
+# --- fp8 (e4m3) q / k / v with per-tensor descale factors ----------------------------------------------------------
+
+def make_fp8(q_lens, k_lens, Hq, Hkv, D, device, tensors):
+    q, k, v, cq, ck, mq, mk = make(q_lens, k_lens, Hq, Hkv, D, torch.float32, device)
+    scales = [0.5 + torch.rand(()).item() for _ in range(3)]  # the stored value times its descale is the value
+    q8, k8, v8 = ((t * 4 / s).to(torch.float8_e4m3fn) for t, s in zip((q, k, v), scales))
+    ds = [torch.tensor([s / 4], device=device) if tensors else s / 4 for s in scales]
+    deq = [t.float() * (s / 4) for t, s in zip((q8, k8, v8), scales)]
+    return (q8, k8, v8), ds, deq, cq, ck, mq, mk
+
+
+@pytest.mark.parametrize("tensors", [False, True])
+@pytest.mark.parametrize("case", [([37, 5], [37, 60], 4, 2, 64, True, (-1, -1), 0.0),
+                                  ([70, 9], None, 7, 1, 32, False, (16, 4), 20.0)],
+                         ids=["causal_gqa", "window_softcap_mqa"])
+def test_fp8_inputs_with_descales(case, tensors, device):
+    q_lens, k_lens, Hq, Hkv, D, causal, window, softcap = case
+    (q8, k8, v8), ds, (q, k, v), cq, ck, mq, mk = make_fp8(q_lens, k_lens, Hq, Hkv, D, device, tensors)
+    out = poison(torch.empty(q8.shape, dtype=torch.bfloat16, device=device))
+    o, lse = lk.flash_attn_varlen(q8, k8, v8, cq, ck, mq, mk, causal=causal, window_size=window, softcap=softcap,
+                                  return_lse=True, out=out, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    assert o.dtype == torch.bfloat16 and o.data_ptr() == out.data_ptr()
+    ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal, window_size=window, softcap=softcap)
+    assert_close(o, ro, torch.bfloat16, "o")
+    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+
+
+def test_fp8_bad_input(device):
+    (q8, k8, v8), _, _, cq, ck, mq, mk = make_fp8([9], None, 2, 1, 32, device, False)
+    qb = q8.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="q_descale apply to fp8"):
+        lk.flash_attn_varlen(qb, qb, qb, cq, ck, mq, mk, q_descale=2.0)
+    with pytest.raises(TypeError, match="k must have dtype in \\(float8_e4m3fn\\)"):
+        lk.flash_attn_varlen(q8, qb, qb, cq, ck, mq, mk)
+    with pytest.raises(ValueError, match="v_descale must be a positive float"):
+        lk.flash_attn_varlen(q8, k8, v8, cq, ck, mq, mk, v_descale=-1.0)
+    with pytest.raises(TypeError, match="out must have dtype in \\(bfloat16\\)"):
+        lk.flash_attn_varlen(q8, k8, v8, cq, ck, mq, mk, out=torch.empty(q8.shape, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_inputs_gpu(causal, device):
+    (q8, k8, v8), ds, (q, k, v), cq, ck, mq, mk = make_fp8([1000, 333, 4097], None, 8, 2, 128, device, True)
+    out = poison(torch.empty(q8.shape, dtype=torch.bfloat16, device=device))
+    lk.flash_attn_varlen(q8, k8, v8, cq, ck, mq, mk, causal=causal, out=out, q_descale=ds[0], k_descale=ds[1],
+                         v_descale=ds[2])
+    ro, _ = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
+    assert_close(out, ro, torch.bfloat16, "o")
