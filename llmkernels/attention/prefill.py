@@ -59,9 +59,16 @@ def _gluon_hopper(device_index: int) -> bool:
     return True
 
 
-def _ws_eligible(q, D, left, right, causal, softcap, sinks) -> bool:
+# The Gluon path costs more host time per call than the Triton kernel (H100 machine, S=512, 32 heads, eager: about
+# 200 against 100 us, mostly Gluon's descriptor objects and launch), so it takes only calls with enough work to
+# hide that: max_seqlen_q * max_seqlen_k * Hq >= WS_MIN_WORK (2^26: about 1450^2 tokens x 32 heads, some 60 us of
+# GPU time). Tests set it to 0.
+WS_MIN_WORK = 1 << 26
+
+
+def _ws_eligible(q, D, left, right, causal, softcap, sinks, work) -> bool:
     """The Gluon kernel serves head dims 64 and 128 without a window, softcap or sinks, on sm_90 GPUs."""
-    if interpreter_mode() or not q.is_cuda or D not in (64, 128) or q.dtype not in _DTYPES:
+    if interpreter_mode() or not q.is_cuda or D not in (64, 128) or q.dtype not in _DTYPES or work < WS_MIN_WORK:
         return False
     if left >= 0 or (right >= 0 and not causal) or softcap > 0 or sinks is not None:
         return False
@@ -143,7 +150,7 @@ def check_attention_inputs(q, k, v, *, sinks=None, kv_dtypes=_DTYPES, q_name="q"
 
 
 def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, causal, softmax_scale, left, right,
-                    softcap, sinks, descales=None):
+                    softcap, sinks, descales=None, max_seqlen_k=None):
     total_q, Hq, D = q.shape
     Hkv = k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -155,7 +162,8 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         right = 0 if right < 0 else min(right, 0)
     softcap = float(softcap)
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
-    ws = ws_config(q.dtype, D, causal) if _ws_eligible(q, D, left, right, causal, softcap, sinks) else None
+    work = max_seqlen_q * (max_seqlen_k if max_seqlen_k is not None else max_seqlen_q) * Hq
+    ws = ws_config(q.dtype, D, causal) if _ws_eligible(q, D, left, right, causal, softcap, sinks, work) else None
     if ws is not None:
         from .prefill_ws import launch_ws, ws_descriptors
 
@@ -207,9 +215,9 @@ def _descales(q, fp8, q_descale, k_descale, v_descale):
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor,
                           write_lse: bool, causal: bool, softmax_scale: float, left: int, right: int, softcap: float,
-                          sinks: torch.Tensor | None, descales: torch.Tensor | None) -> None:
+                          sinks: torch.Tensor | None, descales: torch.Tensor | None, max_seqlen_k: int) -> None:
     _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse if write_lse else None, causal,
-                    softmax_scale, left, right, softcap, sinks, descales)
+                    softmax_scale, left, right, softcap, sinks, descales, max_seqlen_k)
 
 
 _flash_attn_varlen_op = torch.library.custom_op("llmkernels::flash_attn_varlen_out",
@@ -218,7 +226,7 @@ _flash_attn_varlen_op = torch.library.custom_op("llmkernels::flash_attn_varlen_o
 
 @_flash_attn_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, write_lse, causal, softmax_scale, left, right,
-      softcap, sinks, descales):
+      softcap, sinks, descales, max_seqlen_k):
     return None
 
 
@@ -272,7 +280,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
     out, lse = output_buffers(q, out, return_lse, torch.bfloat16 if fp8 else None)
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     call_op(_flash_attn_varlen_op, _flash_attn_varlen_impl, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks, descales)
+            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks, descales,
+            int(max_seqlen_k))
     return (out, lse) if return_lse else out
 
 

@@ -20,6 +20,8 @@ Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64 or 128, fp
 Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel serves everything
 else, and the interpreter.
 """
+import functools
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -180,6 +182,11 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, s
         ], [4, 4], [240, 240])
 
 
+@functools.cache
+def _smem_layout(rows, head_dim, bf16):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
+
+
 def ws_descriptors(q, k, v, block_n):
     """Gluon TMA descriptors over Q, K, V viewed as [tokens, heads * D] (64-row Q tiles, block_n-row K/V tiles),
     or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens."""
@@ -192,8 +199,7 @@ def ws_descriptors(q, k, v, block_n):
         if (t.stride(2) != 1 or t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
                 or t.shape[0] == 0):
             return None
-        gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gdt)
+        layout = _smem_layout(rows, D, t.dtype == torch.bfloat16)
         descs.append(TensorDescriptor(t, [t.shape[0], t.shape[1] * D], [t.stride(0), 1], [rows, D], layout))
     return descs
 

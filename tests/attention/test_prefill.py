@@ -246,11 +246,12 @@ def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, c
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}")
 def test_ws_kernel_gpu(case, dtype, config, device, monkeypatch):
-    from llmkernels.attention import prefill_ws
+    from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is sm_90 code")
+    monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)  # small test shapes would take the Triton kernel
     q_lens, k_lens, Hq, Hkv, D, causal = case
     key = f"{str(dtype).replace('torch.', '')}/{D}/{'causal' if causal else 'full'}/ws"
     monkeypatch.setitem(OVERRIDES, ("prefill", key), list(config))
@@ -263,10 +264,11 @@ def test_ws_kernel_gpu(case, dtype, config, device, monkeypatch):
 
 @pytest.mark.gpu
 def test_ws_kernel_fused_qkv_views_and_fallbacks(device, monkeypatch):
-    from llmkernels.attention import prefill_ws
+    from llmkernels.attention import prefill, prefill_ws
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is sm_90 code")
+    monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)
     launches = []
     real = prefill_ws.launch_ws
     monkeypatch.setattr(prefill_ws, "launch_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
