@@ -70,7 +70,8 @@ def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start,
     return acc, l_i, m_i
 
 
-@triton.jit
+# num_m_blocks follows max_seqlen_q: not specialized (== 1, divisible by 16), so a new length never recompiles
+@triton.jit(do_not_specialize=["num_m_blocks"])
 def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, DESCALES,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      num_heads, group, num_m_blocks, qk_scale, softcap, left, right,

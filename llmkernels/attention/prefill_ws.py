@@ -127,7 +127,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
         gl.store(LSE + (q_start + rows_s).to(gl.int64) * num_heads + h, lse, mask=rows_s < q_len)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_m_blocks"])  # follows max_seqlen_q: a new length never recompiles
 def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
                         num_m_blocks, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):

@@ -336,3 +336,24 @@ def test_fp8_inputs_gpu(causal, device):
                          v_descale=ds[2])
     ro, _ = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
     assert_close(out, ro, torch.bfloat16, "o")
+
+
+@pytest.mark.gpu
+def test_new_lengths_do_not_recompile(device, monkeypatch):
+    # max_seqlen_q sets num_m_blocks (1, 16, 17 blocks here): it must not pick a new specialization of either kernel
+    from llmkernels.attention import prefill
+    from llmkernels.attention.prefill_kernel import flash_fwd_kernel
+
+    kernels = [(flash_fwd_kernel, {"window_size": (1 << 20, -1)})]  # a window: the Triton kernel
+    if torch.cuda.get_device_capability() == (9, 0):
+        from llmkernels.attention.prefill_ws import flash_fwd_ws_kernel
+
+        monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)
+        kernels.append((flash_fwd_ws_kernel, {}))
+    for kernel, kw in kernels:
+        counts = []
+        for S in (100, 2048, 2100):
+            q, k, v, cq, ck, mq, mk = make([S], None, 4, 2, 128, torch.bfloat16, device)
+            lk.flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=True, **kw)
+            counts.append(sum(len(c[0]) for c in kernel.device_caches.values()))
+        assert counts[1] == counts[0] and counts[2] == counts[0], counts
