@@ -30,6 +30,33 @@ def ws_cases(dev="cuda"):
         del OVERRIDES[key]
 
 
+def ws_decode_cases(dev="cuda"):
+    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 128, split and not, group 7."""
+    from llmkernels.attention import plan as plan_mod
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    plan_mod.WS_DECODE_MIN_BYTES = 0
+    for ps, Hq, Hkv, D, splits in ((16, 28, 4, 128, 0), (8, 8, 1, 128, 1), (128, 16, 2, 64, 3)):
+        lens = [1, 17, 300, 65, 1000]
+        npg = [-(-L // ps) for L in lens]
+        kc = torch.randn(sum(npg) + 2, ps, Hkv, D, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        pt = torch.zeros(len(lens), max(npg) + 2, dtype=torch.int32, device=dev)
+        off = 0
+        for b, n in enumerate(npg):
+            pt[b, :n] = torch.arange(off, off + n, device=dev)
+            off += n
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
+        q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
+        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                       num_splits=splits, device=dev)
+        assert plan.ws_decode
+        lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan)
+    plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
+
+
 def main():
     dev = "cuda"
     torch.manual_seed(0)
@@ -48,6 +75,7 @@ def main():
         for causal in (False, True):
             lk.flash_attn_varlen(q, k, k, cq, cq, 200, 200, causal=causal)
     ws_cases()
+    ws_decode_cases()
     q8 = torch.randn(250, 14, 64, device=dev).to(torch.float8_e4m3fn)  # fp8 prefill, odd lengths
     k8 = torch.randn(190, 2, 64, device=dev).to(torch.float8_e4m3fn)
     for causal in (False, True):

@@ -31,14 +31,41 @@ def _check_fp8_words(name, cache):
                          + ("" if _capturing_compile() else f", data_ptr % 16 = {cache.data_ptr() % 16}"))
 
 
+def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
+                    scale, sms):
+    """The persistent Gluon decode kernel (paged_ws.py), then combine_kernel over its split partials; False (nothing
+    launched) where the caches have no TMA view."""
+    from .paged_kernel import combine_kernel
+    from .paged_ws import launch_decode_ws, page_descriptors
+
+    descs = page_descriptors(k_cache, v_cache, 64)
+    if descs is None:
+        return False
+    total_q, Hq, D = q.shape
+    split = num_splits > 1
+    launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
+                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms)
+    if split:
+        combine_kernel[(total_q, Hq)](
+            ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
+            out.stride(0), out.stride(1), Hq, num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=False, WRITE_LSE=False, num_warps=4)
+    return True
+
+
 def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
-                v_scale_f, custom_mask):
+                v_scale_f, custom_mask, ws_decode=False):
     from .paged_kernel import combine_kernel, paged_attn_kernel
 
     total_q, Hq, D = q.shape
     Hkv, page_size = k_cache.shape[2], k_cache.shape[1]
     if total_q == 0:
+        return
+    # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
+    if (ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse
+            and _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits,
+                                ws_o, ws_lse, scale, num_sms(q.device))):
         return
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)
@@ -93,10 +120,10 @@ def _paged_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                         ws_o: torch.Tensor | None, ws_lse: torch.Tensor | None, causal: bool, scale: float,
                         left: int, right: int, softcap: float, sinks: torch.Tensor | None,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_scale_f: float,
-                        v_scale_f: float, custom_mask: torch.Tensor | None) -> None:
+                        v_scale_f: float, custom_mask: torch.Tensor | None, ws_decode: bool) -> None:
     _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
-                v_scale_f, custom_mask)
+                v_scale_f, custom_mask, ws_decode)
 
 
 _paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
@@ -105,7 +132,8 @@ _paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs, num_splits,
-      ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f, v_scale_f, custom_mask):
+      ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f, v_scale_f, custom_mask,
+      ws_decode):
     return None
 
 
@@ -211,5 +239,5 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
     call_op(_paged_attention_op, _paged_attention_impl, q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
             out, lse, bool(return_lse), tiles,
                         configs, plan.num_splits, plan.workspace_o, plan.workspace_lse, bool(causal), scale, left,
-                        right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask)
+                        right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask, bool(plan.ws_decode))
     return (out, lse) if return_lse else out

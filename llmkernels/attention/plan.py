@@ -22,6 +22,10 @@ PAGED_HEAD_DIMS = (64, 96, 128, 256)
 MIN_KEYS_PER_SPLIT = 512  # keys per split below which a second wave of split programs does not pay
 MIN_KEYS_FEW = 64  # the same with few programs (see _kernel_config's "few" tiles)
 MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K/V tiles)
+# The Gluon decode kernel (paged_ws.py) serves calls that read at least this many K/V bytes: its host cost per eager
+# call (descriptors, Gluon launch) is about 100 us more than the Triton kernel's, as for prefill
+WS_DECODE_MIN_BYTES = 1 << 25
+WS_MIN_KEYS_PER_SPLIT = 256
 
 
 @dataclasses.dataclass
@@ -61,6 +65,7 @@ class PagedAttentionPlan:
     workspace_o: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq, D]
     workspace_lse: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq]
     short_q_max: int = 1
+    ws_decode: bool = False  # the persistent Gluon decode kernel (paged_ws.py) where the call allows it
 
     @property
     def group(self) -> int:
@@ -77,6 +82,10 @@ class PagedAttentionPlan:
                          f"heads x {self.num_splits} splits; tile = {ln.block_q} tokens x {self.group} heads "
                          f"-> {ln.block_m} rows, {ln.block_n} keys per step, {ln.num_warps} warps, "
                          f"{ln.num_stages} stages")
+        if self.ws_decode:
+            lines.append(f"  kernel: persistent Gluon decode (sm_90, TMA) over {self.num_splits} split(s) per "
+                         f"(sequence, kv head), one program per SM; the Triton launch above serves calls it cannot "
+                         f"take (left window, softcap, sinks, custom mask, LSE, non-contiguous caches)")
         if self.num_splits > 1:
             lines.append(f"  merge: the last of the {self.num_splits} split programs of each tile and kv head merges "
                          f"their partial (o, lse) in float32 (a separate combine kernel inside a CUDA-graph capture "
@@ -94,6 +103,9 @@ class PagedAttentionPlan:
         """
         q_lens, k_lens = _host_lengths(cu_seqlens_q, seq_lens)
         _check_lengths(q_lens, k_lens)
+        if self.ws_decode and len(q_lens) and int(q_lens.max()) > 1:
+            raise ValueError(f"plan.update: the plan runs the one-query-per-sequence decode kernel, but a sequence has "
+                             f"{int(q_lens.max())} new queries; make a new plan")
         tiles = _tiles(q_lens, self.short_q_max, {ln.name: ln.block_q for ln in self.launches})
         names = {ln.name for ln in self.launches}
         for name, (seqs, _) in tiles.items():
@@ -189,6 +201,21 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
     return (64, 4, 3) if name == "short" else (64, 4, 2)
 
 
+def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype) -> bool:
+    """Whether the batch suits the persistent Gluon decode kernel (paged_ws.py): sm_90 with Gluon, one query per
+    sequence, a 16-bit cache, page size 8/16/32 or a multiple of 64, head dim 64 or 128, group <= 64, and enough
+    K/V bytes to hide its host cost."""
+    if interpreter_mode() or device.type != "cuda" or kv_dtype != q_dtype or head_dim not in (64, 128) or group > 64:
+        return False
+    if not (page_size in (8, 16, 32) or page_size % 64 == 0) or not len(q_lens) or int(q_lens.max()) != 1:
+        return False
+    if int(k_lens.sum()) * num_kv_heads * head_dim * 2 * 2 < WS_DECODE_MIN_BYTES:
+        return False
+    from .prefill import _gluon_hopper
+
+    return _gluon_hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                          *, q_dtype, kv_dtype, num_splits: int = 0, max_tiles: int | None = None,
                          max_tokens: int | None = None, device=None) -> PagedAttentionPlan:
@@ -233,7 +260,17 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     sms = num_sms(device)
     programs = max(1, total_tiles * num_kv_heads)
     few = 2 * programs <= sms
-    if num_splits == 0:
+    ws = _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype)
+    if ws:
+        reasons.append("one query per sequence, 16-bit cache, page size and head dim it takes, "
+                       f">= {WS_DECODE_MIN_BYTES >> 20} MB of K/V -> the persistent Gluon decode kernel (sm_90)")
+    if ws and num_splits == 0:
+        # one program per SM walks the (sequence, kv head, split) units: split only to give every SM a unit
+        max_len = int(k_lens.max()) if len(k_lens) else 0
+        num_splits = int(max(1, min(sms // programs, max_len // WS_MIN_KEYS_PER_SPLIT, 64)))
+        reasons.append(f"{programs} (sequence, kv head) units for {sms} SMs -> split-KV x{num_splits} (>= "
+                       f"{WS_MIN_KEYS_PER_SPLIT} keys per split)")
+    elif num_splits == 0:
         max_len = int(k_lens.max()) if len(k_lens) else 0
         if programs >= sms:
             num_splits = 1
@@ -273,7 +310,8 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
         launches.append(ln)
     total_q = int(q_lens.sum())
     plan = PagedAttentionPlan(page_size, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, num_splits,
-                              launches, variant, len(q_lens), total_q, device, reasons, short_q_max=short_q_max)
+                              launches, variant, len(q_lens), total_q, device, reasons, short_q_max=short_q_max,
+                              ws_decode=ws)
     if num_splits > 1:
         cap_tokens = max(total_q, max_tokens or 0, 1)
         plan.workspace_o = torch.empty(num_splits, cap_tokens, num_q_heads, head_dim, dtype=torch.float32,

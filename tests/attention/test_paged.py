@@ -240,3 +240,112 @@ def test_torch_compile_paged(device):
                       fullgraph=True)
     ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
     assert_close(f(q), 2 * ref, torch.bfloat16)
+
+
+# --- the persistent Gluon decode kernel (attention/paged_ws.py, sm_90) -------------------------------------------
+
+WS_CASES = [
+    ([1] * 7, [1, 17, 100, 1000, 4097, 64, 65], 16, 32, 8, 128, {}),  # splits chosen by the plan
+    ([1] * 5, [300, 31, 999, 1, 64], 64, 28, 4, 128, dict(num_splits=3)),  # group 7, page 64, fixed splits
+    ([1, 0, 1], [700, 5, 2000], 128, 16, 2, 64, {}),  # page 128, D 64, a sequence without queries
+    ([1] * 3, [33, 800, 257], 8, 8, 1, 128, dict(num_splits=1)),  # page 8, MQA (group 8), no split
+]
+
+
+def _spy_ws(monkeypatch):
+    from llmkernels.attention import paged_ws, plan
+
+    monkeypatch.setattr(plan, "WS_DECODE_MIN_BYTES", 0)  # small test batches would take the Triton kernel
+    launches = []
+    real = paged_ws.launch_decode_ws
+    monkeypatch.setattr(paged_ws, "launch_decode_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    return launches
+
+
+def test_ws_plan_refuses_more_than_one_query(monkeypatch):
+    from llmkernels.attention import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_ws_decode", lambda *a: True)
+    cq = torch.tensor([0, 1, 2], dtype=torch.int32)
+    p = lk.plan_paged_attention(cq, torch.tensor([40, 900], dtype=torch.int32), 16, 8, 2, 128,
+                                q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device="cpu")
+    assert p.ws_decode and "persistent Gluon decode" in p.describe()
+    with pytest.raises(ValueError, match="one-query-per-sequence decode kernel"):
+        p.update(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([40, 900], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("page_size, head_dim, split", [(16, 128, False), (128, 64, True)])
+def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split):
+    # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    code = ("import triton; from llmkernels.attention.paged_ws import compile_sm90; "
+            f"k = compile_sm90({page_size}, {head_dim}, split={split}, stages=3); p = k.asm['ptx']; "
+            "print('wgmma', 'wgmma.mma_async' in p, 'tma', 'cp.async.bulk.tensor' in p, 'local', '.local' in p)")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["wgmma", "True", "tma", "True", "local", "False"], res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
+def test_ws_decode_gpu(case, dtype, device, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 code")
+    launches = _spy_ws(monkeypatch)
+    q_lens, k_lens, ps, Hq, Hkv, D, kw = case
+    q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=dtype, device=device)
+    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=dtype, kv_dtype=dtype, device=device,
+                                num_splits=kw.get("num_splits", 0))
+    assert p.ws_decode
+    out = poison(torch.empty_like(q))
+    lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out)
+    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
+    assert_close(out, ref, dtype, "o")
+    assert launches, "the call did not take the Gluon kernel"
+    # the calls it cannot take fall back to the Triton kernel with the same plan
+    n = len(launches)
+    o, lse = lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, return_lse=True)
+    ro, rl = paged_attention_ref(q, kc, vc, pt, sl, cq)
+    assert_close(o, ro, dtype, "o")
+    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+    assert len(launches) == n
+
+
+@pytest.mark.gpu
+def test_ws_decode_cuda_graph_replay_with_new_lengths(device, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 code")
+    launches = _spy_ws(monkeypatch)
+    Hq, Hkv, D, ps = 32, 8, 128, 16
+    q, kc, vc, pt, sl, cq = build([1] * 8, [600] * 8, ps, Hq, Hkv, D, dtype=torch.bfloat16, device=device,
+                                  extra_pages=400)
+    plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                   device=device)
+    assert plan.ws_decode and plan.num_splits > 1
+    out = torch.empty_like(q)
+    pt_big = torch.zeros(8, 64, dtype=torch.int32, device=device)
+    pt_big[:, :pt.shape[1]] = pt
+    lk.paged_attention(q, kc, vc, pt_big, sl, cq, 1, plan=plan, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        lk.paged_attention(q, kc, vc, pt_big, sl, cq, 1, plan=plan, out=out)
+    for new_len in (3, 49, 601):
+        lens = torch.randint(1, new_len + 1, (8,), dtype=torch.int32)
+        sl.copy_(lens)
+        plan.update(cq.cpu(), lens)
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        ref, _ = paged_attention_ref(q, kc, vc, pt_big, sl, cq)
+        assert_close(out, ref, torch.bfloat16)
+    assert launches

@@ -1,0 +1,247 @@
+"""Batch decode over a paged KV cache for Hopper (sm_90), in Gluon: persistent, warp-specialized, fed by TMA.
+
+Work units are (decode tile, KV head, split): the GROUP query heads of one KV head for one sequence's next token,
+over one split of its keys. A persistent grid of one program per SM walks the units u = pid, pid + P, ...; two
+partitions of the program walk the same list:
+
+- the loader (default partition, 4 warps, one thread issuing) reads each tile's page ids one tile ahead and copies
+  K and V pages with TMA into a ring of STAGES slots of BLOCK_N keys (``k_ready`` / ``v_ready`` with transaction
+  counts, ``kv_empty`` when the consumer is done). It runs ahead across unit boundaries, so the next unit's first
+  pages are in flight while this one finishes: no per-unit pipeline fill;
+- the consumer (one warp group): S = Q K^T and O += P V with wgmma (the GROUP query rows padded to 64), the online
+  softmax, and the unit's output: the final O, or with splits a float32 partial and its LSE for ``combine_kernel``.
+
+Pages past a sequence's last one read row ``num_pages * page_size``, past the cache: TMA fills them with zeros and
+counts their bytes, so every copy of a tile is issued and the barrier's byte count always matches. Keys past the
+unit's range are masked out of the scores.
+
+Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), fp16/bf16 caches,
+page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contiguous caches, no left window, softcap,
+sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton kernel serves the
+rest.
+"""
+import functools
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
+    """(sequence, kv head, split, first key, last key + 1) of work unit u."""
+    per_tile = num_kv_heads * num_splits
+    b = gl.load(TILE_SEQ + u // per_tile)
+    hk = (u % per_tile) // num_splits
+    split = u % num_splits
+    k_len = gl.load(SEQ_LENS + b)
+    chunk = ((k_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = gl.minimum(split * chunk, k_len)
+    hi = gl.minimum(lo + chunk, k_len)
+    return b, hk, split, lo, hi
+
+
+@gluon.jit
+def _page_rows(pt_row, key0, n_pages, num_pages, PAGE_SIZE: gl.constexpr, NSUB: gl.constexpr,
+               ROWS: gl.constexpr, layout: gl.constexpr):
+    """Cache rows (page * PAGE_SIZE + offset) of the NSUB sub-tiles of ROWS keys from key0; past the sequence's
+    pages, the row past the cache (TMA reads zeros there)."""
+    sub = gl.arange(0, NSUB, layout=layout)
+    key = key0 + sub * ROWS
+    pg = key // PAGE_SIZE
+    page = gl.load(pt_row + pg, mask=pg < n_pages, other=num_pages)
+    return page * PAGE_SIZE + key % PAGE_SIZE
+
+
+@gluon.jit
+def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
+            stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+            PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = desc_k.block_type.shape[0]
+    NSUB: gl.constexpr = BLOCK_N // ROWS
+    # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
+    sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
+    sub = gl.arange(0, NSUB, layout=sub_layout)
+    n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
+    c = 0
+    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+        pt_row = PAGE_TABLE + b.to(gl.int64) * stride_pt
+        n_pages = (gl.load(SEQ_LENS + b) + PAGE_SIZE - 1) // PAGE_SIZE
+        col = hk * HEAD_DIM
+        rows = _page_rows(pt_row, lo, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
+        for start in range(lo, hi, BLOCK_N):
+            # the next tile's page ids load while this tile's copies are issued (used one iteration later)
+            nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
+            s = c % STAGES
+            mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(s), NSUB * desc_k.block_type.nbytes)
+            for r in gl.static_range(NSUB):
+                row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
+                tma.async_copy_global_to_shared(desc_k, [row, col], k_ready.index(s),
+                                                k_smem.index(s).slice(r * ROWS, ROWS))
+            mbarrier.expect(v_ready.index(s), NSUB * desc_v.block_type.nbytes)
+            for r in gl.static_range(NSUB):
+                row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
+                tma.async_copy_global_to_shared(desc_v, [row, col], v_ready.index(s),
+                                                v_smem.index(s).slice(r * ROWS, ROWS))
+            rows = nxt
+            c += 1
+
+
+@gluon.jit
+def _consumer(Q, O, LSE, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q,
+              stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, num_heads, num_kv_heads, num_splits,
+              qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr):
+    M: gl.constexpr = 64  # wgmma's least M; rows >= GROUP are padding
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = k_smem.dtype
+    n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
+    qr = gl.arange(0, M, layout=gl.SliceLayout(1, q_layout))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    orow = gl.arange(0, M, layout=row_o)
+    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    srow = gl.arange(0, M, layout=row_s)
+    kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    c = 0
+    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        b, hk, split, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+        t = gl.load(CU_Q + b).to(gl.int64)  # the sequence's one query token
+        q_ptrs = Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :]
+        q = gl.load(q_ptrs, mask=(qr < GROUP)[:, None], other=0.0)
+        m_i = gl.full([M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([M], gl.float32, row_s)
+        acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
+        for start in range(lo, hi, BLOCK_N):
+            s = c % STAGES
+            ph = (c // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            sc = gl.where((start + kcol < hi)[None, :], qk * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sc - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(v_ready.index(s), ph)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            m_i = m_new
+            c += 1
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        head_o = hk * GROUP + orow
+        o_ptrs = O + split * stride_os + t * stride_ot + head_o[:, None] * stride_oh + ocol[None, :]
+        gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(orow < GROUP)[:, None])
+        if SPLIT:
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+            gl.store(LSE + split * stride_ls + t * num_heads + hk * GROUP + srow, lse, mask=srow < GROUP)
+
+
+@gluon.jit
+def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
+                           stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_pt,
+                           num_heads, num_kv_heads, num_pages, num_splits, qk_scale,
+                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr = 232):
+    dtype: gl.constexpr = desc_k.dtype
+    # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                   NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
+                   STAGES)),
+        (_consumer, (Q, O, LSE, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q,
+                     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, num_heads, num_kv_heads,
+                     num_splits, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, SPLIT)),
+    ], [4], [CONSUMER_REGS])
+
+
+@functools.cache
+def _page_layout(rows, head_dim, bf16):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
+
+
+def page_descriptors(k_cache, v_cache, block_n):
+    """TMA descriptors over contiguous caches viewed as [num_pages * page_size, Hkv * D], one page (or block_n
+    rows of it) per copy; None where the cache is not contiguous or not 16-byte aligned."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    P, ps, H, D = k_cache.shape
+    rows = min(ps, block_n)
+    descs = []
+    for t in (k_cache, v_cache):
+        if not t.is_contiguous() or t.data_ptr() % 16 or t.numel() == 0:
+            return None
+        layout = _page_layout(rows, D, t.dtype == torch.bfloat16)
+        descs.append(TensorDescriptor(t, [P * ps, H * D], [H * D, 1], [rows, D], layout))
+    return descs
+
+
+def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
+                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3):
+    """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
+    partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq] for combine_kernel."""
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = descs[0].shape[1] // D
+    split = num_splits > 1
+    paged_decode_ws_kernel[(sms,)](
+        q, *descs, out_or_ws, lse_ws if split else q, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
+        q.stride(0), q.stride(1), out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
+        lse_ws.stride(0) if split else 0, page_table.stride(0), Hq, Hkv, num_pages, num_splits, qk_scale,
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=split,
+        num_warps=4)
+
+
+def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, split=False, dtype="bf16", maxnreg=None,
+                 consumer_regs=232):
+    """Compile the kernel for sm_90 without a GPU (see prefill_ws.compile_sm90)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    rows = min(page_size, block_n)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
+    desc = f"tensordesc<{dtype}[{rows},{head_dim}],{layout!r}>"
+    sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split else f"*{dtype}", "LSE": "*fp32",
+           "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32", "TILE_SEQ": "*i32", "NUM_TILES": "*i32"}
+    for name in ("stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_pt",
+                 "num_heads", "num_kv_heads", "num_pages", "num_splits"):
+        sig[name] = "i32"
+    sig["qk_scale"] = "fp32"
+    consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
+              "SPLIT": int(split), "CONSUMER_REGS": consumer_regs}
+    sig.update({k: "constexpr" for k in consts})
+    return triton.compile(GluonASTSource(paged_decode_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})
