@@ -98,10 +98,10 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
 
 
 @gluon.jit
-def _consumer(Q, O, LSE, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q,
-              stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, num_heads, num_kv_heads, num_splits,
-              qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr):
+def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
+              CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh,
+              num_heads, num_kv_heads, num_splits, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, COMBINE: gl.constexpr):
     M: gl.constexpr = 64  # wgmma's least M; rows >= GROUP are padding
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -157,15 +157,52 @@ def _consumer(Q, O, LSE, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, T
         if SPLIT:
             lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
             gl.store(LSE + split * stride_ls + t * num_heads + hk * GROUP + srow, lse, mask=srow < GROUP)
+            if COMBINE:
+                _merge_last(O, LSE, OUT, COUNT, (u // (num_kv_heads * num_splits)) * num_kv_heads + hk, t, hk,
+                            orow, ocol, num_splits, num_heads, stride_os, stride_ot, stride_oh, stride_ls,
+                            stride_fot, stride_foh, GROUP, o_layout)
 
 
 @gluon.jit
-def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
-                           stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_pt,
-                           num_heads, num_kv_heads, num_pages, num_splits, qk_scale,
+def _merge_last(PO, PLSE, OUT, COUNT, idx, t, hk, rows, cols, num_splits, num_heads, stride_os, stride_ot, stride_oh,
+                stride_ls, stride_fot, stride_foh, GROUP: gl.constexpr, o_layout: gl.constexpr):
+    """The last split unit of a (tile, KV head) to store its partial merges all of them into OUT (as
+    paged_kernel._combine_last): an arrival counter with acq_rel semantics, partials read through L2 (.cg), the
+    counter set back to zero for the next launch."""
+    gl.thread_barrier()  # every warp's partial stores come before the one-thread count
+    if gl.atomic_add(COUNT + idx, 1, sem="acq_rel") == num_splits - 1:
+        ok = rows < GROUP
+        head = hk * GROUP + rows
+        lse_ptrs = PLSE + t * num_heads + head
+        row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        m = gl.full([rows.shape[0]], float("-inf"), gl.float32, row_layout)
+        for sp in range(num_splits):
+            m = gl.maximum(m, gl.load(lse_ptrs + sp * stride_ls, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        acc = gl.zeros([rows.shape[0], cols.shape[0]], gl.float32, o_layout)
+        den = gl.zeros([rows.shape[0]], gl.float32, row_layout)
+        po = PO + t * stride_ot + head[:, None] * stride_oh + cols[None, :]
+        for sp in range(num_splits):
+            w = gl.exp(gl.load(lse_ptrs + sp * stride_ls, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                       - m_safe)
+            den += w
+            acc += w[:, None] * gl.load(po + sp * stride_os, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        o = acc / gl.where(den == 0.0, 1.0, den)[:, None]
+        gl.store(OUT + t * stride_fot + head[:, None] * stride_foh + cols[None, :], o.to(OUT.dtype.element_ty),
+                 mask=ok[:, None])
+        gl.atomic_xchg(COUNT + idx, 0)
+
+
+@gluon.jit
+def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
+                           stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh,
+                           stride_pt, num_heads, num_kv_heads, num_pages, num_splits, qk_scale,
                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr = 232):
+                           COMBINE: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 232):
+    """With SPLIT, O / LSE take float32 partials; with COMBINE too, the last split unit of each (tile, KV head)
+    merges them into OUT (COUNT: zeroed arrival counters, tile * num_kv_heads + kv head), else combine_kernel
+    does."""
     dtype: gl.constexpr = desc_k.dtype
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
@@ -181,9 +218,10 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, PAGE_TABLE, SEQ_LENS, CU_Q
         (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                    NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
                    STAGES)),
-        (_consumer, (Q, O, LSE, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q,
-                     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, num_heads, num_kv_heads,
-                     num_splits, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, SPLIT)),
+        (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
+                     NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
+                     stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES,
+                     SPLIT, COMBINE)),
     ], [4], [CONSUMER_REGS])
 
 
@@ -210,18 +248,23 @@ def page_descriptors(k_cache, v_cache, block_n):
 
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
-                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3):
+                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3, out=None, counters=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
-    partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq] for combine_kernel."""
+    partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], and with ``counters``
+    (zeroed int32, >= tiles * Hkv) the last split of each (tile, KV head) merges them into ``out``; without, the
+    caller runs combine_kernel."""
     Hq, D = q.shape[1], q.shape[2]
     Hkv = descs[0].shape[1] // D
     split = num_splits > 1
+    combine = split and counters is not None
+    final = out if combine else out_or_ws
     paged_decode_ws_kernel[(sms,)](
-        q, *descs, out_or_ws, lse_ws if split else q, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
-        q.stride(0), q.stride(1), out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
-        lse_ws.stride(0) if split else 0, page_table.stride(0), Hq, Hkv, num_pages, num_splits, qk_scale,
-        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=split,
-        num_warps=4)
+        q, *descs, out_or_ws, lse_ws if split else q, final, counters if combine else num_tiles, page_table,
+        seq_lens, cu_seqlens_q, tile_seq, num_tiles, q.stride(0), q.stride(1),
+        out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
+        lse_ws.stride(0) if split else 0, final.stride(-3), final.stride(-2), page_table.stride(0), Hq, Hkv,
+        num_pages, num_splits, qk_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        STAGES=stages, SPLIT=split, COMBINE=combine, num_warps=4)
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, split=False, dtype="bf16", maxnreg=None,
@@ -235,13 +278,14 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, spli
     layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
     desc = f"tensordesc<{dtype}[{rows},{head_dim}],{layout!r}>"
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split else f"*{dtype}", "LSE": "*fp32",
-           "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32", "TILE_SEQ": "*i32", "NUM_TILES": "*i32"}
-    for name in ("stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_pt",
-                 "num_heads", "num_kv_heads", "num_pages", "num_splits"):
+           "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
+           "TILE_SEQ": "*i32", "NUM_TILES": "*i32"}
+    for name in ("stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_fot",
+                 "stride_foh", "stride_pt", "num_heads", "num_kv_heads", "num_pages", "num_splits"):
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
-              "SPLIT": int(split), "CONSUMER_REGS": consumer_regs}
+              "SPLIT": int(split), "COMBINE": int(split), "CONSUMER_REGS": consumer_regs}
     sig.update({k: "constexpr" for k in consts})
     return triton.compile(GluonASTSource(paged_decode_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})
