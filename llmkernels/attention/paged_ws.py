@@ -100,7 +100,35 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
 
 
 @gluon.jit
-def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k16, v16, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
+def _converter(k8, v8, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS, TILE_SEQ,
+               NUM_TILES, num_kv_heads, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, STAGES16: gl.constexpr):
+    """fp8 caches: widens each tile the loader copied (e4m3 -> fp16, exact) into a second ring that the consumer
+    reads, so the conversion runs beside the consumer's dots instead of before them."""
+    cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16],
+                                                [gl.num_warps(), 1], [1, 0])
+    n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
+    c = 0
+    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            s = c % STAGES
+            ph = (c // STAGES) & 1
+            s2 = c % STAGES16
+            mbarrier.wait(kv16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
+            mbarrier.wait(k_ready.index(s), ph)
+            k16.index(s2).store(k8.index(s).load(cvt_layout).to(gl.float16))
+            mbarrier.wait(v_ready.index(s), ph)
+            v16.index(s2).store(v8.index(s).load(cvt_layout).to(gl.float16))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            fence_async_shared()
+            mbarrier.arrive(k16_ready.index(s2), count=1)
+            mbarrier.arrive(v16_ready.index(s2), count=1)
+            c += 1
+
+
+@gluon.jit
+def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
               NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
               stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
@@ -114,9 +142,8 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k16, v16, k_ready, v_ready,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # fp8 caches: each tile is widened to fp16 (exact for e4m3) into k16 / v16 here, and the dots run in fp16
-    dtype: gl.constexpr = gl.float16 if FP8 else k_smem.dtype
-    cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [4, 1], [1, 0])
+    # fp8 caches: the converter partition hands over fp16 tiles (exact for e4m3), and the dots run in fp16
+    dtype: gl.constexpr = k_smem.dtype
     n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
     qr = gl.arange(0, M, layout=gl.SliceLayout(1, q_layout))
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
@@ -137,19 +164,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k16, v16, k_ready, v_ready,
             s = c % STAGES
             ph = (c // STAGES) & 1
             mbarrier.wait(k_ready.index(s), ph)
-            if FP8:
-                k16.store(k_smem.index(s).load(cvt_layout).to(gl.float16))
-                mbarrier.wait(v_ready.index(s), ph)
-                v16.store(v_smem.index(s).load(cvt_layout).to(gl.float16))
-                mbarrier.arrive(kv_empty.index(s), count=1)  # the fp8 slot is free once widened
-                fence_async_shared()
-                gl.thread_barrier()
-                k_op = k16
-                v_op = v16
-            else:
-                k_op = k_smem.index(s)
-                v_op = v_smem.index(s)
-            qk = warpgroup_mma(q, k_op.permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+            qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                                use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
             sc = gl.where((start + kcol < hi)[None, :], qk * qk_scale, float("-inf"))
@@ -159,12 +174,10 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k16, v16, k_ready, v_ready,
             alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            if not FP8:
-                mbarrier.wait(v_ready.index(s), ph)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_op, acc, is_async=True)
+            mbarrier.wait(v_ready.index(s), ph)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if not FP8:
-                mbarrier.arrive(kv_empty.index(s), count=1)
+            mbarrier.arrive(kv_empty.index(s), count=1)
             m_i = m_new
             c += 1
         empty = l_i == 0.0
@@ -232,25 +245,43 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if FP8:
-        k16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HEAD_DIM], KV16_LAYOUT)
-        v16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HEAD_DIM], KV16_LAYOUT)
-    else:
-        k16 = k_smem
-        v16 = v_smem
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
-    gl.warp_specialize([
-        (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                   NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                   STAGES)),
-        (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k16, v16, k_ready, v_ready, kv_empty, SEQ_LENS,
-                     TILE_SEQ, NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                     stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP,
-                     HEAD_DIM, BLOCK_N, STAGES, SPLIT, COMBINE, FP8)),
-    ], [4], [CONSUMER_REGS])
+    if FP8:
+        STAGES16: gl.constexpr = 2
+        k16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], KV16_LAYOUT)
+        v16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], KV16_LAYOUT)
+        k16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        v16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        kv16_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES16):
+            mbarrier.init(k16_ready.index(i), count=1)
+            mbarrier.init(v16_ready.index(i), count=1)
+            mbarrier.init(kv16_empty.index(i), count=1)
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
+                       STAGES)),
+            (_converter, (k_smem, v_smem, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty,
+                          SEQ_LENS, TILE_SEQ, NUM_TILES, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES,
+                          STAGES16)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                         stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP,
+                         HEAD_DIM, BLOCK_N, STAGES16, SPLIT, COMBINE, FP8)),
+        ], [4, 4], [96, 232])
+    else:
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
+                       STAGES)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                         stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP,
+                         HEAD_DIM, BLOCK_N, STAGES, SPLIT, COMBINE, FP8)),
+        ], [4], [CONSUMER_REGS])
 
 
 @functools.cache
