@@ -32,7 +32,7 @@ def _check_fp8_words(name, cache):
 
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
-                    scale, sms, k_scale_f=1.0, v_scale_f=1.0):
+                    scale, sms):
     """The persistent Gluon decode kernel (paged_ws.py), which merges its split partials itself or leaves them to
     combine_kernel; False (nothing launched) where the caches have no TMA view."""
     from .paged_kernel import combine_kernel
@@ -49,8 +49,8 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     if counters is not None and tiles[0].numel() * k_cache.shape[2] > counters.numel():
         counters = None
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
-                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634 * k_scale_f,
-                     sms, out=out, counters=counters, v_scale=v_scale_f)
+                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
+                     out=out, counters=counters)
     if split and counters is None:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
@@ -69,11 +69,9 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     if total_q == 0:
         return
     # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
-    # (an fp8 cache with scales given as tensors also stays on the Triton kernel, which reads them on the device)
     if (ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse
-            and k_scale is None
             and _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits,
-                                ws_o, ws_lse, scale, num_sms(q.device), k_scale_f, v_scale_f)):
+                                ws_o, ws_lse, scale, num_sms(q.device))):
         return
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)

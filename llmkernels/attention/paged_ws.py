@@ -22,12 +22,10 @@ rest.
 """
 import functools
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -100,39 +98,10 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
 
 
 @gluon.jit
-def _converter(k8, v8, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS, TILE_SEQ,
-               NUM_TILES, num_kv_heads, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, STAGES16: gl.constexpr):
-    """fp8 caches: widens each tile the loader copied (e4m3 -> fp16, exact) into a second ring that the consumer
-    reads, so the conversion runs beside the consumer's dots instead of before them."""
-    cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16],
-                                                [gl.num_warps(), 1], [1, 0])
-    n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-    c = 0
-    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
-            s = c % STAGES
-            ph = (c // STAGES) & 1
-            s2 = c % STAGES16
-            mbarrier.wait(kv16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
-            mbarrier.wait(k_ready.index(s), ph)
-            k16.index(s2).store(k8.index(s).load(cvt_layout).to(gl.float16))
-            mbarrier.wait(v_ready.index(s), ph)
-            v16.index(s2).store(v8.index(s).load(cvt_layout).to(gl.float16))
-            mbarrier.arrive(kv_empty.index(s), count=1)
-            fence_async_shared()
-            mbarrier.arrive(k16_ready.index(s2), count=1)
-            mbarrier.arrive(v16_ready.index(s2), count=1)
-            c += 1
-
-
-@gluon.jit
-def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
-              NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
-              stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              COMBINE: gl.constexpr, FP8: gl.constexpr):
+def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
+              CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh,
+              num_heads, num_kv_heads, num_splits, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, COMBINE: gl.constexpr):
     M: gl.constexpr = 64  # wgmma's least M; rows >= GROUP are padding
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -142,7 +111,6 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # fp8 caches: the converter partition hands over fp16 tiles (exact for e4m3), and the dots run in fp16
     dtype: gl.constexpr = k_smem.dtype
     n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
     qr = gl.arange(0, M, layout=gl.SliceLayout(1, q_layout))
@@ -156,7 +124,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
         b, hk, split, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
         t = gl.load(CU_Q + b).to(gl.int64)  # the sequence's one query token
         q_ptrs = Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :]
-        q = gl.load(q_ptrs, mask=(qr < GROUP)[:, None], other=0.0).to(dtype)
+        q = gl.load(q_ptrs, mask=(qr < GROUP)[:, None], other=0.0)
         m_i = gl.full([M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([M], gl.float32, row_s)
         acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
@@ -183,8 +151,6 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        if FP8:
-            o = o * v_scale
         head_o = hk * GROUP + orow
         o_ptrs = O + split * stride_os + t * stride_ot + head_o[:, None] * stride_oh + ocol[None, :]
         gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(orow < GROUP)[:, None])
@@ -230,14 +196,13 @@ def _merge_last(PO, PLSE, OUT, COUNT, idx, t, hk, rows, cols, num_splits, num_he
 @gluon.jit
 def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
                            stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh,
-                           stride_pt, num_heads, num_kv_heads, num_pages, num_splits, qk_scale, v_scale,
+                           stride_pt, num_heads, num_kv_heads, num_pages, num_splits, qk_scale,
                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                           COMBINE: gl.constexpr = False, FP8: gl.constexpr = False,
-                           KV16_LAYOUT: gl.constexpr = None, CONSUMER_REGS: gl.constexpr = 232):
+                           COMBINE: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 232):
     """With SPLIT, O / LSE take float32 partials; with COMBINE too, the last split unit of each (tile, KV head)
     merges them into OUT (COUNT: zeroed arrival counters, tile * num_kv_heads + kv head), else combine_kernel
-    does. FP8: e4m3 caches holding K / k_scale and V / v_scale; qk_scale includes k_scale, v_scale scales O."""
+    does."""
     dtype: gl.constexpr = desc_k.dtype
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
@@ -249,50 +214,26 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
-    if FP8:
-        STAGES16: gl.constexpr = 2
-        k16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], KV16_LAYOUT)
-        v16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], KV16_LAYOUT)
-        k16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
-        v16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
-        kv16_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES16):
-            mbarrier.init(k16_ready.index(i), count=1)
-            mbarrier.init(v16_ready.index(i), count=1)
-            mbarrier.init(kv16_empty.index(i), count=1)
-        gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                       STAGES)),
-            (_converter, (k_smem, v_smem, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty,
-                          SEQ_LENS, TILE_SEQ, NUM_TILES, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES,
-                          STAGES16)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS,
-                         TILE_SEQ, NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                         stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES16, SPLIT, COMBINE, FP8)),
-        ], [4, 4], [96, 232])
-    else:
-        gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                       STAGES)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS,
-                         TILE_SEQ, NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                         stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, v_scale, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, SPLIT, COMBINE, FP8)),
-        ], [4], [CONSUMER_REGS])
+    gl.warp_specialize([
+        (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                   NUM_TILES, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N, PAGE_SIZE,
+                   STAGES)),
+        (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
+                     NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
+                     stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES,
+                     SPLIT, COMBINE)),
+    ], [4], [CONSUMER_REGS])
 
 
 @functools.cache
-def _page_layout(rows, head_dim, dtype_name):
-    gdt = {"bfloat16": gl.bfloat16, "float16": gl.float16, "float8_e4m3fn": gl.float8e4nv}[dtype_name]
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
+def _page_layout(rows, head_dim, bf16):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
 
 
 def page_descriptors(k_cache, v_cache, block_n):
     """TMA descriptors over contiguous caches viewed as [num_pages * page_size, Hkv * D], one page (or block_n
     rows of it) per copy; None where the cache is not contiguous or not 16-byte aligned."""
+    import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     P, ps, H, D = k_cache.shape
@@ -301,21 +242,19 @@ def page_descriptors(k_cache, v_cache, block_n):
     for t in (k_cache, v_cache):
         if not t.is_contiguous() or t.data_ptr() % 16 or t.numel() == 0:
             return None
-        layout = _page_layout(rows, D, str(t.dtype).replace("torch.", ""))
+        layout = _page_layout(rows, D, t.dtype == torch.bfloat16)
         descs.append(TensorDescriptor(t, [P * ps, H * D], [H * D, 1], [rows, D], layout))
     return descs
 
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
-                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3, out=None, counters=None,
-                     v_scale=1.0):
+                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3, out=None, counters=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], and with ``counters``
     (zeroed int32, >= tiles * Hkv) the last split of each (tile, KV head) merges them into ``out``; without, the
     caller runs combine_kernel."""
     Hq, D = q.shape[1], q.shape[2]
     Hkv = descs[0].shape[1] // D
-    fp8 = descs[0].base.dtype == torch.float8_e4m3fn
     split = num_splits > 1
     combine = split and counters is not None
     final = out if combine else out_or_ws
@@ -324,22 +263,20 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
         seq_lens, cu_seqlens_q, tile_seq, num_tiles, q.stride(0), q.stride(1),
         out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
         lse_ws.stride(0) if split else 0, final.stride(-3), final.stride(-2), page_table.stride(0), Hq, Hkv,
-        num_pages, num_splits, qk_scale, v_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, STAGES=stages, SPLIT=split, COMBINE=combine, FP8=fp8,
-        KV16_LAYOUT=_page_layout(block_n, D, "float16") if fp8 else None, num_warps=4)
+        num_pages, num_splits, qk_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        STAGES=stages, SPLIT=split, COMBINE=combine, num_warps=4)
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, split=False, dtype="bf16", maxnreg=None,
-                 consumer_regs=232, fp8=False):
+                 consumer_regs=232):
     """Compile the kernel for sm_90 without a GPU (see prefill_ws.compile_sm90)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     rows = min(page_size, block_n)
-    kv = "fp8e4nv" if fp8 else dtype
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float8e4nv if fp8 else gdt)
-    desc = f"tensordesc<{kv}[{rows},{head_dim}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
+    desc = f"tensordesc<{dtype}[{rows},{head_dim}],{layout!r}>"
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split else f"*{dtype}", "LSE": "*fp32",
            "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
            "TILE_SEQ": "*i32", "NUM_TILES": "*i32"}
@@ -347,11 +284,8 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, spli
                  "stride_foh", "stride_pt", "num_heads", "num_kv_heads", "num_pages", "num_splits"):
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
-    sig["v_scale"] = "fp32"
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
-              "SPLIT": int(split), "COMBINE": int(split), "FP8": int(fp8),
-              "KV16_LAYOUT": gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.float16) if fp8 else None,
-              "CONSUMER_REGS": consumer_regs}
+              "SPLIT": int(split), "COMBINE": int(split), "CONSUMER_REGS": consumer_regs}
     sig.update({k: "constexpr" for k in consts})
     return triton.compile(GluonASTSource(paged_decode_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})

@@ -203,15 +203,13 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
 
 def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype) -> bool:
     """Whether the batch suits the persistent Gluon decode kernel (paged_ws.py): sm_90 with Gluon, one query per
-    sequence, a cache of q's dtype or fp8 e4m3, page size 8/16/32 or a multiple of 64, head dim 64 or 128,
-    group <= 64, and enough K/V bytes to hide its host cost."""
-    if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128) or group > 64:
-        return False
-    if kv_dtype not in (q_dtype, torch.float8_e4m3fn):
+    sequence, a 16-bit cache, page size 8/16/32 or a multiple of 64, head dim 64 or 128, group <= 64, and enough
+    K/V bytes to hide its host cost."""
+    if interpreter_mode() or device.type != "cuda" or kv_dtype != q_dtype or head_dim not in (64, 128) or group > 64:
         return False
     if not (page_size in (8, 16, 32) or page_size % 64 == 0) or not len(q_lens) or int(q_lens.max()) != 1:
         return False
-    if int(k_lens.sum()) * num_kv_heads * head_dim * 2 * kv_dtype.itemsize < WS_DECODE_MIN_BYTES:
+    if int(k_lens.sum()) * num_kv_heads * head_dim * 2 * 2 < WS_DECODE_MIN_BYTES:
         return False
     from .prefill import _gluon_hopper
 
@@ -264,7 +262,7 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     few = 2 * programs <= sms
     ws = _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype)
     if ws:
-        reasons.append("one query per sequence, 16-bit or e4m3 cache, page size and head dim it takes, "
+        reasons.append("one query per sequence, 16-bit cache, page size and head dim it takes, "
                        f">= {WS_DECODE_MIN_BYTES >> 20} MB of K/V -> the persistent Gluon decode kernel (sm_90)")
     if ws and num_splits == 0:
         # one program per SM walks the (sequence, kv head, split) units: split only to give every SM a unit

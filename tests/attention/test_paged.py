@@ -368,29 +368,3 @@ def test_ws_decode_cuda_graph_replay_with_new_lengths(device, monkeypatch):
         ref, _ = paged_attention_ref(q, kc, vc, pt_big, sl, cq)
         assert_close(out, ref, torch.bfloat16)
     assert launches
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [([1] * 4, [1, 900, 4097, 63], 16, 32, 8, 128, 0),
-                                  ([1] * 3, [300, 2000, 17], 64, 16, 2, 64, 3)], ids=["p16_auto", "p64_split3"])
-def test_ws_decode_fp8_gpu(case, device, monkeypatch):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is sm_90 code")
-    launches = _spy_ws(monkeypatch)
-    q_lens, k_lens, ps, Hq, Hkv, D, splits = case
-    q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=torch.bfloat16, kv_dtype=FP8, device=device,
-                                  scales=(0.05, 0.07))
-    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=FP8, device=device,
-                                num_splits=splits)
-    assert p.ws_decode
-    out = poison(torch.empty_like(q))
-    lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out, k_scale=0.05, v_scale=0.07)
-    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq, k_scale=0.05, v_scale=0.07)
-    assert_close(out, ref, torch.bfloat16, "o")
-    assert launches
-    # scales given as tensors: the Triton kernel (it reads them on the device)
-    n = len(launches)
-    o = lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, k_scale=torch.tensor([0.05], device=device),
-                           v_scale=torch.tensor([0.07], device=device))
-    assert_close(o, ref, torch.bfloat16, "o")
-    assert len(launches) == n
