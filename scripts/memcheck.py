@@ -19,10 +19,10 @@ def ws_cases(dev="cuda"):
     prefill.WS_MIN_WORK = 0
     cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
     ck = torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev)
-    for D in (64, 128):
+    for D in (64, 128, 256):
         q = torch.randn(250, 14, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(190, 2, D, device=dev, dtype=torch.bfloat16)
-        for cfg in ((128, 2), (128, 3), (64, 3), (64, 4)):
+        for cfg in ((64, 2), (32, 3)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4)):
             for causal in (False, True):
                 OVERRIDES[("prefill", f"bfloat16/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)
                 lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True)

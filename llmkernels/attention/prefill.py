@@ -67,8 +67,8 @@ WS_MIN_WORK = 1 << 26
 
 
 def _ws_eligible(q, D, left, right, causal, softcap, sinks, work) -> bool:
-    """The Gluon kernel serves head dims 64 and 128 without a window, softcap or sinks, on sm_90 GPUs."""
-    if interpreter_mode() or not q.is_cuda or D not in (64, 128) or q.dtype not in _DTYPES or work < WS_MIN_WORK:
+    """The Gluon kernel serves head dims 64, 128 and 256 without a window, softcap or sinks, on sm_90 GPUs."""
+    if interpreter_mode() or not q.is_cuda or D not in (64, 128, 256) or q.dtype not in _DTYPES or work < WS_MIN_WORK:
         return False
     if left >= 0 or (right >= 0 and not causal) or softcap > 0 or sinks is not None:
         return False

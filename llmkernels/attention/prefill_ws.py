@@ -16,7 +16,7 @@ Key blocks every row of the 128-row block sees take a loop with no mask and no -
 causal diagonal) are masked. A tile near a sequence end reads rows of the next sequence (or TMA's zero fill past the
 last one); they are masked out of the scores, and their V rows are multiplied by p = 0.
 
-Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64 or 128, fp16/bf16, no window, softcap or sinks,
+Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64, 128 or 256, fp16/bf16, no window, softcap or sinks,
 Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel serves everything
 else, and the interpreter.
 """

@@ -81,11 +81,13 @@ def tune_prefill(gpu):
             best = _best("prefill", key, cands, fns)
             out[key] = best
             out[key.replace("bfloat16", "float16")] = best
-            if D in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
+            if torch.cuda.get_device_capability() == (9, 0):
                 # the warp-specialized Gluon kernel (attention/prefill_ws.py), (BLOCK_N, STAGES), against the
-                # Triton kernel's best config just found ([0, 0] keeps the Triton kernel)
+                # Triton kernel's best config just found ([0, 0] keeps the Triton kernel); at D=256 two K/V stages
+                # of 64 keys fill 197 KB of shared memory with Q
                 OVERRIDES[("prefill", key)] = best
-                ws = _best("prefill", key + "/ws", [(0, 0), (128, 2), (128, 3), (64, 3), (64, 4)], fns)
+                ws_cands = [(0, 0), (64, 2), (32, 3)] if D == 256 else [(0, 0), (128, 2), (128, 3), (64, 3), (64, 4)]
+                ws = _best("prefill", key + "/ws", ws_cands, fns)
                 OVERRIDES.pop(("prefill", key), None)
                 out[key + "/ws"] = ws
                 out[key.replace("bfloat16", "float16") + "/ws"] = ws
