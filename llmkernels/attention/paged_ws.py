@@ -9,7 +9,8 @@ partitions of the program walk the same list:
   counts, ``kv_empty`` when the consumer is done). It runs ahead across unit boundaries, so the next unit's first
   pages are in flight while this one finishes: no per-unit pipeline fill;
 - the consumer (one warp group): S = Q K^T and O += P V with wgmma (the GROUP query rows padded to 64), the online
-  softmax, and the unit's output: the final O, or with splits a float32 partial and its LSE for ``combine_kernel``.
+  softmax, and the unit's output: the final O, or with splits a float32 partial and its LSE, which the last split
+  unit of each (tile, KV head) to finish merges (arrival counters; ``combine_kernel`` when there are none).
 
 Pages past a sequence's last one read row ``num_pages * page_size``, past the cache: TMA fills them with zeros and
 counts their bytes, so every copy of a tile is issued and the barrier's byte count always matches. Keys past the

@@ -84,8 +84,9 @@ class PagedAttentionPlan:
                          f"{ln.num_stages} stages")
         if self.ws_decode:
             lines.append(f"  kernel: persistent Gluon decode (sm_90, TMA) over {self.num_splits} split(s) per "
-                         f"(sequence, kv head), one program per SM; the Triton launch above serves calls it cannot "
-                         f"take (left window, softcap, sinks, custom mask, LSE, non-contiguous caches)")
+                         f"(sequence, kv head), one program per SM; the Triton launch above serves the calls it "
+                         f"cannot take (left window, softcap, sinks, custom mask, LSE output, caches without a TMA "
+                         f"view)")
         if self.num_splits > 1:
             lines.append(f"  merge: the last of the {self.num_splits} split programs of each tile and kv head merges "
                          f"their partial (o, lse) in float32 (a separate combine kernel inside a CUDA-graph capture "
