@@ -21,9 +21,6 @@ page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contig
 sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton kernel serves the
 rest.
 """
-import functools
-
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -33,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+from ._gluon import LN2, row_descriptor, tile_desc_type
+from ._gluon import compile_sm90 as _compile_sm90
 
 
 @gluon.jit
@@ -200,7 +198,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            stride_pt, num_heads, num_kv_heads, num_pages, num_splits, qk_scale,
                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                           COMBINE: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 232):
+                           COMBINE: gl.constexpr = False):
     """With SPLIT, O / LSE take float32 partials; with COMBINE too, the last split unit of each (tile, KV head)
     merges them into OUT (COUNT: zeroed arrival counters, tile * num_kv_heads + kv head), else combine_kernel
     does."""
@@ -223,28 +221,18 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                      NUM_TILES, CU_Q, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
                      stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES,
                      SPLIT, COMBINE)),
-    ], [4], [CONSUMER_REGS])
-
-
-@functools.cache
-def _page_layout(rows, head_dim, bf16):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
+    ], [4], [232])
 
 
 def page_descriptors(k_cache, v_cache, block_n):
     """TMA descriptors over contiguous caches viewed as [num_pages * page_size, Hkv * D], one page (or block_n
     rows of it) per copy; None where the cache is not contiguous or not 16-byte aligned."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     P, ps, H, D = k_cache.shape
-    rows = min(ps, block_n)
     descs = []
     for t in (k_cache, v_cache):
         if not t.is_contiguous() or t.data_ptr() % 16 or t.numel() == 0:
             return None
-        layout = _page_layout(rows, D, t.dtype == torch.bfloat16)
-        descs.append(TensorDescriptor(t, [P * ps, H * D], [H * D, 1], [rows, D], layout))
+        descs.append(row_descriptor(t, [P * ps, H * D], H * D, min(ps, block_n)))
     return descs
 
 
@@ -268,16 +256,9 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
         STAGES=stages, SPLIT=split, COMBINE=combine, num_warps=4)
 
 
-def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, split=False, dtype="bf16", maxnreg=None,
-                 consumer_regs=232):
-    """Compile the kernel for sm_90 without a GPU (see prefill_ws.compile_sm90)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
-    rows = min(page_size, block_n)
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
-    desc = f"tensordesc<{dtype}[{rows},{head_dim}],{layout!r}>"
+def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16"):
+    """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90)."""
+    desc = tile_desc_type(dtype, min(page_size, block_n), head_dim)
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split else f"*{dtype}", "LSE": "*fp32",
            "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
            "TILE_SEQ": "*i32", "NUM_TILES": "*i32"}
@@ -286,7 +267,5 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=4, spli
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
-              "SPLIT": int(split), "COMBINE": int(split), "CONSUMER_REGS": consumer_regs}
-    sig.update({k: "constexpr" for k in consts})
-    return triton.compile(GluonASTSource(paged_decode_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})
+              "SPLIT": int(split), "COMBINE": int(split)}
+    return _compile_sm90(paged_decode_ws_kernel, sig, consts)

@@ -20,8 +20,6 @@ Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64, 128 or 25
 Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel serves everything
 else, and the interpreter.
 """
-import functools
-
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -32,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+from ._gluon import LN2, row_descriptor, tile_desc_type
+from ._gluon import compile_sm90 as _compile_sm90
 
 
 @gluon.jit
@@ -182,25 +181,16 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, s
         ], [4, 4], [240, 240])
 
 
-@functools.cache
-def _smem_layout(rows, head_dim, bf16):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
-
-
 def ws_descriptors(q, k, v, block_n):
     """Gluon TMA descriptors over Q, K, V viewed as [tokens, heads * D] (64-row Q tiles, block_n-row K/V tiles),
     or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     D = q.shape[2]
     descs = []
     for t, rows in ((q, 64), (k, block_n), (v, block_n)):
         if (t.stride(2) != 1 or t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
                 or t.shape[0] == 0):
             return None
-        layout = _smem_layout(rows, D, t.dtype == torch.bfloat16)
-        descs.append(TensorDescriptor(t, [t.shape[0], t.shape[1] * D], [t.stride(0), 1], [rows, D], layout))
+        descs.append(row_descriptor(t, [t.shape[0], t.shape[1] * D], t.stride(0), rows))
     return descs
 
 
@@ -216,21 +206,10 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"):
-    """Compile the kernel for sm_90 without a GPU (ptxas ships with Triton) -> the compiled kernel (``.asm`` holds
-    ttgir / ptx / cubin, ``.metadata.shared`` the shared memory). Used by the tests and for reading the code the
-    compiler makes. It needs the compiler, not the interpreter: on a machine without a GPU set TRITON_INTERPRET=0
-    before importing llmkernels (which otherwise turns the interpreter on)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
-    kv_desc = f"tensordesc<{dtype}[{block_n},{head_dim}],{kv_layout!r}>"
-    sig = {"desc_q": f"tensordesc<{dtype}[64,{head_dim}],{q_layout!r}>", "desc_k": kv_desc, "desc_v": kv_desc,
-           "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
-           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32", "CAUSAL": "constexpr",
-           "WRITE_LSE": "constexpr", "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr", "STAGES": "constexpr"}
+    """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90)."""
+    kv_desc = tile_desc_type(dtype, block_n, head_dim)
+    sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc, "desc_v": kv_desc, "O": f"*{dtype}",
+           "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32", "num_heads": "i32",
+           "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages}
-    return triton.compile(GluonASTSource(flash_fwd_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+    return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

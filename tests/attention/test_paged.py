@@ -5,6 +5,7 @@ import torch
 import llmkernels as lk
 from llmkernels.testing import assert_close, paged_attention_ref, poison
 
+from .gluon_helpers import need_sm90, sm90_compile_report, spy
 from .paged_helpers import build, tree_mask
 
 FP8 = torch.float8_e4m3fn
@@ -206,13 +207,14 @@ def test_paged_features_gpu(device):
     check([6, 3, 1], [400, 230, 17], 16, 32, 8, 128, device, dtype=torch.bfloat16, tree=True)
 
 
-@pytest.mark.gpu
-def test_cuda_graph_replay_with_new_lengths(device):
+def _graph_replay(device, kv_len, num_splits):
+    """Capture one decode call of 8 sequences (GQA 32/8, bf16, page 16) made for kv_len keys, then replay it with
+    new lengths (plan.update) and fresh queries against the reference. Returns the plan."""
     Hq, Hkv, D, ps = 32, 8, 128, 16
-    q, kc, vc, pt, sl, cq = build([1] * 8, [50] * 8, ps, Hq, Hkv, D, dtype=torch.bfloat16, device=device,
+    q, kc, vc, pt, sl, cq = build([1] * 8, [kv_len] * 8, ps, Hq, Hkv, D, dtype=torch.bfloat16, device=device,
                                   extra_pages=400)
     plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
-                                   num_splits=2, device=device)
+                                   num_splits=num_splits, device=device)
     out = torch.empty_like(q)
     pt_big = torch.zeros(8, 64, dtype=torch.int32, device=device)
     pt_big[:, :pt.shape[1]] = pt
@@ -221,7 +223,7 @@ def test_cuda_graph_replay_with_new_lengths(device):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         lk.paged_attention(q, kc, vc, pt_big, sl, cq, 1, plan=plan, out=out)
-    for new_len in (3, 49, 77):
+    for new_len in (3, 49, kv_len + 1):
         lens = torch.randint(1, new_len + 1, (8,), dtype=torch.int32)
         sl.copy_(lens)
         plan.update(cq.cpu(), lens)
@@ -229,6 +231,12 @@ def test_cuda_graph_replay_with_new_lengths(device):
         g.replay()
         ref, _ = paged_attention_ref(q, kc, vc, pt_big, sl, cq)
         assert_close(out, ref, torch.bfloat16)
+    return plan
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_lengths(device):
+    _graph_replay(device, 76, num_splits=2)
 
 
 @pytest.mark.gpu
@@ -256,10 +264,7 @@ def _spy_ws(monkeypatch):
     from llmkernels.attention import paged_ws, plan
 
     monkeypatch.setattr(plan, "WS_DECODE_MIN_BYTES", 0)  # small test batches would take the Triton kernel
-    launches = []
-    real = paged_ws.launch_decode_ws
-    monkeypatch.setattr(paged_ws, "launch_decode_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
-    return launches
+    return spy(monkeypatch, paged_ws, "launch_decode_ws")
 
 
 def test_ws_plan_refuses_more_than_one_query(monkeypatch):
@@ -277,30 +282,16 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
 @pytest.mark.parametrize("page_size, head_dim, split", [(16, 128, False), (128, 64, True)])
 def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split):
     # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    code = ("import triton; from llmkernels.attention.paged_ws import compile_sm90; "
-            f"k = compile_sm90({page_size}, {head_dim}, split={split}, stages=3); p = k.asm['ptx']; "
-            "print('wgmma', 'wgmma.mma_async' in p, 'tma', 'cp.async.bulk.tensor' in p, 'local', '.local' in p)")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["wgmma", "True", "tma", "True", "local", "False"], res.stdout
+    got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split})",
+                              {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "local": ".local"})
+    assert got == {"wgmma": True, "tma": True, "local": False}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
 def test_ws_decode_gpu(case, dtype, device, monkeypatch):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is sm_90 code")
+    need_sm90()
     launches = _spy_ws(monkeypatch)
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=dtype, device=device)
@@ -326,8 +317,7 @@ def test_ws_decode_split_merge_without_counters(device, monkeypatch):
     # no counter buffer (as in a capture on a fresh stream): the partials go through combine_kernel
     from llmkernels.attention import paged
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is sm_90 code")
+    need_sm90()
     launches = _spy_ws(monkeypatch)
     monkeypatch.setattr(paged, "split_counters", lambda device: None)
     q, kc, vc, pt, sl, cq = build([1] * 3, [900, 37, 2000], 16, 16, 4, 128, dtype=torch.bfloat16, device=device)
@@ -342,29 +332,8 @@ def test_ws_decode_split_merge_without_counters(device, monkeypatch):
 
 @pytest.mark.gpu
 def test_ws_decode_cuda_graph_replay_with_new_lengths(device, monkeypatch):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is sm_90 code")
+    need_sm90()
     launches = _spy_ws(monkeypatch)
-    Hq, Hkv, D, ps = 32, 8, 128, 16
-    q, kc, vc, pt, sl, cq = build([1] * 8, [600] * 8, ps, Hq, Hkv, D, dtype=torch.bfloat16, device=device,
-                                  extra_pages=400)
-    plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
-                                   device=device)
+    plan = _graph_replay(device, 600, num_splits=0)
     assert plan.ws_decode and plan.num_splits > 1
-    out = torch.empty_like(q)
-    pt_big = torch.zeros(8, 64, dtype=torch.int32, device=device)
-    pt_big[:, :pt.shape[1]] = pt
-    lk.paged_attention(q, kc, vc, pt_big, sl, cq, 1, plan=plan, out=out)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        lk.paged_attention(q, kc, vc, pt_big, sl, cq, 1, plan=plan, out=out)
-    for new_len in (3, 49, 601):
-        lens = torch.randint(1, new_len + 1, (8,), dtype=torch.int32)
-        sl.copy_(lens)
-        plan.update(cq.cpu(), lens)
-        q.copy_(torch.randn_like(q))
-        g.replay()
-        ref, _ = paged_attention_ref(q, kc, vc, pt_big, sl, cq)
-        assert_close(out, ref, torch.bfloat16)
     assert launches

@@ -1,14 +1,11 @@
 """flash_attn_varlen / flash_attn against the float64 reference."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import llmkernels as lk
 from llmkernels.testing import assert_close, flash_attn_varlen_ref, poison
+
+from .gluon_helpers import need_sm90, sm90_compile_report, spy
 
 # (q_lens, k_lens, Hq, Hkv, D, causal, window, softcap, sinks)
 CPU_CASES = [
@@ -229,40 +226,29 @@ def test_ws_config_reads_the_table(monkeypatch):
                                                                (64, 2, 256, True)])
 def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal):
     # compiled for sm_90 on any machine (ptxas ships with Triton): catches a kernel that no longer builds, or one
-    # that uses local memory (spills), where CI has no GPU. A subprocess, because under TRITON_INTERPRET=1 Gluon
-    # functions are interpreted and cannot be compiled.
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    code = ("from llmkernels.attention.prefill_ws import compile_sm90; "
-            f"k = compile_sm90({block_n}, {stages}, {head_dim}, {causal}); p = k.asm['ptx']; "
-            "print('wgmma', 'wgmma.mma_async' in p, 'setmaxnreg', 'setmaxnreg' in p, 'local', '.local' in p)")
-    env = dict(os.environ, TRITON_INTERPRET="0")  # (llmkernels would set 1 on a machine without a GPU)
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["wgmma", "True", "setmaxnreg", "True", "local", "False"], res.stdout
+    # that uses local memory (spills), where CI has no GPU
+    got = sm90_compile_report(f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal})",
+                              {"wgmma": "wgmma.mma_async", "setmaxnreg": "setmaxnreg", "local": ".local"})
+    assert got == {"wgmma": True, "setmaxnreg": True, "local": False}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(128, 2), (128, 3), (64, 3), (64, 2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}")
-def test_ws_kernel_gpu(case, dtype, config, device, monkeypatch):
+@pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
+                                          for cfg in ([(64, 2)] if c[4] == 256 else [(128, 2), (128, 3), (64, 3)])],
+                         ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
+                         f"{c[0]}/{c[1]}")
+def test_ws_kernel_gpu(case, config, dtype, device, monkeypatch):
+    # every tuning candidate for its head dim (D=256 fits only 64 keys x 2 stages in shared memory)
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is sm_90 code")
+    need_sm90()
     monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)  # small test shapes would take the Triton kernel
     q_lens, k_lens, Hq, Hkv, D, causal = case
-    if (D == 256) != (config == (64, 2)):
-        pytest.skip("D=256 fits 64/2 in shared memory; the smaller head dims take the other configs")
     key = f"{str(dtype).replace('torch.', '')}/{D}/{'causal' if causal else 'full'}/ws"
     monkeypatch.setitem(OVERRIDES, ("prefill", key), list(config))
-    launches = []
-    real = prefill_ws.launch_ws
-    monkeypatch.setattr(prefill_ws, "launch_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    launches = spy(monkeypatch, prefill_ws, "launch_ws")
     check((q_lens, k_lens, Hq, Hkv, D, causal, (-1, -1), 0.0, False), dtype, device)
     assert launches, "the call did not take the Gluon kernel"
 
@@ -271,12 +257,9 @@ def test_ws_kernel_gpu(case, dtype, config, device, monkeypatch):
 def test_ws_kernel_fused_qkv_views_and_fallbacks(device, monkeypatch):
     from llmkernels.attention import prefill, prefill_ws
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is sm_90 code")
+    need_sm90()
     monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)
-    launches = []
-    real = prefill_ws.launch_ws
-    monkeypatch.setattr(prefill_ws, "launch_ws", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    launches = spy(monkeypatch, prefill_ws, "launch_ws")
     T, Hq, Hkv, D = 333, 8, 2, 128
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=torch.bfloat16, device=device)
     q = qkv[:, :Hq * D].view(T, Hq, D)

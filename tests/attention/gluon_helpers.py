@@ -1,0 +1,36 @@
+"""Helpers for the Gluon kernels' tests (attention/prefill_ws.py, attention/paged_ws.py)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def sm90_compile_report(call: str, checks: dict) -> dict:
+    """Run ``k = <call>`` in a subprocess without the interpreter (under TRITON_INTERPRET=1 Gluon functions are
+    interpreted and cannot be compiled; llmkernels would turn it on where there is no GPU) and return, for each
+    name in ``checks``, whether its PTX substring is in the compiled kernel."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    code = (f"import triton; from llmkernels.attention import prefill_ws, paged_ws; k = {call}; p = k.asm['ptx']; "
+            f"print(' '.join(str(s in p) for s in {list(checks.values())!r}))")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return dict(zip(checks, (v == "True" for v in res.stdout.split())))
+
+
+def need_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are sm_90 code")
+
+
+def spy(monkeypatch, module, name):
+    """Count the calls of ``module.name`` (the Gluon launch functions)."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
