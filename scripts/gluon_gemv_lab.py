@@ -13,11 +13,11 @@ Why it is not routed (bench/NOTES.md, session 19): at M = 1 it is 5-7 us slower 
 layer shapes and streams at 2.1 TB/s on the vocabulary shape against 2.28; at M = 8 it takes about the M = 1 time
 (ratio 1.0) but beats the current tensor-core path only on the two largest shapes.
 
-    PYTHONPATH=. python scripts/gluon_gemv_lab.py [RT/STAGES/warps[/pdl[/acc2[/waves[/defer]]]],...] [M list]
+    PYTHONPATH=. python scripts/gluon_gemv_lab.py [RT/STAGES/warps[/pdl[/acc2[/waves[/defer[/ctas]]]]]],...] [M list]
 
 pdl: 1 waits for the previous kernel first, 2 also issues the first steps' weight copies before waiting; acc2: two
 mma accumulators; waves: K splits until tiles x splits reach waves x SMs (0: no split); defer: arrivals of all
-units at the program's end. DTS=fp16,bf16 picks the activation dtypes.
+units at the program's end; ctas: CTAs per SM (maxnreg set so they fit). DTS=fp16,bf16 picks the activation dtypes.
 """
 import os
 import sys
@@ -240,6 +240,8 @@ def launch(x, data, N, K, cfg, sms):
     acc2 = cfg[4] if len(cfg) > 4 else 0
     waves = cfg[5] if len(cfg) > 5 else 1
     defer = cfg[6] if len(cfg) > 6 else 0
+    ctas = cfg[7] if len(cfg) > 7 else 1  # CTAs per SM: registers per thread capped to fit them
+    opts = {"maxnreg": 65536 // (ctas * (W + 4) * 32) // 8 * 8} if ctas > 1 else {}
     BN = 16 * RT * W
     M = x.shape[0]
     nb = K // 256
@@ -251,12 +253,12 @@ def launch(x, data, N, K, cfg, sms):
     dx = TensorDescriptor(x, [M, K], [x.stride(0), 1], [8, 256], lx)
     tiles = triton.cdiv(N, BN)
     split = 1
-    while tiles * split < sms * waves and nb // (split * 2) >= 1:
+    while tiles * split < sms * ctas * waves and nb // (split * 2) >= 1:
         split *= 2
     per_split = triton.cdiv(nb, split)
     split = triton.cdiv(nb, per_split)
     units = tiles * split
-    P = min(units, sms)
+    P = min(units, sms * ctas)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if split > 1:
         part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
@@ -266,7 +268,8 @@ def launch(x, data, N, K, cfg, sms):
     else:
         part, cnt = y, y
     q4k_mma_kernel[(P,)](dq, dh, dx, y, part, cnt, M, N, units, split, per_split, y.stride(0), RT=RT, STAGES=STAGES,
-                         FIXUP=split > 1, PDL=pdl, ACC2=acc2, DEFER=defer, num_warps=W, **({"launch_pdl": True} if pdl else {}))
+                         FIXUP=split > 1, PDL=pdl, ACC2=acc2, DEFER=defer, num_warps=W, **opts,
+                         **({"launch_pdl": True} if pdl else {}))
     return y
 
 
