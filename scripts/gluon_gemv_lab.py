@@ -11,7 +11,7 @@ the mma operand layouts (SASS: no shuffles or shared stores for the conversion):
 
 Why it is not routed (bench/NOTES.md, session 19): at M = 1 it is 5-7 us slower than the m1 kernel on the 9-66 MB
 layer shapes and streams at 2.1 TB/s on the vocabulary shape against 2.28; at M = 8 it takes about the M = 1 time
-(ratio 1.0) but beats the current tensor-core path only on the two largest shapes.
+(ratio 1.0) but beats the current tensor-core path by more than 5% only on the two largest shapes.
 
     PYTHONPATH=. python scripts/gluon_gemv_lab.py [RT/STAGES/warps[/pdl[/acc2[/waves[/defer[/ctas]]]]]],...] [M list]
 
