@@ -29,37 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from llmkernels._pdl import pdl_trigger, pdl_wait
+from llmkernels.qgemv.m1 import _q4k_scales
 from llmkernels.qgemv.tc import _ASM_Q4_BF16, _ASM_Q4_F16
-
-
-@gluon.jit
-def _i2f(q):
-    return (q | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
-
-
-@gluon.jit
-def _scales(w1, w2, w3, c):
-    sh = (c & 1) * 16
-    a = w1 >> sh
-    b = w2 >> sh
-    e = w3 >> sh
-    first = c < 2
-    sc0 = gl.where(first, a & 63, (e & 0xF) | ((a >> 2) & 0x30))
-    mn0 = gl.where(first, b & 63, ((e >> 4) & 0xF) | ((b >> 2) & 0x30))
-    sc1 = gl.where(first, (a >> 8) & 63, ((e >> 8) & 0xF) | ((a >> 10) & 0x30))
-    mn1 = gl.where(first, (b >> 8) & 63, ((e >> 12) & 0xF) | ((b >> 10) & 0x30))
-    return _i2f(sc0), _i2f(mn0), _i2f(sc1), _i2f(mn1)
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -81,7 +53,7 @@ def _loader(desc_q, desc_h, desc_x, q_s, h_s, x_s, ready, empty, units, split, p
             tma.async_copy_global_to_shared(desc_q, [row0, kb0, 0, 0], ready.index(i), q_s.index(i))
             tma.async_copy_global_to_shared(desc_h, [row0, kb0, 0, 0], ready.index(i), h_s.index(i))
     if PDL:
-        _gdc_wait()
+        pdl_wait(True)
     i = 0
     for u in range(pid, units, P):
         row0 = (u // split) * BN
@@ -121,7 +93,7 @@ def _consumer(Y, PART, COUNT, q_s, h_s, x_s, ready, empty, M, N, units, split, p
     prow = (lr // 16) * 16 + (lr % 8) * 2 + (lr % 16) // 8
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     if PDL:
-        _gdc_wait()
+        pdl_wait(True)
     i = 0
     for u in range(pid, units, P):
         acc = gl.zeros([BN, 8], gl.float32, MMA)
@@ -140,7 +112,7 @@ def _consumer(Y, PART, COUNT, q_s, h_s, x_s, ready, empty, M, N, units, split, p
             w3 = gl.expand_dims(gl.sum(gl.where(widx == 3, hw, 0), axis=3), 3)
             d = (w0 & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
             dmin = (w0 >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-            sc0, mn0, sc1, mn1 = _scales(w1, w2, w3, tj)  # [BN, 1, 4, 1]
+            sc0, mn0, sc1, mn1 = _q4k_scales(w1, w2, w3, tj)  # [BN, 1, 4, 1]
             s_lo, _ = gl.broadcast((d * sc0).to(DT), q)
             z_lo, _ = gl.broadcast((-dmin * mn0).to(DT), q)
             s_hi, _ = gl.broadcast((d * sc1).to(DT), q)
@@ -171,7 +143,7 @@ def _consumer(Y, PART, COUNT, q_s, h_s, x_s, ready, empty, M, N, units, split, p
             acc += acc1
         if PDL:  # noqa: SIM102 (constexpr test, then a runtime one)
             if u + P >= units:
-                _gdc_launch()
+                pdl_trigger(True)
         r = (u // split) * BN + prow
         ok = (r < N)[:, None] & (cols < M)[None, :]
         offs = cols[None, :] * stride_ym + r[:, None]
