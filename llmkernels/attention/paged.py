@@ -32,7 +32,7 @@ def _check_fp8_words(name, cache):
 
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
-                    scale, sms):
+                    scale, sms, balanced):
     """The persistent Gluon decode kernel (paged_ws.py), which merges its split partials itself or leaves them to
     combine_kernel; False (nothing launched) where the caches have no TMA view."""
     from .paged_kernel import combine_kernel
@@ -45,6 +45,15 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     split = num_splits > 1
     # the split merge inside the kernel (arrival counters, as the Triton kernel's) unless the stream has no counter
     # buffer (a CUDA-graph capture that did not warm it up): then combine_kernel
+    if balanced:
+        # the balanced split merges the pieces of cut units with the counters; without them, the plan's split-KV
+        counters = split_counters(q.device)
+        if counters is not None and tiles[0].numel() * k_cache.shape[2] <= counters.numel():
+            launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
+                             tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
+                             out=out, counters=counters,
+                             balanced=(balanced[0][:tiles[0].numel() + 1], balanced[0][tiles[0].numel() + 1:]))
+            return True
     counters = split_counters(q.device) if split else None
     if counters is not None and tiles[0].numel() * k_cache.shape[2] > counters.numel():
         counters = None
@@ -61,7 +70,7 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
 
 def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
-                v_scale_f, custom_mask, ws_decode=False):
+                v_scale_f, custom_mask, ws_decode=False, balanced=()):
     from .paged_kernel import combine_kernel, paged_attn_kernel
 
     total_q, Hq, D = q.shape
@@ -71,7 +80,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
     if (ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse
             and _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits,
-                                ws_o, ws_lse, scale, num_sms(q.device))):
+                                ws_o, ws_lse, scale, num_sms(q.device), balanced)):
         return
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)
@@ -126,10 +135,11 @@ def _paged_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                         ws_o: torch.Tensor | None, ws_lse: torch.Tensor | None, causal: bool, scale: float,
                         left: int, right: int, softcap: float, sinks: torch.Tensor | None,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_scale_f: float,
-                        v_scale_f: float, custom_mask: torch.Tensor | None, ws_decode: bool) -> None:
+                        v_scale_f: float, custom_mask: torch.Tensor | None, ws_decode: bool,
+                        balanced: list[torch.Tensor]) -> None:
     _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
-                v_scale_f, custom_mask, ws_decode)
+                v_scale_f, custom_mask, ws_decode, balanced)
 
 
 _paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
@@ -139,7 +149,7 @@ _paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs, num_splits,
       ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f, v_scale_f, custom_mask,
-      ws_decode):
+      ws_decode, balanced):
     return None
 
 
@@ -245,5 +255,6 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
     call_op(_paged_attention_op, _paged_attention_impl, q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
             out, lse, bool(return_lse), tiles,
                         configs, plan.num_splits, plan.workspace_o, plan.workspace_lse, bool(causal), scale, left,
-                        right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask, bool(plan.ws_decode))
+                        right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask, bool(plan.ws_decode),
+                        list(plan.balanced or []))
     return (out, lse) if return_lse else out

@@ -26,6 +26,7 @@ MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K
 # call (descriptors, Gluon launch) is about 100 us more than the Triton kernel's, as for prefill
 WS_DECODE_MIN_BYTES = 1 << 25
 WS_MIN_KEYS_PER_SPLIT = 256
+BALANCED_SPLIT = True  # num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (paged_ws.py)
 
 
 @dataclasses.dataclass
@@ -66,6 +67,9 @@ class PagedAttentionPlan:
     workspace_lse: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq]
     short_q_max: int = 1
     ws_decode: bool = False  # the persistent Gluon decode kernel (paged_ws.py) where the call allows it
+    # its balanced split (num_splits=0): int32 tables [tiles + 1 + SMs] (paged_ws.balanced_tables) and float32 slots
+    # [2 * SMs, Hq, D] / [2 * SMs, Hq] for the pieces of (sequence, kv head) units that straddle programs
+    balanced: list | None = None
 
     @property
     def group(self) -> int:
@@ -87,6 +91,11 @@ class PagedAttentionPlan:
                          f"(sequence, kv head), one program per SM; the Triton launch above serves the calls it "
                          f"cannot take (left window, softcap, sinks, custom mask, LSE output, caches without a TMA "
                          f"view)")
+        if self.balanced:
+            lines.append(f"  balanced split (the Gluon kernel): its {self.balanced[1].shape[0] // 2} programs take "
+                         f"equal ranges of the batch's 64-key tiles, a (sequence, kv head) cut between programs is "
+                         f"merged by the last of them to finish; the split-KV x{self.num_splits} below serves the "
+                         f"Triton fallback")
         if self.num_splits > 1:
             lines.append(f"  merge: the last of the {self.num_splits} split programs of each tile and kv head merges "
                          f"their partial (o, lse) in float32 (a separate combine kernel inside a CUDA-graph capture "
@@ -123,6 +132,9 @@ class PagedAttentionPlan:
         for ln in self.launches:
             seqs, starts = tiles.get(ln.name, (np.zeros(0, np.int32), np.zeros(0, np.int32)))
             _fill(ln, seqs, starts)
+        if self.balanced:
+            _fill_balanced(self.balanced[0], k_lens[tiles["short"][0]], self.num_kv_heads,
+                           self.balanced[1].shape[0] // 2)
         self.batch = len(q_lens)
         self.total_q = int(q_lens.sum())
         return self
@@ -177,6 +189,17 @@ def _fill(ln: TileLaunch, seqs, starts):
     ln.tile_q.copy_(host[1], non_blocking=True)
     ln.num_tiles.fill_(n)
     ln.used = n
+
+
+def _fill_balanced(buf, tile_k_lens, num_kv_heads, programs):
+    """Refill the balanced split's tables (paged_ws.balanced_tables) in ``buf``: CU_T, then PSTART at the end."""
+    from .paged_ws import balanced_tables
+
+    cu_t, pstart = balanced_tables(tile_k_lens, num_kv_heads, programs)
+    host = torch.zeros(buf.numel(), dtype=torch.int32)
+    host[:len(cu_t)] = torch.from_numpy(cu_t)
+    host[-programs:] = torch.from_numpy(pstart)
+    buf.copy_(host, non_blocking=True)
 
 
 def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False):
@@ -265,6 +288,7 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     if ws:
         reasons.append("one query per sequence, 16-bit cache, page size and head dim it takes, "
                        f">= {WS_DECODE_MIN_BYTES >> 20} MB of K/V -> the persistent Gluon decode kernel (sm_90)")
+    balance = ws and num_splits == 0 and BALANCED_SPLIT
     if ws and num_splits == 0:
         # one program per SM walks the (sequence, kv head, split) units: split only to give every SM a unit
         max_len = int(k_lens.max()) if len(k_lens) else 0
@@ -313,6 +337,15 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     plan = PagedAttentionPlan(page_size, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, num_splits,
                               launches, variant, len(q_lens), total_q, device, reasons, short_q_max=short_q_max,
                               ws_decode=ws)
+    if ws and balance:
+        # the Gluon kernel's balanced split: every SM gets the same number of key tiles (no idle SMs in a last,
+        # partial wave of units); fixed split counts keep the units (batch-invariant)
+        cap = plan.launches[0].capacity
+        plan.balanced = [torch.zeros(cap + 1 + sms, dtype=torch.int32, device=device),
+                         torch.empty(2 * sms, num_q_heads, head_dim, dtype=torch.float32, device=device),
+                         torch.empty(2 * sms, num_q_heads, dtype=torch.float32, device=device)]
+        _fill_balanced(plan.balanced[0], k_lens[tiles["short"][0]], num_kv_heads, sms)
+        reasons.append(f"num_splits=0 -> the Gluon kernel splits the batch's key tiles evenly over {sms} programs")
     if num_splits > 1:
         cap_tokens = max(total_q, max_tokens or 0, 1)
         plan.workspace_o = torch.empty(num_splits, cap_tokens, num_q_heads, head_dim, dtype=torch.float32,

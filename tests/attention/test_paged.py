@@ -1,11 +1,12 @@
 """paged_attention (+ plan, store_kv) against the reference that gathers pages into dense K/V."""
+import numpy as np
 import pytest
 import torch
 
 import llmkernels as lk
 from llmkernels.testing import assert_close, paged_attention_ref, poison
 
-from .gluon_helpers import need_sm90, sm90_compile_report, spy
+from .gluon_helpers import need_sm90, sm90_compile_report
 from .paged_helpers import build, tree_mask
 
 FP8 = torch.float8_e4m3fn
@@ -257,14 +258,41 @@ WS_CASES = [
     ([1] * 5, [300, 31, 999, 1, 64], 64, 28, 4, 128, dict(num_splits=3)),  # group 7, page 64, fixed splits
     ([1, 0, 1], [700, 5, 2000], 128, 16, 2, 64, {}),  # page 128, D 64, a sequence without queries
     ([1] * 3, [33, 800, 257], 8, 8, 1, 128, dict(num_splits=1)),  # page 8, MQA (group 8), no split
+    ([1], [30011], 16, 32, 8, 128, {}),  # batch 1: each (sequence, kv head) cut over ~16 programs
+    ([1] * 150, [(37 * i) % 997 + 1 for i in range(150)], 32, 8, 2, 128, {}),  # ragged, programs over many units
 ]
 
 
 def _spy_ws(monkeypatch):
+    """Records, for each launch of the Gluon decode kernel, whether it ran the balanced split."""
     from llmkernels.attention import paged_ws, plan
 
     monkeypatch.setattr(plan, "WS_DECODE_MIN_BYTES", 0)  # small test batches would take the Triton kernel
-    return spy(monkeypatch, paged_ws, "launch_decode_ws")
+    calls = []
+    real = paged_ws.launch_decode_ws
+    monkeypatch.setattr(paged_ws, "launch_decode_ws",
+                        lambda *a, **kw: calls.append(kw.get("balanced") is not None) or real(*a, **kw))
+    return calls
+
+
+def test_balanced_tables_cover_every_key_tile_once():
+    from llmkernels.attention.paged_ws import balanced_tables
+
+    rng = np.random.default_rng(0)
+    for lens, hkv, programs in ([[1], 8, 132], [[4097, 1, 65, 64], 2, 7], [rng.integers(1, 5000, 40), 8, 132],
+                                [[30000], 1, 132], [[1, 1], 1, 132]):
+        cu_t, pstart = balanced_tables(np.array(lens), hkv, programs, 64)
+        n = -(-np.array(lens) // 64)
+        assert cu_t.tolist() == [0] + np.cumsum(n * hkv).tolist()
+        T = int(cu_t[-1])
+        P = min(programs, T)
+        starts = [p * T // P for p in range(P)] + [T]
+        assert all(a < b for a, b in zip(starts, starts[1:]))  # no program with an empty range below P
+        for p in range(programs):
+            if p < P:
+                assert cu_t[pstart[p]] <= starts[p] < cu_t[pstart[p] + 1]
+            else:
+                assert pstart[p] == 0
 
 
 def test_ws_plan_refuses_more_than_one_query(monkeypatch):
@@ -279,10 +307,11 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
         p.update(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([40, 900], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("page_size, head_dim, split", [(16, 128, False), (128, 64, True)])
-def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split):
+@pytest.mark.parametrize("page_size, head_dim, split, balanced", [(16, 128, False, False), (128, 64, True, False),
+                                                                (16, 128, False, True)])
+def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced):
     # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter
-    got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split})",
+    got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced})",
                               {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "local": ".local"})
     assert got == {"wgmma": True, "tma": True, "local": False}
 
@@ -303,6 +332,7 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
     ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
     assert_close(out, ref, dtype, "o")
     assert launches, "the call did not take the Gluon kernel"
+    assert launches[-1] == ("num_splits" not in kw), "num_splits=0 runs the balanced split, a fixed count the units"
     # the calls it cannot take fall back to the Triton kernel with the same plan
     n = len(launches)
     o, lse = lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, return_lse=True)
@@ -335,5 +365,23 @@ def test_ws_decode_cuda_graph_replay_with_new_lengths(device, monkeypatch):
     need_sm90()
     launches = _spy_ws(monkeypatch)
     plan = _graph_replay(device, 600, num_splits=0)
-    assert plan.ws_decode and plan.num_splits > 1
-    assert launches
+    assert plan.ws_decode and plan.num_splits > 1 and plan.balanced
+    assert launches and all(launches)
+
+
+@pytest.mark.gpu
+def test_ws_decode_balanced_without_counters_falls_back_to_units(device, monkeypatch):
+    from llmkernels.attention import paged
+
+    need_sm90()
+    launches = _spy_ws(monkeypatch)
+    monkeypatch.setattr(paged, "split_counters", lambda device: None)
+    q, kc, vc, pt, sl, cq = build([1] * 2, [3000, 70], 16, 16, 4, 128, dtype=torch.bfloat16, device=device)
+    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), 16, 16, 4, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                device=device)
+    assert p.balanced and p.num_splits > 1
+    out = poison(torch.empty_like(q))
+    lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out)
+    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
+    assert_close(out, ref, torch.bfloat16, "o")
+    assert launches == [False]
