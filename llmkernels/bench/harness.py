@@ -60,7 +60,9 @@ def time_graph_ms(fns, *, reps: int = 20, trials: int = 5) -> float:
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    # captured on the warm-up stream, as an engine captures its steps: the per-stream split-K / split-KV arrival
+    # counters (_runtime.split_counters) exist there, so the kernels merge their own partials as they do in use
+    with torch.cuda.graph(g, stream=s):
         for f in fns:
             f()
     g.replay()
