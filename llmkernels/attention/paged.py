@@ -52,7 +52,7 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
             launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
                              tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
                              out=out, counters=counters,
-                             balanced=(balanced[0][:tiles[0].numel() + 1], balanced[0][tiles[0].numel() + 1:]))
+                             balanced=(balanced[0], tiles[0].numel()))
             return True
     counters = split_counters(q.device) if split else None
     if counters is not None and tiles[0].numel() * k_cache.shape[2] > counters.numel():

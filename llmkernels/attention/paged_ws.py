@@ -61,16 +61,12 @@ def _page_rows(pt_row, key0, n_pages, num_pages, PAGE_SIZE: gl.constexpr, NSUB: 
 
 
 @gluon.jit
-def _balanced_range(CU_T, PSTART, NUM_TILES):
-    """The balanced (stream-K) split: program pid of P = min(grid, T) takes global tiles [pid * T // P, (pid + 1) *
-    T // P) of the T = CU_T[num_tiles] tiles (decode tile i's kv head h, key tile j is global tile CU_T[i] + h *
-    n_i + j, n_i key tiles per head). -> (first tile, end, decode tile of the first, P, T)."""
-    T = gl.load(CU_T + gl.load(NUM_TILES))
-    P = gl.maximum(gl.minimum(gl.num_programs(0), T), 1)
+def _balanced_range(TABLES, cap, num_kv_heads):
+    """Program pid's range [G0[pid], G0[pid + 1]) of global key tiles (decode tile i's kv head h, key tile j is
+    global tile CU_T[i] + h * n_i + j) and the decode tile of its first: the tables of ``balanced_tables``."""
     pid = gl.program_id(0)
-    g0 = (pid.to(gl.int64) * T // P).to(gl.int32)
-    g1 = gl.where(pid < P, ((pid + 1).to(gl.int64) * T // P).to(gl.int32), g0)
-    return g0, g1, gl.load(PSTART + pid), P, T
+    G0 = TABLES + cap + 1
+    return gl.load(G0 + pid), gl.load(G0 + pid + 1), gl.load(G0 + gl.num_programs(0) + 1 + pid)
 
 
 @gluon.jit
@@ -114,7 +110,7 @@ def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
 
 @gluon.jit
 def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
-            CU_T, PSTART, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM: gl.constexpr,
+            TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM: gl.constexpr,
             BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, BALANCED: gl.constexpr):
     ROWS: gl.constexpr = desc_k.block_type.shape[0]
     NSUB: gl.constexpr = BLOCK_N // ROWS
@@ -123,9 +119,9 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
     sub = gl.arange(0, NSUB, layout=sub_layout)
     c = 0
     if BALANCED:
-        g, g1, ti, _, _ = _balanced_range(CU_T, PSTART, NUM_TILES)
+        g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
         while g < g1:
-            hk, t0, nt, _, n = _piece(g, g1, ti, CU_T, num_kv_heads)
+            hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
             b = gl.load(TILE_SEQ + ti)
             k_len = gl.load(SEQ_LENS + b)
             c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
@@ -189,10 +185,10 @@ def _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, str
 
 @gluon.jit
 def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
-              CU_Q, CU_T, PSTART, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
+              CU_Q, TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
               stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              COMBINE: gl.constexpr, BALANCED: gl.constexpr):
+              COMBINE: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_PB: gl.constexpr):
     M: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -205,10 +201,13 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
     srow = gl.arange(0, M, layout=row_s)
     c = 0
     if BALANCED:
-        g, g1, ti, P, T = _balanced_range(CU_T, PSTART, NUM_TILES)
+        g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
         g0 = g
+        UPIECES = TABLES + cap + 2 * gl.num_programs(0) + 2 + cap * num_kv_heads  # pieces of each unit
+        first = -1  # the units of this range's first and last pieces, when cut (merged after the range)
+        last = -1
         while g < g1:
-            hk, t0, nt, u0, n = _piece(g, g1, ti, CU_T, num_kv_heads)
+            hk, t0, nt, u0, n = _piece(g, g1, ti, TABLES, num_kv_heads)
             b = gl.load(TILE_SEQ + ti)
             t = gl.load(CU_Q + b).to(gl.int64)
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
@@ -217,10 +216,8 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                        o_layout)
             o = acc / gl.convert_layout(l_i, row_o)[:, None]  # every piece holds a key: l_i > 0 on real rows
             head_o = hk * GROUP + orow
-            # the programs whose ranges hold the unit's first and last tiles
-            p_first = (((u0 + 1).to(gl.int64) * P - 1) // T).to(gl.int32)
-            p_last = (((u0 + n).to(gl.int64) * P - 1) // T).to(gl.int32)
-            if p_first == p_last:
+            idx = ti * num_kv_heads + hk
+            if gl.load(UPIECES + idx) == 1:  # a whole unit
                 gl.store(OUT + t * stride_fot + head_o[:, None] * stride_foh + ocol[None, :],
                          o.to(OUT.dtype.element_ty), mask=(orow < GROUP)[:, None])
             else:
@@ -229,12 +226,17 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
                 gl.store(O + slot * stride_os + head_o[:, None] * stride_oh + ocol[None, :], o,
                          mask=(orow < GROUP)[:, None])
                 gl.store(LSE + slot * stride_ls + hk * GROUP + srow, (m_i + gl.log2(l_i)) * LN2, mask=srow < GROUP)
-                tail = (p_first.to(gl.int64) * T // P < u0).to(gl.int32)  # the first program started in an earlier unit
-                _merge_last(O, LSE, OUT, COUNT, ti * num_kv_heads + hk, 0, t, hk, orow, ocol, p_last - p_first + 1,
-                            2 * p_first, 2, tail, 0, stride_os, 0, stride_oh, stride_ls, stride_fot, stride_foh,
-                            GROUP, o_layout)
+                first = gl.where(first < 0, idx, first)
+                last = gl.where(first != idx, idx, last)
             g += nt
             ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
+        # arrivals after the range, so that no piece waits on an atomic's round trip while its copies are in flight
+        if first >= 0:
+            _merge_unit(O, LSE, OUT, COUNT, TABLES, cap, first, TILE_SEQ, CU_Q, num_kv_heads, stride_os, stride_oh,
+                        stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
+        if last >= 0:
+            _merge_unit(O, LSE, OUT, COUNT, TABLES, cap, last, TILE_SEQ, CU_Q, num_kv_heads, stride_os, stride_oh,
+                        stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
@@ -253,55 +255,87 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
                 gl.store(LSE + split * stride_ls + t * num_heads + hk * GROUP + srow, lse, mask=srow < GROUP)
                 if COMBINE:
                     _merge_last(O, LSE, OUT, COUNT, (u // (num_kv_heads * num_splits)) * num_kv_heads + hk, t, t,
-                                hk, orow, ocol, num_splits, 0, 1, 0, num_heads, stride_os, stride_ot, stride_oh,
-                                stride_ls, stride_fot, stride_foh, GROUP, o_layout)
+                                hk, num_splits, 0, 1, 0, num_heads, stride_os, stride_ot, stride_oh, stride_ls,
+                                stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
 
 
 @gluon.jit
-def _merge_last(PO, PLSE, OUT, COUNT, idx, pt, t, hk, rows, cols, pieces, s0, step, tail, num_heads, stride_os,
-                stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, GROUP: gl.constexpr, o_layout: gl.constexpr):
+def _merge_unit(PO, PLSE, OUT, COUNT, TABLES, cap, idx, TILE_SEQ, CU_Q, num_kv_heads, stride_os, stride_oh, stride_ls,
+                stride_fot, stride_foh, GROUP: gl.constexpr, GROUP_P2: gl.constexpr, HEAD_DIM: gl.constexpr,
+                MERGE_PB: gl.constexpr):
+    """Arrive for the cut unit idx (decode tile * num_kv_heads + kv head) of the balanced split; the last of its
+    pieces merges them. Piece j is program p_first + j's slot 2 (p_first + j), but 2 p_first + 1 when p_first's
+    range began in an earlier unit."""
+    ti = idx // num_kv_heads
+    hk = idx - ti * num_kv_heads
+    G0 = TABLES + cap + 1
+    UFIRST = G0 + 2 * gl.num_programs(0) + 1
+    p_first = gl.load(UFIRST + idx)
+    pieces = gl.load(UFIRST + cap * num_kv_heads + idx)
+    base = gl.load(TABLES + ti)
+    u0 = base + hk * ((gl.load(TABLES + ti + 1) - base) // num_kv_heads)
+    t = gl.load(CU_Q + gl.load(TILE_SEQ + ti)).to(gl.int64)
+    _merge_last(PO, PLSE, OUT, COUNT, idx, 0, t, hk, pieces, 2 * p_first, 2, (gl.load(G0 + p_first) < u0).to(gl.int32),
+                0, stride_os, 0, stride_oh, stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
+
+
+@gluon.jit
+def _merge_last(PO, PLSE, OUT, COUNT, idx, pt, t, hk, pieces, s0, step, tail, num_heads, stride_os, stride_ot,
+                stride_oh, stride_ls, stride_fot, stride_foh, GROUP: gl.constexpr, GROUP_P2: gl.constexpr,
+                HEAD_DIM: gl.constexpr, PB: gl.constexpr):
     """The last of the ``pieces`` partials of a (tile, KV head) to be stored merges all of them into OUT row t (as
     paged_kernel._combine_last): an arrival counter with acq_rel semantics, partials read through L2 (.cg), the
     counter set back to zero for the next launch. Piece j is slot s0 + j * step (+ tail for j = 0) of PO / PLSE
-    at token pt."""
+    at token pt. PB pieces load at once ([PB, GROUP_P2, HEAD_DIM] per step), so the merge costs about one L2
+    round trip per PB pieces, not two per piece."""
     gl.thread_barrier()  # every warp's partial stores come before the one-thread count
     if gl.atomic_add(COUNT + idx, 1, sem="acq_rel") == pieces - 1:
-        ok = rows < GROUP
-        head = hk * GROUP + rows
-        lse_ptrs = PLSE + pt * num_heads + head + s0 * stride_ls
-        row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        m = gl.full([rows.shape[0]], float("-inf"), gl.float32, row_layout)
-        for j in range(pieces):
-            sl = (j * step + tail * (j == 0).to(gl.int32)) * stride_ls
-            m = gl.maximum(m, gl.load(lse_ptrs + sl, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        acc = gl.zeros([rows.shape[0], cols.shape[0]], gl.float32, o_layout)
-        den = gl.zeros([rows.shape[0]], gl.float32, row_layout)
-        po = PO + pt * stride_ot + s0 * stride_os + head[:, None] * stride_oh + cols[None, :]
-        for j in range(pieces):
-            sj = j * step + tail * (j == 0).to(gl.int32)
-            w = gl.exp(gl.load(lse_ptrs + sj * stride_ls, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                       - m_safe)
-            den += w
-            acc += w[:, None] * gl.load(po + sj * stride_os, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        o = acc / gl.where(den == 0.0, 1.0, den)[:, None]
-        gl.store(OUT + t * stride_fot + head[:, None] * stride_foh + cols[None, :], o.to(OUT.dtype.element_ty),
-                 mask=ok[:, None])
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [4, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.SliceLayout(2, L3)  # [PB, GROUP_P2]
+        LO: gl.constexpr = gl.SliceLayout(0, L3)  # [GROUP_P2, HEAD_DIM]
+        j = gl.arange(0, PB, layout=gl.SliceLayout(1, L2))
+        r = gl.arange(0, GROUP_P2, layout=gl.SliceLayout(0, L2))
+        ro = gl.arange(0, GROUP_P2, layout=gl.SliceLayout(1, LO))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LO))
+        head3 = (hk * GROUP + r)[None, :][:, :, None]
+        d3 = d[None, :][None, :, :]
+        m = gl.full([GROUP_P2], float("-inf"), gl.float32, gl.SliceLayout(0, L2))
+        den = gl.zeros([GROUP_P2], gl.float32, gl.SliceLayout(0, L2))
+        acc = gl.zeros([GROUP_P2, HEAD_DIM], gl.float32, LO)
+        for j0 in range(0, pieces, PB):
+            jj = j0 + j
+            slot = s0 + jj * step + tail * (jj == 0).to(gl.int32)
+            ok = (jj < pieces)[:, None] & (r < GROUP)[None, :]
+            lse = gl.load(PLSE + pt * num_heads + (hk * GROUP + r)[None, :] + (slot * stride_ls)[:, None], mask=ok,
+                          other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(PO + pt * stride_ot + (slot * stride_os)[:, None][:, :, None] + head3 * stride_oh + d3,
+                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m, gl.max(lse, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp(m - m_safe)
+            w = gl.exp(lse - m_safe[None, :])
+            den = den * alpha + gl.sum(w, axis=0)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None] + gl.sum(w[:, :, None] * o, axis=0)
+            m = m_new
+        den = gl.convert_layout(gl.where(den == 0.0, 1.0, den), gl.SliceLayout(1, LO))
+        gl.store(OUT + t * stride_fot + (hk * GROUP + ro)[:, None] * stride_foh + d[None, :],
+                 (acc / den[:, None]).to(OUT.dtype.element_ty), mask=(ro < GROUP)[:, None])
         gl.atomic_xchg(COUNT + idx, 0)
 
 
 @gluon.jit
 def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
-                           CU_T, PSTART, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                           TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                            stride_fot, stride_foh, stride_pt, num_heads, num_kv_heads, num_pages, num_splits,
                            qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                           COMBINE: gl.constexpr = False, BALANCED: gl.constexpr = False):
+                           COMBINE: gl.constexpr = False, BALANCED: gl.constexpr = False,
+                           GROUP_P2: gl.constexpr = 4, MERGE_PB: gl.constexpr = 16):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials; with COMBINE too, the last split unit
     of each (tile, KV head) merges them into OUT (COUNT: zeroed arrival counters, tile * num_kv_heads + kv head),
-    else combine_kernel does. BALANCED: each program takes an equal range of key tiles (CU_T, PSTART from
-    ``balanced_tables``); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
-    counters."""
+    else combine_kernel does. BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
+    ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
+    counters. GROUP_P2 / MERGE_PB: see _merge_last."""
     dtype: gl.constexpr = desc_k.dtype
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
@@ -315,12 +349,12 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         mbarrier.init(kv_empty.index(i), count=1)
     gl.warp_specialize([
         (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                   NUM_TILES, CU_T, PSTART, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
+                   NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
                    PAGE_SIZE, STAGES, BALANCED)),
         (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
-                     NUM_TILES, CU_Q, CU_T, PSTART, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                     NUM_TILES, CU_Q, TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                      stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP, HEAD_DIM,
-                     BLOCK_N, STAGES, SPLIT, COMBINE, BALANCED)),
+                     BLOCK_N, STAGES, SPLIT, COMBINE, BALANCED, GROUP_P2, MERGE_PB)),
     ], [4], [232])
 
 
@@ -336,20 +370,62 @@ def page_descriptors(k_cache, v_cache, block_n):
     return descs
 
 
-def balanced_tables(tile_k_lens, num_kv_heads: int, programs: int, block_n: int = 64):
-    """Host tables of the balanced split for decode tiles with kv lengths ``tile_k_lens`` (numpy, >= 1 each): CU_T
-    (int32 [tiles + 1], global key-tile offset of each decode tile, all its kv heads) and PSTART (int32
-    [programs], the decode tile holding each program's first key tile, 0 for programs past P = min(programs, T))."""
+SNAP = 0.5  # a range boundary moves onto a unit boundary within this fraction of a share (see balanced_tables)
+
+
+def balanced_tables(tile_k_lens, num_kv_heads: int, programs: int, capacity: int, block_n: int = 64,
+                    snap: float | None = None):
+    """The balanced split's int32 table for decode tiles with kv lengths ``tile_k_lens`` (>= 1 each), ``programs``
+    programs and room for ``capacity`` tiles, laid out as
+
+    - CU_T [capacity + 1]: first global key tile of each decode tile (its kv heads one after another, n_i =
+      ceil(len_i / block_n) key tiles each);
+    - G0 [programs + 1]: program p takes global key tiles [G0[p], G0[p + 1]);
+    - PSTART [programs]: the decode tile holding G0[p];
+    - UFIRST, UPIECES [capacity * num_kv_heads]: per unit (decode tile * num_kv_heads + kv head), the first program
+      that holds a piece of it and how many do (1: the unit is whole in one program).
+
+    The ranges are equal shares of the T key tiles, except that a boundary within half a share of a unit boundary
+    moves onto it: units shorter than a share are never cut, and a batch of equal units gets one per program (the
+    plain units split) wherever that is as even as the shares."""
     import numpy as np
 
-    n = -(-np.asarray(tile_k_lens, dtype=np.int64) // block_n)
+    snap = SNAP if snap is None else snap
+    lens = np.asarray(tile_k_lens, dtype=np.int64)
+    n = -(-lens // block_n)
     cu_t = np.zeros(len(n) + 1, dtype=np.int64)
     np.cumsum(n * num_kv_heads, out=cu_t[1:])
     T = int(cu_t[-1])
+    ub = (cu_t[:-1, None] + np.arange(num_kv_heads)[None, :] * n[:, None]).reshape(-1)  # unit starts
+    ub_all = np.append(ub, T)
     P = max(1, min(programs, T))
-    g0 = np.arange(programs, dtype=np.int64) * T // P
-    pstart = np.where(np.arange(programs) < P, np.searchsorted(cu_t, g0, side="right") - 1, 0)
-    return cu_t.astype(np.int32), np.clip(pstart, 0, max(len(n) - 1, 0)).astype(np.int32)
+    x = np.arange(P + 1, dtype=np.float64) * T / P
+    i = np.clip(np.searchsorted(ub_all, x), 1, len(ub_all) - 1)
+    lo_b, hi_b = ub_all[i - 1], ub_all[i]
+    near = np.where(x - lo_b <= hi_b - x, lo_b, hi_b)
+    bounds = np.where(np.abs(near - x) <= snap * T / P, near, np.floor(x)).astype(np.int64)
+    bounds = np.unique(np.concatenate([[0], bounds, [T]]))
+    used = len(bounds) - 1
+    g0 = np.full(programs + 1, T, dtype=np.int64)
+    g0[:used + 1] = bounds
+    pstart = np.zeros(programs, dtype=np.int64)
+    pstart[:used] = np.searchsorted(cu_t, bounds[:-1], side="right") - 1
+    ue = np.append(ub[1:], T)  # unit ends
+    p_first = np.searchsorted(bounds, ub, side="right") - 1
+    pieces = np.searchsorted(bounds, ue - 1, side="right") - 1 - p_first + 1
+    units = capacity * num_kv_heads
+    out = np.zeros(capacity + 1 + 2 * programs + 1 + 2 * units, dtype=np.int64)
+    out[:len(cu_t)] = cu_t
+    out[capacity + 1:capacity + 2 + programs] = g0
+    out[capacity + 2 + programs:capacity + 2 + 2 * programs] = pstart
+    base = capacity + 2 + 2 * programs
+    out[base:base + len(ub)] = p_first
+    out[base + units:base + units + len(ub)] = pieces
+    return out.astype(np.int32)
+
+
+def balanced_table_size(capacity: int, num_kv_heads: int, programs: int) -> int:
+    return capacity + 2 + 2 * programs + 2 * capacity * num_kv_heads
 
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
@@ -360,10 +436,10 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     (zeroed int32, >= tiles * Hkv) the last split of each (tile, KV head) merges them into ``out``; without, the
     caller runs combine_kernel.
 
-    ``balanced`` = (cu_t, pstart) device tables of ``balanced_tables`` for ``sms`` programs: each program takes an
-    equal share of the key tiles instead (num_splits is ignored); ``out_or_ws`` / ``lse_ws`` are then float32 slots
-    [2 * sms, Hq, D] / [2 * sms, Hq] for the pieces of units that straddle programs, ``counters`` is required and
-    ``out`` receives the output."""
+    ``balanced`` = (table, capacity): the device copy of ``balanced_tables`` for ``sms`` programs and that tile
+    capacity: each program takes its range of key tiles instead (num_splits is ignored); ``out_or_ws`` / ``lse_ws``
+    are then float32 slots [2 * sms, Hq, D] / [2 * sms, Hq] for the pieces of cut units, ``counters`` (>= capacity
+    * Hkv) is required and ``out`` receives the output."""
     Hq, D = q.shape[1], q.shape[2]
     Hkv = descs[0].shape[1] // D
     if balanced is not None:
@@ -372,18 +448,28 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
             balanced[0], balanced[1], q.stride(0), q.stride(1), out_or_ws.stride(0), 0, out_or_ws.stride(1),
             lse_ws.stride(0), out.stride(0), out.stride(1), page_table.stride(0), Hq, Hkv, num_pages, 1, qk_scale,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=False,
-            COMBINE=False, BALANCED=True, num_warps=4)
+            COMBINE=False, BALANCED=True, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4)
         return
     split = num_splits > 1
     combine = split and counters is not None
     final = out if combine else out_or_ws
     paged_decode_ws_kernel[(sms,)](
         q, *descs, out_or_ws, lse_ws if split else q, final, counters if combine else num_tiles, page_table,
-        seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, num_tiles, q.stride(0), q.stride(1),
+        seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, 0, q.stride(0), q.stride(1),
         out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
         lse_ws.stride(0) if split else 0, final.stride(-3), final.stride(-2), page_table.stride(0), Hq, Hkv,
         num_pages, num_splits, qk_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        STAGES=stages, SPLIT=split, COMBINE=combine, num_warps=4)
+        STAGES=stages, SPLIT=split, COMBINE=combine, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D),
+        num_warps=4)
+
+
+def _p2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _merge_pb(group: int, head_dim: int) -> int:
+    """Pieces the split merge loads at once: [PB, group (pow2), D] float32 in at most 64 registers per thread."""
+    return max(1, min(16, 8192 // (_p2(group) * head_dim)))
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
@@ -392,12 +478,12 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
     desc = tile_desc_type(dtype, min(page_size, block_n), head_dim)
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split or balanced else f"*{dtype}",
            "LSE": "*fp32", "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
-           "TILE_SEQ": "*i32", "NUM_TILES": "*i32", "CU_T": "*i32", "PSTART": "*i32"}
-    for name in ("stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_fot",
+           "TILE_SEQ": "*i32", "NUM_TILES": "*i32", "TABLES": "*i32"}
+    for name in ("cap", "stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_fot",
                  "stride_foh", "stride_pt", "num_heads", "num_kv_heads", "num_pages", "num_splits"):
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
               "SPLIT": int(split and not balanced), "COMBINE": int(split and not balanced),
-              "BALANCED": int(balanced)}
+              "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim)}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts)

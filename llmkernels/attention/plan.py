@@ -67,7 +67,7 @@ class PagedAttentionPlan:
     workspace_lse: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq]
     short_q_max: int = 1
     ws_decode: bool = False  # the persistent Gluon decode kernel (paged_ws.py) where the call allows it
-    # its balanced split (num_splits=0): int32 tables [tiles + 1 + SMs] (paged_ws.balanced_tables) and float32 slots
+    # its balanced split (num_splits=0): the int32 table of paged_ws.balanced_tables and float32 slots
     # [2 * SMs, Hq, D] / [2 * SMs, Hq] for the pieces of (sequence, kv head) units that straddle programs
     balanced: list | None = None
 
@@ -134,7 +134,7 @@ class PagedAttentionPlan:
             _fill(ln, seqs, starts)
         if self.balanced:
             _fill_balanced(self.balanced[0], k_lens[tiles["short"][0]], self.num_kv_heads,
-                           self.balanced[1].shape[0] // 2)
+                           self.balanced[1].shape[0] // 2, self.launches[0].capacity)
         self.batch = len(q_lens)
         self.total_q = int(q_lens.sum())
         return self
@@ -191,15 +191,11 @@ def _fill(ln: TileLaunch, seqs, starts):
     ln.used = n
 
 
-def _fill_balanced(buf, tile_k_lens, num_kv_heads, programs):
-    """Refill the balanced split's tables (paged_ws.balanced_tables) in ``buf``: CU_T, then PSTART at the end."""
+def _fill_balanced(buf, tile_k_lens, num_kv_heads, programs, capacity):
+    """Refill the balanced split's table (paged_ws.balanced_tables) in ``buf``."""
     from .paged_ws import balanced_tables
 
-    cu_t, pstart = balanced_tables(tile_k_lens, num_kv_heads, programs)
-    host = torch.zeros(buf.numel(), dtype=torch.int32)
-    host[:len(cu_t)] = torch.from_numpy(cu_t)
-    host[-programs:] = torch.from_numpy(pstart)
-    buf.copy_(host, non_blocking=True)
+    buf.copy_(torch.from_numpy(balanced_tables(tile_k_lens, num_kv_heads, programs, capacity)), non_blocking=True)
 
 
 def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False):
@@ -340,11 +336,13 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     if ws and balance:
         # the Gluon kernel's balanced split: every SM gets the same number of key tiles (no idle SMs in a last,
         # partial wave of units); fixed split counts keep the units (batch-invariant)
+        from .paged_ws import balanced_table_size
+
         cap = plan.launches[0].capacity
-        plan.balanced = [torch.zeros(cap + 1 + sms, dtype=torch.int32, device=device),
+        plan.balanced = [torch.zeros(balanced_table_size(cap, num_kv_heads, sms), dtype=torch.int32, device=device),
                          torch.empty(2 * sms, num_q_heads, head_dim, dtype=torch.float32, device=device),
                          torch.empty(2 * sms, num_q_heads, dtype=torch.float32, device=device)]
-        _fill_balanced(plan.balanced[0], k_lens[tiles["short"][0]], num_kv_heads, sms)
+        _fill_balanced(plan.balanced[0], k_lens[tiles["short"][0]], num_kv_heads, sms, cap)
         reasons.append(f"num_splits=0 -> the Gluon kernel splits the batch's key tiles evenly over {sms} programs")
     if num_splits > 1:
         cap_tokens = max(total_q, max_tokens or 0, 1)

@@ -279,23 +279,41 @@ def _spy_ws(monkeypatch):
 
 
 def test_balanced_tables_cover_every_key_tile_once():
-    from llmkernels.attention.paged_ws import balanced_tables
+    from llmkernels.attention.paged_ws import balanced_table_size, balanced_tables
 
     rng = np.random.default_rng(0)
-    for lens, hkv, programs in ([[1], 8, 132], [[4097, 1, 65, 64], 2, 7], [rng.integers(1, 5000, 40), 8, 132],
-                                [[30000], 1, 132], [[1, 1], 1, 132]):
-        cu_t, pstart = balanced_tables(np.array(lens), hkv, programs, 64)
-        n = -(-np.array(lens) // 64)
+    for lens, hkv, programs, cap in ([[1], 8, 132, 1], [[4097, 1, 65, 64], 2, 7, 6], [rng.integers(1, 5000, 40), 8,
+                                     132, 40], [[30000], 1, 132, 3], [[1, 1], 1, 132, 2], [[4096] * 16, 8, 132, 16],
+                                     [[32768] + [1024] * 7, 8, 132, 8], [rng.integers(1, 300, 200), 4, 132, 256]):
+        lens = np.asarray(lens)
+        tab = balanced_tables(lens, hkv, programs, cap, 64).astype(np.int64)
+        assert len(tab) == balanced_table_size(cap, hkv, programs)
+        n = -(-lens // 64)
+        cu_t = tab[:len(lens) + 1]
         assert cu_t.tolist() == [0] + np.cumsum(n * hkv).tolist()
         T = int(cu_t[-1])
-        P = min(programs, T)
-        starts = [p * T // P for p in range(P)] + [T]
-        assert all(a < b for a, b in zip(starts, starts[1:]))  # no program with an empty range below P
-        for p in range(programs):
-            if p < P:
-                assert cu_t[pstart[p]] <= starts[p] < cu_t[pstart[p] + 1]
-            else:
-                assert pstart[p] == 0
+        g0 = tab[cap + 1:cap + 2 + programs]
+        pstart = tab[cap + 2 + programs:cap + 2 + 2 * programs]
+        units = cap * hkv
+        p_first = tab[cap + 2 + 2 * programs:][:units]
+        pieces = tab[cap + 2 + 2 * programs + units:][:units]
+        used = int(np.sum(g0[:-1] < T))
+        assert g0[0] == 0 and (np.diff(g0[:used + 1]) > 0).all() and (g0[used:] == T).all()  # no empty range inside
+        share = T / min(programs, T)
+        for p in range(used):
+            assert cu_t[pstart[p]] <= g0[p] < cu_t[pstart[p] + 1]
+            assert g0[p + 1] - g0[p] <= 2 * share + 1  # balanced: within a share of the ideal range
+        for i in range(len(lens)):
+            for h in range(hkv):
+                u0 = cu_t[i] + h * n[i]
+                holders = [p for p in range(used) if g0[p] < u0 + n[i] and g0[p + 1] > u0]
+                u = i * hkv + h
+                assert holders == list(range(p_first[u], p_first[u] + pieces[u]))
+                if n[i] <= share / 2:
+                    assert pieces[u] == 1, "a unit shorter than half a share is never cut"
+        if len(set(lens.tolist())) == 1 and len(lens) * hkv <= programs and n[0] <= 1.1 * share:
+            # e.g. 16 x 4096 keys, 8 kv heads: 128 units of 64 tiles for 132 programs
+            assert (pieces[:len(lens) * hkv] == 1).all(), "equal units, about a share each: one per program"
 
 
 def test_ws_plan_refuses_more_than_one_query(monkeypatch):
