@@ -26,7 +26,13 @@ MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K
 # call (descriptors, Gluon launch) is about 100 us more than the Triton kernel's, as for prefill
 WS_DECODE_MIN_BYTES = 1 << 25
 WS_MIN_KEYS_PER_SPLIT = 256
-BALANCED_SPLIT = True  # num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (paged_ws.py)
+# num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (paged_ws.balanced_tables) when the units
+# (sequence, kv head, split) dealt round-robin leave the busiest SM more than BALANCE_MIN_SKEW times the mean work.
+# H100, GQA 32/8, bf16, page 16 (.lab, graph-timed, us, units / balanced): ragged B=8 1 x 32768 + 7 x 1024 keys 216 /
+# 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 336 / 295; but
+# where every unit is cut, even batches lose: B=1 L=32768 55 / 64, B=4 L=8192 55 / 60, B=64 L=1024 97 / 106
+BALANCED_SPLIT = True
+BALANCE_MIN_SKEW = 1.25
 
 
 @dataclasses.dataclass
@@ -191,6 +197,18 @@ def _fill(ln: TileLaunch, seqs, starts):
     ln.used = n
 
 
+def _units_load(tile_k_lens, num_kv_heads, num_splits, programs, block_n=64):
+    """(busiest, mean) 64-key tiles per program of the Gluon decode kernel's units split (paged_ws._unit; units
+    dealt u = pid, pid + P, ...)."""
+    lens = np.asarray(tile_k_lens, dtype=np.int64)
+    chunk = -(-(-(-lens // num_splits)) // block_n) * block_n
+    lo = np.minimum(np.arange(num_splits)[None, :] * chunk[:, None], lens[:, None])
+    tiles = -(-(np.minimum(lo + chunk[:, None], lens[:, None]) - lo) // block_n)  # [seqs, splits]
+    per_unit = np.repeat(tiles[:, None, :], num_kv_heads, axis=1).reshape(-1)  # (seq, head, split) order
+    load = np.bincount(np.arange(len(per_unit)) % programs, weights=per_unit, minlength=programs)
+    return int(load.max()) if len(load) else 0, float(per_unit.sum()) / max(1, min(programs, len(per_unit)))
+
+
 def _fill_balanced(buf, tile_k_lens, num_kv_heads, programs, capacity):
     """Refill the balanced split's table (paged_ws.balanced_tables) in ``buf``."""
     from .paged_ws import balanced_tables
@@ -291,6 +309,12 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
         num_splits = int(max(1, min(sms // programs, max_len // WS_MIN_KEYS_PER_SPLIT, 64)))
         reasons.append(f"{programs} (sequence, kv head) units for {sms} SMs -> split-KV x{num_splits} (>= "
                        f"{WS_MIN_KEYS_PER_SPLIT} keys per split)")
+        if balance:
+            most, mean = _units_load(k_lens[tiles["short"][0]], num_kv_heads, num_splits, sms)
+            balance = most > BALANCE_MIN_SKEW * mean
+            reasons.append(f"busiest program's 64-key tiles / mean: {most} / {mean:.1f} "
+                           + (f"> {BALANCE_MIN_SKEW} -> the balanced split" if balance else
+                              f"<= {BALANCE_MIN_SKEW} -> the units"))
     elif num_splits == 0:
         max_len = int(k_lens.max()) if len(k_lens) else 0
         if programs >= sms:

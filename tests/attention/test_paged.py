@@ -261,7 +261,7 @@ WS_CASES = [
     ([1] * 5, [300, 31, 999, 1, 64], 64, 28, 4, 128, dict(num_splits=3)),  # group 7, page 64, fixed splits
     ([1, 0, 1], [700, 5, 2000], 128, 16, 2, 64, {}),  # page 128, D 64, a sequence without queries
     ([1] * 3, [33, 800, 257], 8, 8, 1, 128, dict(num_splits=1)),  # page 8, MQA (group 8), no split
-    ([1], [30011], 16, 32, 8, 128, {}),  # batch 1: each (sequence, kv head) cut over ~16 programs
+    ([1], [30011], 16, 32, 8, 128, dict(balanced=True)),  # batch 1: each (sequence, kv head) cut over ~16 programs
     ([1] * 150, [(37 * i) % 997 + 1 for i in range(150)], 32, 8, 2, 128, {}),  # ragged, programs over many units
 ]
 
@@ -286,7 +286,7 @@ def test_balanced_tables_cover_every_key_tile_once():
                                      132, 40], [[30000], 1, 132, 3], [[1, 1], 1, 132, 2], [[4096] * 16, 8, 132, 16],
                                      [[32768] + [1024] * 7, 8, 132, 8], [rng.integers(1, 300, 200), 4, 132, 256]):
         lens = np.asarray(lens)
-        tab = balanced_tables(lens, hkv, programs, cap, 64).astype(np.int64)
+        tab = balanced_tables(lens, hkv, programs, cap, 64, snap=0.5).astype(np.int64)
         assert len(tab) == balanced_table_size(cap, hkv, programs)
         n = -(-lens // 64)
         cu_t = tab[:len(lens) + 1]
@@ -314,6 +314,25 @@ def test_balanced_tables_cover_every_key_tile_once():
         if len(set(lens.tolist())) == 1 and len(lens) * hkv <= programs and n[0] <= 1.1 * share:
             # e.g. 16 x 4096 keys, 8 kv heads: 128 units of 64 tiles for 132 programs
             assert (pieces[:len(lens) * hkv] == 1).all(), "equal units, about a share each: one per program"
+
+
+def test_ws_plan_balances_ragged_batches_only(monkeypatch):
+    from llmkernels.attention import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_ws_decode", lambda *a: True)
+    monkeypatch.setattr(plan_mod, "num_sms", lambda device: 132)
+
+    def plan(lens, **kw):
+        cq = torch.arange(len(lens) + 1, dtype=torch.int32)
+        return lk.plan_paged_attention(cq, torch.tensor(lens, dtype=torch.int32), 16, 32, 8, 128,
+                                       q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device="cpu", **kw)
+
+    for lens in ([32768] + [1024] * 7, [16384] * 2 + [512] * 30, [8192] * 4 + [256] * 100):
+        p = plan(lens)
+        assert p.balanced and "the balanced split" in p.describe()
+        assert not plan(lens, num_splits=2).balanced  # a fixed split count: units
+    for lens in ([32768], [4096] * 16, [1024] * 64, [2048] * 128):
+        assert not plan(lens).balanced, lens
 
 
 def test_ws_plan_refuses_more_than_one_query(monkeypatch):
@@ -345,6 +364,10 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
     launches = _spy_ws(monkeypatch)
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=dtype, device=device)
+    if kw.get("balanced"):  # the balanced split even where the units split would be even
+        from llmkernels.attention import plan as plan_mod
+
+        monkeypatch.setattr(plan_mod, "BALANCE_MIN_SKEW", 0.0)
     p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=dtype, kv_dtype=dtype, device=device,
                                 num_splits=kw.get("num_splits", 0))
     assert p.ws_decode
@@ -353,7 +376,8 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
     ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
     assert_close(out, ref, dtype, "o")
     assert launches, "the call did not take the Gluon kernel"
-    assert launches[-1] == ("num_splits" not in kw), "num_splits=0 runs the balanced split, a fixed count the units"
+    assert launches[-1] == bool(p.balanced), "the plan's split mode is the one launched"
+    assert not (p.balanced and "num_splits" in kw), "a fixed num_splits keeps the units (batch-invariant)"
     # the calls it cannot take fall back to the Triton kernel with the same plan
     n = len(launches)
     o, lse = lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, return_lse=True)

@@ -1,6 +1,7 @@
 """Suite ``decode``: paged_attention in effective TB/s (K/V read + q + o) against SDPA cuDNN on contiguous K/V."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...attention import paged_attention, plan_paged_attention
@@ -80,6 +81,43 @@ def _sdpa_graph_ms(q, kvs):
     return None
 
 
+RAGGED = {"1x32768+7x1024": [32768] + [1024] * 7, "2x16384+30x512": [16384] * 2 + [512] * 30,
+          "48 random 64..8192": [int(x) for x in np.random.default_rng(0).integers(64, 8193, 48)]}
+
+
+def _ragged_case(ctx, name, lens, page_size=16):
+    """A decode batch of unequal lengths (as an engine's running batch), against the same call with the split count
+    fixed (num_splits = the plan's, which keeps the Gluon kernel's round-robin units split)."""
+    def run():
+        B = len(lens)
+        cu = torch.arange(B + 1, dtype=torch.int32)
+        sl = torch.tensor(lens, dtype=torch.int32)
+        kv_bytes = 2 * sum(lens) * HKV * D * 2
+        per = -(-max(lens) // page_size)
+        caches = []
+        for _ in range(copies_for(kv_bytes, most=4)):
+            k = torch.randn(B * per, page_size, HKV, D, device="cuda", dtype=torch.bfloat16)
+            caches.append((k, torch.randn_like(k), torch.randperm(B * per, device="cuda").to(torch.int32).view(B, per)))
+        q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        nbytes = kv_bytes + 2 * q.numel() * 2
+        times = []
+        plan = plan_paged_attention(cu, sl, page_size, HQ, HKV, D, q_dtype=q.dtype, kv_dtype=q.dtype, device="cuda")
+        fixed = plan_paged_attention(cu, sl, page_size, HQ, HKV, D, q_dtype=q.dtype, kv_dtype=q.dtype, device="cuda",
+                                     num_splits=plan.num_splits)
+        cu_d, sl_d = cu.cuda(), sl.cuda()
+        for p in (plan, fixed):
+            times.append(time_graph_ms([lambda c=c, p=p: paged_attention(q, c[0], c[1], c[2], sl_d, cu_d, 1, plan=p,
+                                                                         out=out, validate=False) for c in caches]))
+        row = Row("decode", f"ragged B{B} {name} page{page_size} bf16", "TB/s", nbytes / (times[0] * 1e-3) / 1e12,
+                  None, {"fixed_split": nbytes / (times[1] * 1e-3) / 1e12})
+        row.roofline_pct = ctx.bw_pct(row.value)
+        row.note = (f"{times[0] * 1e3:.1f} us ({'balanced split' if plan.balanced else 'units'}), fixed "
+                    f"num_splits={plan.num_splits} {times[1] * 1e3:.1f} us")
+        return row
+    return run
+
+
 def cases(ctx):
     out = []
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -87,4 +125,6 @@ def cases(ctx):
             for ps in (1, 16, 64):
                 out.append((f"B{B} L{L} p{ps} {kv_dtype}", _case(ctx, B, L, ps, kv_dtype)))
     out.append(("mixed", _case(ctx, 64, 4096, 16, torch.bfloat16, q_lens=[512] + [1] * 63)))
+    for name, lens in RAGGED.items():
+        out.append((f"ragged {name}", _ragged_case(ctx, name, lens)))
     return out
