@@ -119,7 +119,6 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
             SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype),
             COMBINE=fused, COMBINE_SINK=sinks is not None, COMBINE_LSE=write_lse, PDL=pdl,
-            MERGE_SB=max(1, min(16, 8192 // (block_m * max(16, triton.next_power_of_2(D))))),
             num_warps=warps, num_stages=stages, **pdl_options(pdl > 0))
     if split and not fused:
         combine_kernel[(total_q, Hq)](

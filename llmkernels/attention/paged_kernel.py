@@ -135,8 +135,7 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_SINK: tl.constexpr, CUSTOM_MASK: tl.constexpr, SCALE_PTRS: tl.constexpr,
                       WRITE_LSE: tl.constexpr, FP8: tl.constexpr, COMBINE: tl.constexpr,
-                      COMBINE_SINK: tl.constexpr, COMBINE_LSE: tl.constexpr, PDL: tl.constexpr = 0,
-                      MERGE_SB: tl.constexpr = 1):
+                      COMBINE_SINK: tl.constexpr, COMBINE_LSE: tl.constexpr, PDL: tl.constexpr = 0):
     """With COMBINE (split-KV), O and LSE receive this split's partials and the last split program of each (tile,
     KV head) to finish merges them into OUT / LSE_OUT (see _combine_last); without it O / LSE are the outputs (or
     the partials for combine_kernel). PDL (see _pdl.py): 1, programs wait for the previous kernel first and the next
@@ -225,14 +224,13 @@ def paged_attn_kernel(Q, K, V, O, LSE, SINKS, K_SCALE, V_SCALE, MASK, PAGE_TABLE
     if COMBINE:
         _combine_last(O, LSE, OUT, LSE_OUT, SINKS, COUNT, tile * tl.num_programs(1) + hk, q_tok, head, row_ok,
                       offs_d, d_ok, num_splits, num_heads, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
-                      stride_foh, BLOCK_M, BLOCK_D, COMBINE_SINK, COMBINE_LSE, MERGE_SB)
+                      stride_foh, BLOCK_M, BLOCK_D, COMBINE_SINK, COMBINE_LSE)
 
 
 @triton.jit
 def _combine_last(PO, PLSE, O, LSE, SINKS, COUNT, idx, q_tok, head, row_ok, offs_d, d_ok, num_splits, num_heads,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_ot, stride_oh,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  MERGE_SB: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Split-KV merge inside the attention kernel. Each split program of a (tile, KV head) counts its arrival in
     COUNT[idx] after storing its partial (release); the last to arrive (acquire: it sees every partial) merges the
     partials of its rows like combine_kernel, o = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m), writes O (and
@@ -243,34 +241,24 @@ def _combine_last(PO, PLSE, O, LSE, SINKS, COUNT, idx, q_tok, head, row_ok, offs
         t64 = q_tok.to(tl.int64)
         lse_ptrs = PLSE + t64 * num_heads + head
         po_ptrs = PO + t64[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :]
-        # MERGE_SB partials load at once (one L2 round trip per MERGE_SB splits, not two per split), merged online
-        offs_s = tl.arange(0, MERGE_SB)
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for s0 in range(0, num_splits, MERGE_SB):  # partials written by other SMs: read through L2 (.cg)
-            sp = s0 + offs_s
-            ok = (sp < num_splits)[:, None] & row_ok[None, :]
-            lse = tl.load(lse_ptrs[None, :] + sp[:, None] * stride_ls, mask=ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            po = tl.load(po_ptrs[None, :, :] + sp[:, None, None] * stride_ps,
-                         mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            w = tl.exp(lse - m_safe[None, :])
-            denom = denom * alpha + tl.sum(w, axis=0)
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
-            m = m_new
+        for s in range(0, num_splits):  # partials written by other SMs: read through L2 (.cg), not a stale L1
+            m = tl.maximum(m, tl.load(lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
         if HAS_SINK:
             sink = tl.load(SINKS + head, mask=row_ok, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, sink)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            denom = denom * alpha + tl.exp(sink - m_safe)
-            acc = acc * alpha[:, None]
-            m = m_new
+            m = tl.maximum(m, sink)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(0, num_splits):
+            w = tl.exp(tl.load(lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                       - m_safe)
+            denom += w
+            acc += w[:, None] * tl.load(po_ptrs + s * stride_ps, mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                                        cache_modifier=".cg")
+        if HAS_SINK:
+            denom += tl.exp(sink - m_safe)
         empty = denom == 0.0
         denom_safe = tl.where(empty, 1.0, denom)
         o = acc / denom_safe[:, None]
