@@ -29,7 +29,7 @@ WS_MIN_KEYS_PER_SPLIT = 256
 # num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (paged_ws.balanced_tables) when the units
 # (sequence, kv head, split) dealt round-robin leave the busiest SM more than BALANCE_MIN_SKEW times the mean work.
 # H100, GQA 32/8, bf16, page 16 (.lab, graph-timed, us, units / balanced): ragged B=8 1 x 32768 + 7 x 1024 keys 216 /
-# 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 336 / 295; but
+# 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 337 / 295; but
 # where every unit is cut, even batches lose: B=1 L=32768 55 / 64, B=4 L=8192 55 / 60, B=64 L=1024 97 / 106
 BALANCED_SPLIT = True
 BALANCE_MIN_SKEW = 1.25
@@ -99,9 +99,10 @@ class PagedAttentionPlan:
                          f"view)")
         if self.balanced:
             lines.append(f"  balanced split (the Gluon kernel): its {self.balanced[1].shape[0] // 2} programs take "
-                         f"equal ranges of the batch's 64-key tiles, a (sequence, kv head) cut between programs is "
-                         f"merged by the last of them to finish; the split-KV x{self.num_splits} below serves the "
-                         f"Triton fallback")
+                         f"ranges of about equal length of the batch's 64-key tiles (a boundary near a (sequence, kv "
+                         f"head) unit's edge moves onto it); a unit cut between programs is merged by the last of "
+                         f"them to finish; the split-KV x{self.num_splits} below serves the Triton fallback and "
+                         f"streams without counters")
         if self.num_splits > 1:
             lines.append(f"  merge: the last of the {self.num_splits} split programs of each tile and kv head merges "
                          f"their partial (o, lse) in float32 (a separate combine kernel inside a CUDA-graph capture "
