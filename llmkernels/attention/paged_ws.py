@@ -26,12 +26,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from ._gluon import LN2, row_descriptor, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
+from .prefill_ws import _step
 
 
 @gluon.jit
@@ -148,37 +147,17 @@ def _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, str
     (O unnormalized, row max (log2 units), row sum, ring counter)."""
     M: gl.constexpr = 64  # wgmma's least M; rows >= GROUP are padding
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = k_smem.dtype
     qr = gl.arange(0, M, layout=gl.SliceLayout(1, q_layout))
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     q_ptrs = Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :]
     q = gl.load(q_ptrs, mask=(qr < GROUP)[:, None], other=0.0)
     m_i = gl.full([M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([M], gl.float32, row_s)
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
     for start in range(lo, hi, BLOCK_N):
-        s = c % STAGES
-        ph = (c // STAGES) & 1
-        mbarrier.wait(k_ready.index(s), ph)
-        qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        sc = gl.where((start + kcol < hi)[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        mbarrier.wait(v_ready.index(s), ph)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(s), count=1)
-        m_i = m_new
+        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, c, start, qk_scale, 0,
+                              hi, s_layout, o_layout, True, False, BLOCK_N, STAGES)
         c += 1
     return acc, m_i, l_i, c
 

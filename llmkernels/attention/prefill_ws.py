@@ -52,10 +52,12 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_
 
 
 @gluon.jit
-def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_scale, q_pos, k_len,
+def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0, qk_scale, q_pos, k_len,
           s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One key block: S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V."""
+    """One key block from ring use j (slot j % STAGES), keys key0.. (masked at k_len, and causally at q_pos):
+    S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V. Also the decode kernel's step
+    (paged_ws.py)."""
     HALF: gl.constexpr = q.shape[0]
     s = j % STAGES
     ph = (j // STAGES) & 1
@@ -64,7 +66,7 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_sc
                        use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     if MASKED:
-        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        k_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         ok = k_pos[None, :] < k_len
         if CAUSAL:
             ok = ok & (k_pos[None, :] <= q_pos[:, None])
@@ -107,11 +109,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
     q = q_smem.index(HALF_ID)
     mbarrier.wait(q_ready, 0)
     for j in range(n_full):
-        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_scale, q_pos,
-                              k_len, s_layout, o_layout, False, CAUSAL, BLOCK_N, STAGES)
+        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
+                              qk_scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, BLOCK_N, STAGES)
     for j in range(n_full, n_blocks):
-        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, qk_scale, q_pos,
-                              k_len, s_layout, o_layout, True, CAUSAL, BLOCK_N, STAGES)
+        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
+                              qk_scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, BLOCK_N, STAGES)
 
     empty = l_i == 0.0  # a query that sees no key: o = 0, lse = -inf
     l_safe = gl.where(empty, 1.0, l_i)
