@@ -43,8 +43,6 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
         return False
     total_q, Hq, D = q.shape
     split = num_splits > 1
-    # the split merge inside the kernel (arrival counters, as the Triton kernel's) unless the stream has no counter
-    # buffer (a CUDA-graph capture that did not warm it up): then combine_kernel
     if balanced:
         # the balanced split merges the pieces of cut units with the counters; without them, the plan's split-KV
         counters = split_counters(q.device)
@@ -54,6 +52,8 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
                              out=out, counters=counters,
                              balanced=(balanced[0], tiles[0].numel()))
             return True
+    # the split merge inside the kernel (arrival counters, as the Triton kernel's) unless the stream has no counter
+    # buffer (a CUDA-graph capture that did not warm it up): then combine_kernel
     counters = split_counters(q.device) if split else None
     if counters is not None and tiles[0].numel() * k_cache.shape[2] > counters.numel():
         counters = None
