@@ -1,5 +1,7 @@
 """Batch-1 decode at short and long contexts (the engine's case): graph time per fixed split count and the plan's
-automatic choice; and an eager call with the split merge in the kernel against combine_kernel.
+automatic choice; and an eager call with the split merge in the kernel against combine_kernel (this compares the
+Gluon kernel's two merges where the plan takes it, B=1 L=32768 and B=16 L=4096; the Triton kernel always runs
+combine_kernel, so its B=1 L=600 lines should match).
 
     python scripts/decode_short.py            # split sweep (GQA 32/8, D=128, page 16, bf16)
     python scripts/decode_short.py --eager    # eager vs graph, in-kernel merge vs combine_kernel

@@ -52,8 +52,8 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
                              out=out, counters=counters,
                              balanced=(balanced[0], tiles[0].numel()))
             return True
-    # the split merge inside the kernel (arrival counters, as the Triton kernel's) unless the stream has no counter
-    # buffer (a CUDA-graph capture that did not warm it up): then combine_kernel
+    # the split merge inside the kernel (arrival counters) unless the stream has no counter buffer (a CUDA-graph
+    # capture that did not warm it up): then combine_kernel
     counters = split_counters(q.device) if split else None
     if counters is not None and tiles[0].numel() * k_cache.shape[2] > counters.numel():
         counters = None
@@ -89,14 +89,9 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     qk_scale = scale if softcap > 0 else scale * 1.4426950408889634
     scale_ptrs = k_scale is not None
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else q
-    # split-KV partials merged by the last split program of each (tile, KV head), counted in a per-stream buffer;
-    # combine_kernel when there is none (inside a CUDA-graph capture that did not warm the stream up first)
-    counters = split_counters(q.device) if split else None
-    caps = configs[5::6]
-    fused = counters is not None and max(caps) * Hkv <= counters.numel()
     # PDL: wait for the previous kernel (1); with split-KV over few programs (batch-1 decode), also let the next
-    # kernel launch once the key loops are done (2): H100, Llama-3-8B q4_k engine, batch 1: 266 tok/s with 1, 273
-    # with 2 (266 and 258-265 without PDL); at B=16 (fp8, page 1, back-to-back calls) 2 took 79.8 us against 62.5
+    # kernel (combine_kernel) launch once the key loops are done (2). At B=16 (fp8, page 1, back-to-back calls) 2
+    # took 79.8 us against 62.5 (session 12)
     pdl = 0
     if pdl_supported(q.device):
         pdl = 2 if split and 2 * max(configs[5::6]) * Hkv <= num_sms(q.device) else 1
@@ -106,27 +101,26 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
         paged_attn_kernel[(cap, Hkv, num_splits)](
             q, k_cache, v_cache, o_buf, lse_buf, sinks if sinks is not None else q,
             k_scale if scale_ptrs else q, v_scale if scale_ptrs else q, mask, page_table, seq_lens,
-            cu_seqlens_q, tile_seq, tile_q, num_tiles, out, lse, counters if fused else num_tiles,
+            cu_seqlens_q, tile_seq, tile_q, num_tiles,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             o_buf.stride(0) if split else 0, o_buf.stride(-3), o_buf.stride(-2),
             lse_buf.stride(0) if split else 0, page_table.stride(0),
-            custom_mask.stride(0) if custom_mask is not None else 0, out.stride(0), out.stride(1),
+            custom_mask.stride(0) if custom_mask is not None else 0,
             Hq, qk_scale, softcap, left, right, k_scale_f, v_scale_f, num_splits,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_Q=block_q,
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
             HAS_SINK=sinks is not None and not split, CUSTOM_MASK=custom_mask is not None,
-            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype),
-            COMBINE=fused, COMBINE_SINK=sinks is not None, COMBINE_LSE=write_lse, PDL=pdl,
+            SCALE_PTRS=scale_ptrs, WRITE_LSE=split or write_lse, FP8=_fp8_mode(k_cache.dtype), PDL=pdl,
             num_warps=warps, num_stages=stages, **pdl_options(pdl > 0))
-    if split and not fused:
+    if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, lse, sinks if sinks is not None else q,
             ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), out.stride(0), out.stride(1), Hq,
             num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
             BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=sinks is not None, WRITE_LSE=write_lse,
-            num_warps=4)
+            PDL=pdl > 0, num_warps=4, **pdl_options(pdl > 0))
 
 
 def _paged_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

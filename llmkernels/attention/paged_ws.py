@@ -263,7 +263,7 @@ def _merge_last(PO, PLSE, OUT, COUNT, idx, pt, t, hk, pieces, s0, step, tail, nu
                 stride_oh, stride_ls, stride_fot, stride_foh, GROUP: gl.constexpr, GROUP_P2: gl.constexpr,
                 HEAD_DIM: gl.constexpr, PB: gl.constexpr):
     """The last of the ``pieces`` partials of a (tile, KV head) to be stored merges all of them into OUT row t (as
-    paged_kernel._combine_last): an arrival counter with acq_rel semantics, partials read through L2 (.cg), the
+    paged_kernel.combine_kernel would): an arrival counter with acq_rel semantics, partials read through L2 (.cg), the
     counter set back to zero for the next launch. Piece j is slot s0 + j * step (+ tail for j = 0) of PO / PLSE
     at token pt. PB pieces load at once ([PB, GROUP_P2, HEAD_DIM] per step), so the merge costs about one L2
     round trip per PB pieces, not two per piece."""

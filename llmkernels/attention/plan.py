@@ -104,9 +104,11 @@ class PagedAttentionPlan:
                          f"them to finish; the split-KV x{self.num_splits} below serves the Triton fallback and "
                          f"streams without counters")
         if self.num_splits > 1:
-            lines.append(f"  merge: the last of the {self.num_splits} split programs of each tile and kv head merges "
-                         f"their partial (o, lse) in float32 (a separate combine kernel inside a CUDA-graph capture "
-                         f"that has no counter buffer)")
+            lines.append(f"  merge: the {self.num_splits} split partials (o, lse) of each query and head merge in "
+                         f"float32 in combine_kernel, a second launch"
+                         + (" (the Gluon kernel: the last split program of each (sequence, kv head) merges them, "
+                            "combine_kernel only inside a CUDA-graph capture that has no counter buffer)"
+                            if self.ws_decode else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -65,17 +65,6 @@ def test_fixed_split_is_batch_invariant(device):
     assert torch.equal(full[:1], alone)
 
 
-@pytest.mark.parametrize("case", [CPU_CASES[2], CPU_CASES[5]], ids=["split3", "split2-window-sinks"])
-def test_split_merge_without_counters(case, monkeypatch, device):
-    """Split-KV partials are merged by the last split program (arrival counters); without a counter buffer (a CUDA
-    graph captured on a stream that was never warmed up) combine_kernel merges them: both give the reference."""
-    import llmkernels.attention.paged as paged
-
-    monkeypatch.setattr(paged, "split_counters", lambda dev: None)
-    q_lens, k_lens, ps, Hq, Hkv, D, kw = case
-    check(q_lens, k_lens, ps, Hq, Hkv, D, device, **kw)
-
-
 def test_plan_describes_and_updates(device):
     cq = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     sl = torch.tensor([5, 900, 70], dtype=torch.int32)
