@@ -1,10 +1,9 @@
 """Batch-1 decode at short and long contexts (the engine's case): graph time per fixed split count and the plan's
-automatic choice; and an eager call with the split merge in the kernel against combine_kernel (this compares the
-Gluon kernel's two merges where the plan takes it, B=1 L=32768 and B=16 L=4096; the Triton kernel always runs
-combine_kernel, so its B=1 L=600 lines should match).
+automatic choice; and an eager call with the counter buffer present and absent (since session 21 both kernels merge
+unbalanced splits in combine_kernel, so the two lines should match; the balanced split needs the counters).
 
     python scripts/decode_short.py            # split sweep (GQA 32/8, D=128, page 16, bf16)
-    python scripts/decode_short.py --eager    # eager vs graph, in-kernel merge vs combine_kernel
+    python scripts/decode_short.py --eager    # eager vs graph, with and without the counter buffer
 """
 import sys
 import time
@@ -57,7 +56,7 @@ def eager():
 
         def f():
             lk.paged_attention(q, k, v, pt, sl, cu, 1, plan=plan, out=out, validate=False)
-        for name, counters in (("in-kernel merge", real), ("combine_kernel", lambda dev: None)):
+        for name, counters in (("counters", real), ("no counters", lambda dev: None)):
             paged.split_counters = counters
             for _ in range(20):
                 f()

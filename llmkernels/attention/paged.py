@@ -33,8 +33,8 @@ def _check_fp8_words(name, cache):
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
                     scale, sms, balanced):
-    """The persistent Gluon decode kernel (paged_ws.py), which merges its split partials itself or leaves them to
-    combine_kernel; False (nothing launched) where the caches have no TMA view."""
+    """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
+    split merges its cut units itself); False (nothing launched) where the caches have no TMA view."""
     from .paged_kernel import combine_kernel
     from .paged_ws import launch_decode_ws, page_descriptors
 
@@ -52,15 +52,11 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
                              out=out, counters=counters,
                              balanced=(balanced[0], tiles[0].numel()))
             return True
-    # the split merge inside the kernel (arrival counters) unless the stream has no counter buffer (a CUDA-graph
-    # capture that did not warm it up): then combine_kernel
-    counters = split_counters(q.device) if split else None
-    if counters is not None and tiles[0].numel() * k_cache.shape[2] > counters.numel():
-        counters = None
+    # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
+    # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
-                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
-                     out=out, counters=counters)
-    if split and counters is None:
+                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms)
+    if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
             out.stride(0), out.stride(1), Hq, num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),

@@ -9,8 +9,8 @@ partitions of the program walk the same list:
   counts, ``kv_empty`` when the consumer is done). It runs ahead across unit boundaries, so the next unit's first
   pages are in flight while this one finishes: no per-unit pipeline fill;
 - the consumer (one warp group): S = Q K^T and O += P V with wgmma (the GROUP query rows padded to 64), the online
-  softmax, and the unit's output: the final O, or with splits a float32 partial and its LSE, which the last split
-  unit of each (tile, KV head) to finish merges (arrival counters; ``combine_kernel`` when there are none).
+  softmax, and the unit's output: the final O, or with splits a float32 partial and its LSE, which
+  ``combine_kernel`` merges (a second launch; the balanced split merges its cut units in the kernel, below).
 
 Pages past a sequence's last one read row ``num_pages * page_size``, past the cache: TMA fills them with zeros and
 counts their bytes, so every copy of a tile is issued and the barrier's byte count always matches. Keys past the
@@ -167,7 +167,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
               CU_Q, TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
               stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              COMBINE: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_PB: gl.constexpr):
+              BALANCED: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_PB: gl.constexpr):
     M: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -232,10 +232,6 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
             if SPLIT:
                 lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
                 gl.store(LSE + split * stride_ls + t * num_heads + hk * GROUP + srow, lse, mask=srow < GROUP)
-                if COMBINE:
-                    _merge_last(O, LSE, OUT, COUNT, (u // (num_kv_heads * num_splits)) * num_kv_heads + hk, t, t,
-                                hk, num_splits, 0, 1, 0, num_heads, stride_os, stride_ot, stride_oh, stride_ls,
-                                stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
 
 
 @gluon.jit
@@ -308,11 +304,10 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            stride_fot, stride_foh, stride_pt, num_heads, num_kv_heads, num_pages, num_splits,
                            qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                           COMBINE: gl.constexpr = False, BALANCED: gl.constexpr = False,
+                           BALANCED: gl.constexpr = False,
                            GROUP_P2: gl.constexpr = 4, MERGE_PB: gl.constexpr = 16):
-    """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials; with COMBINE too, the last split unit
-    of each (tile, KV head) merges them into OUT (COUNT: zeroed arrival counters, tile * num_kv_heads + kv head),
-    else combine_kernel does. BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
+    """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
+    unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
     counters. GROUP_P2 / MERGE_PB: see _merge_last."""
     dtype: gl.constexpr = desc_k.dtype
@@ -333,7 +328,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
                      NUM_TILES, CU_Q, TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                      stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP, HEAD_DIM,
-                     BLOCK_N, STAGES, SPLIT, COMBINE, BALANCED, GROUP_P2, MERGE_PB)),
+                     BLOCK_N, STAGES, SPLIT, BALANCED, GROUP_P2, MERGE_PB)),
     ], [4], [232])
 
 
@@ -413,9 +408,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3, out=None, counters=None,
                      balanced=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
-    partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], and with ``counters``
-    (zeroed int32, >= tiles * Hkv) the last split of each (tile, KV head) merges them into ``out``; without, the
-    caller runs combine_kernel.
+    partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
+    with combine_kernel.
 
     ``balanced`` = (table, capacity): the device copy of ``balanced_tables`` for ``sms`` programs and that tile
     capacity: each program takes its range of key tiles instead (num_splits is ignored); ``out_or_ws`` / ``lse_ws``
@@ -429,19 +423,16 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
             balanced[0], balanced[1], q.stride(0), q.stride(1), out_or_ws.stride(0), 0, out_or_ws.stride(1),
             lse_ws.stride(0), out.stride(0), out.stride(1), page_table.stride(0), Hq, Hkv, num_pages, 1, qk_scale,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=False,
-            COMBINE=False, BALANCED=True, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4)
+            BALANCED=True, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4)
         return
     split = num_splits > 1
-    combine = split and counters is not None
-    final = out if combine else out_or_ws
     paged_decode_ws_kernel[(sms,)](
-        q, *descs, out_or_ws, lse_ws if split else q, final, counters if combine else num_tiles, page_table,
+        q, *descs, out_or_ws, lse_ws if split else q, out_or_ws, num_tiles, page_table,
         seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, 0, q.stride(0), q.stride(1),
         out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
-        lse_ws.stride(0) if split else 0, final.stride(-3), final.stride(-2), page_table.stride(0), Hq, Hkv,
+        lse_ws.stride(0) if split else 0, 0, 0, page_table.stride(0), Hq, Hkv,
         num_pages, num_splits, qk_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        STAGES=stages, SPLIT=split, COMBINE=combine, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D),
-        num_warps=4)
+        STAGES=stages, SPLIT=split, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4)
 
 
 def _p2(x: int) -> int:
@@ -465,6 +456,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
-              "SPLIT": int(split and not balanced), "COMBINE": int(split and not balanced),
+              "SPLIT": int(split and not balanced),
               "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim)}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts)

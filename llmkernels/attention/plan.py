@@ -105,10 +105,7 @@ class PagedAttentionPlan:
                          f"streams without counters")
         if self.num_splits > 1:
             lines.append(f"  merge: the {self.num_splits} split partials (o, lse) of each query and head merge in "
-                         f"float32 in combine_kernel, a second launch"
-                         + (" (the Gluon kernel: the last split program of each (sequence, kv head) merges them, "
-                            "combine_kernel only inside a CUDA-graph capture that has no counter buffer)"
-                            if self.ws_decode else ""))
+                         f"float32 in combine_kernel, a second launch")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -377,24 +377,6 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_ws_decode_split_merge_without_counters(device, monkeypatch):
-    # no counter buffer (as in a capture on a fresh stream): the partials go through combine_kernel
-    from llmkernels.attention import paged
-
-    need_sm90()
-    launches = _spy_ws(monkeypatch)
-    monkeypatch.setattr(paged, "split_counters", lambda device: None)
-    q, kc, vc, pt, sl, cq = build([1] * 3, [900, 37, 2000], 16, 16, 4, 128, dtype=torch.bfloat16, device=device)
-    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), 16, 16, 4, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,
-                                device=device, num_splits=4)
-    out = poison(torch.empty_like(q))
-    lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out)
-    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
-    assert_close(out, ref, torch.bfloat16, "o")
-    assert launches
-
-
-@pytest.mark.gpu
 def test_ws_decode_cuda_graph_replay_with_new_lengths(device, monkeypatch):
     from llmkernels.attention import plan as plan_mod
 
