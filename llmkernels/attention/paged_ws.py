@@ -237,34 +237,24 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
 @gluon.jit
 def _merge_unit(PO, PLSE, OUT, COUNT, TABLES, cap, idx, TILE_SEQ, CU_Q, num_kv_heads, stride_os, stride_oh, stride_ls,
                 stride_fot, stride_foh, GROUP: gl.constexpr, GROUP_P2: gl.constexpr, HEAD_DIM: gl.constexpr,
-                MERGE_PB: gl.constexpr):
+                PB: gl.constexpr):
     """Arrive for the cut unit idx (decode tile * num_kv_heads + kv head) of the balanced split; the last of its
-    pieces merges them. Piece j is program p_first + j's slot 2 (p_first + j), but 2 p_first + 1 when p_first's
-    range began in an earlier unit."""
+    pieces to be stored merges them all into OUT: an arrival counter with acq_rel semantics, partials read through
+    L2 (.cg), the counter set back to zero for the next launch. Piece j is program p_first + j's slot
+    2 (p_first + j), but 2 p_first + 1 when p_first's range began in an earlier unit. PB pieces load at once
+    ([PB, GROUP_P2, HEAD_DIM] per step), so the merge costs about one L2 round trip per PB pieces."""
     ti = idx // num_kv_heads
     hk = idx - ti * num_kv_heads
     G0 = TABLES + cap + 1
     UFIRST = G0 + 2 * gl.num_programs(0) + 1
-    p_first = gl.load(UFIRST + idx)
     pieces = gl.load(UFIRST + cap * num_kv_heads + idx)
-    base = gl.load(TABLES + ti)
-    u0 = base + hk * ((gl.load(TABLES + ti + 1) - base) // num_kv_heads)
-    t = gl.load(CU_Q + gl.load(TILE_SEQ + ti)).to(gl.int64)
-    _merge_last(PO, PLSE, OUT, COUNT, idx, 0, t, hk, pieces, 2 * p_first, 2, (gl.load(G0 + p_first) < u0).to(gl.int32),
-                0, stride_os, 0, stride_oh, stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
-
-
-@gluon.jit
-def _merge_last(PO, PLSE, OUT, COUNT, idx, pt, t, hk, pieces, s0, step, tail, num_heads, stride_os, stride_ot,
-                stride_oh, stride_ls, stride_fot, stride_foh, GROUP: gl.constexpr, GROUP_P2: gl.constexpr,
-                HEAD_DIM: gl.constexpr, PB: gl.constexpr):
-    """The last of the ``pieces`` partials of a (tile, KV head) to be stored merges all of them into OUT row t (as
-    paged_kernel.combine_kernel would): an arrival counter with acq_rel semantics, partials read through L2 (.cg), the
-    counter set back to zero for the next launch. Piece j is slot s0 + j * step (+ tail for j = 0) of PO / PLSE
-    at token pt. PB pieces load at once ([PB, GROUP_P2, HEAD_DIM] per step), so the merge costs about one L2
-    round trip per PB pieces, not two per piece."""
     gl.thread_barrier()  # every warp's partial stores come before the one-thread count
     if gl.atomic_add(COUNT + idx, 1, sem="acq_rel") == pieces - 1:
+        p_first = gl.load(UFIRST + idx)
+        base = gl.load(TABLES + ti)
+        u0 = base + hk * ((gl.load(TABLES + ti + 1) - base) // num_kv_heads)
+        tail = (gl.load(G0 + p_first) < u0).to(gl.int32)
+        t = gl.load(CU_Q + gl.load(TILE_SEQ + ti)).to(gl.int64)
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [4, 1, 1], [2, 1, 0])
         L2: gl.constexpr = gl.SliceLayout(2, L3)  # [PB, GROUP_P2]
         LO: gl.constexpr = gl.SliceLayout(0, L3)  # [GROUP_P2, HEAD_DIM]
@@ -279,11 +269,11 @@ def _merge_last(PO, PLSE, OUT, COUNT, idx, pt, t, hk, pieces, s0, step, tail, nu
         acc = gl.zeros([GROUP_P2, HEAD_DIM], gl.float32, LO)
         for j0 in range(0, pieces, PB):
             jj = j0 + j
-            slot = s0 + jj * step + tail * (jj == 0).to(gl.int32)
+            slot = 2 * (p_first + jj) + tail * (jj == 0).to(gl.int32)
             ok = (jj < pieces)[:, None] & (r < GROUP)[None, :]
-            lse = gl.load(PLSE + pt * num_heads + (hk * GROUP + r)[None, :] + (slot * stride_ls)[:, None], mask=ok,
+            lse = gl.load(PLSE + (hk * GROUP + r)[None, :] + (slot * stride_ls)[:, None], mask=ok,
                           other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(PO + pt * stride_ot + (slot * stride_os)[:, None][:, :, None] + head3 * stride_oh + d3,
+            o = gl.load(PO + (slot * stride_os)[:, None][:, :, None] + head3 * stride_oh + d3,
                         mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
             m_new = gl.maximum(m, gl.max(lse, axis=0))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -309,7 +299,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
-    counters. GROUP_P2 / MERGE_PB: see _merge_last."""
+    counters. GROUP_P2 / MERGE_PB: see _merge_unit."""
     dtype: gl.constexpr = desc_k.dtype
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
