@@ -2,6 +2,7 @@
 Llama-3-8B, the variable set to 0 and 1 alternately, twice each, in one process.
 
     python scripts/engine_ab.py LLMK_LANES [formats, e.g. q4_k,q8_0+i8] [batches, e.g. 1,16]
+    python scripts/engine_ab.py LLMK_L2PF=0,100000 ...   (other values than 0 and 1, alternating)
 """
 import gc
 import os
@@ -14,12 +15,13 @@ from llmkernels.engine import LLM
 
 
 def main():
-    var = sys.argv[1]
+    var, _, vals = sys.argv[1].partition("=")
+    vals = vals.split(",") if vals else ["0", "1"]
     fmts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["q4_k"]
     batches = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
     for fmt in fmts:
         model = synthetic_model(fmt.replace("+i8", ""), llama3_8b_config())
-        for value in ("0", "1", "0", "1"):
+        for value in vals * 2:
             os.environ[var] = value
             llm = LLM.from_model(model, max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16,
                                  num_pages=max(batches) * 48 + 8, act_int8=fmt.endswith("+i8"), progress=False)

@@ -31,17 +31,20 @@ def ws_cases(dev="cuda"):
 
 
 def ws_decode_cases(dev="cuda"):
-    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 128, split and not, group 7."""
+    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 128, split and not, group 7, bf16 and fp8
+    caches (the converter partition), the balanced split."""
     from llmkernels.attention import plan as plan_mod
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
     plan_mod.WS_DECODE_MIN_BYTES = 0
-    for ps, Hq, Hkv, D, splits in ((16, 28, 4, 128, 0), (8, 8, 1, 128, 1), (128, 16, 2, 64, 3)):
+    for ps, Hq, Hkv, D, splits, kv in ((16, 28, 4, 128, 0, torch.bfloat16), (8, 8, 1, 128, 1, torch.bfloat16),
+                                       (128, 16, 2, 64, 3, torch.bfloat16), (16, 28, 4, 128, 0, torch.float8_e4m3fn),
+                                       (64, 16, 2, 64, 2, torch.float8_e5m2), (8, 8, 1, 128, 1, torch.float8_e4m3fn)):
         lens = [1, 17, 300, 65, 1000]
         npg = [-(-L // ps) for L in lens]
-        kc = torch.randn(sum(npg) + 2, ps, Hkv, D, device=dev, dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
+        kc = torch.randn(sum(npg) + 2, ps, Hkv, D, device=dev, dtype=torch.bfloat16).to(kv)
+        vc = torch.randn_like(kc, dtype=torch.bfloat16).to(kv)
         pt = torch.zeros(len(lens), max(npg) + 2, dtype=torch.int32, device=dev)
         off = 0
         for b, n in enumerate(npg):
@@ -53,7 +56,15 @@ def ws_decode_cases(dev="cuda"):
         plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
                                        num_splits=splits, device=dev)
         assert plan.ws_decode
-        lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan)
+        sc = dict(k_scale=0.5, v_scale=torch.tensor([2.0], device=dev)) if kv != torch.bfloat16 else {}
+        lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
+        if splits == 0:  # the balanced split too
+            plan_mod.BALANCE_MIN_SKEW = 0.0
+            plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                           device=dev)
+            assert plan.balanced
+            lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
+            plan_mod.BALANCE_MIN_SKEW = 1.25
     plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
 
 

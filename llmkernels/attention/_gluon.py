@@ -7,7 +7,10 @@ import triton
 from triton.experimental.gluon import language as gl
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,
+              torch.float8_e5m2: gl.float8e5}
+_SIG_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn,
+               "fp8e5": torch.float8_e5m2}
 
 
 @functools.cache
@@ -39,6 +42,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4):
 
 
 def tile_desc_type(dtype: str, rows: int, head_dim: int) -> str:
-    """The signature string of a descriptor argument with [rows, head_dim] tiles ("fp16" / "bf16")."""
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    """The signature string of a descriptor argument with [rows, head_dim] tiles ("fp16", "bf16", "fp8e4nv",
+    "fp8e5")."""
+    tdt = _SIG_DTYPES[dtype]
     return f"tensordesc<{dtype}[{rows},{head_dim}],{smem_layout(rows, head_dim, tdt)!r}>"

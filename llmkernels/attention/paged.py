@@ -32,7 +32,7 @@ def _check_fp8_words(name, cache):
 
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
-                    scale, sms, balanced):
+                    scale, sms, balanced, k_scale=1.0, v_scale=1.0):
     """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
     split merges its cut units itself); False (nothing launched) where the caches have no TMA view."""
     from .paged_kernel import combine_kernel
@@ -49,13 +49,14 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
         if counters is not None and tiles[0].numel() * k_cache.shape[2] <= counters.numel():
             launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
                              tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
-                             out=out, counters=counters,
-                             balanced=(balanced[0], tiles[0].numel()))
+                             out=out, counters=counters, balanced=(balanced[0], tiles[0].numel()), k_scale=k_scale,
+                             v_scale=v_scale)
             return True
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
-                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms)
+                     tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
+                     k_scale=k_scale, v_scale=v_scale)
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
@@ -76,7 +77,9 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
     if (ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse
             and _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits,
-                                ws_o, ws_lse, scale, num_sms(q.device), balanced)):
+                                ws_o, ws_lse, scale, num_sms(q.device), balanced,
+                                k_scale if k_scale is not None else k_scale_f,
+                                v_scale if v_scale is not None else v_scale_f)):
         return
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)

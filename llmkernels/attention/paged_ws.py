@@ -24,11 +24,12 @@ rest.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
 )
 
-from ._gluon import LN2, row_descriptor, tile_desc_type
+from ._gluon import LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
 from .prefill_ws import _step
 
@@ -140,11 +141,54 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
 
 
 @gluon.jit
+def _widen(src, dst, HEAD_DIM: gl.constexpr):
+    """An fp8 K or V tile in shared memory -> fp16 (exact for e4m3 and e5m2) in ``dst``: 16 bytes per thread and
+    load."""
+    TD: gl.constexpr = HEAD_DIM // 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TD, TD], [4, 1], [1, 0])
+    dst.store(src.load(layout).to(gl.float16))
+
+
+@gluon.jit
+def _converter(k8, v8, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS, TILE_SEQ,
+               NUM_TILES, TABLES, cap, num_kv_heads, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, STAGES16: gl.constexpr, BALANCED: gl.constexpr):
+    """fp8 caches: widens every tile the loader copies, in ring order, into the fp16 ring the consumer reads (its
+    own warps, so the widening runs beside the consumer's dots and softmax, not in their chain)."""
+    if BALANCED:
+        g, g1, _ = _balanced_range(TABLES, cap, num_kv_heads)
+        total = g1 - g
+    else:
+        total = 0
+        n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
+        for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+            total += (hi - lo + BLOCK_N - 1) // BLOCK_N
+    for c in range(total):
+        s = c % STAGES
+        ph = (c // STAGES) & 1
+        s2 = c % STAGES16
+        mbarrier.wait(kv16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
+        mbarrier.wait(k_ready.index(s), ph)
+        _widen(k8.index(s), k16.index(s2), HEAD_DIM)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(k16_ready.index(s2), count=1)
+        mbarrier.wait(v_ready.index(s), ph)
+        _widen(v8.index(s), v16.index(s2), HEAD_DIM)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(v16_ready.index(s2), count=1)
+        mbarrier.arrive(kv_empty.index(s), count=1)
+
+
+@gluon.jit
 def _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, stride_qt, stride_qh, qk_scale,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            s_layout: gl.constexpr, o_layout: gl.constexpr):
+            s_layout: gl.constexpr, o_layout: gl.constexpr, FP8: gl.constexpr):
     """The online softmax of query token t's GROUP heads of kv head hk over keys [lo, hi) from the ring ->
-    (O unnormalized, row max (log2 units), row sum, ring counter)."""
+    (O unnormalized, row max (log2 units), row sum, ring counter). FP8: the ring holds the widened fp16 tiles and
+    the dots run in fp16 (q converted)."""
     M: gl.constexpr = 64  # wgmma's least M; rows >= GROUP are padding
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -152,6 +196,8 @@ def _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, str
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
     q_ptrs = Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :]
     q = gl.load(q_ptrs, mask=(qr < GROUP)[:, None], other=0.0)
+    if FP8:
+        q = q.to(gl.float16)
     m_i = gl.full([M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([M], gl.float32, row_s)
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
@@ -164,11 +210,16 @@ def _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, str
 
 @gluon.jit
 def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
-              CU_Q, TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_fot,
-              stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              BALANCED: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_PB: gl.constexpr):
+              CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+              stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, k_scale, v_scale,
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_PB: gl.constexpr,
+              FP8: gl.constexpr, SCALE_PTRS: gl.constexpr):
     M: gl.constexpr = 64
+    if SCALE_PTRS:  # fp8: K = k_scale * cache, V = v_scale * cache; k_scale rides in the score scale
+        k_scale = gl.load(K_SCALE).to(gl.float32)
+        v_scale = gl.load(V_SCALE).to(gl.float32)
+    qk_scale = qk_scale * k_scale
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -192,8 +243,8 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
             acc, m_i, l_i, c = _attend(Q, t, hk, t0 * BLOCK_N, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                        stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, s_layout,
-                                       o_layout)
-            o = acc / gl.convert_layout(l_i, row_o)[:, None]  # every piece holds a key: l_i > 0 on real rows
+                                       o_layout, FP8)
+            o = acc * (v_scale / gl.convert_layout(l_i, row_o))[:, None]  # every piece holds a key: l_i > 0
             head_o = hk * GROUP + orow
             idx = ti * num_kv_heads + hk
             if gl.load(UPIECES + idx) == 1:  # a whole unit
@@ -222,10 +273,11 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
             b, hk, split, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
             t = gl.load(CU_Q + b).to(gl.int64)  # the sequence's one query token
             acc, m_i, l_i, c = _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, stride_qt,
-                                       stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, s_layout, o_layout)
+                                       stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, s_layout, o_layout,
+                                       FP8)
             empty = l_i == 0.0
             l_safe = gl.where(empty, 1.0, l_i)
-            o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+            o = acc * (v_scale / gl.convert_layout(l_safe, row_o))[:, None]
             head_o = hk * GROUP + orow
             o_ptrs = O + split * stride_os + t * stride_ot + head_o[:, None] * stride_oh + ocol[None, :]
             gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(orow < GROUP)[:, None])
@@ -290,17 +342,22 @@ def _merge_unit(PO, PLSE, OUT, COUNT, TABLES, cap, idx, TILE_SEQ, CU_Q, num_kv_h
 
 @gluon.jit
 def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
-                           TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                           stride_fot, stride_foh, stride_pt, num_heads, num_kv_heads, num_pages, num_splits,
-                           qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                           PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                           BALANCED: gl.constexpr = False,
-                           GROUP_P2: gl.constexpr = 4, MERGE_PB: gl.constexpr = 16):
+                           TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+                           stride_ls, stride_fot, stride_foh, stride_pt, num_heads, num_kv_heads, num_pages,
+                           num_splits, qk_scale, k_scale, v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                           SPLIT: gl.constexpr, BALANCED: gl.constexpr = False, GROUP_P2: gl.constexpr = 4,
+                           MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
+                           F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
-    counters. GROUP_P2 / MERGE_PB: see _merge_unit."""
+    counters. GROUP_P2 / MERGE_PB: see _merge_unit. fp8 caches (the descriptors' dtype): K and V are the cache
+    times k_scale / v_scale (float arguments, or with SCALE_PTRS one-element tensors K_SCALE / V_SCALE), and
+    F16_LAYOUT is the shared layout of a [BLOCK_N, HEAD_DIM] fp16 tile. A converter partition (4 warps) widens
+    the fp8 ring's tiles into a second ring of STAGES16 fp16 slots, which the consumer reads as a 16-bit cache."""
     dtype: gl.constexpr = desc_k.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
@@ -311,15 +368,41 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
-    gl.warp_specialize([
-        (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                   NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
-                   PAGE_SIZE, STAGES, BALANCED)),
-        (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
-                     NUM_TILES, CU_Q, TABLES, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                     stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, GROUP, HEAD_DIM,
-                     BLOCK_N, STAGES, SPLIT, BALANCED, GROUP_P2, MERGE_PB)),
-    ], [4], [232])
+    if FP8:
+        # a second ring of widened fp16 tiles between the converter partition and the consumer
+        k16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
+        v16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
+        k16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        v16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        kv16_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES16):
+            mbarrier.init(k16_ready.index(i), count=1)
+            mbarrier.init(v16_ready.index(i), count=1)
+            mbarrier.init(kv16_empty.index(i), count=1)
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
+                       PAGE_SIZE, STAGES, BALANCED)),
+            (_converter, (k_smem, v_smem, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty,
+                          SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N,
+                          STAGES, STAGES16, BALANCED)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS, TILE_SEQ,
+                         NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot,
+                         stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale,
+                         k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES16, SPLIT, BALANCED, GROUP_P2, MERGE_PB,
+                         FP8, SCALE_PTRS)),
+        ], [4, 4], [96, 232])
+    else:
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
+                       PAGE_SIZE, STAGES, BALANCED)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
+                         NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot,
+                         stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale,
+                         k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, SPLIT, BALANCED, GROUP_P2, MERGE_PB,
+                         FP8, SCALE_PTRS)),
+        ], [4], [232])
 
 
 def page_descriptors(k_cache, v_cache, block_n):
@@ -332,6 +415,11 @@ def page_descriptors(k_cache, v_cache, block_n):
             return None
         descs.append(row_descriptor(t, [P * ps, H * D], H * D, min(ps, block_n)))
     return descs
+
+
+STAGES = 3  # ring slots of 64 keys: 16-bit caches (H100, .lab, B=16 L=4096 page 16: 64/3 at or above 64/4, 128/3)
+FP8_STAGES = 4  # fp8 caches: the TMA ring; STAGES16 fp16 slots of widened tiles follow it
+FP8_STAGES16 = 4
 
 
 # a range boundary moves onto a unit boundary within this fraction of a share (see balanced_tables). H100, GQA 32/8,
@@ -395,8 +483,8 @@ def balanced_table_size(capacity: int, num_kv_heads: int, programs: int) -> int:
 
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
-                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=3, out=None, counters=None,
-                     balanced=None):
+                     num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
+                     balanced=None, k_scale=1.0, v_scale=1.0):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -404,25 +492,40 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     ``balanced`` = (table, capacity): the device copy of ``balanced_tables`` for ``sms`` programs and that tile
     capacity: each program takes its range of key tiles instead (num_splits is ignored); ``out_or_ws`` / ``lse_ws``
     are then float32 slots [2 * sms, Hq, D] / [2 * sms, Hq] for the pieces of cut units, ``counters`` (>= capacity
-    * Hkv) is required and ``out`` receives the output."""
+    * Hkv) is required and ``out`` receives the output.
+
+    fp8 descriptors (page_descriptors over fp8 caches): the cache holds K / k_scale and V / v_scale (floats or
+    one-element float tensors on the device)."""
+    import torch
+
     Hq, D = q.shape[1], q.shape[2]
     Hkv = descs[0].shape[1] // D
+    fp8 = descs[0].base.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if stages is None:
+        stages = FP8_STAGES if fp8 else STAGES
+    ptrs = isinstance(k_scale, torch.Tensor)
+    scales = dict(SCALE_PTRS=ptrs, STAGES16=FP8_STAGES16,
+                  F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None)
+    sargs = (k_scale, v_scale) if ptrs else (q, q)
+    sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
     if balanced is not None:
         paged_decode_ws_kernel[(sms,)](
             q, *descs, out_or_ws, lse_ws, out, counters, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
-            balanced[0], balanced[1], q.stride(0), q.stride(1), out_or_ws.stride(0), 0, out_or_ws.stride(1),
-            lse_ws.stride(0), out.stride(0), out.stride(1), page_table.stride(0), Hq, Hkv, num_pages, 1, qk_scale,
-            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=False,
-            BALANCED=True, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4)
+            balanced[0], *sargs, balanced[1], q.stride(0), q.stride(1), out_or_ws.stride(0), 0,
+            out_or_ws.stride(1), lse_ws.stride(0), out.stride(0), out.stride(1), page_table.stride(0), Hq, Hkv,
+            num_pages, 1, qk_scale, *sval, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
+            STAGES=stages, SPLIT=False, BALANCED=True, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D),
+            num_warps=4, **scales)
         return
     split = num_splits > 1
     paged_decode_ws_kernel[(sms,)](
         q, *descs, out_or_ws, lse_ws if split else q, out_or_ws, num_tiles, page_table,
-        seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, 0, q.stride(0), q.stride(1),
+        seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, *sargs, 0, q.stride(0), q.stride(1),
         out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
         lse_ws.stride(0) if split else 0, 0, 0, page_table.stride(0), Hq, Hkv,
-        num_pages, num_splits, qk_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        STAGES=stages, SPLIT=split, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4)
+        num_pages, num_splits, qk_scale, *sval, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        STAGES=stages, SPLIT=split, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4,
+        **scales)
 
 
 def _p2(x: int) -> int:
@@ -435,17 +538,23 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False):
-    """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90)."""
-    desc = tile_desc_type(dtype, min(page_size, block_n), head_dim)
+                 balanced=False, kv="", scale_ptrs=False):
+    """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
+    "fp8e5" for an fp8 cache (q is ``dtype``)."""
+    import torch
+
+    desc = tile_desc_type(kv or dtype, min(page_size, block_n), head_dim)
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split or balanced else f"*{dtype}",
            "LSE": "*fp32", "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32",
-           "CU_Q": "*i32", "TILE_SEQ": "*i32", "NUM_TILES": "*i32", "TABLES": "*i32"}
+           "CU_Q": "*i32", "TILE_SEQ": "*i32", "NUM_TILES": "*i32", "TABLES": "*i32", "K_SCALE": "*fp32",
+           "V_SCALE": "*fp32"}
     for name in ("cap", "stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_fot",
                  "stride_foh", "stride_pt", "num_heads", "num_kv_heads", "num_pages", "num_splits"):
         sig[name] = "i32"
-    sig["qk_scale"] = "fp32"
+    sig.update(qk_scale="fp32", k_scale="fp32", v_scale="fp32")
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
               "SPLIT": int(split and not balanced),
-              "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim)}
+              "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim),
+              "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(block_n, head_dim, torch.float16) if kv else None,
+              "STAGES16": FP8_STAGES16}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts)

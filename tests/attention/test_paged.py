@@ -336,13 +336,15 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
         p.update(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([40, 900], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("page_size, head_dim, split, balanced", [(16, 128, False, False), (128, 64, True, False),
-                                                                (16, 128, False, True)])
-def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced):
+@pytest.mark.parametrize("page_size, head_dim, split, balanced, kv", [
+    (16, 128, False, False, ""), (128, 64, True, False, ""), (16, 128, False, True, ""),
+    (16, 128, True, False, "fp8e4nv"), (64, 64, False, True, "fp8e5")])
+def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced, kv):
     # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter
-    got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced})",
-                              {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "local": ".local"})
-    assert got == {"wgmma": True, "tma": True, "local": False}
+    got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced}, "
+                              f"kv={kv!r})", {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor",
+                                              "local": ".local", "cvt": "cvt.rn.f16x2.e"})
+    assert got == {"wgmma": True, "tma": True, "local": False, "cvt": bool(kv)}
 
 
 @pytest.mark.gpu
@@ -377,6 +379,33 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
+def test_ws_decode_fp8_gpu(case, kv_dtype, device, monkeypatch):
+    need_sm90()
+    launches = _spy_ws(monkeypatch)
+    q_lens, k_lens, ps, Hq, Hkv, D, kw = case
+    scales = (0.04, 0.03)
+    q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                                  device=device, scales=scales)
+    if kw.get("balanced"):
+        from llmkernels.attention import plan as plan_mod
+
+        monkeypatch.setattr(plan_mod, "BALANCE_MIN_SKEW", 0.0)
+    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kv_dtype,
+                                device=device, num_splits=kw.get("num_splits", 0))
+    assert p.ws_decode
+    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq, k_scale=scales[0], v_scale=scales[1])
+    # scales as floats, and as one-element tensors (read in the kernel)
+    for ks, vs in (scales, (torch.tensor(scales[0], device=device), torch.tensor([scales[1]], device=device))):
+        out = poison(torch.empty_like(q))
+        lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out, k_scale=ks, v_scale=vs)
+        assert_close(out, ref, torch.bfloat16, "o")
+    assert len(launches) == 2, "the calls did not take the Gluon kernel"
+    assert launches[-1] == bool(p.balanced)
+
+
+@pytest.mark.gpu
 def test_ws_decode_cuda_graph_replay_with_new_lengths(device, monkeypatch):
     from llmkernels.attention import plan as plan_mod
 
@@ -407,3 +436,24 @@ def test_ws_decode_balanced_without_counters_falls_back_to_units(device, monkeyp
     ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
     assert_close(out, ref, torch.bfloat16, "o")
     assert launches == [False]
+
+
+def test_ws_plan_takes_fp8_only_below_a_program_per_sm(monkeypatch):
+    # fp8 caches run the Gluon kernel where the Triton kernel would split (its measured win), 16-bit ones always
+    from llmkernels.attention import plan as plan_mod
+    from llmkernels.attention import prefill
+
+    monkeypatch.setattr(plan_mod, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(plan_mod, "num_sms", lambda device: 132)
+    monkeypatch.setattr(prefill, "_gluon_hopper", lambda index: True)
+    cuda = torch.device("cuda", 0)
+
+    def ws(B, L, kv):
+        q_lens, k_lens = np.ones(B, np.int64), np.full(B, L, np.int64)
+        return plan_mod._ws_decode(cuda, q_lens, k_lens, 16, 8, 128, 4, torch.bfloat16, kv)
+
+    assert ws(1, 32768, FP8) and ws(16, 4096, FP8) and ws(16, 4096, torch.float8_e5m2)
+    assert not ws(17, 4096, FP8) and not ws(64, 1024, FP8)  # 136 and 512 programs for 132 SMs
+    assert ws(64, 1024, torch.bfloat16) and ws(17, 4096, torch.bfloat16)
+    assert not ws(1, 1000, FP8)  # below WS_DECODE_MIN_BYTES
+    assert not ws(16, 4096, torch.float16)  # a 16-bit cache must be q's dtype
