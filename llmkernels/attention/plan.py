@@ -35,7 +35,8 @@ BALANCED_SPLIT = True
 # fp8 caches on the Gluon kernel (its converter partition widens tiles to fp16 beside the consumer's dots) against
 # the Triton kernel, H100, GQA 32/8, page 16, graph-timed with a plan (.lab, session 22), us: B=1 L=32768 37.1 /
 # 43.0, B=16 L=4096 63.1 / 62.6-74.2; but with a unit or more per SM the Triton kernel wins: B=64 L=1024 67.5 /
-# 60.2, B=64 L=8192 448 / 396, B=128 L=2048 238 / 211
+# 60.2, B=64 L=8192 448 / 396, B=128 L=2048 238 / 211. So fp8 batches take it below this many programs per SM
+FP8_WS_PER_SM = 1
 BALANCE_MIN_SKEW = 1.25
 
 
@@ -251,7 +252,7 @@ def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group,
     if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128) or group > 64:
         return False
     if kv_dtype != q_dtype and (kv_dtype not in FP8_DTYPES
-                                or int((q_lens > 0).sum()) * num_kv_heads >= num_sms(device)):
+                                or int((q_lens > 0).sum()) * num_kv_heads >= FP8_WS_PER_SM * num_sms(device)):
         return False
     if not (page_size in (8, 16, 32) or page_size % 64 == 0) or not len(q_lens) or int(q_lens.max()) != 1:
         return False

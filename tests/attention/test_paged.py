@@ -382,15 +382,16 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
 def test_ws_decode_fp8_gpu(case, kv_dtype, device, monkeypatch):
+    from llmkernels.attention import plan as plan_mod
+
     need_sm90()
     launches = _spy_ws(monkeypatch)
+    monkeypatch.setattr(plan_mod, "FP8_WS_PER_SM", 1000)  # the kernel on every case, not only the routed ones
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     scales = (0.04, 0.03)
     q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=torch.bfloat16, kv_dtype=kv_dtype,
                                   device=device, scales=scales)
     if kw.get("balanced"):
-        from llmkernels.attention import plan as plan_mod
-
         monkeypatch.setattr(plan_mod, "BALANCE_MIN_SKEW", 0.0)
     p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kv_dtype,
                                 device=device, num_splits=kw.get("num_splits", 0))
