@@ -16,10 +16,14 @@ Pages past a sequence's last one read row ``num_pages * page_size``, past the ca
 counts their bytes, so every copy of a tile is issued and the barrier's byte count always matches. Keys past the
 unit's range are masked out of the scores.
 
-Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), fp16/bf16 caches,
-page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contiguous caches, no left window, softcap,
-sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton kernel serves the
-rest.
+fp8 caches add a third partition, the converter (4 warps), which widens each copied tile to fp16 into a second
+ring that the consumer reads instead (see _converter).
+
+Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), fp16/bf16 caches
+(fp8 ones only with fewer (sequence, kv head) programs than SMs, where this kernel measured faster than the Triton
+one), page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contiguous caches, no left window,
+softcap, sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton kernel
+serves the rest.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
