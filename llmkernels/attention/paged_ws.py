@@ -6,24 +6,27 @@ partitions of the program walk the same list:
 
 - the loader (default partition, 4 warps, one thread issuing) reads each tile's page ids one tile ahead and copies
   K and V pages with TMA into a ring of STAGES slots of BLOCK_N keys (``k_ready`` / ``v_ready`` with transaction
-  counts, ``kv_empty`` when the consumer is done). It runs ahead across unit boundaries, so the next unit's first
+  counts, ``kv_empty`` once both readers of the slot, K's and V's, are done). It runs ahead across unit boundaries, so the next unit's first
   pages are in flight while this one finishes: no per-unit pipeline fill;
-- the consumer (one warp group): S = Q K^T and O += P V with wgmma (the GROUP query rows padded to 64), the online
-  softmax, and the unit's output: the final O, or with splits a float32 partial and its LSE, which
-  ``combine_kernel`` merges (a second launch; the balanced split merges its cut units in the kernel, below).
+- the consumer (one warp group): the products transposed, S^T = K Q^T and O^T = V^T P^T with wgmma (keys and head
+  dims as M, the GROUP query heads padded to a multiple of 8 as N, so the softmax runs on [64 keys, 8] for GROUP 4
+  instead of [64 padded heads, 64 keys]), software-pipelined so that each tile's softmax runs beside the previous
+  tile's P V and the next tile's S; then the unit's output: the final O, or with splits a float32 partial and its
+  LSE, which ``combine_kernel`` merges (a second launch; the balanced split merges its cut units in the kernel,
+  below).
 
 Pages past a sequence's last one read row ``num_pages * page_size``, past the cache: TMA fills them with zeros and
 counts their bytes, so every copy of a tile is issued and the barrier's byte count always matches. Keys past the
 unit's range are masked out of the scores.
 
-fp8 caches add a third partition, the converter (4 warps), which widens each copied tile to fp16 into a second
-ring that the consumer reads instead (see _converter).
+fp8 caches: the consumer's S^T dots read K straight from the fp8 ring (fp8 wgmma, q split into three e4m3 terms,
+see _stage_q); a third partition, the converter (4 warps), widens each V tile to fp16 into a second ring that the
+consumer's P V reads (see _converter).
 
-Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), fp16/bf16 caches
-(fp8 ones only with fewer (sequence, kv head) programs than SMs, where this kernel measured faster than the Triton
-one), page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contiguous caches, no left window,
-softcap, sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton kernel
-serves the rest.
+Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), caches of q's
+dtype or fp8, page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contiguous caches, no left
+window, softcap, sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton
+kernel serves the rest.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -31,11 +34,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
 )
 
-from ._gluon import LN2, row_descriptor, smem_layout, tile_desc_type
+from ._gluon import _SIG_DTYPES, LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
-from .prefill_ws import _step
 
 
 @gluon.jit
@@ -149,16 +153,17 @@ def _widen(src, dst, HEAD_DIM: gl.constexpr):
     """An fp8 K or V tile in shared memory -> fp16 (exact for e4m3 and e5m2) in ``dst``: 16 bytes per thread and
     load."""
     TD: gl.constexpr = HEAD_DIM // 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TD, TD], [4, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TD, TD], [gl.num_warps(), 1], [1, 0])
     dst.store(src.load(layout).to(gl.float16))
 
 
 @gluon.jit
-def _converter(k8, v8, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS, TILE_SEQ,
-               NUM_TILES, TABLES, cap, num_kv_heads, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, STAGES16: gl.constexpr, BALANCED: gl.constexpr):
-    """fp8 caches: widens every tile the loader copies, in ring order, into the fp16 ring the consumer reads (its
-    own warps, so the widening runs beside the consumer's dots and softmax, not in their chain)."""
+def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES, cap,
+               num_kv_heads, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               STAGES16: gl.constexpr, BALANCED: gl.constexpr):
+    """fp8 caches: widens every V tile the loader copies, in ring order, into the fp16 ring the consumer reads (its
+    own warps, so the widening runs beside the consumer's dots and softmax). K needs no widening: the consumer's
+    fp8 dots read it from the fp8 ring."""
     if BALANCED:
         g, g1, _ = _balanced_range(TABLES, cap, num_kv_heads)
         total = g1 - g
@@ -169,70 +174,179 @@ def _converter(k8, v8, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_read
             _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
             total += (hi - lo + BLOCK_N - 1) // BLOCK_N
     for c in range(total):
-        s = c % STAGES
-        ph = (c // STAGES) & 1
         s2 = c % STAGES16
-        mbarrier.wait(kv16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
-        mbarrier.wait(k_ready.index(s), ph)
-        _widen(k8.index(s), k16.index(s2), HEAD_DIM)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(k16_ready.index(s2), count=1)
-        mbarrier.wait(v_ready.index(s), ph)
-        _widen(v8.index(s), v16.index(s2), HEAD_DIM)
+        mbarrier.wait(v16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
+        mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+        _widen(v8.index(c % STAGES), v16.index(s2), HEAD_DIM)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(v16_ready.index(s2), count=1)
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
 
 
 @gluon.jit
-def _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, stride_qt, stride_qh, qk_scale,
-            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            s_layout: gl.constexpr, o_layout: gl.constexpr, FP8: gl.constexpr):
-    """The online softmax of query token t's GROUP heads of kv head hk over keys [lo, hi) from the ring ->
-    (O unnormalized, row max (log2 units), row sum, ring counter). FP8: the ring holds the widened fp16 tiles and
-    the dots run in fp16 (q converted)."""
-    M: gl.constexpr = 64  # wgmma's least M; rows >= GROUP are padding
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    qr = gl.arange(0, M, layout=gl.SliceLayout(1, q_layout))
+def _scores(q_smem, k_smem, k_ready, c, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+            GP: gl.constexpr):
+    """Issue S^T = K Q^T on ring use c's K tile (asynchronous): keys are wgmma's M, the GP query heads its N. With
+    an fp8 cache, q_smem holds three fp8 terms of the scaled q (_stage_q) and their dots add up."""
+    s = c % K_STAGES
+    mbarrier.wait(k_ready.index(s), (c // K_STAGES) & 1)
+    st = warpgroup_mma(k_smem.index(s), q_smem.index(0).permute((1, 0)),
+                       gl.zeros([BLOCK_N, GP], gl.float32, st_layout), use_acc=False, is_async=True)
+    TERMS: gl.constexpr = q_smem.shape[0]
+    for j in gl.static_range(1, TERMS):
+        st = warpgroup_mma(k_smem.index(s), q_smem.index(j).permute((1, 0)), st, is_async=True)
+    return st
+
+
+@gluon.jit
+def _softmax(st, m_i, l_p, cs, key0, hi, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+    """Online softmax of one transposed score tile [keys, heads] with per-head score scales cs (log2 units):
+    -> (P^T, alpha, row sums, row max). The row sums stay per element (l_p, summed once at the end), so the only
+    reduction across warps per tile is the maximum. MASKED: keys from hi on are out; otherwise every key counts and
+    the new maximum is finite."""
+    sc = st * cs[None, :]
+    if MASKED:
+        k_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        sc = gl.where(k_pos[:, None] < hi, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+        m_safe = m_new
+    p = gl.exp2(sc - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, l_p * alpha[None, :] + p, m_new
+
+
+@gluon.jit
+def _pv(p_buf, acc, v_smem, v_ready, c, V_STAGES: gl.constexpr):
+    """Issue O^T += V^T P^T on ring use c's V tile (V read transposed from its slot, P^T from p_buf)."""
+    s = c % V_STAGES
+    mbarrier.wait(v_ready.index(s), (c // V_STAGES) & 1)
+    return warpgroup_mma(v_smem.index(s).permute((1, 0)), p_buf, acc, is_async=True)
+
+
+@gluon.jit
+def _stage_q(Q, t, hk, q_smem, stride_qt, stride_qh, qk_scale, cs_layout: gl.constexpr, GROUP: gl.constexpr,
+             HEAD_DIM: gl.constexpr):
+    """Query token t's GROUP heads of kv head hk into q_smem [terms, GP, HEAD_DIM] (rows past GROUP zero) -> the
+    per-head score scale (log2 units) in cs_layout. One term: q in the cache's dtype. Three terms (fp8 caches):
+    each head row is scaled by a power of two to at most 256 and split into e4m3 terms h + m + l, each the rounded
+    remainder of the ones before (exact in float32), so the sum keeps about 12 significant bits, more than fp16 q
+    has, and K stays fp8: the dots run on the fp8 tensor cores with no widening of K."""
+    GP: gl.constexpr = q_smem.shape[1]
+    TERMS: gl.constexpr = q_smem.shape[0]
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    qr = gl.arange(0, GP, layout=gl.SliceLayout(1, q_layout))
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    q_ptrs = Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :]
-    q = gl.load(q_ptrs, mask=(qr < GROUP)[:, None], other=0.0)
-    if FP8:
-        q = q.to(gl.float16)
-    m_i = gl.full([M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([M], gl.float32, row_s)
-    acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
-    for start in range(lo, hi, BLOCK_N):
-        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, c, start, qk_scale, 0,
-                              hi, s_layout, o_layout, True, False, BLOCK_N, STAGES)
-        c += 1
-    return acc, m_i, l_i, c
+    q = gl.load(Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :], mask=(qr < GROUP)[:, None],
+                other=0.0).to(gl.float32)
+    gl.thread_barrier()  # every warp is past the previous unit's last wgmma
+    if TERMS == 1:
+        q_smem.index(0).store(q.to(q_smem.dtype))
+        cs = gl.full([GP], 1.0, gl.float32, cs_layout) * qk_scale
+    else:
+        amax = gl.max(gl.abs(q), axis=1)
+        ex = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2 ** (ex - 126)
+        sc = (gl.minimum(gl.maximum(261 - ex, 1), 254) << 23).to(gl.float32, bitcast=True)  # 2 ** (134 - ex)
+        r = q * sc[:, None]
+        for j in gl.static_range(TERMS):
+            h = r.to(q_smem.dtype)
+            q_smem.index(j).store(h)
+            r = r - h.to(gl.float32)
+        cs = gl.convert_layout(qk_scale / sc, cs_layout)
+    fence_async_shared()
+    gl.thread_barrier()
+    return cs
 
 
 @gluon.jit
-def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
-              CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
-              stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, k_scale, v_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_PB: gl.constexpr,
-              FP8: gl.constexpr, SCALE_PTRS: gl.constexpr):
-    M: gl.constexpr = 64
+def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, stride_qt,
+            stride_qh, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, o_layout: gl.constexpr):
+    """The online softmax of query token t's GROUP heads of kv head hk over keys [lo, hi): K tiles from the
+    (k_smem, k_ready, k_empty) ring, V tiles from the (v_smem, ...) ring (the same ring for 16-bit caches; for fp8,
+    the fp8 ring and the converter's fp16 ring), counted by c. -> (O [GP, HEAD_DIM] unnormalized in o_layout, row
+    max (log2 units) and row sum in its row slice, ring counter).
+
+    The products are transposed: S^T = K Q^T and O^T = V^T P^T, with keys and head dims as wgmma's M and the query
+    heads (padded to GP, a multiple of 8) as its N, so the softmax works on [BLOCK_N, GP] (GROUP 4: 8 times fewer
+    exponentials than [64, BLOCK_N] with the heads padded to M = 64). P^T goes through p_smem (two buffers).
+    Software-pipelined: step i issues tile i - 1's P V and tile i + 1's S, runs tile i's softmax beside them, then
+    waits for both, frees what they read and rescales O. No wgmma stays in flight across steps (ptxas answers that
+    by serializing every wgmma). lo is a multiple of BLOCK_N, so only the last tile has keys past hi to mask."""
+    GP: gl.constexpr = q_smem.shape[1]
+    KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, GP, KW])
+    ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, GP, 16])
+    col: gl.constexpr = gl.SliceLayout(0, st_layout)
+    cs = _stage_q(Q, t, hk, q_smem, stride_qt, stride_qh, qk_scale, col, GROUP, HEAD_DIM)
+    m_i = gl.full([GP], float("-inf"), gl.float32, col)
+    l_p = gl.zeros([BLOCK_N, GP], gl.float32, st_layout)
+    acc = gl.zeros([HEAD_DIM, GP], gl.float32, ot_layout)
+    n = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    if n > 0:
+        st = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, c, st_layout, BLOCK_N, K_STAGES, GP),))
+        mbarrier.arrive(k_empty.index(c % K_STAGES), count=1)
+        if n > 1:
+            nxt = _scores(q_smem, k_smem, k_ready, c + 1, st_layout, BLOCK_N, K_STAGES, GP)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
+            st = warpgroup_mma_wait(0, deps=(nxt,))
+            mbarrier.arrive(k_empty.index((c + 1) % K_STAGES), count=1)
+        else:
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, st_layout, BLOCK_N, True)
+        p_smem.index(0).store(p.to(p_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        for i in range(1, n - 1):
+            pv = _pv(p_smem.index((i - 1) % 2), acc, v_smem, v_ready, c, V_STAGES)
+            nxt = _scores(q_smem, k_smem, k_ready, c + 2, st_layout, BLOCK_N, K_STAGES, GP)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
+            p_smem.index(i % 2).store(p.to(p_smem.dtype))
+            acc, st = warpgroup_mma_wait(0, deps=(pv, nxt))
+            mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
+            mbarrier.arrive(k_empty.index((c + 2) % K_STAGES), count=1)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout))[None, :]
+            c += 1
+        if n > 1:
+            pv = _pv(p_smem.index((n - 2) % 2), acc, v_smem, v_ready, c, V_STAGES)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * BLOCK_N, hi, st_layout, BLOCK_N, True)
+            p_smem.index((n - 1) % 2).store(p.to(p_smem.dtype))
+            acc = warpgroup_mma_wait(0, deps=(pv,))
+            mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout))[None, :]
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(_pv(p_smem.index((n - 1) % 2), acc, v_smem, v_ready, c, V_STAGES),))
+        mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
+        c += 1
+    row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    return (gl.convert_layout(gl.permute(acc, (1, 0)), o_layout), gl.convert_layout(m_i, row),
+            gl.convert_layout(gl.sum(l_p, axis=0), row), c)
+
+
+@gluon.jit
+def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, SEQ_LENS,
+              TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot,
+              stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, k_scale,
+              v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr,
+              MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr):
     if SCALE_PTRS:  # fp8: K = k_scale * cache, V = v_scale * cache; k_scale rides in the score scale
         k_scale = gl.load(K_SCALE).to(gl.float32)
         v_scale = gl.load(V_SCALE).to(gl.float32)
     qk_scale = qk_scale * k_scale
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    M: gl.constexpr = q_smem.shape[1]
+    o_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # [GP, HEAD_DIM], rows = heads
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     orow = gl.arange(0, M, layout=row_o)
     ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    srow = gl.arange(0, M, layout=row_s)
     c = 0
     if BALANCED:
         g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
@@ -245,10 +359,10 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
             b = gl.load(TILE_SEQ + ti)
             t = gl.load(CU_Q + b).to(gl.int64)
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
-            acc, m_i, l_i, c = _attend(Q, t, hk, t0 * BLOCK_N, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                       stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, s_layout,
-                                       o_layout, FP8)
-            o = acc * (v_scale / gl.convert_layout(l_i, row_o))[:, None]  # every piece holds a key: l_i > 0
+            acc, m_i, l_i, c = _attend(Q, t, hk, t0 * BLOCK_N, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty,
+                                       v_smem, v_ready, v_empty, stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM,
+                                       BLOCK_N, K_STAGES, V_STAGES, o_layout)
+            o = acc * (v_scale / l_i)[:, None]  # every piece holds a key: l_i > 0
             head_o = hk * GROUP + orow
             idx = ti * num_kv_heads + hk
             if gl.load(UPIECES + idx) == 1:  # a whole unit
@@ -259,7 +373,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
                 slot = 2 * gl.program_id(0) + (g0 < u0).to(gl.int32)
                 gl.store(O + slot * stride_os + head_o[:, None] * stride_oh + ocol[None, :], o,
                          mask=(orow < GROUP)[:, None])
-                gl.store(LSE + slot * stride_ls + hk * GROUP + srow, (m_i + gl.log2(l_i)) * LN2, mask=srow < GROUP)
+                gl.store(LSE + slot * stride_ls + head_o, (m_i + gl.log2(l_i)) * LN2, mask=orow < GROUP)
                 first = gl.where(first < 0, idx, first)
                 last = gl.where(first != idx, idx, last)
             g += nt
@@ -276,18 +390,18 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty,
         for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
             b, hk, split, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
             t = gl.load(CU_Q + b).to(gl.int64)  # the sequence's one query token
-            acc, m_i, l_i, c = _attend(Q, t, hk, lo, hi, c, k_smem, v_smem, k_ready, v_ready, kv_empty, stride_qt,
-                                       stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, s_layout, o_layout,
-                                       FP8)
+            acc, m_i, l_i, c = _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem,
+                                       v_ready, v_empty, stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N,
+                                       K_STAGES, V_STAGES, o_layout)
             empty = l_i == 0.0
             l_safe = gl.where(empty, 1.0, l_i)
-            o = acc * (v_scale / gl.convert_layout(l_safe, row_o))[:, None]
+            o = acc * (v_scale / l_safe)[:, None]
             head_o = hk * GROUP + orow
             o_ptrs = O + split * stride_os + t * stride_ot + head_o[:, None] * stride_oh + ocol[None, :]
             gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(orow < GROUP)[:, None])
             if SPLIT:
                 lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-                gl.store(LSE + split * stride_ls + t * num_heads + hk * GROUP + srow, lse, mask=srow < GROUP)
+                gl.store(LSE + split * stride_ls + t * num_heads + head_o, lse, mask=orow < GROUP)
 
 
 @gluon.jit
@@ -352,14 +466,17 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                            SPLIT: gl.constexpr, BALANCED: gl.constexpr = False, GROUP_P2: gl.constexpr = 4,
                            MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
-                           F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4):
+                           F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
+                           Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
-    counters. GROUP_P2 / MERGE_PB: see _merge_unit. fp8 caches (the descriptors' dtype): K and V are the cache
-    times k_scale / v_scale (float arguments, or with SCALE_PTRS one-element tensors K_SCALE / V_SCALE), and
-    F16_LAYOUT is the shared layout of a [BLOCK_N, HEAD_DIM] fp16 tile. A converter partition (4 warps) widens
-    the fp8 ring's tiles into a second ring of STAGES16 fp16 slots, which the consumer reads as a 16-bit cache."""
+    counters. GROUP_P2 / MERGE_PB: see _merge_unit. GP: GROUP padded to a multiple of 8 (at least 8); Q_LAYOUT /
+    P_LAYOUT: the shared layouts of a [GP, HEAD_DIM] q tile (e4m3 for fp8 caches) and a [BLOCK_N, GP] P^T tile.
+    fp8 caches (the descriptors' dtype): K and V are the cache times k_scale / v_scale (float arguments, or with
+    SCALE_PTRS one-element tensors K_SCALE / V_SCALE); the consumer's dots read K from the fp8 ring with q split
+    into three e4m3 terms, and a converter partition (4 warps) widens V into a second ring of STAGES16 fp16 slots
+    (F16_LAYOUT: the shared layout of a [BLOCK_N, HEAD_DIM] fp16 tile)."""
     dtype: gl.constexpr = desc_k.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
@@ -371,41 +488,41 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # K's reader and V's reader each free the slot once
+    dtype16: gl.constexpr = gl.float16 if FP8 else dtype
+    p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
     if FP8:
-        # a second ring of widened fp16 tiles between the converter partition and the consumer
-        k16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [3, GP, HEAD_DIM], Q_LAYOUT)
+        # a second ring of widened V tiles between the converter partition and the consumer
         v16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
-        k16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
         v16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
-        kv16_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        v16_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES16):
-            mbarrier.init(k16_ready.index(i), count=1)
             mbarrier.init(v16_ready.index(i), count=1)
-            mbarrier.init(kv16_empty.index(i), count=1)
+            mbarrier.init(v16_empty.index(i), count=1)
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
                        PAGE_SIZE, STAGES, BALANCED)),
-            (_converter, (k_smem, v_smem, k_ready, v_ready, kv_empty, k16, v16, k16_ready, v16_ready, kv16_empty,
-                          SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N,
-                          STAGES, STAGES16, BALANCED)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, k16, v16, k16_ready, v16_ready, kv16_empty, SEQ_LENS, TILE_SEQ,
-                         NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot,
-                         stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale,
-                         k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES16, SPLIT, BALANCED, GROUP_P2, MERGE_PB,
-                         FP8, SCALE_PTRS)),
+            (_converter, (v_smem, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES,
+                          cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, kv_empty, v16, v16_ready, v16_empty,
+                         SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh,
+                         stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads,
+                         num_splits, qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, STAGES16, SPLIT,
+                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS)),
         ], [4, 4], [96, 232])
     else:
+        q_smem = gl.allocate_shared_memory(dtype, [1, GP, HEAD_DIM], Q_LAYOUT)
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
                        PAGE_SIZE, STAGES, BALANCED)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, v_smem, k_ready, v_ready, kv_empty, SEQ_LENS, TILE_SEQ,
-                         NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot,
-                         stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale,
-                         k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, SPLIT, BALANCED, GROUP_P2, MERGE_PB,
-                         FP8, SCALE_PTRS)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, kv_empty, v_smem, v_ready, kv_empty,
+                         SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh,
+                         stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads,
+                         num_splits, qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, STAGES, SPLIT,
+                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS)),
         ], [4], [232])
 
 
@@ -421,7 +538,7 @@ def page_descriptors(k_cache, v_cache, block_n):
     return descs
 
 
-STAGES = 3  # ring slots of 64 keys: 16-bit caches (H100, .lab, B=16 L=4096 page 16: 64/3 at or above 64/4, 128/3)
+STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100 .lab, B=16 L=4096: 3 slots 8% slower)
 FP8_STAGES = 4  # fp8 caches: the TMA ring; STAGES16 fp16 slots of widened tiles follow it
 FP8_STAGES16 = 4
 
@@ -509,7 +626,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
         stages = FP8_STAGES if fp8 else STAGES
     ptrs = isinstance(k_scale, torch.Tensor)
     scales = dict(SCALE_PTRS=ptrs, STAGES16=FP8_STAGES16,
-                  F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None)
+                  F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None,
+                  **_step_consts(Hq // Hkv, D, block_n, descs[0].base.dtype))
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
     if balanced is not None:
@@ -530,6 +648,16 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
         num_pages, num_splits, qk_scale, *sval, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
         STAGES=stages, SPLIT=split, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4,
         **scales)
+
+
+def _step_consts(group: int, head_dim: int, block_n: int, kv_dtype) -> dict:
+    """The padded head count GP and the shared layouts of the step's q and P^T tiles (see the kernel)."""
+    import torch
+
+    gp = max(8, -(-group // 8) * 8)
+    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dict(GP=gp, Q_LAYOUT=smem_layout(gp, head_dim, torch.float8_e4m3fn if fp8 else kv_dtype),
+                P_LAYOUT=smem_layout(block_n, gp, torch.float16 if fp8 else kv_dtype))
 
 
 def _p2(x: int) -> int:
@@ -560,5 +688,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "SPLIT": int(split and not balanced),
               "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim),
               "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(block_n, head_dim, torch.float16) if kv else None,
-              "STAGES16": FP8_STAGES16}
+              "STAGES16": FP8_STAGES16,
+              **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype])}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts)

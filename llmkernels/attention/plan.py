@@ -32,11 +32,6 @@ WS_MIN_KEYS_PER_SPLIT = 256
 # 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 337 / 295; but
 # where every unit is cut, even batches lose: B=1 L=32768 55 / 64, B=4 L=8192 55 / 60, B=64 L=1024 97 / 106
 BALANCED_SPLIT = True
-# fp8 caches on the Gluon kernel (its converter partition widens tiles to fp16 beside the consumer's dots) against
-# the Triton kernel, H100, GQA 32/8, page 16, graph-timed with a plan (.lab, session 22), us: B=1 L=32768 37.1 /
-# 43.0, B=16 L=4096 63.1 / 62.6-74.2; but with a unit or more per SM the Triton kernel wins: B=64 L=1024 67.5 /
-# 60.2, B=64 L=8192 448 / 396, B=128 L=2048 238 / 211. So fp8 batches take it below this many programs per SM
-FP8_WS_PER_SM = 1
 BALANCE_MIN_SKEW = 1.25
 
 
@@ -247,12 +242,11 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
 def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype) -> bool:
     """Whether the batch suits the persistent Gluon decode kernel (paged_ws.py): sm_90 with Gluon, one query per
     sequence, a cache of q's dtype or fp8, page size 8/16/32 or a multiple of 64, head dim 64 or 128, group <= 64,
-    and enough K/V bytes to hide its host cost. fp8 caches only where the Triton kernel would split the keys (fewer
-    (sequence, kv head) programs than SMs), where it measured faster (see the fp8 note at the top)."""
+    and enough K/V bytes to hide its host cost (fp8 caches included: since its consumer reads K as fp8, it beat the
+    Triton kernel at every decode-suite shape, see bench/NOTES.md session 23)."""
     if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128) or group > 64:
         return False
-    if kv_dtype != q_dtype and (kv_dtype not in FP8_DTYPES
-                                or int((q_lens > 0).sum()) * num_kv_heads >= FP8_WS_PER_SM * num_sms(device)):
+    if kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
         return False
     if not (page_size in (8, 16, 32) or page_size % 64 == 0) or not len(q_lens) or int(q_lens.max()) != 1:
         return False
