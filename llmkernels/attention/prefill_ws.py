@@ -56,8 +56,7 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
           s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One key block from ring use j (slot j % STAGES), keys key0.. (masked at k_len, and causally at q_pos):
-    S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V. Also the decode kernel's step
-    (paged_ws.py)."""
+    S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V."""
     HALF: gl.constexpr = q.shape[0]
     s = j % STAGES
     ph = (j // STAGES) & 1
