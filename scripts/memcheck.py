@@ -70,6 +70,38 @@ def ws_decode_cases(dev="cuda"):
     plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
 
 
+def ws_mixed_cases(dev="cuda"):
+    """Mixed batches with the decode part on the Gluon kernel and the long tiles on the Triton kernel beside it (two
+    streams; 16-bit caches with the Gluon kernel's register cap): odd lengths, bf16 and fp8, groups 4 and 7."""
+    from llmkernels.attention import plan as plan_mod
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    plan_mod.WS_DECODE_MIN_BYTES = 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ps, Hq, Hkv, kv in ((16, 32, 8, torch.bfloat16), (16, 32, 8, torch.float8_e4m3fn), (8, 28, 4, torch.bfloat16)):
+        n_dec = -(-sms // Hkv)  # enough one-query sequences that the batch needs no split
+        q_lens = [45, 131] + [1] * n_dec
+        lens = [301, 4099] + [(389 * i) % 1700 + 1 for i in range(n_dec)]
+        npg = [-(-L // ps) for L in lens]
+        kc = torch.randn(sum(npg) + 2, ps, Hkv, 128, device=dev, dtype=torch.bfloat16).to(kv)
+        vc = torch.randn_like(kc, dtype=torch.bfloat16).to(kv)
+        pt = torch.zeros(len(lens), max(npg) + 2, dtype=torch.int32, device=dev)
+        off = 0
+        for b, n in enumerate(npg):
+            pt[b, :n] = torch.arange(off, off + n, device=dev)
+            off += n
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        cq = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
+        q = torch.randn(int(cq[-1]), Hq, 128, device=dev, dtype=torch.bfloat16)
+        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                       device=dev)
+        assert plan.ws_decode and plan.variant == "mixed", plan.describe()
+        sc = dict(k_scale=0.5, v_scale=torch.tensor([2.0], device=dev)) if kv != torch.bfloat16 else {}
+        lk.paged_attention(q, kc, vc, pt, sl, cq, max(q_lens), plan=plan, **sc)
+    plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
+
+
 def main():
     dev = "cuda"
     torch.manual_seed(0)
@@ -89,6 +121,7 @@ def main():
             lk.flash_attn_varlen(q, k, k, cq, cq, 200, 200, causal=causal)
     ws_cases()
     ws_decode_cases()
+    ws_mixed_cases()
     q8 = torch.randn(250, 14, 64, device=dev).to(torch.float8_e4m3fn)  # fp8 prefill, odd lengths
     k8 = torch.randn(190, 2, 64, device=dev).to(torch.float8_e4m3fn)
     for causal in (False, True):

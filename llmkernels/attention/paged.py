@@ -32,7 +32,7 @@ def _check_fp8_words(name, cache):
 
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
-                    scale, sms, balanced, k_scale=1.0, v_scale=1.0):
+                    scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None):
     """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
     split merges its cut units itself); False (nothing launched) where the caches have no TMA view."""
     from .paged_kernel import combine_kernel
@@ -50,13 +50,13 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
             launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
                              tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
                              out=out, counters=counters, balanced=(balanced[0], tiles[0].numel()), k_scale=k_scale,
-                             v_scale=v_scale)
+                             v_scale=v_scale, maxnreg=maxnreg)
             return True
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
                      tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
-                     k_scale=k_scale, v_scale=v_scale)
+                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg)
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
@@ -67,20 +67,58 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
 
 def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
-                v_scale_f, custom_mask, ws_decode=False, balanced=()):
+                v_scale_f, custom_mask, ws_decode=False, balanced=(), ws_maxnreg=0):
+    if q.shape[0] == 0:
+        return
+    launches = range(len(configs) // 6)
+    side = None
+    # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
+    if ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse:
+        mixed = len(configs) // 6 > 1  # the plan's long tiles (mixed batch) run on the Triton kernel beside it
+        if mixed:
+            side = _side_stream(q.device)
+            side.wait_stream(torch.cuda.current_stream(q.device))
+        if _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o,
+                           ws_lse, scale, num_sms(q.device), balanced, k_scale if k_scale is not None else k_scale_f,
+                           v_scale if v_scale is not None else v_scale_f, ws_maxnreg or None):
+            if not mixed:
+                return
+            if num_splits > 1:
+                raise RuntimeError("a mixed plan on the Gluon decode kernel must not split KV")
+            launches = range(1, len(configs) // 6)
+        else:
+            side = None
+    if side is not None:
+        with torch.cuda.stream(side):
+            _launch_triton(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles,
+                           configs, num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale,
+                           v_scale, k_scale_f, v_scale_f, custom_mask, launches)
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        return
+    _launch_triton(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
+                   num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
+                   v_scale_f, custom_mask, launches)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    """A second stream per device for the long tiles of a mixed batch (made once, reused by every call)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+def _launch_triton(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
+                   num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
+                   v_scale_f, custom_mask, launches):
+    """The Triton kernel over the plan's launches ``launches`` (indices), then the split-KV merge."""
     from .paged_kernel import combine_kernel, paged_attn_kernel
 
     total_q, Hq, D = q.shape
     Hkv, page_size = k_cache.shape[2], k_cache.shape[1]
-    if total_q == 0:
-        return
-    # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
-    if (ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse
-            and _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits,
-                                ws_o, ws_lse, scale, num_sms(q.device), balanced,
-                                k_scale if k_scale is not None else k_scale_f,
-                                v_scale if v_scale is not None else v_scale_f)):
-        return
     if causal and custom_mask is None:
         right = 0 if right < 0 else min(right, 0)
     split = num_splits > 1
@@ -94,7 +132,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     pdl = 0
     if pdl_supported(q.device):
         pdl = 2 if split and 2 * max(configs[5::6]) * Hkv <= num_sms(q.device) else 1
-    for i in range(len(configs) // 6):
+    for i in launches:
         block_q, block_m, block_n, warps, stages, cap = configs[6 * i:6 * i + 6]
         tile_seq, tile_q, num_tiles = tiles[3 * i:3 * i + 3]
         paged_attn_kernel[(cap, Hkv, num_splits)](
@@ -129,10 +167,10 @@ def _paged_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                         left: int, right: int, softcap: float, sinks: torch.Tensor | None,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_scale_f: float,
                         v_scale_f: float, custom_mask: torch.Tensor | None, ws_decode: bool,
-                        balanced: list[torch.Tensor]) -> None:
+                        balanced: list[torch.Tensor], ws_maxnreg: int) -> None:
     _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs,
                 num_splits, ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f,
-                v_scale_f, custom_mask, ws_decode, balanced)
+                v_scale_f, custom_mask, ws_decode, balanced, ws_maxnreg)
 
 
 _paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
@@ -142,7 +180,7 @@ _paged_attention_op = torch.library.custom_op("llmkernels::paged_attention_out",
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_lse, tiles, configs, num_splits,
       ws_o, ws_lse, causal, scale, left, right, softcap, sinks, k_scale, v_scale, k_scale_f, v_scale_f, custom_mask,
-      ws_decode, balanced):
+      ws_decode, balanced, ws_maxnreg):
     return None
 
 
@@ -249,5 +287,5 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
             out, lse, bool(return_lse), tiles,
                         configs, plan.num_splits, plan.workspace_o, plan.workspace_lse, bool(causal), scale, left,
                         right, float(softcap), sinks, ks, vs, ks_f, vs_f, custom_mask, bool(plan.ws_decode),
-                        list(plan.balanced or []))
+                        list(plan.balanced or []), int(plan.ws_maxnreg))
     return (out, lse) if return_lse else out

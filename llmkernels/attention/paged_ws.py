@@ -605,7 +605,7 @@ def balanced_table_size(capacity: int, num_kv_heads: int, programs: int) -> int:
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
-                     balanced=None, k_scale=1.0, v_scale=1.0):
+                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -637,7 +637,7 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
             out_or_ws.stride(1), lse_ws.stride(0), out.stride(0), out.stride(1), page_table.stride(0), Hq, Hkv,
             num_pages, 1, qk_scale, *sval, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
             STAGES=stages, SPLIT=False, BALANCED=True, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D),
-            num_warps=4, **scales)
+            num_warps=4, maxnreg=maxnreg, **scales)
         return
     split = num_splits > 1
     paged_decode_ws_kernel[(sms,)](
@@ -647,7 +647,7 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
         lse_ws.stride(0) if split else 0, 0, 0, page_table.stride(0), Hq, Hkv,
         num_pages, num_splits, qk_scale, *sval, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
         STAGES=stages, SPLIT=split, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4,
-        **scales)
+        maxnreg=maxnreg, **scales)
 
 
 def _step_consts(group: int, head_dim: int, block_n: int, kv_dtype) -> dict:

@@ -19,6 +19,7 @@ from ..kv_cache import FP8_DTYPES
 from ..tuning import lookup
 
 PAGED_HEAD_DIMS = (64, 96, 128, 256)
+LONG_ROWS = 64  # rows (query tokens x group) of a long tile
 MIN_KEYS_PER_SPLIT = 512  # keys per split below which a second wave of split programs does not pay
 MIN_KEYS_FEW = 64  # the same with few programs (see _kernel_config's "few" tiles)
 MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K/V tiles)
@@ -33,6 +34,35 @@ WS_MIN_KEYS_PER_SPLIT = 256
 # where every unit is cut, even batches lose: B=1 L=32768 55 / 64, B=4 L=8192 55 / 60, B=64 L=1024 97 / 106
 BALANCED_SPLIT = True
 BALANCE_MIN_SKEW = 1.25
+# mixed batches (decode sequences with one query each, plus long tiles): the decode part on the Gluon kernel and the
+# long tiles on the Triton kernel, launched on two streams so that the long tiles' arithmetic overlaps the decode
+# part's streaming (bench/NOTES.md, session 24)
+MIXED_WS = True
+
+
+def _beside_config(kv_dtype):
+    """(rows of a long tile, (block_n, warps, stages) of its Triton launch, register cap of the Gluon kernel) for a
+    mixed batch whose long tiles run beside the Gluon decode kernel.
+
+    The two kernels overlap only where one Triton program fits on an SM next to the Gluon kernel's: uncapped, the
+    16-bit Gluon kernel (8 warps at 255 registers) takes the whole register file and the two ran in turn. Capped at
+    128 its consumer still gets 232 (setmaxnreg) and a 128-row Triton program (4 warps) fits beside it. The fp8
+    kernel's converter partition (12 warps) leaves no room at any cap that keeps 232 for the consumer, so there the
+    two share the GPU by SMs. H100, GQA 32/8, D 128, page 16 (.lab/mixed_sweep2.py, graph-timed, us; both kernels
+    in turn on the Triton kernel / 64-row tiles (64, 4, 3) with the 16-bit kernel capped at 152 / 128-row tiles
+    (32, 4, 3) capped at 128):
+
+    | batch | bf16 | fp8 e4m3 |
+    |---|---|---|
+    | 512-token chunk + 63 x 4096 | 485.8 / 414.8 / 378.1 | 366.6 / 342.6 / 444.3 |
+    | 2048-token chunk + 63 x 4096 | 771.8 / 649.1 / 671.2 | 745.2 / 681.3 / 699.4 |
+    | 128-token chunk + 127 x 2048 | 435.0 / 360.6 / 363.8 | 293.8 / 268.2 / 320.5 |
+    | 2 x 512-token chunks + 30 x 8192 | 823.7 / 741.4 / 726.7 | 879.2 / 769.8 / 714.7 |
+    | 1024-token chunk + 31 x 8192 | 833.4 / 745.9 / 719.8 | 876.0 / 759.4 / 712.5 |
+    """
+    if kv_dtype.itemsize == 1:
+        return 64, (64, 4, 3), 0
+    return 128, (32, 4, 3), 128
 
 
 @dataclasses.dataclass
@@ -73,6 +103,7 @@ class PagedAttentionPlan:
     workspace_lse: torch.Tensor | None = None  # float32 [num_splits, token_capacity, Hq]
     short_q_max: int = 1
     ws_decode: bool = False  # the persistent Gluon decode kernel (paged_ws.py) where the call allows it
+    ws_maxnreg: int = 0  # its register cap (0: none), set for mixed batches (see _beside_config)
     # its balanced split (num_splits=0): the int32 table of paged_ws.balanced_tables and float32 slots
     # [2 * SMs, Hq, D] / [2 * SMs, Hq] for the pieces of (sequence, kv head) units that straddle programs
     balanced: list | None = None
@@ -93,10 +124,15 @@ class PagedAttentionPlan:
                          f"-> {ln.block_m} rows, {ln.block_n} keys per step, {ln.num_warps} warps, "
                          f"{ln.num_stages} stages")
         if self.ws_decode:
-            lines.append(f"  kernel: persistent Gluon decode (sm_90, TMA) over {self.num_splits} split(s) per "
-                         f"(sequence, kv head), one program per SM; the Triton launch above serves the calls it "
+            part = ("the 'short' launch's sequences run" if self.variant == "mixed" else "kernel:")
+            lines.append(f"  {part} persistent Gluon decode (sm_90, TMA) over {self.num_splits} split(s) per "
+                         f"(sequence, kv head), one program per SM; the Triton launches above serve the calls it "
                          f"cannot take (left window, softcap, sinks, custom mask, LSE output, caches without a TMA "
                          f"view)")
+            if self.variant == "mixed":
+                lines.append("  the 'long' launch runs on the Triton kernel in a second stream, beside the Gluon "
+                             "kernel" + (f" (capped at {self.ws_maxnreg} registers so that a Triton program fits "
+                                         f"on each SM with it)" if self.ws_maxnreg else ""))
         if self.balanced:
             lines.append(f"  balanced split (the Gluon kernel): its {self.balanced[1].shape[0] // 2} programs take "
                          f"ranges of about equal length of the batch's 64-key tiles (a boundary near a (sequence, kv "
@@ -119,9 +155,12 @@ class PagedAttentionPlan:
         """
         q_lens, k_lens = _host_lengths(cu_seqlens_q, seq_lens)
         _check_lengths(q_lens, k_lens)
-        if self.ws_decode and len(q_lens) and int(q_lens.max()) > 1:
-            raise ValueError(f"plan.update: the plan runs the one-query-per-sequence decode kernel, but a sequence has "
-                             f"{int(q_lens.max())} new queries; make a new plan")
+        if self.ws_decode:
+            many = (q_lens > 1) & (q_lens <= self.short_q_max)
+            if many.any():
+                raise ValueError(f"plan.update: the plan runs the one-query-per-sequence decode kernel, but sequence "
+                                 f"{int(np.nonzero(many)[0][0])} has {int(q_lens[many][0])} new queries; make a new "
+                                 f"plan")
         tiles = _tiles(q_lens, self.short_q_max, {ln.name: ln.block_q for ln in self.launches})
         names = {ln.name for ln in self.launches}
         for name, (seqs, _) in tiles.items():
@@ -292,7 +331,7 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     group = num_q_heads // num_kv_heads
     reasons = []
     short_q_max = max(1, 16 // group)
-    block_q = {"short": short_q_max, "long": max(1, 64 // group)}
+    block_q = {"short": short_q_max, "long": max(1, LONG_ROWS // group)}
     tiles = _tiles(q_lens, short_q_max, block_q)
     n_short, n_long = len(tiles["short"][0]), len(tiles["long"][0])
     reasons.append(f"sequences with 1..{short_q_max} new tokens -> 'short' tiles of {short_q_max} tokens "
@@ -301,8 +340,27 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     sms = num_sms(device)
     programs = max(1, total_tiles * num_kv_heads)
     few = 2 * programs <= sms
-    ws = _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype)
-    if ws:
+    short_seqs = tiles["short"][0]
+    ws = _ws_decode(device, q_lens[short_seqs], k_lens[short_seqs], page_size, num_kv_heads, head_dim, group,
+                    q_dtype, kv_dtype)
+    beside = None
+    if ws and n_long:
+        # a mixed batch: its decode sequences on the Gluon kernel, its long tiles on the Triton kernel beside it
+        # (a second stream), where neither needs split-KV (the two would share one set of split slots)
+        rows, cfg, maxnreg = _beside_config(kv_dtype)
+        bq = {"short": short_q_max, "long": max(1, rows // group)}
+        tiles_b = _tiles(q_lens, short_q_max, bq)
+        programs_b = (n_short + len(tiles_b["long"][0])) * num_kv_heads
+        ws = MIXED_WS and num_splits in (0, 1) and programs_b >= sms
+        if ws:
+            beside = cfg, maxnreg
+            block_q, tiles, n_long, programs = bq, tiles_b, len(tiles_b["long"][0]), programs_b
+            reasons.append(f"mixed batch, {n_short} one-query sequences with >= {WS_DECODE_MIN_BYTES >> 20} MB of "
+                           f"K/V and {programs} programs >= {sms} SMs -> the decode sequences on the persistent "
+                           f"Gluon decode kernel, the long tiles ({rows} rows) on the Triton kernel in a second "
+                           f"stream, concurrently" + (f" (the Gluon kernel capped at {maxnreg} registers, so that a "
+                                                      f"Triton program fits beside it)" if maxnreg else ""))
+    elif ws:
         reasons.append(f"one query per sequence, {str(kv_dtype)[6:]} cache, page size and head dim it takes, "
                        f">= {WS_DECODE_MIN_BYTES >> 20} MB of K/V -> the persistent Gluon decode kernel (sm_90)")
     balance = ws and num_splits == 0 and BALANCED_SPLIT
@@ -351,7 +409,10 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
         cap = max(count, (max_tiles or 0), 1)
         bq = block_q[name]
         bm = max(16, triton.next_power_of_2(bq * group))
-        bn, warps, stages = _kernel_config(name, kv_dtype, head_dim, page_size, group, few and num_splits > 1)
+        if name == "long" and beside is not None:
+            bn, warps, stages = beside[0]
+        else:
+            bn, warps, stages = _kernel_config(name, kv_dtype, head_dim, page_size, group, few and num_splits > 1)
         buf = torch.zeros(2 * cap + 1, dtype=torch.int32, device=device)
         ln = TileLaunch(name, bq, bm, bn, warps, stages, cap, buf[:cap], buf[cap:2 * cap], buf[2 * cap:])
         _fill(ln, *tiles[name])
@@ -359,7 +420,7 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     total_q = int(q_lens.sum())
     plan = PagedAttentionPlan(page_size, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, num_splits,
                               launches, variant, len(q_lens), total_q, device, reasons, short_q_max=short_q_max,
-                              ws_decode=ws)
+                              ws_decode=ws, ws_maxnreg=beside[1] if beside is not None else 0)
     if ws and balance:
         # the Gluon kernel's balanced split: every SM gets the same number of key tiles (no idle SMs in a last,
         # partial wave of units); fixed split counts keep the units (batch-invariant)

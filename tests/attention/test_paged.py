@@ -457,3 +457,66 @@ def test_ws_plan_takes_fp8_caches(monkeypatch):
     assert ws(64, 1024, torch.bfloat16) and ws(17, 4096, torch.bfloat16)
     assert not ws(1, 1000, FP8)  # below WS_DECODE_MIN_BYTES
     assert not ws(16, 4096, torch.float16)  # a 16-bit cache must be q's dtype
+
+
+def test_ws_plan_mixed_batches(monkeypatch):
+    # a mixed batch sends its one-query sequences to the Gluon kernel and its long tiles to the Triton kernel
+    # (two streams) when neither needs split-KV; otherwise the Triton kernel takes both
+    from llmkernels.attention import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_ws_decode", lambda *a: True)
+    monkeypatch.setattr(plan_mod, "num_sms", lambda device: 132)
+
+    def plan(q_lens, k_lens, **kw):
+        cq = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        return lk.plan_paged_attention(cq, torch.tensor(k_lens, dtype=torch.int32), 16, 32, 8, 128,
+                                       q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device="cpu", **kw)
+
+    p = plan([512] + [1] * 63, [4096] * 64)  # (63 + 32 tiles) x 8 heads = 760 programs
+    assert p.variant == "mixed" and p.ws_decode and p.num_splits == 1 and "concurrently" in p.describe()
+    assert [(ln.name, ln.block_q) for ln in p.launches] == [("short", 4), ("long", 32)]  # 128-row long tiles
+    assert p.ws_maxnreg == 128  # 16-bit cache: the Gluon kernel leaves room for a Triton program on each SM
+    assert not plan([64] + [1] * 8, [4096] * 9).ws_decode  # 12 x 8 programs < 132 SMs: the plan splits KV
+    assert not plan([512] + [1] * 63, [4096] * 64, num_splits=2).ws_decode
+    monkeypatch.setattr(plan_mod, "MIXED_WS", False)
+    assert not plan([512] + [1] * 63, [4096] * 64).ws_decode
+    monkeypatch.setattr(plan_mod, "MIXED_WS", True)
+    # the plan's decode kernel takes one query per short sequence: an update with a 2-query one is refused, long
+    # sequences of any length are fine
+    p.update(torch.tensor([0, 100] + [101 + i for i in range(63)], dtype=torch.int32),
+             torch.full((64,), 4000, dtype=torch.int32))
+    with pytest.raises(ValueError, match="one-query-per-sequence decode kernel"):
+        p.update(torch.tensor([0, 100, 102] + [103 + i for i in range(62)], dtype=torch.int32),
+                 torch.full((64,), 4000, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_ws_decode_mixed_batch_gpu(kv_dtype, device, monkeypatch):
+    # the decode part on the Gluon kernel, the long tiles on the Triton kernel in a second stream: eager, then
+    # captured in a CUDA graph (the side stream forks and joins inside the capture) and replayed with new queries
+    need_sm90()
+    launches = _spy_ws(monkeypatch)
+    q_lens = [37, 70] + [1] * 15  # 20 (16-bit) or 23 (fp8) tiles x 8 kv heads >= the SMs: no split
+    k_lens = [300, 4097] + [(613 * i) % 2500 + 1 for i in range(15)]
+    scales = (0.04, 0.03) if kv_dtype != torch.bfloat16 else None
+    q, kc, vc, pt, sl, cq = build(q_lens, k_lens, 16, 32, 8, 128, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                                  device=device, scales=scales)
+    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), 16, 32, 8, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                device=device)
+    assert p.variant == "mixed" and p.ws_decode and p.num_splits == 1
+    kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales else {}
+    out = poison(torch.empty_like(q))
+    lk.paged_attention(q, kc, vc, pt, sl, cq, max(q_lens), plan=p, out=out, **kw)
+    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq, **kw)
+    assert_close(out, ref, torch.bfloat16, "o")
+    assert len(launches) == 1, "the decode sequences did not take the Gluon kernel"
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        lk.paged_attention(q, kc, vc, pt, sl, cq, max(q_lens), plan=p, out=out, validate=False, **kw)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        out.copy_(poison(torch.empty_like(q)))
+        g.replay()
+        ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq, **kw)
+        assert_close(out, ref, torch.bfloat16, "o")
