@@ -31,9 +31,9 @@ def ws_cases(dev="cuda"):
 
 
 def ws_decode_cases(dev="cuda"):
-    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 32 / 64 / 128, split and not, groups 7, 8 and
-    12 (8 and 16 padded heads), bf16 and fp8 caches (the fp8 dots and the converter partition), the balanced
-    split."""
+    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 32 / 64 / 128 (TMA) and 1 / 3 (rows gathered
+    with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded heads), bf16 and fp8 caches (the fp8 dots and
+    the converter partition), the balanced split."""
     from llmkernels.attention import plan as plan_mod
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -42,7 +42,10 @@ def ws_decode_cases(dev="cuda"):
     for ps, Hq, Hkv, D, splits, kv in ((16, 28, 4, 128, 0, torch.bfloat16), (8, 8, 1, 128, 1, torch.bfloat16),
                                        (128, 16, 2, 64, 3, torch.bfloat16), (16, 28, 4, 128, 0, torch.float8_e4m3fn),
                                        (64, 16, 2, 64, 2, torch.float8_e5m2), (8, 8, 1, 128, 1, torch.float8_e4m3fn),
-                                       (32, 24, 2, 128, 0, torch.float8_e4m3fn), (16, 24, 2, 64, 2, torch.bfloat16)):
+                                       (32, 24, 2, 128, 0, torch.float8_e4m3fn), (16, 24, 2, 64, 2, torch.bfloat16),
+                                       # page sizes gathered by rows (cp.async)
+                                       (1, 32, 8, 128, 0, torch.bfloat16), (3, 28, 4, 64, 2, torch.float8_e4m3fn),
+                                       (1, 16, 2, 128, 0, torch.float8_e5m2)):
         lens = [1, 17, 300, 65, 1000]
         npg = [-(-L // ps) for L in lens]
         kc = torch.randn(sum(npg) + 2, ps, Hkv, D, device=dev, dtype=torch.bfloat16).to(kv)

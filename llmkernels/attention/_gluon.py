@@ -28,16 +28,19 @@ def row_descriptor(t: torch.Tensor, shape, row_stride: int, rows: int):
     return TensorDescriptor(t, list(shape), [row_stride, 1], [rows, D], smem_layout(rows, D, t.dtype))
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4):
+def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4, aligned=()):
     """Compile a Gluon kernel for sm_90 without a GPU (ptxas ships with Triton) -> the compiled kernel (``.asm`` holds
     ttgir / ptx / cubin, ``.metadata.shared`` the shared memory). Used by the tests and for reading the code the
     compiler makes. It needs the compiler, not the interpreter: on a machine without a GPU set TRITON_INTERPRET=0
-    before importing llmkernels (which otherwise turns the interpreter on)."""
+    before importing llmkernels (which otherwise turns the interpreter on). ``aligned`` names the arguments that
+    a launch would specialize as multiples of 16."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    return triton.compile(GluonASTSource(kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+    # ``aligned``: arguments a launch would see as multiples of 16 (pointers 16-byte aligned, strides)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps})
 
 

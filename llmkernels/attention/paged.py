@@ -34,11 +34,14 @@ def _check_fp8_words(name, cache):
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
                     scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None):
     """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
-    split merges its cut units itself); False (nothing launched) where the caches have no TMA view."""
+    split merges its cut units itself); False (nothing launched) where the caches have no TMA view (or, for page
+    sizes it gathers by rows, a layout the gather cannot read)."""
     from .paged_kernel import combine_kernel
-    from .paged_ws import launch_decode_ws, page_descriptors
+    from .paged_ws import gather_caches, launch_decode_ws, page_descriptors
+    from .plan import tma_pages
 
-    descs = page_descriptors(k_cache, v_cache, 64)
+    gather = not tma_pages(k_cache.shape[1])  # other page sizes: rows gathered with cp.async
+    descs = gather_caches(k_cache, v_cache) if gather else page_descriptors(k_cache, v_cache, 64)
     if descs is None:
         return False
     total_q, Hq, D = q.shape
@@ -50,13 +53,13 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
             launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
                              tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
                              out=out, counters=counters, balanced=(balanced[0], tiles[0].numel()), k_scale=k_scale,
-                             v_scale=v_scale, maxnreg=maxnreg)
+                             v_scale=v_scale, maxnreg=maxnreg, gather=gather)
             return True
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
                      tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
-                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg)
+                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather)
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),

@@ -23,13 +23,17 @@ fp8 caches: the consumer's S^T dots read K straight from the fp8 ring (fp8 wgmma
 see _stage_q); a third partition, the converter (4 warps), widens each V tile to fp16 into a second ring that the
 consumer's P V reads (see _converter).
 
+Other page sizes (1, 3, 24, ...; ``plan.tma_pages``): the loader gathers one cache row per key with cp.async
+instead (GATHER), every loader thread copying 16-byte pieces and arriving on the slot's barrier when they land.
+
 Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), caches of q's
-dtype or fp8, page size 8, 16, 32 or a multiple of 64, head dim 64 or 128, GROUP <= 64, contiguous caches, no left
+dtype or fp8, any page size, head dim 64 or 128, GROUP <= 64, contiguous caches (GATHER: rows), no left
 window, softcap, sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton
 kernel serves the rest.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -117,9 +121,77 @@ def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
 
 
 @gluon.jit
+def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, lo, hi, c, stride_kp, stride_ks,
+                 g_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+    """GATHER (page sizes TMA cannot copy by pages, e.g. 1 or 3): every loader thread copies its 16-byte pieces of
+    each K and V tile of keys [lo, hi) with cp.async, one cache row per key, and arrives on the slot's barrier when
+    its copies land (the barriers count every loader thread). Keys from hi on are zero-filled."""
+    VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+    cols = gl.max_contiguous(gl.multiple_of(col + gl.arange(0, k_smem.shape[2], layout=gl.SliceLayout(0, g_layout)),
+                                            VEC), VEC)
+    key = lo + rows
+    ok = key < hi
+    page = gl.load(pt_row + key // PAGE_SIZE, mask=ok, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        # the next tile's page ids load while this tile's copies are issued
+        nkey = key + BLOCK_N
+        nok = nkey < hi
+        npage = gl.load(pt_row + nkey // PAGE_SIZE, mask=nok, other=0)
+        # rows start on 16-byte boundaries (gather_caches checks the strides), each thread's piece is contiguous
+        row0 = gl.multiple_of(page.to(gl.int64) * stride_kp + (key % PAGE_SIZE) * stride_ks, VEC)
+        off = row0[:, None] + cols[None, :]
+        m2 = ok[:, None]  # broadcast along the row: constant over each piece
+        s = c % STAGES
+        mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(k_smem.index(s), K + off, mask=m2)
+        async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+        async_copy.async_copy_global_to_shared(v_smem.index(s), V + off, mask=m2)
+        async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+        key, ok, page = nkey, nok, npage
+        c += 1
+    return c
+
+
+@gluon.jit
 def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
-            TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM: gl.constexpr,
-            BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, BALANCED: gl.constexpr):
+            TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+            BALANCED: gl.constexpr, GATHER: gl.constexpr):
+    if GATHER:  # desc_k / desc_v are the caches' pointers; 16-byte pieces, rows over the threads
+        VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
+        TPR: gl.constexpr = HEAD_DIM // VEC
+        g_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+        c = 0
+        if BALANCED:
+            g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
+            while g < g1:
+                hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
+                b = gl.load(TILE_SEQ + ti)
+                k_len = gl.load(SEQ_LENS + b)
+                c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                 PAGE_TABLE + b.to(gl.int64) * stride_pt, hk * HEAD_DIM, t0 * BLOCK_N,
+                                 gl.minimum((t0 + nt) * BLOCK_N, k_len), c, stride_kp, stride_ks, g_layout, BLOCK_N,
+                                 PAGE_SIZE, STAGES)
+                g += nt
+                ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
+        else:
+            n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
+            for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+                b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+                c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                 PAGE_TABLE + b.to(gl.int64) * stride_pt, hk * HEAD_DIM, lo, hi, c, stride_kp,
+                                 stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES)
+    else:
+        _tma_loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                    NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
+                    PAGE_SIZE, STAGES, BALANCED)
+
+
+@gluon.jit
+def _tma_loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM: gl.constexpr,
+                BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, BALANCED: gl.constexpr):
     ROWS: gl.constexpr = desc_k.block_type.shape[0]
     NSUB: gl.constexpr = BLOCK_N // ROWS
     # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
@@ -186,11 +258,14 @@ def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_
 
 @gluon.jit
 def _scores(q_smem, k_smem, k_ready, c, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-            GP: gl.constexpr):
+            GP: gl.constexpr, FENCE: gl.constexpr):
     """Issue S^T = K Q^T on ring use c's K tile (asynchronous): keys are wgmma's M, the GP query heads its N. With
-    an fp8 cache, q_smem holds three fp8 terms of the scaled q (_stage_q) and their dots add up."""
+    an fp8 cache, q_smem holds three fp8 terms of the scaled q (_stage_q) and their dots add up. FENCE: the tile
+    came by cp.async (GATHER), whose writes the async proxy (wgmma) sees only after a proxy fence."""
     s = c % K_STAGES
     mbarrier.wait(k_ready.index(s), (c // K_STAGES) & 1)
+    if FENCE:
+        fence_async_shared()
     st = warpgroup_mma(k_smem.index(s), q_smem.index(0).permute((1, 0)),
                        gl.zeros([BLOCK_N, GP], gl.float32, st_layout), use_acc=False, is_async=True)
     TERMS: gl.constexpr = q_smem.shape[0]
@@ -220,10 +295,13 @@ def _softmax(st, m_i, l_p, cs, key0, hi, st_layout: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _pv(p_buf, acc, v_smem, v_ready, c, V_STAGES: gl.constexpr):
-    """Issue O^T += V^T P^T on ring use c's V tile (V read transposed from its slot, P^T from p_buf)."""
+def _pv(p_buf, acc, v_smem, v_ready, c, V_STAGES: gl.constexpr, FENCE: gl.constexpr):
+    """Issue O^T += V^T P^T on ring use c's V tile (V read transposed from its slot, P^T from p_buf); FENCE as in
+    _scores."""
     s = c % V_STAGES
     mbarrier.wait(v_ready.index(s), (c // V_STAGES) & 1)
+    if FENCE:
+        fence_async_shared()
     return warpgroup_mma(v_smem.index(s).permute((1, 0)), p_buf, acc, is_async=True)
 
 
@@ -264,7 +342,8 @@ def _stage_q(Q, t, hk, q_smem, stride_qt, stride_qh, qk_scale, cs_layout: gl.con
 @gluon.jit
 def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, stride_qt,
             stride_qh, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, o_layout: gl.constexpr):
+            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, o_layout: gl.constexpr, KF: gl.constexpr = False,
+            VF: gl.constexpr = False):
     """The online softmax of query token t's GROUP heads of kv head hk over keys [lo, hi): K tiles from the
     (k_smem, k_ready, k_empty) ring, V tiles from the (v_smem, ...) ring (the same ring for 16-bit caches; for fp8,
     the fp8 ring and the converter's fp16 ring), counted by c. -> (O [GP, HEAD_DIM] unnormalized in o_layout, row
@@ -275,7 +354,8 @@ def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_sme
     exponentials than [64, BLOCK_N] with the heads padded to M = 64). P^T goes through p_smem (two buffers).
     Software-pipelined: step i issues tile i - 1's P V and tile i + 1's S, runs tile i's softmax beside them, then
     waits for both, frees what they read and rescales O. No wgmma stays in flight across steps (ptxas answers that
-    by serializing every wgmma). lo is a multiple of BLOCK_N, so only the last tile has keys past hi to mask."""
+    by serializing every wgmma). lo is a multiple of BLOCK_N, so only the last tile has keys past hi to mask. KF / VF:
+    the K / V tiles came by cp.async (proxy fence after each wait, see _scores)."""
     GP: gl.constexpr = q_smem.shape[1]
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -289,10 +369,10 @@ def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_sme
     acc = gl.zeros([HEAD_DIM, GP], gl.float32, ot_layout)
     n = (hi - lo + BLOCK_N - 1) // BLOCK_N
     if n > 0:
-        st = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, c, st_layout, BLOCK_N, K_STAGES, GP),))
+        st = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, c, st_layout, BLOCK_N, K_STAGES, GP, KF),))
         mbarrier.arrive(k_empty.index(c % K_STAGES), count=1)
         if n > 1:
-            nxt = _scores(q_smem, k_smem, k_ready, c + 1, st_layout, BLOCK_N, K_STAGES, GP)
+            nxt = _scores(q_smem, k_smem, k_ready, c + 1, st_layout, BLOCK_N, K_STAGES, GP, KF)
             p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
             st = warpgroup_mma_wait(0, deps=(nxt,))
             mbarrier.arrive(k_empty.index((c + 1) % K_STAGES), count=1)
@@ -302,8 +382,8 @@ def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_sme
         fence_async_shared()
         gl.thread_barrier()
         for i in range(1, n - 1):
-            pv = _pv(p_smem.index((i - 1) % 2), acc, v_smem, v_ready, c, V_STAGES)
-            nxt = _scores(q_smem, k_smem, k_ready, c + 2, st_layout, BLOCK_N, K_STAGES, GP)
+            pv = _pv(p_smem.index((i - 1) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
+            nxt = _scores(q_smem, k_smem, k_ready, c + 2, st_layout, BLOCK_N, K_STAGES, GP, KF)
             p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
             p_smem.index(i % 2).store(p.to(p_smem.dtype))
             acc, st = warpgroup_mma_wait(0, deps=(pv, nxt))
@@ -314,7 +394,7 @@ def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_sme
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout))[None, :]
             c += 1
         if n > 1:
-            pv = _pv(p_smem.index((n - 2) % 2), acc, v_smem, v_ready, c, V_STAGES)
+            pv = _pv(p_smem.index((n - 2) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
             p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * BLOCK_N, hi, st_layout, BLOCK_N, True)
             p_smem.index((n - 1) % 2).store(p.to(p_smem.dtype))
             acc = warpgroup_mma_wait(0, deps=(pv,))
@@ -323,7 +403,7 @@ def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_sme
             gl.thread_barrier()
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout))[None, :]
             c += 1
-        acc = warpgroup_mma_wait(0, deps=(_pv(p_smem.index((n - 1) % 2), acc, v_smem, v_ready, c, V_STAGES),))
+        acc = warpgroup_mma_wait(0, deps=(_pv(p_smem.index((n - 1) % 2), acc, v_smem, v_ready, c, V_STAGES, VF),))
         mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
         c += 1
     row: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -337,7 +417,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
               stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, k_scale,
               v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
               V_STAGES: gl.constexpr, SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr,
-              MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr):
+              MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr):
     if SCALE_PTRS:  # fp8: K = k_scale * cache, V = v_scale * cache; k_scale rides in the score scale
         k_scale = gl.load(K_SCALE).to(gl.float32)
         v_scale = gl.load(V_SCALE).to(gl.float32)
@@ -361,7 +441,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
             acc, m_i, l_i, c = _attend(Q, t, hk, t0 * BLOCK_N, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty,
                                        v_smem, v_ready, v_empty, stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM,
-                                       BLOCK_N, K_STAGES, V_STAGES, o_layout)
+                                       BLOCK_N, K_STAGES, V_STAGES, o_layout, KF, VF)
             o = acc * (v_scale / l_i)[:, None]  # every piece holds a key: l_i > 0
             head_o = hk * GROUP + orow
             idx = ti * num_kv_heads + hk
@@ -392,7 +472,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
             t = gl.load(CU_Q + b).to(gl.int64)  # the sequence's one query token
             acc, m_i, l_i, c = _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem,
                                        v_ready, v_empty, stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N,
-                                       K_STAGES, V_STAGES, o_layout)
+                                       K_STAGES, V_STAGES, o_layout, KF, VF)
             empty = l_i == 0.0
             l_safe = gl.where(empty, 1.0, l_i)
             o = acc * (v_scale / l_safe)[:, None]
@@ -462,12 +542,14 @@ def _merge_unit(PO, PLSE, OUT, COUNT, TABLES, cap, idx, TILE_SEQ, CU_Q, num_kv_h
 def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
                            TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
                            stride_ls, stride_fot, stride_foh, stride_pt, num_heads, num_kv_heads, num_pages,
-                           num_splits, qk_scale, k_scale, v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           num_splits, qk_scale, k_scale, v_scale, stride_kp, stride_ks, GROUP: gl.constexpr,
+                           HEAD_DIM: gl.constexpr,
                            BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                            SPLIT: gl.constexpr, BALANCED: gl.constexpr = False, GROUP_P2: gl.constexpr = 4,
                            MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
-                           Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None):
+                           Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
+                           KV_LAYOUT: gl.constexpr = None):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -476,18 +558,24 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     fp8 caches (the descriptors' dtype): K and V are the cache times k_scale / v_scale (float arguments, or with
     SCALE_PTRS one-element tensors K_SCALE / V_SCALE); the consumer's dots read K from the fp8 ring with q split
     into three e4m3 terms, and a converter partition (4 warps) widens V into a second ring of STAGES16 fp16 slots
-    (F16_LAYOUT: the shared layout of a [BLOCK_N, HEAD_DIM] fp16 tile)."""
-    dtype: gl.constexpr = desc_k.dtype
+    (F16_LAYOUT: the shared layout of a [BLOCK_N, HEAD_DIM] fp16 tile).
+
+    GATHER: desc_k / desc_v are the caches themselves ([pages, page size, Hkv, D] pointers, page and slot strides
+    stride_kp / stride_ks in elements, heads D apart) and the loader gathers one row per key with cp.async into
+    slots of shared layout KV_LAYOUT (page sizes whose pages TMA cannot copy whole, e.g. 1 or 3)."""
+    dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
+    kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    READY: gl.constexpr = 32 * gl.num_warps() if GATHER else 1  # GATHER: every loader thread arrives
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=READY)
+        mbarrier.init(v_ready.index(i), count=READY)
         mbarrier.init(kv_empty.index(i), count=2)  # K's reader and V's reader each free the slot once
     dtype16: gl.constexpr = gl.float16 if FP8 else dtype
     p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
@@ -502,27 +590,27 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
             mbarrier.init(v16_empty.index(i), count=1)
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
-                       PAGE_SIZE, STAGES, BALANCED)),
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
             (_converter, (v_smem, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES,
                           cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
             (_consumer, (Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, kv_empty, v16, v16_ready, v16_empty,
                          SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh,
                          stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads,
                          num_splits, qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, STAGES16, SPLIT,
-                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS)),
+                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, False)),
         ], [4, 4], [96, 232])
     else:
         q_smem = gl.allocate_shared_memory(dtype, [1, GP, HEAD_DIM], Q_LAYOUT)
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
-                       PAGE_SIZE, STAGES, BALANCED)),
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
             (_consumer, (Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, kv_empty, v_smem, v_ready, kv_empty,
                          SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh,
                          stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads,
                          num_splits, qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, STAGES, SPLIT,
-                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS)),
+                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, GATHER)),
         ], [4], [232])
 
 
@@ -536,6 +624,19 @@ def page_descriptors(k_cache, v_cache, block_n):
             return None
         descs.append(row_descriptor(t, [P * ps, H * D], H * D, min(ps, block_n)))
     return descs
+
+
+def gather_caches(k_cache, v_cache):
+    """(k_cache, v_cache) for the GATHER loader, or None where it cannot read them: both [pages, page size, Hkv, D]
+    with the same strides, heads D elements apart with the last dim contiguous (16-byte pieces), 16-byte aligned."""
+    if k_cache.stride() != v_cache.stride() or k_cache.numel() == 0:
+        return None
+    D = k_cache.shape[3]
+    if k_cache.stride(3) != 1 or k_cache.stride(2) != D:
+        return None
+    if any(t.data_ptr() % 16 or (st * t.element_size()) % 16 for t in (k_cache, v_cache) for st in t.stride()[:2]):
+        return None
+    return k_cache, v_cache
 
 
 STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100 .lab, B=16 L=4096: 3 are 8% slower)
@@ -605,7 +706,7 @@ def balanced_table_size(capacity: int, num_kv_heads: int, programs: int) -> int:
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
-                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None):
+                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -616,20 +717,26 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     * Hkv) is required and ``out`` receives the output.
 
     fp8 descriptors (page_descriptors over fp8 caches): the cache holds K / k_scale and V / v_scale (floats or
-    one-element float tensors on the device)."""
+    one-element float tensors on the device).
+
+    ``gather``: ``descs`` are the caches themselves (same strides, last dim contiguous, 16-byte aligned rows), read
+    one row per key with cp.async (page sizes TMA cannot copy by pages)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
-    Hkv = descs[0].shape[1] // D
-    fp8 = descs[0].base.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    kv_dtype = descs[0].dtype if gather else descs[0].base.dtype
+    Hkv = descs[0].shape[2] if gather else descs[0].shape[1] // D
+    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if stages is None:
         stages = FP8_STAGES if fp8 else STAGES
     ptrs = isinstance(k_scale, torch.Tensor)
     scales = dict(SCALE_PTRS=ptrs, STAGES16=FP8_STAGES16,
                   F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None,
-                  **_step_consts(Hq // Hkv, D, block_n, descs[0].base.dtype))
+                  **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
+                  GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None)
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
+    sval = sval + ((descs[0].stride(0), descs[0].stride(1)) if gather else (0, 0))
     if balanced is not None:
         paged_decode_ws_kernel[(sms,)](
             q, *descs, out_or_ws, lse_ws, out, counters, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
@@ -670,12 +777,18 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False):
+                 balanced=False, kv="", scale_ptrs=False, gather=None):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
-    "fp8e5" for an fp8 cache (q is ``dtype``)."""
+    "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
+    size asks for it)."""
     import torch
 
-    desc = tile_desc_type(kv or dtype, min(page_size, block_n), head_dim)
+    from .plan import tma_pages
+
+    if gather is None:
+        gather = not tma_pages(page_size)
+
+    desc = f"*{kv or dtype}" if gather else tile_desc_type(kv or dtype, min(page_size, block_n), head_dim)
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split or balanced else f"*{dtype}",
            "LSE": "*fp32", "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32",
            "CU_Q": "*i32", "TILE_SEQ": "*i32", "NUM_TILES": "*i32", "TABLES": "*i32", "K_SCALE": "*fp32",
@@ -683,11 +796,13 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
     for name in ("cap", "stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_fot",
                  "stride_foh", "stride_pt", "num_heads", "num_kv_heads", "num_pages", "num_splits"):
         sig[name] = "i32"
-    sig.update(qk_scale="fp32", k_scale="fp32", v_scale="fp32")
+    sig.update(qk_scale="fp32", k_scale="fp32", v_scale="fp32", stride_kp="i32", stride_ks="i32")
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
               "SPLIT": int(split and not balanced),
               "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim),
               "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(block_n, head_dim, torch.float16) if kv else None,
               "STAGES16": FP8_STAGES16,
-              **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype])}
-    return _compile_sm90(paged_decode_ws_kernel, sig, consts)
+              **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
+              "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None}
+    return _compile_sm90(paged_decode_ws_kernel, sig, consts,
+                         aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

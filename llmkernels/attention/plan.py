@@ -278,16 +278,23 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
     return (64, 4, 3) if name == "short" else (64, 4, 2)
 
 
+def tma_pages(page_size: int) -> bool:
+    """Whether the Gluon decode kernel copies whole pages with TMA (else it gathers rows with cp.async: GATHER in
+    paged_ws.py)."""
+    return page_size in (8, 16, 32) or page_size % 64 == 0
+
+
 def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype) -> bool:
     """Whether the batch suits the persistent Gluon decode kernel (paged_ws.py): sm_90 with Gluon, one query per
-    sequence, a cache of q's dtype or fp8, page size 8/16/32 or a multiple of 64, head dim 64 or 128, group <= 64,
+    sequence, a cache of q's dtype or fp8, any page size (8/16/32 or a multiple of 64 copied by pages with TMA, the
+    others gathered by rows with cp.async), head dim 64 or 128, group <= 64,
     and enough K/V bytes to hide its host cost (fp8 caches included: since its consumer reads K as fp8, it beat the
     Triton kernel at every decode-suite shape, see bench/NOTES.md session 23)."""
     if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128) or group > 64:
         return False
     if kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
         return False
-    if not (page_size in (8, 16, 32) or page_size % 64 == 0) or not len(q_lens) or int(q_lens.max()) != 1:
+    if not len(q_lens) or int(q_lens.max()) != 1:
         return False
     if int(k_lens.sum()) * num_kv_heads * head_dim * 2 * kv_dtype.itemsize < WS_DECODE_MIN_BYTES:
         return False
@@ -351,7 +358,8 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
         bq = {"short": short_q_max, "long": max(1, rows // group)}
         tiles_b = _tiles(q_lens, short_q_max, bq)
         programs_b = (n_short + len(tiles_b["long"][0])) * num_kv_heads
-        ws = MIXED_WS and num_splits in (0, 1) and programs_b >= sms
+        # (the register cap below leaves the cp.async loader of other page sizes too few registers)
+        ws = MIXED_WS and num_splits in (0, 1) and programs_b >= sms and tma_pages(page_size)
         if ws:
             beside = cfg, maxnreg
             block_q, tiles, n_long, programs = bq, tiles_b, len(tiles_b["long"][0]), programs_b

@@ -252,6 +252,10 @@ WS_CASES = [
     ([1] * 3, [33, 800, 257], 8, 8, 1, 128, dict(num_splits=1)),  # page 8, MQA (group 8), no split
     ([1], [30011], 16, 32, 8, 128, dict(balanced=True)),  # batch 1: each (sequence, kv head) cut over ~16 programs
     ([1] * 150, [(37 * i) % 997 + 1 for i in range(150)], 32, 8, 2, 128, {}),  # ragged, programs over many units
+    # page sizes TMA cannot copy by pages: rows gathered with cp.async
+    ([1] * 6, [1, 17, 100, 1000, 64, 65], 1, 32, 8, 128, {}),  # page 1
+    ([1] * 4, [300, 31, 999, 2], 3, 28, 4, 64, dict(num_splits=3)),  # page 3, group 7, D 64, fixed splits
+    ([1], [20011], 1, 16, 2, 128, dict(balanced=True)),  # page 1, the balanced split
 ]
 
 
@@ -338,13 +342,16 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
 
 @pytest.mark.parametrize("page_size, head_dim, split, balanced, kv", [
     (16, 128, False, False, ""), (128, 64, True, False, ""), (16, 128, False, True, ""),
-    (16, 128, True, False, "fp8e4nv"), (64, 64, False, True, "fp8e5")])
+    (16, 128, True, False, "fp8e4nv"), (64, 64, False, True, "fp8e5"),
+    (1, 128, False, False, ""), (3, 64, True, True, "fp8e4nv")])  # rows gathered with cp.async
 def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced, kv):
     # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter
     got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced}, "
                               f"kv={kv!r})", {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor",
-                                              "local": ".local", "cvt": "cvt.rn.f16x2.e"})
-    assert got == {"wgmma": True, "tma": True, "local": False, "cvt": bool(kv)}
+                                              "gather": "cp.async.cg.shared.global", "local": ".local",
+                                              "cvt": "cvt.rn.f16x2.e"})
+    tma = page_size in (8, 16, 32) or page_size % 64 == 0
+    assert got == {"wgmma": True, "tma": tma, "gather": not tma, "local": False, "cvt": bool(kv)}
 
 
 @pytest.mark.gpu
