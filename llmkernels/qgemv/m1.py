@@ -42,6 +42,25 @@ def _asm_unpack_pair() -> str:
 
 
 _ASM_PAIR = tl.constexpr(_asm_unpack_pair())
+
+
+def _asm_unpack_q5() -> str:
+    """PTX for q5_k: the 4 code bytes of $8, their 4 high-bit bytes of $9 and the chunk's bit position (2c, in the
+    low byte of $10) -> 8 floats 1 + q/256 with q = nibble + 16 * high bit: the low nibbles with bit 2c ($0-$3),
+    the high nibbles with bit 2c + 1 ($4-$7). The two 5-bit planes are built four bytes at a time, then each value
+    moves to mantissa bits 15-19 with one shift and one LOP3 that also ORs in 1.0f."""
+    body = ["mov.b32 m, 0x3F800000;", "and.b32 s, $10, 0xFF;", "shr.b32 h, $9, s;",
+            "shl.b32 t, h, 4;", "and.b32 t, t, 0x10101010;", "lop3.b32 a, $8, 0x0F0F0F0F, t, 0xEA;",
+            "shl.b32 t, h, 3;", "and.b32 t, t, 0x10101010;", "shr.b32 b, $8, 4;",
+            "lop3.b32 b, b, 0x0F0F0F0F, t, 0xEA;"]
+    for k, sh in enumerate((15, 7, -1, -9)):
+        for src, out in (("a", k), ("b", k + 4)):
+            body.append(f"shl.b32 t, {src}, {sh};" if sh > 0 else f"shr.b32 t, {src}, {-sh};")
+            body.append(f"lop3.b32 ${out}, t, 0xF8000, m, 0xEA;")
+    return "{ .reg .b32 t, m, h, a, b, s; " + " ".join(body) + " }"
+
+
+_ASM_Q5 = tl.constexpr(_asm_unpack_q5())
 # int8 q to 1 + (q + 128)/256: the byte to bits 15-22, flip its sign bit and OR 1.0f in one go: the mask and 1.0f
 # do not overlap, so (a & b) ^ (1.0f | 0x400000) (LUT 0x6A) does both
 _ASM_Q8 = tl.constexpr(_asm_unpack((15, 7, -1, -9), 0x7F8000, 0x3FC00000, 0x6A))
@@ -73,6 +92,22 @@ def _unpack(units, FMT: tl.constexpr, UNPACK: tl.constexpr):
         t = units.to(tl.int32) << 15
         lo = ((t & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)
         hi = ((t & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        return lo, hi
+
+
+@triton.jit
+def _unpack_q5(units, hb, sh, UNPACK: tl.constexpr):
+    """q5_k codes as (1 + q/256) floats for the low-nibble and high-nibble planes: ``units`` the code bytes, ``hb``
+    the high-bit bytes of the same positions, ``sh`` (uint8, = 2 * the 64-weight chunk) where the low plane's bit
+    sits in them (the high plane's at sh + 1)."""
+    if UNPACK == 2:
+        return tl.inline_asm_elementwise(_ASM_Q5, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [units, hb, sh],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        q = units.to(tl.int32)
+        h = hb.to(tl.int32) >> sh.to(tl.int32)
+        lo = ((((q & 0xF) | ((h & 1) << 4)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        hi = (((((q >> 4) & 0xF) | ((h & 2) << 3)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
         return lo, hi
 
 
@@ -253,10 +288,16 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     # pointers of the first step, advanced by STEP blocks per step
     base4 = rows4 * row_bytes + (kb_start + blk4) * BLOCK_BYTES + c4 * 0  # [C, ROWS_T, NB, R] byte offsets
     xk = ((kb_start + blk4) * BS)[:, :, :, :, None, None] + zt  # [1, ROWS_T, NB, 1, 1, 1]
-    if FMT == 10:  # q4_k: d, dmin, 12 bytes of scales (4 int32 words), 4 chunks of 32 bytes (H pieces each)
+    if FMT == 10 or FMT == 11:  # q4_k / q5_k: d, dmin, 12 bytes of scales (4 int32 words), [q5_k: 32 bytes of
+        # high bits,] 4 chunks of 32 code bytes (H pieces each)
+        CODES: tl.constexpr = 16 if FMT == 10 else 48
         wb4 = wbase + base4 * 0  # the (gate or) weight rows' base, [C, ROWS_T, NB, R]
-        w_ptrs = wb4[:, :, :, :, None, None] + base4[:, :, :, :, None, None] + 16 + c * U + u
+        w_ptrs = wb4[:, :, :, :, None, None] + base4[:, :, :, :, None, None] + CODES + c * U + u
         h_ptrs = wb4.to(tl.pointer_type(tl.int32), bitcast=True) + base4 // 4
+        # q5_k: byte l of every chunk takes its high bits from qh[l] (bit 2 * chunk for the low nibble, the next
+        # for the high nibble)
+        qh_ptrs = w_ptrs - CODES + 16 - (c // H) * (H * U)
+        qh_sh = ((c // H) * 2 + u * 0).to(tl.uint8)
         if XP:  # activations in lane order (lane_pos): a warp's x load is 512 contiguous bytes
             tl.static_assert(KT == 8 and NB == 1 and H == 1, "lane order is laid out for KT = 8, NB = 1, H = 1")
             kt6 = (rt % KT)[:, :, :, :, None, None]
@@ -294,7 +335,11 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     for kb in range(kb_start, kb_end, STEP):
         ok4 = (kb + blk4 < kb_end) & (c4 >= 0)  # unless EVEN, the last step may pass the split's end
         units = _load(w_ptrs, ok4[:, :, :, :, None, None], MASK)
-        lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
+        if FMT == 11:
+            lo, hi = _unpack_q5(units, _load(qh_ptrs, ok4[:, :, :, :, None, None], MASK), qh_sh, UNPACK)
+            qh_ptrs += STEP * BLOCK_BYTES
+        else:
+            lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
         x_ok = ok4[:, :, :, :, None, None] & (zt == 0)
         # per (row, block) factors of the four partial sums, shared by the activation rows: the increment is
         # f0 * s0 + f1 * s1 + g0 * sx0 + g1 * sx1 (see _row_update for s, sx)
@@ -306,7 +351,8 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             else:  # 8-bit: 1 + b/256 with b the code itself
                 f0, f1, g0, g1 = 256.0 * sc, sc * 0.0, bi - 256.0 * sc, sc * 0.0
             s_ptrs += STEP * CG
-        elif FMT == 10:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 256 (s0 - sx0) (low), 16 (s1 - sx1) (high)
+        elif FMT == 10 or FMT == 11:  # w = d*sc*q - dmin*mn per sub-block; sum q x = 256 (s0 - sx0) (low),
+            # 16 (s1 - sx1) (q4_k high) or 256 (s1 - sx1) (q5_k high, 5-bit values in bits 15-19)
             # the 16-byte header as one vector of 4 words: fp16 d and dmin, then the 12 scale bytes
             hw = tl.reshape(_load(h_ptrs[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :],
                                   ok4[:, :, :, :, None], MASK), [C, ROWS_T, NB, R, 2, 2])
@@ -316,7 +362,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             d, dmin = _split_words(hd, tl.float16)
             sc0, mn0, sc1, mn1 = _q4k_scales(w1, w2, w3, cg4)
             f0 = 256.0 * d * sc0
-            f1 = 16.0 * d * sc1
+            f1 = (16.0 if FMT == 10 else 256.0) * d * sc1
             g0 = -f0 - dmin * mn0
             g1 = -f1 - dmin * mn1
             h_ptrs += STEP * BLOCK_BYTES // 4
@@ -472,6 +518,7 @@ M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)
     "q4_0": (3, 1, 16, 2, 32, 18),
     "q8_0": (7, 1, 32, 1, 32, 34),
     "q4_k": (10, 4, 32, 2, 256, 144),
+    "q5_k": (11, 4, 32, 2, 256, 176),
 }
 
 

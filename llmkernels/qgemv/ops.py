@@ -24,7 +24,7 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # GLU (plain gemv takes the tensor-core kernel from TC_MIN_M, below), MLX 4-bit against the planes kernel (faster at
 # M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
 # --m-curve)
-M1_MAX_M = {"q4_k": 4, "mlx": 2}
+M1_MAX_M = {"q4_k": 4, "q5_k": 4, "mlx": 2}
 # plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
 # on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
 # 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 /
@@ -257,7 +257,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
-    m1_fmt = fmt == "q4_k" or (fmt == "mlx" and bits in (4, 8))
+    m1_fmt = fmt in ("q4_k", "q5_k") or (fmt == "mlx" and bits in (4, 8))
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
     tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
     if tc_m and mode == 0:

@@ -234,8 +234,8 @@ LANE_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1), (2, 1, 4, 4, 8,
 
 
 def tune_gemv_m1(gpu):
-    """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, MLX 4- and 8-bit (group 64) at M = 1 and 2, on a small, a
-    wide and a long Llama-3-8B shape, weights read from DRAM."""
+    """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, q5_k at M = 1, 2 and 4, MLX 4- and 8-bit (group 64) at
+    M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
     from ..bench.harness import copies_for
     from ..qgemv import gemv
     from ..qgemv.ops import m1_key
@@ -243,7 +243,8 @@ def tune_gemv_m1(gpu):
 
     out = {}
     shapes = [(4096, 4096), (28672, 4096), (4096, 14336)]
-    for name, fmt, kw, ms in (("q4_k", "q4_k", {}, (2, 4)), ("mlx4", "mlx", dict(bits=4, group_size=64), (1, 2)),
+    for name, fmt, kw, ms in (("q4_k", "q4_k", {}, (2, 4)), ("q5_k", "q5_k", {}, (1, 2, 4)),
+                              ("mlx4", "mlx", dict(bits=4, group_size=64), (1, 2)),
                               ("mlx8", "mlx", dict(bits=8, group_size=64), (1, 2))):
         qts = []
         for N, K in shapes:
