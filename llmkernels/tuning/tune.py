@@ -237,8 +237,8 @@ def tune_gemv_m1(gpu):
     """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, q5_k at M = 1, 2 and 4, MLX 4- and 8-bit (group 64) at
     M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
     from ..bench.harness import copies_for
-    from ..qgemv import gemv
-    from ..qgemv.ops import m1_key
+    from ..qgemv import gemv, silu_mul_gemv
+    from ..qgemv.ops import TC_MIN_M, m1_key
     from ..testing.random_weights import random_qtensor
 
     out = {}
@@ -252,7 +252,9 @@ def tune_gemv_m1(gpu):
             qts.append([first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)])
         for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
-            works = [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)]
+            # plain q4_k gemv takes the tensor-core kernel from TC_MIN_M: its m1 entry serves silu_mul_gemv there
+            fn = silu_mul_gemv if name == "q4_k" and M >= TC_MIN_M else (lambda x, y, qt: gemv(x, qt))
+            works = [[lambda x=x, qt=qt: fn(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             key = m1_key(name, M)
             out[key] = _best("gemv", key, M1_CANDIDATES, works)
         del qts

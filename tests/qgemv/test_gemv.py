@@ -85,7 +85,7 @@ def test_silu_mul_fused_in_m1(fmt, kw, M, layout, device, monkeypatch):
     assert calls == [True]
 
 
-@pytest.mark.parametrize("M,m1", [(1, True), (4, True), (5, False)])
+@pytest.mark.parametrize("M,m1", [(1, True), (4, True), (7, True), (9, False)])
 def test_q5k_small_m_takes_m1(M, m1, device, monkeypatch):
     """q5_k up to M1_MAX_M runs the m1 kernel (its high bits merged into 5-bit codes), beyond it the generic one."""
     from llmkernels.qgemv import m1 as m1_mod
