@@ -61,6 +61,24 @@ def _asm_unpack_q5() -> str:
 
 
 _ASM_Q5 = tl.constexpr(_asm_unpack_q5())
+
+
+def _asm_unpack_q6() -> str:
+    """PTX for q6_k: the 4 low-nibble bytes of $8 (ql), their 4 high-bit bytes of $9 (qh) and the chunk's bit
+    position (2j, in the low byte of $10) -> 8 floats 1 + q/256 with q the 6-bit code: low nibbles with qh bits 2j,
+    2j + 1 ($0-$3), high nibbles with bits 2j + 4, 2j + 5 ($4-$7). As for q5_k, the 6-bit planes are built four
+    bytes at a time, then one shift and one LOP3 per value."""
+    body = ["mov.b32 m, 0x3F800000;", "and.b32 s, $10, 0xFF;", "shr.b32 h, $9, s;",
+            "shl.b32 t, h, 4;", "and.b32 t, t, 0x30303030;", "lop3.b32 a, $8, 0x0F0F0F0F, t, 0xEA;",
+            "and.b32 t, h, 0x30303030;", "shr.b32 b, $8, 4;", "lop3.b32 b, b, 0x0F0F0F0F, t, 0xEA;"]
+    for k, sh in enumerate((15, 7, -1, -9)):
+        for src, out in (("a", k), ("b", k + 4)):
+            body.append(f"shl.b32 t, {src}, {sh};" if sh > 0 else f"shr.b32 t, {src}, {-sh};")
+            body.append(f"lop3.b32 ${out}, t, 0x1F8000, m, 0xEA;")
+    return "{ .reg .b32 t, m, h, a, b, s; " + " ".join(body) + " }"
+
+
+_ASM_Q6 = tl.constexpr(_asm_unpack_q6())
 # int8 q to 1 + (q + 128)/256: the byte to bits 15-22, flip its sign bit and OR 1.0f in one go: the mask and 1.0f
 # do not overlap, so (a & b) ^ (1.0f | 0x400000) (LUT 0x6A) does both
 _ASM_Q8 = tl.constexpr(_asm_unpack((15, 7, -1, -9), 0x7F8000, 0x3FC00000, 0x6A))
@@ -108,6 +126,22 @@ def _unpack_q5(units, hb, sh, UNPACK: tl.constexpr):
         h = hb.to(tl.int32) >> sh.to(tl.int32)
         lo = ((((q & 0xF) | ((h & 1) << 4)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
         hi = (((((q >> 4) & 0xF) | ((h & 2) << 3)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        return lo, hi
+
+
+@triton.jit
+def _unpack_q6(units, hb, sh, UNPACK: tl.constexpr):
+    """q6_k codes as (1 + q/256) floats for the low-nibble and high-nibble planes of the ql bytes ``units``: ``hb``
+    the qh bytes of the same positions, ``sh`` (uint8, = 2j for chunk j of a 128-weight half) the position of the
+    low plane's two high bits in them (the high plane's at sh + 4)."""
+    if UNPACK == 2:
+        return tl.inline_asm_elementwise(_ASM_Q6, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [units, hb, sh],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        q = units.to(tl.int32)
+        h = hb.to(tl.int32) >> sh.to(tl.int32)
+        lo = ((((q & 0xF) | ((h & 3) << 4)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        hi = (((((q >> 4) & 0xF) | (h & 0x30)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
         return lo, hi
 
 
@@ -308,6 +342,20 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
         else:
             x0_ptrs = X + xk + (c // H) * 64 + (c % H) * U + u
             x1_ptrs = x0_ptrs + 32
+    elif FMT == 12:  # q6_k: ql[128], qh[64], 16 int8 scales, fp16 d. Chunk cc = 2n + j of the block: ql bytes
+        # 32cc..32cc+31 (low nibbles: weights 128n + 32j + l, high nibbles: + 64), their high bits in qh[32n + l]
+        # (bits 2j, 2j + 1 and 2j + 4, 2j + 5). A piece of U <= 16 bytes has one scale per plane. Blocks are only
+        # 2-byte aligned (210 bytes), so the loads are narrower than for the other formats.
+        cc4 = c4 // H
+        pc4 = (c4 % H) * U  # the piece's first byte within its chunk
+        w_ptrs = W8 + base4[:, :, :, :, None, None] + c * U + u
+        qh_ptrs = W8 + base4[:, :, :, :, None, None] + 128 + ((c // H) // 2) * 32 + (c % H) * U + u
+        qh_sh = (((c // H) % 2) * 2 + u * 0).to(tl.uint8)
+        s6_ptrs = (W8 + base4 + 192 + (cc4 // 2) * 8 + (cc4 % 2) * 2 + pc4 // 16).to(tl.pointer_type(tl.int8),
+                                                                                        bitcast=True)
+        d6_ptrs = W16 + (base4 + 208) // 2
+        x0_ptrs = X + xk + ((c // H) // 2) * 128 + ((c // H) % 2) * 32 + (c % H) * U + u
+        x1_ptrs = x0_ptrs + 64
     elif FMT == 13:  # MLX: codes only; scale and bias per (row, group) in WS, WB
         w_ptrs = W8 + base4[:, :, :, :, None, None] + c * U + u
         s_ptrs = rows4 * scale_stride + (kb_start + blk4) * CG + cg4
@@ -338,6 +386,9 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
         if FMT == 11:
             lo, hi = _unpack_q5(units, _load(qh_ptrs, ok4[:, :, :, :, None, None], MASK), qh_sh, UNPACK)
             qh_ptrs += STEP * BLOCK_BYTES
+        elif FMT == 12:
+            lo, hi = _unpack_q6(units, _load(qh_ptrs, ok4[:, :, :, :, None, None], MASK), qh_sh, UNPACK)
+            qh_ptrs += STEP * BLOCK_BYTES
         else:
             lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
         x_ok = ok4[:, :, :, :, None, None] & (zt == 0)
@@ -366,6 +417,13 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
             g0 = -f0 - dmin * mn0
             g1 = -f1 - dmin * mn1
             h_ptrs += STEP * BLOCK_BYTES // 4
+        elif FMT == 12:  # w = d * sc * (q - 32): sum q x - 32 sum x = 256 s - 288 sx per plane
+            d = _load(d6_ptrs, ok4, MASK).to(tl.float32)
+            ds0 = d * _load(s6_ptrs, ok4, MASK).to(tl.float32)
+            ds1 = d * _load(s6_ptrs + 4, ok4, MASK).to(tl.float32)
+            f0, f1, g0, g1 = 256.0 * ds0, 256.0 * ds1, -288.0 * ds0, -288.0 * ds1
+            d6_ptrs += STEP * BLOCK_BYTES // 2
+            s6_ptrs += STEP * BLOCK_BYTES
         elif FMT == 3:  # w = d * (q - 8): sum q x - 8 sum x = 256 s0 - 264 sx0 + 16 s1 - 24 sx1
             d = _load(h_ptrs, ok4, MASK).to(tl.float32)
             f0, f1, g0, g1 = 256.0 * d, 16.0 * d, -264.0 * d, -24.0 * d
@@ -519,6 +577,7 @@ M1_LAYOUTS = {  # format -> (FMT id, C, U, P, block size, block bytes)
     "q8_0": (7, 1, 32, 1, 32, 34),
     "q4_k": (10, 4, 32, 2, 256, 144),
     "q5_k": (11, 4, 32, 2, 256, 176),
+    "q6_k": (12, 4, 32, 2, 256, 210),  # needs H >= 2 (a piece within one 16-weight scale group)
 }
 
 
@@ -619,6 +678,9 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     if h < 1 or U % h or (U // h) % V or (32 // C) % h:
         raise ValueError(f"config: {h} threads per chunk do not divide the format's {U}-byte chunks into "
                          f"{V}-byte loads within a warp")
+    if fid == 12 and h < 2:
+        raise ValueError(f"config: q6_k needs at least 2 threads per chunk (one 16-weight scale group each), got "
+                         f"{tuple(config)}")
     C, U = C * h, U // h
     rows_t = 32 // C * warps  # one row (or with kt, one block of a row) per thread and rep
     if (32 // C) % kt:

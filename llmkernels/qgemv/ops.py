@@ -27,7 +27,7 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # GLU (plain gemv takes the tensor-core kernel from TC_MIN_M, below), MLX 4-bit against the planes kernel (faster at
 # M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
 # --m-curve)
-M1_MAX_M = {"q4_k": 4, "q5_k": 8, "mlx": 2}
+M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 8, "mlx": 2}
 # plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
 # on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
 # 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 /
@@ -132,13 +132,18 @@ def m1_key(name: str, M: int) -> str:
     return f"m1/{name}" + ("" if M == 1 else "/m2" if M == 2 else "/m4")
 
 
-def _m1_config(name: str, M: int, N: int) -> tuple:
+def _m1_config(name: str, M: int, N: int, small: bool = False) -> tuple:
     """The m1 kernel's config for format ``name`` at M rows: the tuned table's M-class entry, else its M = 1 entry
-    (the interpreter: a small fixed tile)."""
+    (the interpreter: a small fixed tile, the smallest with ``small``). q6_k takes at least 2 threads per chunk
+    (see m1.M1_LAYOUTS)."""
     if interpreter_mode():
-        return (2, 1, 4, 1)
-    return tuple(lookup("gemv", gpu_name(), m1_key(name, M)) or lookup("gemv", gpu_name(), f"m1/{name}")
-                 or (4, 1, 4, 3))
+        cfg = (1, 1, 1, 1) if small else (2, 1, 4, 1)
+    else:
+        cfg = tuple(lookup("gemv", gpu_name(), m1_key(name, M)) or lookup("gemv", gpu_name(), f"m1/{name}")
+                    or (4, 1, 4, 3))
+    if name == "q6_k" and (len(cfg) < 6 or cfg[5] < 2):
+        cfg = cfg[:4] + (cfg[4] if len(cfg) > 4 else 1, 2) + cfg[6:]
+    return cfg
 
 
 def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2) -> tuple[int, int]:
@@ -260,7 +265,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     w8, w16, wi8 = _views(data)
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
-    m1_fmt = fmt in ("q4_k", "q5_k") or (fmt == "mlx" and bits in (4, 8))
+    m1_fmt = fmt in ("q4_k", "q5_k", "q6_k") or (fmt == "mlx" and bits in (4, 8))
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
     tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
     if tc_m and mode == 0:
@@ -279,7 +284,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         silu_x2 = x2 if mode == 1 else None  # silu_mul_gemv: silu(x) * x2 formed in the kernel's loads
         if m1_supports(x, data, fmt, bits, group_size, K, x2=silu_x2):
             interp = interpreter_mode()
-            config = (1, 1, 1, 1) if interp and N < 128 else _m1_config(fmt if fmt != "mlx" else f"mlx{bits}", M, N)
+            config = _m1_config(fmt if fmt != "mlx" else f"mlx{bits}", M, N, small=interp and N < 128)
             if silu_x2 is not None and fmt == "q4_k" and M == 1 and N * K >= LANES_MIN_WEIGHTS and not interp:
                 config = tuple(lookup("gemv", gpu_name(), "m1/q4_k/silu_large") or SILU_LARGE_DEFAULT)
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,

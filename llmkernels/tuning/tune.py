@@ -228,14 +228,17 @@ def tune_gemv(gpu):
 # M classes other than q4_k at M = 1 (tuned with the other small-M kernels in tune_gemv)
 M1_CANDIDATES = [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1), (8, 1, 4, 3, 4, 2, 1),
                  (8, 1, 4, 3, 2, 4, 1), (2, 1, 4, 3, 8, 1, 1)]
+# q6_k takes at least 2 threads per chunk (H), hence at most 4 lanes along K
+Q6_M1_CANDIDATES = [(4, 1, 4, 3, 4, 2, 1), (2, 1, 4, 3, 4, 2, 1), (4, 1, 4, 3, 2, 2, 1), (4, 1, 4, 3, 2, 4, 1),
+                    (4, 1, 4, 3, 1, 2, 1), (4, 1, 4, 3, 4, 2, 2), (2, 1, 4, 3, 2, 4, 1)]
 # the lane-order q4_k kernel (ops.gemv_lanes, key "lanes/q4_k"): NB = 1, KT = 8, H = 1 are fixed by the layout
 LANE_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1), (2, 1, 4, 4, 8, 1, 1), (4, 1, 4, 3, 8, 1, 1),
                    (1, 1, 4, 3, 8, 1, 1), (2, 1, 8, 3, 8, 1, 1), (2, 1, 4, 3, 8, 1, 2), (4, 1, 2, 3, 8, 1, 1)]
 
 
 def tune_gemv_m1(gpu):
-    """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, q5_k at M = 1, 2 and 4, MLX 4- and 8-bit (group 64) at
-    M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
+    """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, q5_k and q6_k at M = 1, 2 and 4, MLX 4- and 8-bit (group
+    64) at M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
     from ..bench.harness import copies_for
     from ..qgemv import gemv, silu_mul_gemv
     from ..qgemv.ops import TC_MIN_M, m1_key
@@ -244,7 +247,7 @@ def tune_gemv_m1(gpu):
     out = {}
     shapes = [(4096, 4096), (28672, 4096), (4096, 14336)]
     for name, fmt, kw, ms in (("q4_k", "q4_k", {}, (2, 4)), ("q5_k", "q5_k", {}, (1, 2, 4)),
-                              ("mlx4", "mlx", dict(bits=4, group_size=64), (1, 2)),
+                              ("q6_k", "q6_k", {}, (1, 2, 4)), ("mlx4", "mlx", dict(bits=4, group_size=64), (1, 2)),
                               ("mlx8", "mlx", dict(bits=8, group_size=64), (1, 2))):
         qts = []
         for N, K in shapes:
@@ -256,7 +259,7 @@ def tune_gemv_m1(gpu):
             fn = silu_mul_gemv if name == "q4_k" and M >= TC_MIN_M else (lambda x, y, qt: gemv(x, qt))
             works = [[lambda x=x, qt=qt: fn(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             key = m1_key(name, M)
-            out[key] = _best("gemv", key, M1_CANDIDATES, works)
+            out[key] = _best("gemv", key, Q6_M1_CANDIDATES if fmt == "q6_k" else M1_CANDIDATES, works)
         del qts
     return out
 

@@ -58,6 +58,7 @@ def test_silu_mul_and_gate_up(device):
 
 
 @pytest.mark.parametrize("fmt,kw,M", [("q4_k", {}, 1), ("q4_k", {}, 3), ("q5_k", {}, 1), ("q5_k", {}, 4),
+                                      ("q6_k", {}, 2),
                                       ("mlx", {"bits": 4, "group_size": 64}, 2),
                                       ("mlx", {"bits": 8, "group_size": 32}, 1)])
 @pytest.mark.parametrize("layout", ["halves", "separate"])
@@ -85,18 +86,20 @@ def test_silu_mul_fused_in_m1(fmt, kw, M, layout, device, monkeypatch):
     assert calls == [True]
 
 
+@pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
 @pytest.mark.parametrize("M,m1", [(1, True), (4, True), (7, True), (9, False)])
-def test_q5k_small_m_takes_m1(M, m1, device, monkeypatch):
-    """q5_k up to M1_MAX_M runs the m1 kernel (its high bits merged into 5-bit codes), beyond it the generic one."""
+def test_q5k_q6k_small_m_take_m1(fmt, M, m1, device, monkeypatch):
+    """q5_k and q6_k up to M1_MAX_M run the m1 kernel (their high bits merged into 5- or 6-bit codes in registers),
+    beyond it the generic one."""
     from llmkernels.qgemv import m1 as m1_mod
 
     calls = []
     real = m1_mod.launch_m1
     monkeypatch.setattr(m1_mod, "launch_m1", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    qt = weights("q5_k", {}, 45, 768, device)
+    qt = weights(fmt, {}, 45, 768, device)
     x = torch.randn(M, 768, dtype=torch.float16, device=device)
     rel_close(lk.gemv(x, qt), gemv_ref(x, qt), torch.float16)
-    assert calls == (["q5_k"] if m1 else [])
+    assert calls == ([fmt] if m1 else [])
 
 
 def test_fp32_activations_and_leading_dims(device):
@@ -152,7 +155,7 @@ GPU_SHAPES = [(4096, 4096), (1000, 14336), (129, 2048), (32768 + 64, 1024)]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fmt,kw", ALL, ids=ids)
 def test_gemv_gpu(fmt, kw, dtype, device):
-    for N, K in GPU_SHAPES[:2] if fmt in ("q4_k", "q5_k", "q4_0", "q8_0", "mlx") else GPU_SHAPES[2:3]:
+    for N, K in GPU_SHAPES[:2] if fmt in ("q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mlx") else GPU_SHAPES[2:3]:
         qt = weights(fmt, kw, N, K, device)
         for M in (1, 2, 7, 16, 33):
             x = torch.randn(M, K, dtype=dtype, device=device)

@@ -16,12 +16,20 @@ FORMATS = [(f, {}) for f in sorted(M1_LAYOUTS)] + [("mlx", dict(bits=b, group_si
 IDS = [f if not kw else f"mlx{kw['bits']}g{kw['group_size']}" for f, kw in FORMATS]
 
 
+def _cfg(fmt, config):
+    """q6_k takes at least 2 threads per chunk (one 16-weight scale group each), so 4 lanes at most along K: other
+    configs get H = 2 and KT <= 4 for it."""
+    if fmt != "q6_k" or (len(config) > 5 and config[5] >= 2):
+        return config
+    return config[:4] + (min(config[4] if len(config) > 4 else 1, 4), 2) + config[6:]
+
+
 def _run(fmt, kw, N, K, configs, sms, unpack, dtype, device):
     """Each config on one quantized matrix, a fresh x per config, output checked against the float64 reference."""
     if K % kw.get("group_size", 1):
         pytest.skip("K is not a multiple of the group size")
     qt = lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
-    for config in configs:
+    for config in (_cfg(fmt, c) for c in configs):
         x = torch.randn(1, K, dtype=dtype, device=device)
         y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack, scales=qt.scales, biases=qt.biases,
                               bits=qt.bits or 0, group_size=qt.group_size or 0), dtype)
@@ -60,6 +68,13 @@ def test_m1_rows_per_program(fmt, kw, M, rows_per_program, fixup, device):
                           rows_per_program=rows_per_program), x.dtype)
     ref = gemv_ref(x, qt)
     assert_close(y, ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
+
+
+def test_m1_q6k_needs_two_threads_per_chunk(device):
+    qt = lk.quantize(torch.randn(16, 256) * 0.05, "q6_k").to(device)
+    with pytest.raises(ValueError, match="q6_k needs at least 2 threads per chunk"):
+        launch_m1(torch.randn(1, 256, dtype=torch.float16, device=device), qt.data, "q6_k", 16, 256, (1, 1, 1, 1), 4,
+                  1)
 
 
 def test_m1_mlx_bf16_activations(device):
