@@ -23,11 +23,14 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # q5_k (no tensor-core kernel) keeps the m1 kernel up to M = 8 (two grid rows of 4): H100, fp16, us, generic kernel
 # / m1 with 4 rows per program at M = 8 on 4096x4096, 6144x4096, 14336x4096, 4096x14336, 128256x4096, 28672x4096:
 # 29.9 / 21.8, 39.8 / 31.7, 84.6 / 73.3, 89.2 / 69.5, 675.3 / 607.0, 162.4 / 141.1 (session 24, gemv_lab --m-curve).
+# q6_k up to M = 4 (.lab/q6_curve.py, generic / m1 on the first five shapes): M = 1 18.1 / 14.2, 25.8 / 26.0, 48.8 /
+# 39.2, 53.3 / 47.2, 359.0 / 299.7; M = 4 26.4 / 17.2, 40.2 / 29.5, 86.4 / 55.1, 83.5 / 56.3, 638.6 / 429.7; at M = 8
+# the generic kernel wins (26.1 / 31.0 ... 637.6 / 850.8): its 210-byte blocks give the m1 kernel 2-byte loads.
 # the m1 kernel (up to 4 activation rows per program) up to this M: for q4_k that now covers silu_mul_gemv and the
 # GLU (plain gemv takes the tensor-core kernel from TC_MIN_M, below), MLX 4-bit against the planes kernel (faster at
 # M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
 # --m-curve)
-M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 8, "mlx": 2}
+M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
 # on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
 # 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 /
