@@ -1,5 +1,7 @@
-"""Small-M GEMV (M <= 4) for q4_0, q8_0, q4_k and MLX 4/8-bit with the block scales factored out of the inner
-products. Up to four activation rows per program share each unpacked weight.
+"""Small-M GEMV (M <= 4, q5_k up to 8) for q4_0, q8_0, q4_k, q5_k, q6_k and MLX 4/8-bit with the block scales
+factored out of the inner products. Up to four activation rows per program share each unpacked weight. q5_k and
+q6_k merge their high bits into 5- or 6-bit codes in registers (_unpack_q5, _unpack_q6) and convert them as q4_k's
+low nibbles.
 
 For a block (or q4_k sub-block) of 32 weights w_j = a * q_j + b (a, b per block), the dot product with x is
 a * sum_j q_j x_j + b * sum_j x_j. The inner loop therefore only turns each code q into a float and multiplies it
