@@ -124,11 +124,13 @@ class PagedAttentionPlan:
                          f"-> {ln.block_m} rows, {ln.block_n} keys per step, {ln.num_warps} warps, "
                          f"{ln.num_stages} stages")
         if self.ws_decode:
-            part = ("the 'short' launch's sequences run" if self.variant == "mixed" else "kernel:")
-            lines.append(f"  {part} persistent Gluon decode (sm_90, TMA) over {self.num_splits} split(s) per "
-                         f"(sequence, kv head), one program per SM; the Triton launches above serve the calls it "
-                         f"cannot take (left window, softcap, sinks, custom mask, LSE output, caches without a TMA "
-                         f"view)")
+            part = ("the 'short' launch's sequences run on the" if self.variant == "mixed" else "kernel:")
+            copies = ("TMA page copies" if tma_pages(self.page_size) else
+                      "cache rows gathered with cp.async (a page size TMA does not copy whole)")
+            lines.append(f"  {part} persistent Gluon decode kernel (sm_90, {copies}) over {self.num_splits} "
+                         f"split(s) per (sequence, kv head), one program per SM; the Triton launches above serve "
+                         f"the calls it cannot take (left window, softcap, sinks, custom mask, LSE output, caches "
+                         f"it cannot read)")
             if self.variant == "mixed":
                 lines.append("  the 'long' launch runs on the Triton kernel in a second stream, beside the Gluon "
                              "kernel" + (f" (capped at {self.ws_maxnreg} registers so that a Triton program fits "
@@ -376,7 +378,7 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
         # one program per SM walks the (sequence, kv head, split) units: split only to give every SM a unit
         max_len = int(k_lens.max()) if len(k_lens) else 0
         num_splits = int(max(1, min(sms // programs, max_len // WS_MIN_KEYS_PER_SPLIT, 64)))
-        reasons.append(f"{programs} (sequence, kv head) units for {sms} SMs -> split-KV x{num_splits} (>= "
+        reasons.append(f"{programs} (tile, kv head) units for {sms} SMs -> split-KV x{num_splits} (>= "
                        f"{WS_MIN_KEYS_PER_SPLIT} keys per split)")
         if balance:
             most, mean = _units_load(k_lens[tiles["short"][0]], num_kv_heads, num_splits, sms)
