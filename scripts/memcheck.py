@@ -30,6 +30,20 @@ def ws_cases(dev="cuda"):
         del OVERRIDES[key]
 
 
+def _paged_cache(lens, ps, Hkv, D, kv, dev):
+    """Random K/V caches of dtype kv with consecutive pages per sequence, two spare pages and two spare page-table
+    columns: (k_cache, v_cache, page_table, seq_lens)."""
+    npg = [-(-L // ps) for L in lens]
+    kc = torch.randn(sum(npg) + 2, ps, Hkv, D, device=dev, dtype=torch.bfloat16).to(kv)
+    vc = torch.randn_like(kc, dtype=torch.bfloat16).to(kv)
+    pt = torch.zeros(len(lens), max(npg) + 2, dtype=torch.int32, device=dev)
+    off = 0
+    for b, n in enumerate(npg):
+        pt[b, :n] = torch.arange(off, off + n, device=dev)
+        off += n
+    return kc, vc, pt, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
 def ws_decode_cases(dev="cuda"):
     """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 32 / 64 / 128 (TMA) and 1 / 3 (rows gathered
     with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded heads), bf16 and fp8 caches (the fp8 dots and
@@ -47,15 +61,7 @@ def ws_decode_cases(dev="cuda"):
                                        (1, 32, 8, 128, 0, torch.bfloat16), (3, 28, 4, 64, 2, torch.float8_e4m3fn),
                                        (1, 16, 2, 128, 0, torch.float8_e5m2)):
         lens = [1, 17, 300, 65, 1000]
-        npg = [-(-L // ps) for L in lens]
-        kc = torch.randn(sum(npg) + 2, ps, Hkv, D, device=dev, dtype=torch.bfloat16).to(kv)
-        vc = torch.randn_like(kc, dtype=torch.bfloat16).to(kv)
-        pt = torch.zeros(len(lens), max(npg) + 2, dtype=torch.int32, device=dev)
-        off = 0
-        for b, n in enumerate(npg):
-            pt[b, :n] = torch.arange(off, off + n, device=dev)
-            off += n
-        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, D, kv, dev)
         cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
         q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
         plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
@@ -86,15 +92,7 @@ def ws_mixed_cases(dev="cuda"):
         n_dec = -(-sms // Hkv)  # enough one-query sequences that the batch needs no split
         q_lens = [45, 131] + [1] * n_dec
         lens = [301, 4099] + [(389 * i) % 1700 + 1 for i in range(n_dec)]
-        npg = [-(-L // ps) for L in lens]
-        kc = torch.randn(sum(npg) + 2, ps, Hkv, 128, device=dev, dtype=torch.bfloat16).to(kv)
-        vc = torch.randn_like(kc, dtype=torch.bfloat16).to(kv)
-        pt = torch.zeros(len(lens), max(npg) + 2, dtype=torch.int32, device=dev)
-        off = 0
-        for b, n in enumerate(npg):
-            pt[b, :n] = torch.arange(off, off + n, device=dev)
-            off += n
-        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, 128, kv, dev)
         cq = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
         q = torch.randn(int(cq[-1]), Hq, 128, device=dev, dtype=torch.bfloat16)
         plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,

@@ -154,49 +154,32 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, 
 
 
 @gluon.jit
+def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, col, lo, hi, c, num_pages,
+               stride_kp, stride_ks, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+               GATHER: gl.constexpr):
+    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA, or with GATHER
+    (desc_k / desc_v are then the caches' pointers) rows by cp.async; -> the ring counter."""
+    if GATHER:  # 16-byte pieces, rows over the threads
+        VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
+        TPR: gl.constexpr = k_smem.shape[2] // VEC
+        g_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+        c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, lo, hi, c,
+                         stride_kp, stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES)
+    else:
+        NSUB: gl.constexpr = BLOCK_N // desc_k.block_type.shape[0]
+        # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
+        sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
+        c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row,
+                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages,
+                       gl.arange(0, NSUB, layout=sub_layout), sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
+    return c
+
+
+@gluon.jit
 def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
             TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
             BALANCED: gl.constexpr, GATHER: gl.constexpr):
-    if GATHER:  # desc_k / desc_v are the caches' pointers; 16-byte pieces, rows over the threads
-        VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
-        TPR: gl.constexpr = HEAD_DIM // VEC
-        g_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
-        c = 0
-        if BALANCED:
-            g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
-            while g < g1:
-                hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
-                b = gl.load(TILE_SEQ + ti)
-                k_len = gl.load(SEQ_LENS + b)
-                c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                 PAGE_TABLE + b.to(gl.int64) * stride_pt, hk * HEAD_DIM, t0 * BLOCK_N,
-                                 gl.minimum((t0 + nt) * BLOCK_N, k_len), c, stride_kp, stride_ks, g_layout, BLOCK_N,
-                                 PAGE_SIZE, STAGES)
-                g += nt
-                ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
-        else:
-            n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-            for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-                b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
-                c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                 PAGE_TABLE + b.to(gl.int64) * stride_pt, hk * HEAD_DIM, lo, hi, c, stride_kp,
-                                 stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES)
-    else:
-        _tma_loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                    NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM, BLOCK_N,
-                    PAGE_SIZE, STAGES, BALANCED)
-
-
-@gluon.jit
-def _tma_loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, BALANCED: gl.constexpr):
-    ROWS: gl.constexpr = desc_k.block_type.shape[0]
-    NSUB: gl.constexpr = BLOCK_N // ROWS
-    # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
-    sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
-    sub = gl.arange(0, NSUB, layout=sub_layout)
     c = 0
     if BALANCED:
         g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
@@ -204,20 +187,19 @@ def _tma_loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE
             hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
             b = gl.load(TILE_SEQ + ti)
             k_len = gl.load(SEQ_LENS + b)
-            c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b.to(gl.int64) * stride_pt, (k_len + PAGE_SIZE - 1) // PAGE_SIZE,
-                           hk * HEAD_DIM, t0 * BLOCK_N, gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, sub,
-                           sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
+            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                           PAGE_TABLE + b.to(gl.int64) * stride_pt, k_len, hk * HEAD_DIM, t0 * BLOCK_N,
+                           gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, stride_kp, stride_ks, BLOCK_N,
+                           PAGE_SIZE, STAGES, GATHER)
             g += nt
             ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
             b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
-            n_pages = (gl.load(SEQ_LENS + b) + PAGE_SIZE - 1) // PAGE_SIZE
-            c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b.to(gl.int64) * stride_pt, n_pages, hk * HEAD_DIM, lo, hi, c, num_pages,
-                           sub, sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
+            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                           PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b), hk * HEAD_DIM, lo, hi, c,
+                           num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
 
 
 @gluon.jit

@@ -1,6 +1,6 @@
 """Small-M GEMV (M <= 4, q5_k up to 8) for q4_0, q8_0, q4_k, q5_k, q6_k and MLX 4/8-bit with the block scales
 factored out of the inner products. Up to four activation rows per program share each unpacked weight. q5_k and
-q6_k merge their high bits into 5- or 6-bit codes in registers (_unpack_q5, _unpack_q6) and convert them as q4_k's
+q6_k merge their high bits into 5- or 6-bit codes in registers (_unpack_high) and convert them as q4_k's
 low nibbles.
 
 For a block (or q4_k sub-block) of 32 weights w_j = a * q_j + b (a, b per block), the dot product with x is
@@ -46,41 +46,26 @@ def _asm_unpack_pair() -> str:
 _ASM_PAIR = tl.constexpr(_asm_unpack_pair())
 
 
-def _asm_unpack_q5() -> str:
-    """PTX for q5_k: the 4 code bytes of $8, their 4 high-bit bytes of $9 and the chunk's bit position (2c, in the
-    low byte of $10) -> 8 floats 1 + q/256 with q = nibble + 16 * high bit: the low nibbles with bit 2c ($0-$3),
-    the high nibbles with bit 2c + 1 ($4-$7). The two 5-bit planes are built four bytes at a time, then each value
-    moves to mantissa bits 15-19 with one shift and one LOP3 that also ORs in 1.0f."""
+def _asm_unpack_high(hi_shift: int, hmask: int, vmask: int) -> str:
+    """PTX for codes split into a low-nibble byte plane and high-bit bytes (q5_k, q6_k): the 4 nibble bytes of $8,
+    their 4 high-bit bytes of $9 and the chunk's bit position s (low byte of $10) -> 8 floats 1 + q/256. With
+    h = $9 >> s, the low nibbles take (h << 4) & hmask and the high nibbles (h << hi_shift) & hmask as their bits
+    4-5, four bytes at a time; then one shift and one LOP3 (mask vmask, OR 1.0f) per value."""
+    hi = f"shl.b32 t, h, {hi_shift}; and.b32 t, t, {hmask:#x};" if hi_shift else f"and.b32 t, h, {hmask:#x};"
     body = ["mov.b32 m, 0x3F800000;", "and.b32 s, $10, 0xFF;", "shr.b32 h, $9, s;",
-            "shl.b32 t, h, 4;", "and.b32 t, t, 0x10101010;", "lop3.b32 a, $8, 0x0F0F0F0F, t, 0xEA;",
-            "shl.b32 t, h, 3;", "and.b32 t, t, 0x10101010;", "shr.b32 b, $8, 4;",
-            "lop3.b32 b, b, 0x0F0F0F0F, t, 0xEA;"]
+            f"shl.b32 t, h, 4; and.b32 t, t, {hmask:#x};", "lop3.b32 a, $8, 0x0F0F0F0F, t, 0xEA;",
+            hi, "shr.b32 b, $8, 4;", "lop3.b32 b, b, 0x0F0F0F0F, t, 0xEA;"]
     for k, sh in enumerate((15, 7, -1, -9)):
         for src, out in (("a", k), ("b", k + 4)):
             body.append(f"shl.b32 t, {src}, {sh};" if sh > 0 else f"shr.b32 t, {src}, {-sh};")
-            body.append(f"lop3.b32 ${out}, t, 0xF8000, m, 0xEA;")
+            body.append(f"lop3.b32 ${out}, t, {vmask:#x}, m, 0xEA;")
     return "{ .reg .b32 t, m, h, a, b, s; " + " ".join(body) + " }"
 
 
-_ASM_Q5 = tl.constexpr(_asm_unpack_q5())
-
-
-def _asm_unpack_q6() -> str:
-    """PTX for q6_k: the 4 low-nibble bytes of $8 (ql), their 4 high-bit bytes of $9 (qh) and the chunk's bit
-    position (2j, in the low byte of $10) -> 8 floats 1 + q/256 with q the 6-bit code: low nibbles with qh bits 2j,
-    2j + 1 ($0-$3), high nibbles with bits 2j + 4, 2j + 5 ($4-$7). As for q5_k, the 6-bit planes are built four
-    bytes at a time, then one shift and one LOP3 per value."""
-    body = ["mov.b32 m, 0x3F800000;", "and.b32 s, $10, 0xFF;", "shr.b32 h, $9, s;",
-            "shl.b32 t, h, 4;", "and.b32 t, t, 0x30303030;", "lop3.b32 a, $8, 0x0F0F0F0F, t, 0xEA;",
-            "and.b32 t, h, 0x30303030;", "shr.b32 b, $8, 4;", "lop3.b32 b, b, 0x0F0F0F0F, t, 0xEA;"]
-    for k, sh in enumerate((15, 7, -1, -9)):
-        for src, out in (("a", k), ("b", k + 4)):
-            body.append(f"shl.b32 t, {src}, {sh};" if sh > 0 else f"shr.b32 t, {src}, {-sh};")
-            body.append(f"lop3.b32 ${out}, t, 0x1F8000, m, 0xEA;")
-    return "{ .reg .b32 t, m, h, a, b, s; " + " ".join(body) + " }"
-
-
-_ASM_Q6 = tl.constexpr(_asm_unpack_q6())
+# q5_k: one high bit per code, bit s for the low nibbles and s + 1 for the high ones (5-bit values, bits 15-19)
+_ASM_Q5 = tl.constexpr(_asm_unpack_high(3, 0x10101010, 0xF8000))
+# q6_k: two high bits per code, bits s, s + 1 for the low nibbles and s + 4, s + 5 for the high ones (bits 15-20)
+_ASM_Q6 = tl.constexpr(_asm_unpack_high(0, 0x30303030, 0x1F8000))
 # int8 q to 1 + (q + 128)/256: the byte to bits 15-22, flip its sign bit and OR 1.0f in one go: the mask and 1.0f
 # do not overlap, so (a & b) ^ (1.0f | 0x400000) (LUT 0x6A) does both
 _ASM_Q8 = tl.constexpr(_asm_unpack((15, 7, -1, -9), 0x7F8000, 0x3FC00000, 0x6A))
@@ -116,34 +101,20 @@ def _unpack(units, FMT: tl.constexpr, UNPACK: tl.constexpr):
 
 
 @triton.jit
-def _unpack_q5(units, hb, sh, UNPACK: tl.constexpr):
-    """q5_k codes as (1 + q/256) floats for the low-nibble and high-nibble planes: ``units`` the code bytes, ``hb``
-    the high-bit bytes of the same positions, ``sh`` (uint8, = 2 * the 64-weight chunk) where the low plane's bit
-    sits in them (the high plane's at sh + 1)."""
+def _unpack_high(units, hb, sh, BITS: tl.constexpr, UNPACK: tl.constexpr):
+    """q5_k (BITS 5) or q6_k (BITS 6) codes as (1 + q/256) floats for the low-nibble and high-nibble planes of the
+    nibble bytes ``units``: ``hb`` the high-bit bytes of the same positions, ``sh`` (uint8) the low plane's bit
+    position in them (see _asm_unpack_high)."""
     if UNPACK == 2:
-        return tl.inline_asm_elementwise(_ASM_Q5, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [units, hb, sh],
-                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_ASM_Q5 if BITS == 5 else _ASM_Q6, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                         [units, hb, sh], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
     else:
+        HS: tl.constexpr = 3 if BITS == 5 else 0
+        HM: tl.constexpr = 0x10 if BITS == 5 else 0x30
         q = units.to(tl.int32)
         h = hb.to(tl.int32) >> sh.to(tl.int32)
-        lo = ((((q & 0xF) | ((h & 1) << 4)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
-        hi = (((((q >> 4) & 0xF) | ((h & 2) << 3)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
-        return lo, hi
-
-
-@triton.jit
-def _unpack_q6(units, hb, sh, UNPACK: tl.constexpr):
-    """q6_k codes as (1 + q/256) floats for the low-nibble and high-nibble planes of the ql bytes ``units``: ``hb``
-    the qh bytes of the same positions, ``sh`` (uint8, = 2j for chunk j of a 128-weight half) the position of the
-    low plane's two high bits in them (the high plane's at sh + 4)."""
-    if UNPACK == 2:
-        return tl.inline_asm_elementwise(_ASM_Q6, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [units, hb, sh],
-                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    else:
-        q = units.to(tl.int32)
-        h = hb.to(tl.int32) >> sh.to(tl.int32)
-        lo = ((((q & 0xF) | ((h & 3) << 4)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
-        hi = (((((q >> 4) & 0xF) | (h & 0x30)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        lo = ((((q & 0xF) | ((h << 4) & HM)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        hi = (((((q >> 4) & 0xF) | ((h << HS) & HM)) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
         return lo, hi
 
 
@@ -385,11 +356,8 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     for kb in range(kb_start, kb_end, STEP):
         ok4 = (kb + blk4 < kb_end) & (c4 >= 0)  # unless EVEN, the last step may pass the split's end
         units = _load(w_ptrs, ok4[:, :, :, :, None, None], MASK)
-        if FMT == 11:
-            lo, hi = _unpack_q5(units, _load(qh_ptrs, ok4[:, :, :, :, None, None], MASK), qh_sh, UNPACK)
-            qh_ptrs += STEP * BLOCK_BYTES
-        elif FMT == 12:
-            lo, hi = _unpack_q6(units, _load(qh_ptrs, ok4[:, :, :, :, None, None], MASK), qh_sh, UNPACK)
+        if FMT == 11 or FMT == 12:  # q5_k / q6_k: the high bits merged into 5- or 6-bit codes
+            lo, hi = _unpack_high(units, _load(qh_ptrs, ok4[:, :, :, :, None, None], MASK), qh_sh, FMT - 6, UNPACK)
             qh_ptrs += STEP * BLOCK_BYTES
         else:
             lo, hi = _unpack(units, 14 if (FMT == 13 and BITS == 8) else FMT, UNPACK)
