@@ -103,6 +103,46 @@ def ws_mixed_cases(dev="cuda"):
     plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
 
 
+def m1_cases(dev="cuda"):
+    """The batch-1 kernel with scales factored out (m1.py), every format it has: odd row counts, uneven K splits,
+    split-K summed in the kernel or after it; q6_k (two threads per chunk at least) with its own configs."""
+    from llmkernels.qgemv.m1 import M1_LAYOUTS, launch_m1
+
+    for fmt in M1_LAYOUTS:
+        qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
+        configs = (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7))
+        if fmt == "q6_k":
+            configs = (((1, 1, 1, 1, 1, 2), 4), ((2, 1, 4, 3, 2, 4, 1), 132), ((4, 1, 4, 3, 4, 2, 1), 7))
+        for config, sms in configs:
+            for M, fixup in ((1, True), (3, True), (2, False)):
+                launch_m1(torch.randn(M, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms,
+                          2, fixup=fixup)
+    for fmt in ("q5_k", "q6_k"):  # both activation dtypes through gemv (M up to M1_MAX_M), silu fused
+        qt = lk.quantize(torch.randn(77, 1280, device=dev), fmt)
+        for M, dt in ((1, torch.bfloat16), (2, torch.float16), (4, torch.bfloat16)):
+            lk.gemv(torch.randn(M, 1280, device=dev, dtype=dt), qt)
+            lk.silu_mul_gemv(torch.randn(M, 1280, device=dev, dtype=dt), torch.randn(M, 1280, device=dev, dtype=dt),
+                             qt)
+
+
+def tc_cases(dev="cuda"):
+    """The tensor-core kernel for mid M (tc.py): rows past the tile, uneven K splits, both activation dtypes; q4_k,
+    q4_0, q8_0 and MLX 4-bit at each group size."""
+    from llmkernels.qgemv.tc import launch_tc
+
+    for fmt in ("q4_k", "q4_0", "q8_0"):
+        qt = lk.quantize(torch.randn(77, 768, device=dev), fmt)
+        for dt in (torch.float16, torch.bfloat16):
+            for M, config, sms in ((5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7), (9, (128, 8, 1, 2), 1),
+                                   (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+                launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2, fmt=fmt)
+    for gs in (32, 64, 128):
+        qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
+        for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+            launch_tc(torch.randn(M, 768, device=dev, dtype=torch.bfloat16), qt.data, 77, 768, config, sms, 2,
+                      qt.scales, qt.biases, gs)
+
+
 def main():
     dev = "cuda"
     torch.manual_seed(0)
@@ -160,15 +200,7 @@ def main():
                          torch.randn(2, 512, device=dev, dtype=torch.float16), qt)
         lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
         lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
-    # the batch-1 kernel with scales factored out, every format it has, odd row counts and uneven K splits
-    from llmkernels.qgemv.m1 import M1_LAYOUTS, launch_m1
-
-    for fmt in M1_LAYOUTS:
-        qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
-        for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 4, 3), 132), ((4, 1, 4, 3), 7)):
-            for M, fixup in ((1, True), (3, True), (2, False)):  # split-K summed in the kernel or after it
-                launch_m1(torch.randn(M, 768, device=dev, dtype=torch.float16), qt.data, fmt, 37, 768, config, sms,
-                          2, fixup=fixup)
+    m1_cases(dev)
     # q4_k with activations in lane order: a partial last group (K = 2304, 4352), split-K or not, the public copy path
     from llmkernels.qgemv import ops
     from llmkernels.qgemv.m1 import lane_order
@@ -224,20 +256,7 @@ def main():
                  torch.randn(3, 1120, device=dev, dtype=torch.float16))
     lk.gemv(torch.randn(2, 768, device=dev, dtype=torch.float16), lk.quantize(torch.randn(37, 768, device=dev),
                                                                                "q4_k"), act_int8=True)
-    # the tensor-core q4_k kernel for mid M: rows past the tile, uneven K splits, both activation dtypes
-    from llmkernels.qgemv.tc import launch_tc
-
-    qt = lk.quantize(torch.randn(77, 768, device=dev), "q4_k")
-    for dt in (torch.float16, torch.bfloat16):
-        for M, config, sms in ((5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7), (9, (128, 8, 1, 2), 1),
-                               (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
-            launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2)
-    # the same kernel on MLX 4-bit, each group size
-    for gs in (32, 64, 128):
-        qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
-        for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
-            launch_tc(torch.randn(M, 768, device=dev, dtype=torch.bfloat16), qt.data, 77, 768, config, sms, 2,
-                      qt.scales, qt.biases, gs)
+    tc_cases(dev)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 

@@ -1,11 +1,12 @@
-"""Small-M GEMV on the tensor cores (qgemv/tc.py: q4_k, MLX 4-bit) against gemv without it, on the GPU.
+"""Small-M GEMV on the tensor cores (qgemv/tc.py: q4_k, q4_0, q8_0, MLX 4-bit) against gemv without it, on the GPU.
 
-    python scripts/tc_lab.py [--fmt q4_k|mlx4] [--configs BLOCK_N/warps/stages/waves,...] [--m 1,8,16]
+    python scripts/tc_lab.py [--fmt q4_k|q4_0|q8_0|mlx4] [--configs BLOCK_N/warps/stages/waves,...] [--m 1,8,16]
                              [--dtypes fp16,bf16] [--shapes NxK,...]
 
 Checks each config against x @ dequantize(W).T (float32), then times it by CUDA-graph replay over enough weight
 copies to overflow L2 and prints effective TB/s (weight + activation bytes / time) next to the time of gemv with
-the tensor-core branch switched off (ops.TC_MIN_M and ops.TC_WIDE_N set out of reach): the m1 or planes kernel.
+the tensor-core branch switched off (ops.TC_MIN_M, ops.TC_WIDE_N and ops.TC_LEGACY_MIN_M set out of reach): the m1,
+words or planes kernel.
 """
 import argparse
 import math
@@ -20,9 +21,11 @@ from llmkernels.quant import dequantize
 from llmkernels.testing.random_weights import random_qtensor
 
 
-def _mlx(qt):
-    """launch_tc's scales, biases and group size for an MLX tensor; nothing for q4_k."""
-    return (qt.scales, qt.biases, qt.group_size) if qt.format == "mlx" else ()
+def _kw(qt):
+    """launch_tc's keywords for this tensor: scales, biases and group size for MLX, the format for GGUF blocks."""
+    if qt.format == "mlx":
+        return dict(scales=qt.scales, biases=qt.biases, group_size=qt.group_size)
+    return dict(fmt=qt.format)
 
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
@@ -34,14 +37,14 @@ def main():
     ap.add_argument("--m", default="1,8,16")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--shapes", default="")
-    ap.add_argument("--fmt", default="q4_k", choices=["q4_k", "mlx4"])
+    ap.add_argument("--fmt", default="q4_k", choices=["q4_k", "q4_0", "q8_0", "mlx4"])
     args = ap.parse_args()
     cfgs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     dts = [{"fp16": torch.float16, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tc_min, tc_wide = ops.TC_MIN_M, ops.TC_WIDE_N
+    tc_min, tc_wide, tc_legacy = ops.TC_MIN_M, ops.TC_WIDE_N, dict(ops.TC_LEGACY_MIN_M)
     print(f"read bandwidth {measure_read_bandwidth():.3f} TB/s", flush=True)
     summary = {}
     for N, K in shapes:
@@ -55,12 +58,13 @@ def main():
                 nbytes = first.nbytes + x.numel() * x.element_size()
                 ref = x.float() @ w_ref.T
                 ops.TC_MIN_M, ops.TC_WIDE_N = 10**9, 10**12  # the path without tensor cores
+                ops.TC_LEGACY_MIN_M = {k: 10**9 for k in tc_legacy}
                 t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
-                ops.TC_MIN_M, ops.TC_WIDE_N = tc_min, tc_wide
+                ops.TC_MIN_M, ops.TC_WIDE_N, ops.TC_LEGACY_MIN_M = tc_min, tc_wide, dict(tc_legacy)
                 line = f"N{N} K{K} {str(dt)[6:]} M{M}: no-tc {t_g * 1e3:6.1f} us {nbytes / t_g / 1e9:5.2f} TB/s |"
                 for cfg in cfgs:
                     try:
-                        y = _finish(launch_tc(x, first.data, N, K, cfg, sms, 2, *_mlx(first)), dt)
+                        y = _finish(launch_tc(x, first.data, N, K, cfg, sms, 2, **_kw(first)), dt)
                     except Exception as e:  # noqa: BLE001
                         line += f" {cfg}: {type(e).__name__} {str(e)[:80]}"
                         continue
@@ -68,7 +72,7 @@ def main():
                     if not err < 2e-2:
                         line += f" {cfg}: WRONG {err:.2e}"
                         continue
-                    t = time_graph_ms([lambda qt=qt: _finish(launch_tc(x, qt.data, N, K, cfg, sms, 2, *_mlx(qt)), dt)
+                    t = time_graph_ms([lambda qt=qt: _finish(launch_tc(x, qt.data, N, K, cfg, sms, 2, **_kw(qt)), dt)
                                        for qt in qts], reps=10, trials=3)
                     summary.setdefault((cfg, str(dt), M), []).append(t_g / t)
                     line += f" {'/'.join(map(str, cfg))} {t * 1e3:6.1f} us {nbytes / t / 1e9:5.2f} ({err:.0e})"

@@ -39,6 +39,8 @@ M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 / 22.0, 280.2 / 135.0).
 TC_MIN_M = 3
 TC_WIDE_N = 32768
+# q4_0 and q8_0 (K a multiple of 256) take the tensor-core kernel from this M (up to MID_M)
+TC_LEGACY_MIN_M = {"q4_0": 3, "q8_0": 3}
 # q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
 WORDS_MAX_M = {"q4_0": 4}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
@@ -271,6 +273,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     m1_fmt = fmt in ("q4_k", "q5_k", "q6_k") or (fmt == "mlx" and bits in (4, 8))
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
     tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
+    tc_m = tc_m or (fmt in TC_LEGACY_MIN_M and TC_LEGACY_MIN_M[fmt] <= M <= MID_M)
     if tc_m and mode == 0:
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
         from .tc import launch_tc, tc_supports
@@ -279,7 +282,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             interp = interpreter_mode()
             name = fmt if fmt != "mlx" else "mlx4"
             config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), f"tc/{name}") or (64, 4, 1, 4))
-            y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size)
+            y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt)
             return _finish(y, out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1, m1_supports

@@ -20,6 +20,14 @@ dequantized tile is already in the wgmma A-operand layout (no shared-memory roun
 MLX 4-bit uses the same tile: a step is 128 bytes of codes per row, byte b of chunk t holding weights 64 t + 2 b (low
 nibble) and 64 t + 2 b + 1 (high), so only x's permutation differs; each 16-byte half chunk takes the scale and bias
 of its group (group size 32, 64 or 128) as its fma operands.
+q4_0 and q8_0 (18- and 34-byte blocks of 32 weights, fp16 d first) use the same k order with a lane's two blocks in
+place of q4_k's two half chunks: a step is 8 blocks (256 weights: 144 or 272 bytes, 16-byte aligned when K is a
+multiple of 256), and lane t's blocks 2t and 2t + 1 start at byte 36t (q4_0) or 68t (q8_0), 4t bytes past a 16-byte
+boundary. So each lane loads 3 (q4_0) or 5 (q8_0) aligned 16-byte vectors from byte 32t (64t), shifts them down by t
+words with two levels of selects, takes block 2t's codes across word halves (one byte permute per word) and block
+2t + 1's codes as whole words. q8_0 codes become fp16 exactly through a magic float (1024 + (q ^ 128) - 1152, then
+one multiply by d); bf16 cannot hold 8-bit magic values, so there the low 7 bits go through the magic float and the
+sign bit selects -128 d as the fma's addend (w = r d - 128 d s, rounded once).
 Loads go straight to registers (num_stages 1): letting Triton's pipeliner stage the codes in shared memory measured
 2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle), and loading
 the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 programs per SM instead of 4).
@@ -28,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .m1 import _q4k_scales, _split_words
+from .words import _funnel
 
 
 def _asm_q4(bf16: bool) -> str:
@@ -54,6 +63,27 @@ def _asm_q4(bf16: bool) -> str:
             "lop3.b32 a, t1, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 $3, a, $10, $12; }")
 
 
+def _asm_q8(bf16: bool) -> str:
+    """PTX: 4 int8 codes ($2) -> q * d as two pairs ($0: codes 0, 1; $1: codes 2, 3); $3, $4 d, $5, $6 -128 d (two
+    16-bit values per register). fp16: (q ^ 128) is masked into the mantissa of 1024.0 and 1152 subtracted (exact),
+    then one multiply. bf16 (8 significant bits, too few for 1024 + 255): the low 7 bits go through the magic 128.0,
+    and the sign bits, replicated by prmt into a mask, select -128 d as the addend of one fma."""
+    if bf16:
+        return ("{ .reg .b32 t0, t1, m0, m1, a, z; "
+                "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "prmt.b32 m0, $2, 0, 0x9988; prmt.b32 m1, $2, 0, 0xBBAA; mov.b32 z, 0x43004300; "
+                "lop3.b32 a, t0, 0x007F007F, z, 0xEA; sub.rn.bf16x2 a, a, z; and.b32 m0, m0, $5; "
+                "fma.rn.bf16x2 $0, a, $3, m0; "
+                "lop3.b32 a, t1, 0x007F007F, z, 0xEA; sub.rn.bf16x2 a, a, z; and.b32 m1, m1, $6; "
+                "fma.rn.bf16x2 $1, a, $4, m1; }")
+    return ("{ .reg .b32 t0, t1, m, k, a; "
+            "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; mov.b32 m, 0x64006400; mov.b32 k, 0x64806480; "
+            "lop3.b32 a, t0, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 $0, a, $3; "
+            "lop3.b32 a, t1, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 $1, a, $4; }")
+
+
+_ASM_Q8_F16 = tl.constexpr(_asm_q8(False))
+_ASM_Q8_BF16 = tl.constexpr(_asm_q8(True))
 _ASM_Q4_F16 = tl.constexpr(_asm_q4(False))
 _ASM_Q4_BF16 = tl.constexpr(_asm_q4(True))
 
@@ -78,6 +108,83 @@ def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
+def _deq_q8(units, s, nz, DT: tl.constexpr, UNPACK: tl.constexpr):
+    """int8 codes (a uint8 tile) times their block's d (``s``; ``nz`` = -128 d), in DT (fp16 or bf16)."""
+    if UNPACK == 2:
+        if DT == tl.float16:
+            return tl.inline_asm_elementwise(_ASM_Q8_F16, "=r,=r,r,r,r,r,r", [units, s, nz], dtype=tl.float16,
+                                             is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_ASM_Q8_BF16, "=r,=r,r,r,r,r,r", [units, s, nz], dtype=tl.bfloat16,
+                                             is_pure=True, pack=4)
+    else:
+        return (units.to(tl.int8, bitcast=True).to(tl.float32) * s.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _words4(vec):
+    """A [4, 8, A, 2, 4] tile of int32 words -> its 4 words as [4, 8, A, 2] tiles, in order."""
+    even, odd = tl.split(tl.reshape(vec, (vec.shape[0], vec.shape[1], vec.shape[2], vec.shape[3], 2, 2)))
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _stack(words, LOG: tl.constexpr):
+    """A tuple of 2^LOG equal-shaped [4, 8, A, 2] tiles -> one tile with a last axis of 2^LOG (words[i] at index i):
+    each level joins tile i with tile i + half, so the first join's axis is the index's highest bit."""
+    parts = words
+    for lvl in tl.static_range(LOG):
+        nxt = ()
+        for i in tl.static_range((1 << (LOG - lvl)) // 2):
+            nxt = nxt + (tl.join(parts[i], parts[i + (1 << (LOG - lvl)) // 2]), )
+        parts = nxt
+    s = parts[0]
+    return tl.reshape(s, (s.shape[0], s.shape[1], s.shape[2], s.shape[3], 1 << LOG))
+
+
+@triton.jit
+def _word_bytes(w, UNPACK: tl.constexpr):
+    """int32 words [4, 8, A, 2, 2, n] -> their bytes [..., n, 4] (uint8, little-endian order), without moving data: a word
+    broadcast over 4 elements is the packed register of those 4 bytes."""
+    wb = tl.broadcast_to(tl.expand_dims(w, 6), (w.shape[0], w.shape[1], w.shape[2], w.shape[3], w.shape[4],
+                                                w.shape[5], 4))
+    if UNPACK == 2:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [wb], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return ((wb >> (tl.arange(0, 4) * 8)) & 255).to(tl.uint8)
+
+
+@triton.jit
+def _lane_blocks(ptrs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.constexpr):
+    """q4_0 / q8_0: lane t's two blocks (2t, 2t + 1 of the step) from NV 16-byte vectors loaded at ``ptrs`` (int32
+    pointers [4 t, 8, A, 2, 4], 16-byte aligned, block 2t starting t words in). Returns (d as float32 [4, 8, A, 2,
+    2 blocks], the code words [4, 8, A, 2, 2 blocks, NW])."""
+    L = ()
+    for v in tl.static_range(NV):
+        L = L + _words4(tl.load(ptrs + 4 * v))
+    odd = (t4 & 1) != 0
+    high = t4 >= 2
+    NDW: tl.constexpr = 2 * NW + 1  # words holding the two blocks: d0 c0[0:2] | c0 ... | c0[-2:] d1 | c1 ...
+    a = ()
+    for i in tl.static_range(NDW + 2):
+        a = a + (tl.where(odd, L[i + 1], L[i]), )
+    dw = ()
+    for i in tl.static_range(NDW):
+        dw = dw + (tl.where(high, a[i + 2], a[i]), )
+    codes = ()
+    for k in tl.static_range(NW):  # block 2t: bytes 2 .. 4 NW + 1, across word halves
+        codes = codes + (_funnel(dw[k], dw[k + 1], UNPACK), )
+    for k in tl.static_range(NW):  # block 2t + 1: whole words after its d
+        codes = codes + (dw[NW + 1 + k], )
+    d0 = _split_words(dw[0], tl.float16)[0]
+    d1 = _split_words(dw[NW], tl.float16)[1]
+    c = _stack(codes, 3 if NW == 4 else 4)
+    return tl.join(d0, d1), tl.reshape(c, (c.shape[0], c.shape[1], c.shape[2], c.shape[3], 2, NW))
+
+
+@triton.jit
 def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes, scale_stride, nblocks,
                    blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
                    M_PAD: tl.constexpr, UNPACK: tl.constexpr):
@@ -85,13 +192,16 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
     codes (256 weights) per row, the scale and bias of group g of row n at WS/WB + n * scale_stride + g, GS weights
-    per group."""
+    per group. FMT 3 / 7 (q4_0 / q8_0): a step is 8 blocks (144 / 272 bytes) per row, lane t taking blocks 2t and
+    2t + 1 (_lane_blocks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     DT: tl.constexpr = X.dtype.element_ty
     A: tl.constexpr = BLOCK_N // 16
-    STEP: tl.constexpr = 144 if FMT == 10 else 128  # bytes of one row per step
+    STEP: tl.constexpr = 144 if (FMT == 10 or FMT == 3) else (272 if FMT == 7 else 128)  # bytes of one row per step
+    NV: tl.constexpr = 3 if FMT == 3 else 5  # q4_0 / q8_0: 16-byte vectors per lane and row
+    NW: tl.constexpr = 4 if FMT == 3 else 8  # q4_0 / q8_0: code words per block
     t_ = tl.arange(0, 4)[:, None, None, None, None, None]
     g_ = tl.arange(0, 8)[None, :, None, None, None, None]
     a_ = tl.arange(0, A)[None, None, :, None, None, None]
@@ -106,6 +216,12 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
     if FMT == 10:
         w_ptrs = W8 + base + 16 + t_ * 32 + half_ * 16 + b_
         h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base // 4 + t_ * 0
+    elif FMT == 3 or FMT == 7:  # [4 t, 8 g, A, 2 h, 4 words] from byte 32 t (q4_0) or 64 t (q8_0) of the step
+        t4 = tl.reshape(t_, (4, 1, 1, 1))
+        # (row_bytes and STEP are multiples of 16, so every vector starts 16-byte aligned)
+        v_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True)
+                  + tl.multiple_of(tl.reshape(base, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
+                  + tl.reshape(t_, (4, 1, 1, 1, 1)) * (2 * NW) + tl.arange(0, 4)[None, None, None, None, :])
     else:  # the group of each 32-weight half chunk: (256 kb + 64 t + 32 half) // GS
         w_ptrs = W8 + base + t_ * 32 + half_ * 16 + b_
         s_off = row * scale_stride + kb_start * (256 // GS) + (64 * t_ + 32 * half_) // GS
@@ -116,28 +232,51 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
     x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     for kb in range(kb_start, kb_end):
-        units = tl.load(w_ptrs)
-        if FMT == 10:
+        if FMT == 3 or FMT == 7:
+            d, cw = _lane_blocks(v_ptrs, t4, NV, NW, UNPACK)
+            units = tl.reshape(_word_bytes(cw, UNPACK), (4, 8, A, 2, 2, 4 * NW))
+            d = tl.reshape(d, (4, 8, A, 2, 2, 1))
+            if FMT == 3:  # weight (q - 8) d: low nibble of byte b is weight b of the block, high nibble 16 + b
+                s_ = d.to(DT)
+                nz = (-8.0 * d).to(DT)
+                w_lo, w_hi = _deq_q4(units, s_, nz, s_, nz, DT, UNPACK)
+                w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, blk, lhl, ll, p
+                w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [blk lhl p t ll]
+            else:  # byte b of the block is weight b: b = 4 bj + 2 p + ll
+                w = _deq_q8(units, d.to(DT), (-128.0 * d).to(DT), DT, UNPACK)
+                w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, blk, bj, p, ll
+                w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 6, 0, 7)), (BLOCK_N, 256))  # [a h g] x [blk bj p t ll]
+            v_ptrs += STEP // 4
+        elif FMT == 10:
+            units = tl.load(w_ptrs)
             d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
             sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
             w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT),
                                  (-dmin * mn1).to(DT), DT, UNPACK)
             h_ptrs += 36
+            w_ptrs += STEP
+            w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
+            w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
         else:
+            units = tl.load(w_ptrs)
             s = tl.load(s_ptrs).to(DT)
             z = tl.load(z_ptrs).to(DT)
             w_lo, w_hi = _deq_q4(units, s, z, s, z, DT, UNPACK)
             s_ptrs += 256 // GS
             z_ptrs += 256 // GS
-        w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
-        w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
+            w_ptrs += STEP
+            w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
+            w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
         xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
         if FMT == 10:  # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
+        elif FMT == 3:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
+            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (1, 3, 2, 0, 4, 5)), (256, M_PAD))
+        elif FMT == 7:  # byte 4 bj + 2 p + ll of block 2t + blk: weight 64 t + 32 blk + 4 bj + 2 p + ll
+            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 3, 0, 4, 5)), (256, M_PAD))
         else:  # MLX, nibbles LSB-first: weight 64 t + 32 half + 4 lhl + 2 ll + p
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 4, 0, 3, 5)), (256, M_PAD))
         acc = tl.dot(w, xt, acc)
-        w_ptrs += STEP
         x_ptrs += 256
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
@@ -145,21 +284,28 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
 
 
 def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, scales=None, biases=None) -> bool:
-    """Whether gemv_tc_kernel reads these weights: q4_k or MLX 4-bit (K a multiple of 256, scales and biases with
-    a contiguous last dim), fp16/bf16 x, and weight data 16-byte aligned (16-byte code loads)."""
+    """Whether gemv_tc_kernel reads these weights: q4_k, q4_0 and q8_0 (K a multiple of 256 for the last two) or
+    MLX 4-bit (K a multiple of 256, scales and biases with a contiguous last dim), fp16/bf16 x, and weight data
+    16-byte aligned (16-byte code loads)."""
     import torch
 
     if x.dtype not in (torch.float16, torch.bfloat16) or data.data_ptr() % 16:
         return False
     if fmt == "q4_k":
         return True
+    if fmt in ("q4_0", "q8_0"):
+        return K % 256 == 0
     return (fmt == "mlx" and bits == 4 and group_size in (32, 64, 128) and K % 256 == 0
             and scales.stride(-1) == 1 and biases.stride(-1) == 1 and scales.stride(0) == biases.stride(0))
 
 
-def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0):
-    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and q4_k blocks, or MLX 4-bit words with ``scales``/``biases``
-    [N, K / group_size]; returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum).
+TC_FORMATS = {"q4_k": 10, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kernel's FMT
+
+
+def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
+              fmt: str = "q4_k"):
+    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit words
+    with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum).
     ``config`` is (BLOCK_N, num_warps, num_stages, waves); K is split until the grid has ``waves`` programs per
     SM."""
     import torch
@@ -181,7 +327,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     mlx = scales is not None
     gemv_tc_kernel[(programs_n, split, grid_m)](
         x, w8, scales if mlx else w8, biases if mlx else w8, y, M, N, K, x.stride(0), y.stride(0), y.stride(1),
-        row_bytes, scales.stride(0) if mlx else 0, nblocks, per_split, FMT=13 if mlx else 10,
+        row_bytes, scales.stride(0) if mlx else 0, nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt],
         GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, num_warps=warps,
         num_stages=stages)
     return y

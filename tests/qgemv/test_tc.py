@@ -1,4 +1,4 @@
-"""The tensor-core kernel for q4_k and MLX 4-bit at 3 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in
+"""The tensor-core kernel for q4_k, q4_0, q8_0 and MLX 4-bit at 3 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in
 float64: tile edges, split-K, M classes, group sizes, and on the GPU fp16 and bf16 at model shapes, through gemv and
 directly."""
 import pytest
@@ -32,6 +32,24 @@ def test_tc_kernel(N, K, M, config, sms, device):
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2), x.dtype), x, qt,
            torch.float16)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("N,K,M,config,sms", [
+    (37, 512, 5, (16, 4, 1, 2), 4),     # rows not a multiple of the tile, K split into single steps of 8 blocks
+    (19, 768, 16, (32, 4, 1, 2), 1),    # three steps, no split, a 32-row tile over 19 rows
+    (45, 512, 29, (16, 4, 1, 2), 2),    # 32 activation rows per program, 3 of them padding
+    (130, 256, 3, (64, 4, 1, 2), 64),   # more programs than steps: the split is capped by the step count
+])
+def test_tc_kernel_legacy(fmt, N, K, M, config, sms, device):
+    """q4_0 / q8_0: each lane's two blocks start 4t bytes past a 16-byte boundary (all four shifts in every step);
+    scales of both signs and sizes (the block's absmax sets d), codes -8..7 / -128..127."""
+    w = torch.randn(N, K) * torch.logspace(-3, 1, N)[:, None]
+    w[::5, :32] = -w[::5, :32].abs()  # blocks whose extreme code is -8 / -128
+    qt = lk.quantize(w, fmt).to(device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    y = launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2, fmt=fmt)
+    _check(_finish(y, x.dtype), x, qt, torch.float16)
 
 
 @pytest.mark.parametrize("N,K,M,gs,sdt", [
@@ -95,6 +113,45 @@ def test_tc_kernel_gpu(dtype, device):
         qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2), dtype), x, qt, dtype)
+        _check(lk.gemv(x, qt), x, qt, dtype)
+
+
+def test_gemv_takes_tc_for_legacy(device, monkeypatch):
+    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_LEGACY_MIN_M up to 64 rows;
+    K = 320, fp32 x and silu_mul_gemv do not."""
+    from llmkernels.qgemv import ops, tc
+
+    calls = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
+    want = []
+    for fmt in ("q4_0", "q8_0"):
+        lo = ops.TC_LEGACY_MIN_M[fmt]
+        for K, M in ((256, lo - 1), (256, lo), (512, 16), (256, 64), (256, 65), (320, 8)):
+            qt = lk.quantize(torch.randn(24, K) * 0.05, fmt).to(device)
+            x = torch.randn(M, K, dtype=torch.float16, device=device)
+            _check(lk.gemv(x, qt), x, qt, torch.float16)
+        want += [(fmt, lo), (fmt, 16), (fmt, 64)]
+        qt = lk.quantize(torch.randn(24, 256) * 0.05, fmt).to(device)
+        lk.gemv(torch.randn(8, 256, device=device), qt)
+        lk.silu_mul_gemv(torch.randn(8, 256, dtype=torch.float16, device=device),
+                         torch.randn(8, 256, dtype=torch.float16, device=device), qt)
+    assert calls == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tc_kernel_legacy_gpu(fmt, dtype, device):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K, M, config in [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)),
+                            (77, 1024, 5, (128, 8, 1, 2)), (14336, 4096, 13, (128, 4, 1, 2)),
+                            (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8))]:
+        w = torch.randn(N, K, device=device) * torch.logspace(-3, 1, N, device=device)[:, None]
+        w[::5, :32] = -w[::5, :32].abs()
+        qt = lk.quantize(w, fmt)
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2, fmt=fmt), dtype), x, qt, dtype)
         _check(lk.gemv(x, qt), x, qt, dtype)
 
 
