@@ -203,7 +203,7 @@ def main():
     m1_cases(dev)
     # q4_k with activations in lane order: a partial last group (K = 2304, 4352), split-K or not, the public copy path
     from llmkernels.qgemv import ops
-    from llmkernels.qgemv.m1 import lane_order
+    from llmkernels.qgemv.m1 import lane_order, launch_m1
 
     for N, K in ((77, 2304), (5, 4352)):
         qt = lk.quantize(torch.randn(N, K, device=dev), "q4_k")

@@ -146,8 +146,8 @@ def _stack(words, LOG: tl.constexpr):
 
 @triton.jit
 def _word_bytes(w, UNPACK: tl.constexpr):
-    """int32 words [4, 8, A, 2, 2, n] -> their bytes [..., n, 4] (uint8, little-endian order), without moving data: a word
-    broadcast over 4 elements is the packed register of those 4 bytes."""
+    """int32 words [4, 8, A, 2, 2, n] -> their bytes [..., n, 4] (uint8, little-endian order), without moving data:
+    a word broadcast over 4 elements is the packed register of those 4 bytes."""
     wb = tl.broadcast_to(tl.expand_dims(w, 6), (w.shape[0], w.shape[1], w.shape[2], w.shape[3], w.shape[4],
                                                 w.shape[5], 4))
     if UNPACK == 2:
@@ -304,10 +304,10 @@ TC_FORMATS = {"q4_k": 10, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kern
 
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
               fmt: str = "q4_k"):
-    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit words
-    with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum).
-    ``config`` is (BLOCK_N, num_warps, num_stages, waves); K is split until the grid has ``waves`` programs per
-    SM."""
+    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit
+    words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
+    (float32 partials when split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages,
+    waves); K is split until the grid has ``waves`` programs per SM."""
     import torch
 
     from .._runtime import empty

@@ -1,6 +1,6 @@
-"""The tensor-core kernel for q4_k, q4_0, q8_0 and MLX 4-bit at 3 <= M <= 64 (qgemv/tc.py) against x @ dequantize(W).T in
-float64: tile edges, split-K, M classes, group sizes, and on the GPU fp16 and bf16 at model shapes, through gemv and
-directly."""
+"""The tensor-core kernel for q4_k, q4_0, q8_0 and MLX 4-bit at 3 <= M <= 64 (qgemv/tc.py) against
+x @ dequantize(W).T in float64: tile edges, split-K, M classes, group sizes, and on the GPU fp16 and bf16 at model
+shapes, through gemv and directly."""
 import pytest
 import torch
 
