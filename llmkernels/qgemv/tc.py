@@ -63,27 +63,62 @@ def _asm_q4(bf16: bool) -> str:
             "lop3.b32 a, t1, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 $3, a, $10, $12; }")
 
 
-def _asm_q8(bf16: bool) -> str:
-    """PTX: 4 int8 codes ($2) -> q * d as two pairs ($0: codes 0, 1; $1: codes 2, 3); $3, $4 d, $5, $6 -128 d (two
-    16-bit values per register). fp16: (q ^ 128) is masked into the mantissa of 1024.0 and 1152 subtracted (exact),
-    then one multiply. bf16 (8 significant bits, too few for 1024 + 255): the low 7 bits go through the magic 128.0,
-    and the sign bits, replicated by prmt into a mask, select -128 d as the addend of one fma."""
-    if bf16:
-        return ("{ .reg .b32 t0, t1, m0, m1, a, z; "
-                "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-                "prmt.b32 m0, $2, 0, 0x9988; prmt.b32 m1, $2, 0, 0xBBAA; mov.b32 z, 0x43004300; "
-                "lop3.b32 a, t0, 0x007F007F, z, 0xEA; sub.rn.bf16x2 a, a, z; and.b32 m0, m0, $5; "
-                "fma.rn.bf16x2 $0, a, $3, m0; "
-                "lop3.b32 a, t1, 0x007F007F, z, 0xEA; sub.rn.bf16x2 a, a, z; and.b32 m1, m1, $6; "
-                "fma.rn.bf16x2 $1, a, $4, m1; }")
-    return ("{ .reg .b32 t0, t1, m, k, a; "
-            "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; mov.b32 m, 0x64006400; mov.b32 k, 0x64806480; "
-            "lop3.b32 a, t0, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 $0, a, $3; "
-            "lop3.b32 a, t1, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 $1, a, $4; }")
+def _asm_words(fmt: str, bf16: bool) -> str:
+    """PTX: one int32 word of q4_0 / q8_0 codes ($8 or $4) and its block's d and nz (16-bit values, the next two
+    operands) -> the word's weights as 16-bit outputs, computed two at a time and split with mov.b32 {lo, hi}.
+
+    q4_0 (8 outputs, $0 .. $7 = low, high nibble of byte 0, low, high of byte 1, ...): the q4_k unpacking of _asm_q4,
+    w = q d + nz with nz = -8 d. q8_0 (4 outputs, bytes 0 .. 3), nz = -128 d: fp16 masks (q ^ 128) into the mantissa
+    of 1024.0, subtracts 1152 (exact) and multiplies by d; bf16 (8 significant bits, too few for 1024 + 255) masks
+    the low 7 bits into 128.0, and the sign bits, replicated by prmt into a mask, select -128 d as the fma's addend
+    (w = r d - 128 d s, one rounding)."""
+    if fmt == "q4_0":
+        w, s, z = "$8", "$9", "$10"
+        if bf16:
+            body = ("shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
+                    "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
+                    "mov.b32 {$0, $2}, a; "
+                    "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
+                    "mov.b32 {$4, $6}, a; "
+                    "lop3.b32 a, u0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
+                    "mov.b32 {$1, $3}, a; "
+                    "lop3.b32 a, u1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
+                    "mov.b32 {$5, $7}, a; ")
+        else:
+            body = ("mov.b32 m, 0x64006400; mov.b32 h, 0x2C002C00; mov.b32 k, 0xD400D400; "
+                    "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 a, a, sd, zd; "
+                    "mov.b32 {$0, $2}, a; "
+                    "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 a, a, sd, zd; "
+                    "mov.b32 {$4, $6}, a; "
+                    "lop3.b32 a, t0, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 a, a, sd, zd; "
+                    "mov.b32 {$1, $3}, a; "
+                    "lop3.b32 a, t1, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 a, a, sd, zd; "
+                    "mov.b32 {$5, $7}, a; ")
+    else:
+        w, s, z = "$4", "$5", "$6"
+        if bf16:
+            body = ("prmt.b32 u0, $4, 0, 0x9988; prmt.b32 u1, $4, 0, 0xBBAA; mov.b32 m, 0x43004300; "
+                    "and.b32 u0, u0, zd; and.b32 u1, u1, zd; "
+                    "lop3.b32 a, t0, 0x007F007F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, u0; "
+                    "mov.b32 {$0, $1}, a; "
+                    "lop3.b32 a, t1, 0x007F007F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, u1; "
+                    "mov.b32 {$2, $3}, a; ")
+        else:
+            body = ("mov.b32 m, 0x64006400; mov.b32 k, 0x64806480; "
+                    "lop3.b32 a, t0, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 a, a, sd; "
+                    "mov.b32 {$0, $1}, a; "
+                    "lop3.b32 a, t1, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 a, a, sd; "
+                    "mov.b32 {$2, $3}, a; ")
+    return ("{ .reg .b32 t0, t1, u0, u1, m, h, k, a, sd, zd; "
+            f"mov.b32 sd, {{{s}, {s}}}; mov.b32 zd, {{{z}, {z}}}; "
+            f"prmt.b32 t0, {w}, 0, 0x4140; prmt.b32 t1, {w}, 0, 0x4342; " + body + "}")
 
 
-_ASM_Q8_F16 = tl.constexpr(_asm_q8(False))
-_ASM_Q8_BF16 = tl.constexpr(_asm_q8(True))
+_ASM_WORDS = {(f, b): tl.constexpr(_asm_words(f, b)) for f in ("q4_0", "q8_0") for b in (False, True)}
+_ASM_Q4_0_F16 = _ASM_WORDS[("q4_0", False)]
+_ASM_Q4_0_BF16 = _ASM_WORDS[("q4_0", True)]
+_ASM_Q8_0_F16 = _ASM_WORDS[("q8_0", False)]
+_ASM_Q8_0_BF16 = _ASM_WORDS[("q8_0", True)]
 _ASM_Q4_F16 = tl.constexpr(_asm_q4(False))
 _ASM_Q4_BF16 = tl.constexpr(_asm_q4(True))
 
@@ -108,17 +143,33 @@ def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
-def _deq_q8(units, s, nz, DT: tl.constexpr, UNPACK: tl.constexpr):
-    """int8 codes (a uint8 tile) times their block's d (``s``; ``nz`` = -128 d), in DT (fp16 or bf16)."""
+def _deq_words(cw, s, nz, FMT: tl.constexpr, DT: tl.constexpr, UNPACK: tl.constexpr):
+    """q4_0 / q8_0 code words ``cw`` (int32 [4, 8, A, 2, 2, NW]) and their blocks' d and nz (DT, broadcast) ->
+    the weights in DT [4, 8, A, 2, 2, NW, 8] (q4_0: index 2 j + p = nibble p of byte j) or [..., NW, 4] (q8_0: byte
+    j)."""
     if UNPACK == 2:
-        if DT == tl.float16:
-            return tl.inline_asm_elementwise(_ASM_Q8_F16, "=r,=r,r,r,r,r,r", [units, s, nz], dtype=tl.float16,
-                                             is_pure=True, pack=4)
+        if FMT == 3 and DT == tl.float16:
+            o = tl.inline_asm_elementwise(_ASM_Q4_0_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+                                          dtype=(tl.float16, ) * 8, is_pure=True, pack=1)
+        elif FMT == 3:
+            o = tl.inline_asm_elementwise(_ASM_Q4_0_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+                                          dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+        elif DT == tl.float16:
+            o = tl.inline_asm_elementwise(_ASM_Q8_0_F16, "=h,=h,=h,=h,r,h,h", [cw, s, nz], dtype=(tl.float16, ) * 4,
+                                          is_pure=True, pack=1)
         else:
-            return tl.inline_asm_elementwise(_ASM_Q8_BF16, "=r,=r,r,r,r,r,r", [units, s, nz], dtype=tl.bfloat16,
-                                             is_pure=True, pack=4)
+            o = tl.inline_asm_elementwise(_ASM_Q8_0_BF16, "=h,=h,=h,=h,r,h,h", [cw, s, nz], dtype=(tl.bfloat16, ) * 4,
+                                          is_pure=True, pack=1)
     else:
-        return (units.to(tl.int8, bitcast=True).to(tl.float32) * s.to(tl.float32)).to(DT)
+        o = ()
+        for j in tl.static_range(4):
+            byte = (cw >> (8 * j)) & 255
+            if FMT == 3:
+                o = o + (((byte & 15).to(tl.float32) * s.to(tl.float32) + nz.to(tl.float32)).to(DT),
+                         ((byte >> 4).to(tl.float32) * s.to(tl.float32) + nz.to(tl.float32)).to(DT))
+            else:
+                o = o + ((((byte ^ 128) - 128).to(tl.float32) * s.to(tl.float32)).to(DT), )
+    return _stack(o, 3 if FMT == 3 else 2)
 
 
 @triton.jit
@@ -132,28 +183,16 @@ def _words4(vec):
 
 @triton.jit
 def _stack(words, LOG: tl.constexpr):
-    """A tuple of 2^LOG equal-shaped [4, 8, A, 2] tiles -> one tile with a last axis of 2^LOG (words[i] at index i):
-    each level joins tile i with tile i + half, so the first join's axis is the index's highest bit."""
+    """A tuple of 2^LOG equal-shaped tiles -> one tile with LOG more axes of 2, words[i] at the index whose bits
+    they are (i = 4 a + 2 b + c for [..., a, b, c]): each level joins tile i with tile i + half, so the first join's
+    axis is the index's highest bit."""
     parts = words
     for lvl in tl.static_range(LOG):
         nxt = ()
         for i in tl.static_range((1 << (LOG - lvl)) // 2):
             nxt = nxt + (tl.join(parts[i], parts[i + (1 << (LOG - lvl)) // 2]), )
         parts = nxt
-    s = parts[0]
-    return tl.reshape(s, (s.shape[0], s.shape[1], s.shape[2], s.shape[3], 1 << LOG))
-
-
-@triton.jit
-def _word_bytes(w, UNPACK: tl.constexpr):
-    """int32 words [4, 8, A, 2, 2, n] -> their bytes [..., n, 4] (uint8, little-endian order), without moving data:
-    a word broadcast over 4 elements is the packed register of those 4 bytes."""
-    wb = tl.broadcast_to(tl.expand_dims(w, 6), (w.shape[0], w.shape[1], w.shape[2], w.shape[3], w.shape[4],
-                                                w.shape[5], 4))
-    if UNPACK == 2:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [wb], dtype=tl.uint8, is_pure=True, pack=4)
-    else:
-        return ((wb >> (tl.arange(0, 4) * 8)) & 255).to(tl.uint8)
+    return parts[0]
 
 
 @triton.jit
@@ -234,18 +273,15 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
     for kb in range(kb_start, kb_end):
         if FMT == 3 or FMT == 7:
             d, cw = _lane_blocks(v_ptrs, t4, NV, NW, UNPACK)
-            units = tl.reshape(_word_bytes(cw, UNPACK), (4, 8, A, 2, 2, 4 * NW))
             d = tl.reshape(d, (4, 8, A, 2, 2, 1))
-            if FMT == 3:  # weight (q - 8) d: low nibble of byte b is weight b of the block, high nibble 16 + b
-                s_ = d.to(DT)
-                nz = (-8.0 * d).to(DT)
-                w_lo, w_hi = _deq_q4(units, s_, nz, s_, nz, DT, UNPACK)
-                w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, blk, lhl, ll, p
-                w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [blk lhl p t ll]
-            else:  # byte b of the block is weight b: b = 4 bj + 2 p + ll
-                w = _deq_q8(units, d.to(DT), (-128.0 * d).to(DT), DT, UNPACK)
-                w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, blk, bj, p, ll
-                w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 6, 0, 7)), (BLOCK_N, 256))  # [a h g] x [blk bj p t ll]
+            # q4_0: byte b = 4 k + j of the block (word k), weight b + 16 p, b = 2 lhl + ll;
+            # q8_0: weight b = 4 bj + 2 p + ll (bj = word k, j = 2 p + ll)
+            w = _deq_words(cw, d.to(DT), ((-8.0 if FMT == 3 else -128.0) * d).to(DT), FMT, DT, UNPACK)
+            w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))
+            if FMT == 3:  # t, g, a, h, blk, lhl, ll, p -> [a h g] x [blk lhl p t ll]
+                w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
+            else:  # t, g, a, h, blk, bj, p, ll -> [a h g] x [blk bj p t ll]
+                w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 6, 0, 7)), (BLOCK_N, 256))
             v_ptrs += STEP // 4
         elif FMT == 10:
             units = tl.load(w_ptrs)
