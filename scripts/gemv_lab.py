@@ -19,19 +19,14 @@ from llmkernels.bench.harness import copies_for, measure_read_bandwidth, time_gr
 from llmkernels.qgemv import gemv
 from llmkernels.qgemv.m1 import launch_m1
 from llmkernels.qgemv.ops import _finish
-from llmkernels.qgemv.words import WORDS_FORMATS, launch_words
 from llmkernels.quant import dequantize
 from llmkernels.testing.random_weights import random_qtensor
 
-WORDS = []  # non-empty while a words-kernel format ('wq4_0') is measured
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (28672, 4096)]
 
 
 def _parse(name: str):
-    """'mlx4g64' -> ('mlx', {'bits': 4, 'group_size': 64}); GGUF names -> (name, {}); 'wq4_0', 'wq8_0' -> the
-    words kernel (words.py) for q4_0 / q8_0, whose config is (R, G blocks per step, warps, stages)."""
-    if name.startswith("w"):
-        return name[1:], {}
+    """'mlx4g64' -> ('mlx', {'bits': 4, 'group_size': 64}); GGUF names -> (name, {})."""
     if name.startswith("mlx"):
         bits, gs = name[3:].split("g")
         return "mlx", dict(bits=int(bits), group_size=int(gs))
@@ -39,8 +34,6 @@ def _parse(name: str):
 
 
 def _m1(x, qt, cfg, sms, unpack, waves=2, **kw):
-    if qt.format in WORDS_FORMATS and WORDS:
-        return launch_words(x, qt.data, qt.format, qt.shape[0], qt.shape[1], cfg, sms, unpack, waves=waves, **kw)
     return launch_m1(x, qt.data, qt.format, qt.shape[0], qt.shape[1], cfg, sms, unpack, waves=waves,
                      scales=qt.scales, biases=qt.biases, bits=qt.bits or 0, group_size=qt.group_size or 0, **kw)
 
@@ -51,7 +44,6 @@ def m_curve(names, cfgs):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in names:
         fmt, kw = _parse(name)
-        WORDS[:] = [1] if name.startswith("w") else []
         for N, K in SHAPES:
             first = random_qtensor(fmt, N, K, "cuda", **kw)
             qts = [first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)]
@@ -84,7 +76,6 @@ def main():
     print(f"read bandwidth {bw:.3f} TB/s", flush=True)
     for name in fmts:
         fmt, kw = _parse(name)
-        WORDS[:] = [1] if name.startswith("w") else []
         nbs = [1, 2]
         cands = [(1, 4, 1, 4, 3, 2)] + list(itertools.product([2], [2, 4], nbs, [4, 8], [1, 3], [2, 4]))
         if len(sys.argv) > 3:

@@ -229,16 +229,6 @@ def main():
             for dt in (torch.float16, torch.bfloat16):
                 launch_m1(torch.randn(2, K, device=dev, dtype=dt), qt.data, "mlx", 37, K, config, sms, 2,
                           scales=qt.scales, biases=qt.biases, bits=bits, group_size=gs)
-    # q4_0 / q8_0 from aligned word loads: 2, 4 and 8 blocks per step, odd rows, split or not, both x dtypes
-    from llmkernels.qgemv.words import launch_words
-
-    for fmt in ("q4_0", "q8_0"):
-        qt = lk.quantize(torch.randn(37, 768, device=dev), fmt)
-        for config, sms in (((2, 2, 1, 1), 4), ((2, 4, 4, 3), 132), ((2, 8, 4, 3), 7), ((4, 4, 2, 3), 1)):
-            for M, dt, fixup in ((1, torch.float16, True), (3, torch.bfloat16, True), (2, torch.float16, False)):
-                if 768 % (32 * config[1]) == 0:
-                    launch_words(torch.randn(M, 768, device=dev, dtype=dt), qt.data, fmt, 37, 768, config, sms, 2,
-                                 fixup=fixup)
     # int8 activations (int8.py): the rounding kernel on a partial block range, the dp4a kernel on every format,
     # one to four rows per thread, odd rows, split or not, several activation rows per program, coalesced and
     # prefetched weight loads

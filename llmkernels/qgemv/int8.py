@@ -3,8 +3,9 @@ q4_k at small M. The result is x' @ dequantize(W).T with x' = x rounded to int8 
 round half away from zero), like llama.cpp's q8_1 activations; it is opt-in (``gemv(..., act_int8=True)``) because
 it is not x @ dequantize(W).T to fp16 rounding (the activation rounding adds about 1/254 of each block's absmax).
 
-Why: the exact kernels (m1.py, words.py) turn each code into a float and multiply it with x, 4 to 5 instructions
-per weight, which keeps them near the SMs' issue limit before the memory limit. With int8 activations one ``dp4a``
+Why: the exact batch-1 kernels of session 9 (m1.py and the since removed words kernel) turned each code into a float
+and multiplied it with x, 4 to 5 instructions per weight, which kept them near the SMs' issue limit before the memory
+limit. With int8 activations one ``dp4a``
 multiplies 4 codes by 4 activations and sums them into an int32: q4_0's 8 nibbles of a word take two LOP3 (mask the
 low nibbles, mask the high ones in place: bytes 16 q) and two dp4a, under 1 instruction per weight in all.
 
@@ -12,10 +13,10 @@ Layout of the quantized activations (``quantize_act``): q int8 [M, K] (read as i
 ds float32 [M, K / 32, 2] with (d, s) per block: d = absmax / 127 and s = d * sum(q), so that
 sum_j (c_j - z) x'_j = d * sum_j c_j q_j - z * s for codes c and a zero point z.
 
-Weights are read like in words.py: a group is G blocks (q4_0, q8_0) or one super-block (q4_k) of a row, loaded by
-one thread as NV + 1 vectors of VW int32 words and split into single words in the registers (rows past N read row
-N - 1, never stored). A block of q4_0 or q8_0 that starts in the middle of a word gets its code words from two
-neighbours with one byte permute each. Unlike words.py, GP threads take consecutive groups of one row, so a warp's
+Weights are read as aligned words (words.py's helpers): a group is G blocks (q4_0, q8_0) or one super-block (q4_k)
+of a row, loaded by one thread as NV + 1 vectors of VW int32 words and split into single words in the registers
+(rows past N read row N - 1, never stored). A block of q4_0 or q8_0 that starts in the middle of a word gets its code
+words from two neighbours with one byte permute each. GP threads take consecutive groups of one row, so a warp's
 loads cover contiguous bytes (see gemv_i8_kernel).
 
 Measured on an H100 (bench/NOTES.md, session 9): 5-20% faster than the exact kernels at M = 1 and 2, slower beyond

@@ -39,10 +39,13 @@ M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 / 22.0, 280.2 / 135.0).
 TC_MIN_M = 3
 TC_WIDE_N = 32768
-# q4_0 and q8_0 (K a multiple of 256) take the tensor-core kernel from this M (up to MID_M)
-TC_LEGACY_MIN_M = {"q4_0": 3, "q8_0": 3}
-# q4_0 through the words kernel (aligned word loads, words.py) up to this M, the planes kernel beyond
-WORDS_MAX_M = {"q4_0": 4}
+# q4_0 and q8_0 (K a multiple of 256, fp16/bf16 x) take the tensor-core kernel from this M up to MID_M: from M = 1
+# it beat the kernels it replaced on every Llama-3-8B shape but one (H100, fp16 x, us, the old path / tc, session 25,
+# scripts/tc_lab.py): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2 / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 /
+# 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ... 558.9 / 129.8; q8_0 M = 1 (planes) 13.7 /
+# 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
+TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
+TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}  # (BLOCK_N, warps, stages, waves) without a table entry
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
@@ -281,7 +284,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         if tc_supports(x, data, fmt, bits, group_size, K, scales, biases):
             interp = interpreter_mode()
             name = fmt if fmt != "mlx" else "mlx4"
-            config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), f"tc/{name}") or (64, 4, 1, 4))
+            config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), f"tc/{name}")
+                                                        or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt)
             return _finish(y, out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
@@ -296,16 +300,6 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             y = launch_m1(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2, scales=scales, biases=biases,
                           bits=bits, group_size=group_size, x2=silu_x2, pdl=pdl_supported(x.device))
             return _finish(y, out_dtype)
-    if fmt in WORDS_MAX_M and M <= WORDS_MAX_M[fmt] and mode == 0:  # q4_0 from aligned words (words.py)
-        from .words import launch_words, words_supports
-
-        if words_supports(x, data, fmt, K):
-            interp = interpreter_mode()
-            if interp:
-                config = (2, 2, 1, 1) if N < 128 else (2, 8, 4, 1)
-            else:
-                config = tuple(lookup("gemv", gpu_name(), f"words/{fmt}") or (2, 8, 4, 3))
-            return _finish(launch_words(x, data, fmt, N, K, config, sms, unpack=1 if interp else 2), out_dtype)
     planes = _planes_layout(fmt, bits, group_size)
     if planes is not None and mode != 2:
         from .planes import gemv_planes_kernel

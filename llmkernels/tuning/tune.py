@@ -155,17 +155,18 @@ def tune_decode_few(gpu):
     return out
 
 
-# the tensor-core kernel (qgemv/tc.py, q4_k and MLX 4-bit at M = 3..64): (BLOCK_N, warps, stages, waves); pipelined
-# stages (> 1) lost 2x, and so did loading the next step's weights one step ahead (163 registers: 3 programs per SM)
+# the tensor-core kernel (qgemv/tc.py: q4_k and MLX 4-bit at M = 3..64, q4_0 and q8_0 at M = 1..64): (BLOCK_N,
+# warps, stages, waves); pipelined stages (> 1) lost 2x, and so did loading the next step's weights one step ahead
+# (163 registers: 3 programs per SM)
 TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
+# q4_0 and q8_0: gemv takes the tensor-core kernel at every M (its entry is tuned on M = 1 and 8 together); the
+# planes kernel serves silu_mul_gemv and float32 activations
+TC_ALL_M = ("q4_0", "q8_0")
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
-# blocks (m1) or GGUF blocks per step (words), warps, stages[, lanes along K, ...]: see m1.launch_m1 and
-# words.launch_words)
+# blocks, warps, stages[, lanes along K, ...]: see m1.launch_m1)
 SMALL_M_KERNEL = {
     "q4_k": ("m1/q4_k", [(4, 1, 4, 3), (4, 1, 4, 3, 8, 1, 1), (4, 1, 2, 3, 8, 1, 1), (4, 1, 4, 3, 4, 2, 1),
                          (8, 1, 4, 3, 4, 2, 1), (4, 1, 4, 3, 4, 1, 1), (2, 1, 4, 3, 8, 1, 1), (2, 1, 4, 3)]),
-    "q4_0": ("words/q4_0", [(2, 8, 4, 3), (2, 8, 4, 3, 4), (2, 8, 4, 3, 2), (4, 4, 4, 3, 8), (2, 4, 4, 3),
-                            (2, 8, 2, 3), (4, 4, 4, 3), (4, 2, 4, 3)]),
 }
 
 
@@ -178,6 +179,7 @@ def tune_gemv(gpu):
     # MLX 4-bit is not tuned: with BLOCK_N=8, NB=8 the planes kernel returned zeros on an H100 (Triton 3.6) while
     # the interpreter was right; its defaults are verified by the GPU tests instead
     fmts = [("q4_0", {}, 8), ("q8_0", {}, 8), ("q4_k", {}, 1)]
+    tc_works = {}
     for fmt, kw, nb in fmts:
         qts = [[random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(6)] for N, K in shapes]
         name = fmt if fmt != "mlx" else f"mlx{kw['bits']}"
@@ -192,6 +194,9 @@ def tune_gemv(gpu):
                 cands = [(32, nb, 4, 3), (64, nb, 4, 3), (64, nb, 8, 3), (128, nb, 8, 3), (64, half, 4, 4),
                          (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
             key = f"planes/{name}/{mclass}"
+            if fmt in TC_ALL_M:
+                tc_works.setdefault(fmt, []).extend(works)
+                works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             if fmt == "q4_k" and mclass == "m16":
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
                 out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works)
@@ -204,6 +209,8 @@ def tune_gemv(gpu):
                 out[small_key] = _best("gemv", small_key, small_cands, works)
             else:
                 out[key] = _best("gemv", key, cands, works)
+    for fmt, works in tc_works.items():
+        out[f"tc/{fmt}"] = _best("gemv", f"tc/{fmt}", TC_CANDS, works)
     # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
     mlx = [[random_qtensor("mlx", N, K, "cuda", bits=4, group_size=64) for _ in range(6)] for N, K in shapes]
     xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]

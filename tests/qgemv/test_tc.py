@@ -128,6 +128,8 @@ def test_gemv_takes_tc_for_legacy(device, monkeypatch):
     for fmt in ("q4_0", "q8_0"):
         lo = ops.TC_LEGACY_MIN_M[fmt]
         for K, M in ((256, lo - 1), (256, lo), (512, 16), (256, 64), (256, 65), (320, 8)):
+            if M < 1:
+                continue
             qt = lk.quantize(torch.randn(24, K) * 0.05, fmt).to(device)
             x = torch.randn(M, K, dtype=torch.float16, device=device)
             _check(lk.gemv(x, qt), x, qt, torch.float16)
