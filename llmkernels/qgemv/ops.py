@@ -50,8 +50,12 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}  # (BLOCK_N, warps
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
 # kernel with lane-order activations overtook it on every Llama-3-8B shape (bench file 20261123-014329: 7.3 / 9.1 /
-# 17.1 / 17.0 / 116.8 us exact against 8.3 / 10.5 / 20.3 / 21.7 / 121.3 with int8), so q4_k now computes exactly
-I8_MAX_M = {"q4_0": 2, "q8_0": 2, "q4_k": 0}
+# 17.1 / 17.0 / 116.8 us exact against 8.3 / 10.5 / 20.3 / 21.7 / 121.3 with int8), so q4_k now computes exactly.
+# q4_0 and q8_0 had M = 2 until the exact tensor-core kernel (tc.py) overtook int8 there (bench file
+# 20261124-013452, us exact / int8 at M = 2: q4_0 9.8 / 10.2, 10.8 / 12.7, 20.5 / 28.0, 20.7 / 28.4, 126.8 / 158.6;
+# q8_0 12.9 / 12.0, 15.2 / 15.8, 33.3 / 33.3, 31.7 / 34.8, 210.2 / 256.1); at M = 1 int8 still wins on 4 of 5 shapes
+# for q8_0 and 3 of 5 for q4_0 (q4_0 7.9 / 10.0 / 22.0 / 22.6 / 113.1 against exact 9.6 / 10.5 / 20.0 / 20.1 / 123.9)
+I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 0}
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
 # an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
@@ -440,12 +444,12 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
         x: [M, K] (or [..., K]) fp16/bf16 (fp32 accepted), last dim contiguous.
         qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
         act_int8: allow rounding x to int8 per block of 32 (scale absmax / 127, like llama.cpp's q8_1
-            activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M <= 2, with
+            activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M = 1, with
             fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax per element.
             Other cases (q4_k included) compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
-    M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3: all rows in one tensor-core program); beyond,
-    it dequantizes once and calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
+    M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3, q4_0 and q8_0 from M = 1: all rows in one
+    tensor-core program); beyond, it dequantizes once and calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
 
     >>> qt = llmkernels.quantize(torch.randn(4096, 4096), "q4_k").cuda()
     >>> y = gemv(torch.randn(1, 4096, dtype=torch.float16, device="cuda"), qt)
