@@ -64,15 +64,17 @@ def _asm_q4(bf16: bool) -> str:
 
 
 def _asm_words(fmt: str, bf16: bool) -> str:
-    """PTX: one int32 word of q4_0 / q8_0 codes ($8 or $4) and its block's d and nz (16-bit values, the next two
-    operands) -> the word's weights as 16-bit outputs, computed two at a time and split with mov.b32 {lo, hi}.
+    """PTX: one int32 word of codes and the scales of its values (16-bit operands) -> the word's weights as 16-bit
+    outputs, computed two at a time and split with mov.b32 {lo, hi}.
 
-    q4_0 (8 outputs, $0 .. $7 = low, high nibble of byte 0, low, high of byte 1, ...): the q4_k unpacking of _asm_q4,
-    w = q d + nz with nz = -8 d. q8_0 (4 outputs, bytes 0 .. 3), nz = -128 d: fp16 masks (q ^ 128) into the mantissa
-    of 1024.0, subtracts 1152 (exact) and multiplies by d; bf16 (8 significant bits, too few for 1024 + 255) masks
-    the low 7 bits into 128.0, and the sign bits, replicated by prmt into a mask, select -128 d as the fma's addend
-    (w = r d - 128 d s, one rounding)."""
-    if fmt == "q4_0":
+    "q4" (q4_0): 8 outputs $0 .. $7 = low, high nibble of byte 0, low, high of byte 1, ...; inputs $8 the word, $9 d,
+    $10 -8 d. A byte pair is spread into the two halves of a register (prmt), the nibble masked into the mantissa of a
+    magic float (fp16 1024 + q, bf16 128 + q) and the magic subtracted exactly (as in _asm_q4);
+    then one fma per pair applies d and -8 d. "q8" (q8_0): 4 outputs (bytes 0 .. 3), $4 the word, $5 d, $6
+    -128 d: fp16 masks (q ^ 128) into the mantissa of 1024.0, subtracts 1152 (exact) and multiplies by d; bf16 (8
+    significant bits, too few for 1024 + 255) masks the low 7 bits into 128.0, and the sign bits, replicated by prmt
+    into a mask, select -128 d as the fma's addend (w = r d - 128 d s, one rounding)."""
+    if fmt == "q4":
         w, s, z = "$8", "$9", "$10"
         if bf16:
             body = ("shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
@@ -114,11 +116,10 @@ def _asm_words(fmt: str, bf16: bool) -> str:
             f"prmt.b32 t0, {w}, 0, 0x4140; prmt.b32 t1, {w}, 0, 0x4342; " + body + "}")
 
 
-_ASM_WORDS = {(f, b): tl.constexpr(_asm_words(f, b)) for f in ("q4_0", "q8_0") for b in (False, True)}
-_ASM_Q4_0_F16 = _ASM_WORDS[("q4_0", False)]
-_ASM_Q4_0_BF16 = _ASM_WORDS[("q4_0", True)]
-_ASM_Q8_0_F16 = _ASM_WORDS[("q8_0", False)]
-_ASM_Q8_0_BF16 = _ASM_WORDS[("q8_0", True)]
+_ASM_W4_F16 = tl.constexpr(_asm_words("q4", False))
+_ASM_W4_BF16 = tl.constexpr(_asm_words("q4", True))
+_ASM_W8_F16 = tl.constexpr(_asm_words("q8", False))
+_ASM_W8_BF16 = tl.constexpr(_asm_words("q8", True))
 _ASM_Q4_F16 = tl.constexpr(_asm_q4(False))
 _ASM_Q4_BF16 = tl.constexpr(_asm_q4(True))
 
@@ -143,33 +144,35 @@ def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
-def _deq_words(cw, s, nz, FMT: tl.constexpr, DT: tl.constexpr, UNPACK: tl.constexpr):
-    """q4_0 / q8_0 code words ``cw`` (int32 [4, 8, A, 2, 2, NW]) and their blocks' d and nz (DT, broadcast) ->
-    the weights in DT [4, 8, A, 2, 2, NW, 8] (q4_0: index 2 j + p = nibble p of byte j) or [..., NW, 4] (q8_0: byte
-    j)."""
+def _deq_words(cw, s, nz, Q8: tl.constexpr, DT: tl.constexpr, UNPACK: tl.constexpr):
+    """q4_0 / q8_0 (Q8) code words ``cw`` (int32 [4, 8, A, 2, 2, NW]) and their blocks' d and nz = -8 d / -128 d (DT,
+    broadcast) -> the weights in DT [..., NW, 2, 2, 2] (q4_0: index 2 j + p = nibble p of byte j) or
+    [..., NW, 2, 2] (q8_0: byte j). The asm's 16-bit outputs keep each word's values apart (a uint8 view of the
+    words, 4 broadcast elements per register, dropped 3 of 4 words on the GPU: pack groups a thread's registers, not
+    one word's copies)."""
     if UNPACK == 2:
-        if FMT == 3 and DT == tl.float16:
-            o = tl.inline_asm_elementwise(_ASM_Q4_0_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+        if not Q8 and DT == tl.float16:
+            o = tl.inline_asm_elementwise(_ASM_W4_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
                                           dtype=(tl.float16, ) * 8, is_pure=True, pack=1)
-        elif FMT == 3:
-            o = tl.inline_asm_elementwise(_ASM_Q4_0_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+        elif not Q8:
+            o = tl.inline_asm_elementwise(_ASM_W4_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
                                           dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
         elif DT == tl.float16:
-            o = tl.inline_asm_elementwise(_ASM_Q8_0_F16, "=h,=h,=h,=h,r,h,h", [cw, s, nz], dtype=(tl.float16, ) * 4,
+            o = tl.inline_asm_elementwise(_ASM_W8_F16, "=h,=h,=h,=h,r,h,h", [cw, s, nz], dtype=(tl.float16, ) * 4,
                                           is_pure=True, pack=1)
         else:
-            o = tl.inline_asm_elementwise(_ASM_Q8_0_BF16, "=h,=h,=h,=h,r,h,h", [cw, s, nz], dtype=(tl.bfloat16, ) * 4,
+            o = tl.inline_asm_elementwise(_ASM_W8_BF16, "=h,=h,=h,=h,r,h,h", [cw, s, nz], dtype=(tl.bfloat16, ) * 4,
                                           is_pure=True, pack=1)
     else:
         o = ()
         for j in tl.static_range(4):
             byte = (cw >> (8 * j)) & 255
-            if FMT == 3:
+            if not Q8:
                 o = o + (((byte & 15).to(tl.float32) * s.to(tl.float32) + nz.to(tl.float32)).to(DT),
                          ((byte >> 4).to(tl.float32) * s.to(tl.float32) + nz.to(tl.float32)).to(DT))
             else:
                 o = o + ((((byte ^ 128) - 128).to(tl.float32) * s.to(tl.float32)).to(DT), )
-    return _stack(o, 3 if FMT == 3 else 2)
+    return _stack(o, 2 if Q8 else 3)
 
 
 @triton.jit
@@ -276,32 +279,30 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
             d = tl.reshape(d, (4, 8, A, 2, 2, 1))
             # q4_0: byte b = 4 k + j of the block (word k), weight b + 16 p, b = 2 lhl + ll;
             # q8_0: weight b = 4 bj + 2 p + ll (bj = word k, j = 2 p + ll)
-            w = _deq_words(cw, d.to(DT), ((-8.0 if FMT == 3 else -128.0) * d).to(DT), FMT, DT, UNPACK)
+            w = _deq_words(cw, d.to(DT), ((-8.0 if FMT == 3 else -128.0) * d).to(DT), FMT == 7, DT, UNPACK)
             w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))
             if FMT == 3:  # t, g, a, h, blk, lhl, ll, p -> [a h g] x [blk lhl p t ll]
                 w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
             else:  # t, g, a, h, blk, bj, p, ll -> [a h g] x [blk bj p t ll]
                 w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 6, 0, 7)), (BLOCK_N, 256))
             v_ptrs += STEP // 4
-        elif FMT == 10:
-            units = tl.load(w_ptrs)
-            d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
-            sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
-            w_lo, w_hi = _deq_q4(units, (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT),
-                                 (-dmin * mn1).to(DT), DT, UNPACK)
-            h_ptrs += 36
-            w_ptrs += STEP
-            w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
-            w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
         else:
-            units = tl.load(w_ptrs)
-            s = tl.load(s_ptrs).to(DT)
-            z = tl.load(z_ptrs).to(DT)
-            w_lo, w_hi = _deq_q4(units, s, z, s, z, DT, UNPACK)
-            s_ptrs += 256 // GS
-            z_ptrs += 256 // GS
-            w_ptrs += STEP
+            if FMT == 10:
+                d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
+                sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
+                s_lo, z_lo, s_hi, z_hi = (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT), (-dmin * mn1).to(DT)
+                h_ptrs += 36
+            else:
+                s_lo = tl.load(s_ptrs).to(DT)
+                z_lo = tl.load(z_ptrs).to(DT)
+                s_hi, z_hi = s_lo, z_lo
+                s_ptrs += 256 // GS
+                z_ptrs += 256 // GS
+            # (the scales before the codes' load: 656 SASS instructions against 768 with the load first, q4_k
+            # fp16; 144.3 against 154.7 us at M = 8 on 128256 x 4096, H100)
+            w_lo, w_hi = _deq_q4(tl.load(w_ptrs), s_lo, z_lo, s_hi, z_hi, DT, UNPACK)
             w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
+            w_ptrs += STEP
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
         xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
         if FMT == 10:  # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
