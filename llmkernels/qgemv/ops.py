@@ -45,7 +45,10 @@ TC_WIDE_N = 32768
 # 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ... 558.9 / 129.8; q8_0 M = 1 (planes) 13.7 /
 # 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
 TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
-TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}  # (BLOCK_N, warps, stages, waves) without a table entry
+# (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1, "tc/<format>"
+# the rest (q8_0 fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8,
+# 209.0 / 210.9; M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
+TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
@@ -288,8 +291,12 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         if tc_supports(x, data, fmt, bits, group_size, K, scales, biases):
             interp = interpreter_mode()
             name = fmt if fmt != "mlx" else "mlx4"
-            config = (16, 4, 1, 2) if interp else tuple(lookup("gemv", gpu_name(), f"tc/{name}")
-                                                        or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
+            if interp:
+                config = (16, 4, 1, 2)
+            else:
+                gpu = gpu_name()
+                config = tuple((M == 1 and lookup("gemv", gpu, f"tc/{name}/m1")) or lookup("gemv", gpu, f"tc/{name}")
+                               or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt)
             return _finish(y, out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
@@ -449,7 +456,8 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
             Other cases (q4_k included) compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
     M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3, q4_0 and q8_0 from M = 1: all rows in one
-    tensor-core program); beyond, it dequantizes once and calls cuBLAS. f16/bf16 weights with x of the same dtype go to cuBLAS from M = 2.
+    tensor-core program); beyond, it dequantizes once and calls cuBLAS. f16/bf16 weights with x of the same dtype
+    go to cuBLAS from M = 2.
 
     >>> qt = llmkernels.quantize(torch.randn(4096, 4096), "q4_k").cuda()
     >>> y = gemv(torch.randn(1, 4096, dtype=torch.float16, device="cuda"), qt)

@@ -159,8 +159,8 @@ def tune_decode_few(gpu):
 # warps, stages, waves); pipelined stages (> 1) lost 2x, and so did loading the next step's weights one step ahead
 # (163 registers: 3 programs per SM)
 TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
-# q4_0 and q8_0: gemv takes the tensor-core kernel at every M (its entry is tuned on M = 1 and 8 together); the
-# planes kernel serves silu_mul_gemv and float32 activations
+# q4_0 and q8_0: gemv takes the tensor-core kernel at every M (entries "tc/<format>/m1" for M = 1, tuned at M = 1,
+# and "tc/<format>", tuned at M = 8); the planes kernel serves silu_mul_gemv and float32 activations
 TC_ALL_M = ("q4_0", "q8_0")
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
 # blocks, warps, stages[, lanes along K, ...]: see m1.launch_m1)
@@ -195,7 +195,7 @@ def tune_gemv(gpu):
                          (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
             key = f"planes/{name}/{mclass}"
             if fmt in TC_ALL_M:
-                tc_works.setdefault(fmt, []).extend(works)
+                tc_works[f"tc/{fmt}" + ("/m1" if mclass == "m1" else "")] = works
                 works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             if fmt == "q4_k" and mclass == "m16":
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
@@ -209,8 +209,8 @@ def tune_gemv(gpu):
                 out[small_key] = _best("gemv", small_key, small_cands, works)
             else:
                 out[key] = _best("gemv", key, cands, works)
-    for fmt, works in tc_works.items():
-        out[f"tc/{fmt}"] = _best("gemv", f"tc/{fmt}", TC_CANDS, works)
+    for key, works in tc_works.items():
+        out[key] = _best("gemv", key, TC_CANDS, works)
     # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
     mlx = [[random_qtensor("mlx", N, K, "cuda", bits=4, group_size=64) for _ in range(6)] for N, K in shapes]
     xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]

@@ -169,3 +169,21 @@ def test_tc_kernel_mlx_gpu(dtype, device):
         y = launch_tc(x, qt.data, N, K, config, sms, 2, qt.scales, qt.biases, gs)
         _check(_finish(y, dtype), x, qt, dtype)
         _check(lk.gemv(x, qt), x, qt, dtype)
+
+
+@pytest.mark.gpu
+def test_tc_config_keys(device, monkeypatch):
+    """gemv reads "tc/<format>/m1" at M = 1 and "tc/<format>" otherwise."""
+    from llmkernels.qgemv import tc
+    from llmkernels.tuning import OVERRIDES
+
+    seen = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: seen.append(tuple(a[4])) or real(*a, **k))
+    monkeypatch.setitem(OVERRIDES, ("gemv", "tc/q8_0/m1"), [128, 4, 1, 2])
+    monkeypatch.setitem(OVERRIDES, ("gemv", "tc/q8_0"), [64, 4, 1, 8])
+    qt = lk.quantize(torch.randn(300, 512, device=device), "q8_0")
+    for M in (1, 2):
+        x = torch.randn(M, 512, dtype=torch.float16, device=device)
+        _check(lk.gemv(x, qt), x, qt, torch.float16)
+    assert seen == [(128, 4, 1, 2), (64, 4, 1, 8)]
