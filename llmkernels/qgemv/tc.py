@@ -1,5 +1,5 @@
-"""GEMV for 3 <= M <= 64 on the tensor cores, q4_k and MLX 4-bit: weights dequantized to fp16/bf16 in registers and
-fed to tl.dot.
+"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0 and q8_0 here from M = 1, q4_k and MLX 4-bit from M = 3):
+weights dequantized to fp16/bf16 in registers and fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
