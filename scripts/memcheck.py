@@ -132,9 +132,12 @@ def tc_cases(dev="cuda"):
 
     for fmt in ("q4_k", "q4_0", "q8_0"):
         qt = lk.quantize(torch.randn(77, 768, device=dev), fmt)
+        cases = ((5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7), (9, (128, 8, 1, 2), 1), (40, (64, 4, 1, 4), 7),
+                 (3, (64, 4, 2, 2), 5))
+        if fmt != "q4_k":  # the next step's weights loaded ahead, past the last row's end masked
+            cases += ((1, (64, 4, 1, 2, 1), 132), (2, (128, 8, 1, 2, 1), 1), (7, (64, 4, 1, 4, 1), 5))
         for dt in (torch.float16, torch.bfloat16):
-            for M, config, sms in ((5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7), (9, (128, 8, 1, 2), 1),
-                                   (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+            for M, config, sms in cases:
                 launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2, fmt=fmt)
     for gs in (32, 64, 128):
         qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)

@@ -48,6 +48,8 @@ TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
 # (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1, "tc/<format>"
 # the rest (q8_0 fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8,
 # 209.0 / 210.9; M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
+# q4_0 at M = 1 loads one step ahead (the table's (64, 4, 1, 2, 1); fp16, us, (64, 4, 1, 4) without / (64, 4, 1, 2)
+# with: 9.7 / 8.4, 10.7 / 10.9, 20.2 / 20.9, 20.0 / 18.6, 125.0 / 116.1; q8_0 and M = 8 lost with it; session 25)
 TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and

@@ -199,13 +199,23 @@ def _stack(words, LOG: tl.constexpr):
 
 
 @triton.jit
-def _lane_blocks(ptrs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.constexpr):
-    """q4_0 / q8_0: lane t's two blocks (2t, 2t + 1 of the step) from NV 16-byte vectors loaded at ``ptrs`` (int32
-    pointers [4 t, 8, A, 2, 4], 16-byte aligned, block 2t starting t words in). Returns (d as float32 [4, 8, A, 2,
-    2 blocks], the code words [4, 8, A, 2, 2 blocks, NW])."""
+def _lane_load(ptrs, ok, NV: tl.constexpr):
+    """The NV 16-byte vectors of one step at ``ptrs`` (int32 pointers [4 t, 8, A, 2, 4]), as a tuple; none where
+    ``ok`` is false."""
+    vecs = ()
+    for v in tl.static_range(NV):
+        vecs = vecs + (tl.load(ptrs + 4 * v, mask=ok, other=0), )
+    return vecs
+
+
+@triton.jit
+def _lane_blocks(vecs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.constexpr):
+    """q4_0 / q8_0: lane t's two blocks (2t, 2t + 1 of the step) from its NV 16-byte vectors (_lane_load; 16-byte
+    aligned, block 2t starting t words in). Returns (d as float32 [4, 8, A, 2, 2 blocks], the code words [4, 8, A,
+    2, 2 blocks, NW])."""
     L = ()
     for v in tl.static_range(NV):
-        L = L + _words4(tl.load(ptrs + 4 * v))
+        L = L + _words4(vecs[v])
     odd = (t4 & 1) != 0
     high = t4 >= 2
     NDW: tl.constexpr = 2 * NW + 1  # words holding the two blocks: d0 c0[0:2] | c0 ... | c0[-2:] d1 | c1 ...
@@ -229,7 +239,7 @@ def _lane_blocks(ptrs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.conste
 @triton.jit
 def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes, scale_stride, nblocks,
                    blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   M_PAD: tl.constexpr, UNPACK: tl.constexpr):
+                   M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
@@ -273,9 +283,16 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
     x_ptrs = X + m[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
     x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    if (FMT == 3 or FMT == 7) and PREFETCH:  # q4_0 / q8_0: the next step's vectors load while this one computes
+        nxt = _lane_load(v_ptrs, kb_start < kb_end, NV)
     for kb in range(kb_start, kb_end):
         if FMT == 3 or FMT == 7:
-            d, cw = _lane_blocks(v_ptrs, t4, NV, NW, UNPACK)
+            if PREFETCH:
+                vecs = nxt
+                nxt = _lane_load(v_ptrs + STEP // 4, kb + 1 < kb_end, NV)
+            else:
+                vecs = _lane_load(v_ptrs, True, NV)
+            d, cw = _lane_blocks(vecs, t4, NV, NW, UNPACK)
             d = tl.reshape(d, (4, 8, A, 2, 2, 1))
             # q4_0: byte b = 4 k + j of the block (word k), weight b + 16 p, b = 2 lhl + ll;
             # q8_0: weight b = 4 bj + 2 p + ll (bj = word k, j = 2 p + ll)
@@ -344,13 +361,16 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit
     words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages,
-    waves); K is split until the grid has ``waves`` programs per SM."""
+    waves[, prefetch]); K is split until the grid has ``waves`` programs per SM; prefetch (q4_0 / q8_0 only) loads
+    the next step's weights before computing this one (157 registers instead of 128 for q4_0: 3 programs per SM
+    instead of 4, which pays at M = 1 on some shapes and loses at M = 8; bench/NOTES.md session 25)."""
     import torch
 
     from .._runtime import empty
     from .ops import split_k
 
-    block_n, warps, stages, waves = config
+    block_n, warps, stages, waves = config[:4]
+    prefetch = bool(config[4]) if len(config) > 4 else False
     M = x.shape[0]
     # the activation rows are the dot's N: 16, 32 or 64 of them per program, so up to M = 64 each weight is read once
     m_pad = 16 if M <= 16 else (32 if M <= 32 else 64)
@@ -365,6 +385,6 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     gemv_tc_kernel[(programs_n, split, grid_m)](
         x, w8, scales if mlx else w8, biases if mlx else w8, y, M, N, K, x.stride(0), y.stride(0), y.stride(1),
         row_bytes, scales.stride(0) if mlx else 0, nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt],
-        GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, num_warps=warps,
-        num_stages=stages)
+        GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch,
+        num_warps=warps, num_stages=stages)
     return y

@@ -159,6 +159,8 @@ def tune_decode_few(gpu):
 # warps, stages, waves); pipelined stages (> 1) lost 2x, and so did loading the next step's weights one step ahead
 # (163 registers: 3 programs per SM)
 TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
+# q4_0 / q8_0 also try loading the next step's weights one step ahead (a fifth field, tc.launch_tc)
+TC_LEGACY_CANDS = TC_CANDS + [(64, 4, 1, 2, 1), (64, 4, 1, 4, 1), (128, 8, 1, 2, 1)]
 # q4_0 and q8_0: gemv takes the tensor-core kernel at every M (entries "tc/<format>/m1" for M = 1, tuned at M = 1,
 # and "tc/<format>", tuned at M = 8); the planes kernel serves silu_mul_gemv and float32 activations
 TC_ALL_M = ("q4_0", "q8_0")
@@ -210,7 +212,7 @@ def tune_gemv(gpu):
             else:
                 out[key] = _best("gemv", key, cands, works)
     for key, works in tc_works.items():
-        out[key] = _best("gemv", key, TC_CANDS, works)
+        out[key] = _best("gemv", key, TC_LEGACY_CANDS, works)
     # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
     mlx = [[random_qtensor("mlx", N, K, "cuda", bits=4, group_size=64) for _ in range(6)] for N, K in shapes]
     xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]

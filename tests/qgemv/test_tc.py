@@ -40,6 +40,8 @@ def test_tc_kernel(N, K, M, config, sms, device):
     (19, 768, 16, (32, 4, 1, 2), 1),    # three steps, no split, a 32-row tile over 19 rows
     (45, 512, 29, (16, 4, 1, 2), 2),    # 32 activation rows per program, 3 of them padding
     (130, 256, 3, (64, 4, 1, 2), 64),   # more programs than steps: the split is capped by the step count
+    (37, 768, 1, (16, 4, 1, 2, 1), 2),  # the next step's weights loaded ahead: uneven splits of 3 steps
+    (45, 256, 2, (16, 4, 1, 2, 1), 64), # ahead with single-step splits (the load past the split is masked)
 ])
 def test_tc_kernel_legacy(fmt, N, K, M, config, sms, device):
     """q4_0 / q8_0: each lane's two blocks start 4t bytes past a 16-byte boundary (all four shifts in every step);
@@ -148,7 +150,8 @@ def test_tc_kernel_legacy_gpu(fmt, dtype, device):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K, M, config in [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)),
                             (77, 1024, 5, (128, 8, 1, 2)), (14336, 4096, 13, (128, 4, 1, 2)),
-                            (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8))]:
+                            (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8)),
+                            (4097, 4096, 1, (64, 4, 1, 2, 1)), (77, 1024, 2, (128, 8, 1, 2, 1))]:
         w = torch.randn(N, K, device=device) * torch.logspace(-3, 1, N, device=device)[:, None]
         w[::5, :32] = -w[::5, :32].abs()
         qt = lk.quantize(w, fmt)
