@@ -45,6 +45,7 @@ TC_WIDE_N = 32768
 # 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ... 558.9 / 129.8; q8_0 M = 1 (planes) 13.7 /
 # 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
 TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
+TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and the m1 kernel does not
 # (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1, "tc/<format>"
 # the rest (q8_0 fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8,
 # 209.0 / 210.9; M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
@@ -286,7 +287,10 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
     tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
     tc_m = tc_m or (fmt in TC_LEGACY_MIN_M and TC_LEGACY_MIN_M[fmt] <= M <= MID_M)
-    if tc_m and mode == 0:
+    # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and the m1
+    # kernel (which forms it in its loads too) does not
+    tc_silu = TC_SILU and mode == 1 and tc_m and not (m1_fmt and M <= M1_MAX_M.get(fmt, 0))
+    if tc_m and (mode == 0 or tc_silu):
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
         from .tc import launch_tc, tc_supports
 
@@ -299,7 +303,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 gpu = gpu_name()
                 config = tuple((M == 1 and lookup("gemv", gpu, f"tc/{name}/m1")) or lookup("gemv", gpu, f"tc/{name}")
                                or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
-            y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt)
+            y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt,
+                          x2=x2 if mode == 1 else None)
             return _finish(y, out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1, m1_supports

@@ -35,7 +35,7 @@ the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 
 import triton
 import triton.language as tl
 
-from .m1 import _q4k_scales, _split_words
+from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
 
@@ -237,15 +237,17 @@ def _lane_blocks(vecs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
-def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes, scale_stride, nblocks,
-                   blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False):
+def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym, row_bytes,
+                   scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
+                   SILU: tl.constexpr = 0):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
     codes (256 weights) per row, the scale and bias of group g of row n at WS/WB + n * scale_stride + g, GS weights
     per group. FMT 3 / 7 (q4_0 / q8_0): a step is 8 blocks (144 / 272 bytes) per row, lane t taking blocks 2t and
-    2t + 1 (_lane_blocks)."""
+    2t + 1 (_lane_blocks). SILU (silu_mul_gemv): the activations are silu(x) * x2, formed once per program and step
+    as x's tile is loaded (m1._silu_mul: 1 exact, 2 through tanh.approx)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -281,6 +283,7 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
         z_ptrs = WB + s_off
     m = pid_m * M_PAD + tl.arange(0, M_PAD)
     x_ptrs = X + m[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
+    x2_ptrs = X2 + m[None, :] * stride_x2m + kb_start * 256 + tl.arange(0, 256)[:, None]
     x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     if (FMT == 3 or FMT == 7) and PREFETCH:  # q4_0 / q8_0: the next step's vectors load while this one computes
@@ -322,6 +325,10 @@ def gemv_tc_kernel(X, W8, WS, WB, Y, M, N, K, stride_xm, stride_ys, stride_ym, r
             w_ptrs += STEP
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
         xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if SILU:
+            xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
+                           SILU).to(DT)
+            x2_ptrs += 256
         if FMT == 10:  # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
         elif FMT == 3:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
@@ -357,13 +364,15 @@ TC_FORMATS = {"q4_k": 10, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kern
 
 
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
-              fmt: str = "q4_k"):
+              fmt: str = "q4_k", x2=None):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit
     words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages,
-    waves[, prefetch]); K is split until the grid has ``waves`` programs per SM; prefetch (q4_0 / q8_0 only) loads
-    the next step's weights before computing this one (157 registers instead of 128 for q4_0: 3 programs per SM
-    instead of 4, which pays at M = 1 on some shapes and loses at M = 8; bench/NOTES.md session 25)."""
+    waves[, prefetch]); K is split until the grid has ``waves`` programs per SM. With ``x2`` (like x) the
+    activations are silu(x) * x2 (silu_mul_gemv), rounded to x's dtype as the two-step path rounds them. prefetch
+    (q4_0 / q8_0 only) loads the next step's weights before computing this one (157 registers instead of 128 for
+    q4_0: 3 programs per SM instead of 4, which pays at M = 1 on some shapes and loses at M = 8; bench/NOTES.md
+    session 25)."""
     import torch
 
     from .._runtime import empty
@@ -383,8 +392,9 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     w8 = data.view(torch.uint8)
     mlx = scales is not None
     gemv_tc_kernel[(programs_n, split, grid_m)](
-        x, w8, scales if mlx else w8, biases if mlx else w8, y, M, N, K, x.stride(0), y.stride(0), y.stride(1),
-        row_bytes, scales.stride(0) if mlx else 0, nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt],
-        GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch,
+        x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, M, N, K, x.stride(0),
+        x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes, scales.stride(0) if mlx else 0,
+        nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt], GS=group_size if mlx else 256, BLOCK_N=block_n,
+        M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
         num_warps=warps, num_stages=stages)
     return y

@@ -119,8 +119,8 @@ def test_tc_kernel_gpu(dtype, device):
 
 
 def test_gemv_takes_tc_for_legacy(device, monkeypatch):
-    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_LEGACY_MIN_M up to 64 rows;
-    K = 320, fp32 x and silu_mul_gemv do not."""
+    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_LEGACY_MIN_M up to 64 rows,
+    silu_mul_gemv too (silu(g) * u formed in the kernel); K = 320 and fp32 x do not."""
     from llmkernels.qgemv import ops, tc
 
     calls = []
@@ -135,12 +135,33 @@ def test_gemv_takes_tc_for_legacy(device, monkeypatch):
             qt = lk.quantize(torch.randn(24, K) * 0.05, fmt).to(device)
             x = torch.randn(M, K, dtype=torch.float16, device=device)
             _check(lk.gemv(x, qt), x, qt, torch.float16)
-        want += [(fmt, lo), (fmt, 16), (fmt, 64)]
+        want += [(fmt, lo), (fmt, 16), (fmt, 64), (fmt, 8)]
         qt = lk.quantize(torch.randn(24, 256) * 0.05, fmt).to(device)
         lk.gemv(torch.randn(8, 256, device=device), qt)
-        lk.silu_mul_gemv(torch.randn(8, 256, dtype=torch.float16, device=device),
-                         torch.randn(8, 256, dtype=torch.float16, device=device), qt)
+        g, u = (torch.randn(8, 256, dtype=torch.float16, device=device) for _ in range(2))
+        _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
     assert calls == want
+
+
+def _check_silu(y, g, u, qt):
+    """silu_mul_gemv against the two-step reference: silu(g) * u rounded to g's dtype, then x @ W.T in float64."""
+    _check(y, (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype), qt, g.dtype)
+
+
+@pytest.mark.parametrize("fmt,M", [("q4_0", 1), ("q8_0", 3), ("q4_k", 5), ("mlx", 3), ("q4_k", 17)])
+def test_silu_mul_gemv_takes_tc(fmt, M, device, monkeypatch):
+    """silu_mul_gemv runs the tensor-core kernel with silu(g) * u formed in its x loads where gemv runs it and the
+    m1 kernel does not (q4_k beyond ops.M1_MAX_M, MLX 4-bit from M = 3, q4_0 / q8_0 at every M)."""
+    from llmkernels.qgemv import tc
+
+    calls = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(k.get("x2") is not None) or real(*a, **k))
+    kw = dict(bits=4, group_size=64) if fmt == "mlx" else {}
+    qt = lk.quantize(torch.randn(45, 512) * 0.05, fmt, **kw).to(device)
+    g, u = (torch.randn(M, 512, dtype=torch.float16, device=device) * 3 for _ in range(2))
+    _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
+    assert calls == [True]
 
 
 @pytest.mark.gpu
@@ -190,3 +211,15 @@ def test_tc_config_keys(device, monkeypatch):
         x = torch.randn(M, 512, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     assert seen == [(128, 4, 1, 2), (64, 4, 1, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_tc_gpu(dtype, device):
+    """silu(g) * u through tanh.approx in the tensor-core kernel, every format it reads, model shapes."""
+    for fmt, N, K, M in [("q4_0", 4096, 14336, 1), ("q8_0", 1001, 4096, 8), ("q4_k", 4096, 14336, 16),
+                         ("mlx", 300, 2048, 5), ("q4_0", 77, 1024, 33)]:
+        kw = dict(bits=4, group_size=64) if fmt == "mlx" else {}
+        qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt, **kw)
+        g, u = (torch.randn(M, K, dtype=dtype, device=device) * 3 for _ in range(2))
+        _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
