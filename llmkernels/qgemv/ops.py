@@ -46,9 +46,12 @@ TC_WIDE_N = 32768
 # 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
 TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
 TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and the m1 kernel does not
-# (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1, "tc/<format>"
-# the rest (q8_0 fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8,
-# 209.0 / 210.9; M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
+# (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1,
+# "tc/<format>/silu" silu_mul_gemv from M = 2 (q8_0 loads one step ahead there: fp16, us, 4096 x 14336 and
+# 14336 x 4096 at M = 2 and 8, (128, 8, 1, 2) / (64, 4, 1, 4, 1): 40.1 / 34.0, 41.7 / 37.2, 41.2 / 34.2, 42.9 /
+# 37.2; the two-step path 35.6 / 36.4 / 37.5 / 38.6; session 25, .lab/silu_lab2.py), "tc/<format>" the rest (q8_0
+# fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8, 209.0 / 210.9;
+# M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
 # q4_0 at M = 1 loads one step ahead (the table's (64, 4, 1, 2, 1); fp16, us, (64, 4, 1, 4) without / (64, 4, 1, 2)
 # with: 9.7 / 8.4, 10.7 / 10.9, 20.2 / 20.9, 20.0 / 18.6, 125.0 / 116.1; q8_0 and M = 8 lost with it; session 25)
 TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}
@@ -301,8 +304,9 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 config = (16, 4, 1, 2)
             else:
                 gpu = gpu_name()
-                config = tuple((M == 1 and lookup("gemv", gpu, f"tc/{name}/m1")) or lookup("gemv", gpu, f"tc/{name}")
-                               or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
+                config = tuple((M == 1 and lookup("gemv", gpu, f"tc/{name}/m1"))
+                               or (mode == 1 and lookup("gemv", gpu, f"tc/{name}/silu"))
+                               or lookup("gemv", gpu, f"tc/{name}") or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt,
                           x2=x2 if mode == 1 else None)
             return _finish(y, out_dtype)

@@ -161,8 +161,8 @@ def tune_decode_few(gpu):
 TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
 # q4_0 / q8_0 also try loading the next step's weights one step ahead (a fifth field, tc.launch_tc)
 TC_LEGACY_CANDS = TC_CANDS + [(64, 4, 1, 2, 1), (64, 4, 1, 4, 1), (128, 8, 1, 2, 1)]
-# q4_0 and q8_0: gemv takes the tensor-core kernel at every M (entries "tc/<format>/m1" for M = 1, tuned at M = 1,
-# and "tc/<format>", tuned at M = 8); the planes kernel serves silu_mul_gemv and float32 activations
+# q4_0 and q8_0: gemv and silu_mul_gemv take the tensor-core kernel at every M (entries "tc/<format>/m1" for M = 1,
+# tuned at M = 1, "tc/<format>" and "tc/<format>/silu", tuned at M = 8); the planes kernel serves float32 x
 TC_ALL_M = ("q4_0", "q8_0")
 # formats whose batch-1 gemv runs a kernel of its own, with its table key and candidate configs (rows per thread,
 # blocks, warps, stages[, lanes along K, ...]: see m1.launch_m1)
@@ -199,6 +199,8 @@ def tune_gemv(gpu):
             if fmt in TC_ALL_M:
                 tc_works[f"tc/{fmt}" + ("/m1" if mclass == "m1" else "")] = works
                 works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
+                if mclass == "m16":  # silu_mul_gemv from M = 2 (the planes entries below serve float32 x only)
+                    tc_works[f"tc/{fmt}/silu"] = works
             if fmt == "q4_k" and mclass == "m16":
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
                 out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works)

@@ -197,7 +197,8 @@ def test_tc_kernel_mlx_gpu(dtype, device):
 
 @pytest.mark.gpu
 def test_tc_config_keys(device, monkeypatch):
-    """gemv reads "tc/<format>/m1" at M = 1 and "tc/<format>" otherwise."""
+    """gemv reads "tc/<format>/m1" at M = 1 and "tc/<format>" otherwise; silu_mul_gemv "tc/<format>/silu" from
+    M = 2."""
     from llmkernels.qgemv import tc
     from llmkernels.tuning import OVERRIDES
 
@@ -206,11 +207,13 @@ def test_tc_config_keys(device, monkeypatch):
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: seen.append(tuple(a[4])) or real(*a, **k))
     monkeypatch.setitem(OVERRIDES, ("gemv", "tc/q8_0/m1"), [128, 4, 1, 2])
     monkeypatch.setitem(OVERRIDES, ("gemv", "tc/q8_0"), [64, 4, 1, 8])
+    monkeypatch.setitem(OVERRIDES, ("gemv", "tc/q8_0/silu"), [64, 4, 1, 4, 1])
     qt = lk.quantize(torch.randn(300, 512, device=device), "q8_0")
     for M in (1, 2):
         x = torch.randn(M, 512, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
-    assert seen == [(128, 4, 1, 2), (64, 4, 1, 8)]
+        _check_silu(lk.silu_mul_gemv(x, x, qt), x, x, qt)
+    assert seen == [(128, 4, 1, 2), (128, 4, 1, 2), (64, 4, 1, 8), (64, 4, 1, 4, 1)]
 
 
 @pytest.mark.gpu
