@@ -139,6 +139,9 @@ def tc_cases(dev="cuda"):
         for dt in (torch.float16, torch.bfloat16):
             for M, config, sms in cases:
                 launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2, fmt=fmt)
+            for M in (1, 5):  # silu_mul_gemv: silu(x) * x2 formed in the kernel's x loads
+                lk.silu_mul_gemv(torch.randn(M, 768, device=dev, dtype=dt), torch.randn(M, 768, device=dev, dtype=dt),
+                                 qt)
     for gs in (32, 64, 128):
         qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
         for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
