@@ -196,23 +196,22 @@ def tune_gemv(gpu):
                 cands = [(32, nb, 4, 3), (64, nb, 4, 3), (64, nb, 8, 3), (128, nb, 8, 3), (64, half, 4, 4),
                          (32, 2 * nb, 4, 2), (16, nb, 4, 3)]
             key = f"planes/{name}/{mclass}"
+            # fp16/bf16 activations of these formats now run other kernels (m1, the tensor cores) for gemv and
+            # silu_mul_gemv; the planes kernel serves float32 x (and K not a multiple of 256), so its entries are
+            # timed with float32 x
+            planes_works = [[lambda x=x.float(), qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)]
+            out[key] = _best("gemv", key, cands, planes_works)
             if fmt in TC_ALL_M:
                 tc_works[f"tc/{fmt}" + ("/m1" if mclass == "m1" else "")] = works
-                works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
-                if mclass == "m16":  # silu_mul_gemv from M = 2 (the planes entries below serve float32 x only)
-                    tc_works[f"tc/{fmt}/silu"] = works
-            if fmt == "q4_k" and mclass == "m16":
+                if mclass == "m16":  # silu_mul_gemv from M = 2
+                    tc_works[f"tc/{fmt}/silu"] = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
+                                                  for x, copies in zip(xs, qts)]
+            elif fmt == "q4_k" and mclass == "m16":
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
                 out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works)
-                works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
-            if fmt in SMALL_M_KERNEL and mclass == "m1":  # gemv takes another kernel; silu_mul_gemv takes planes
-                planes_works = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
-                                for x, copies in zip(xs, qts)]
-                out[key] = _best("gemv", key, cands, planes_works)
+            elif fmt in SMALL_M_KERNEL and mclass == "m1":
                 small_key, small_cands = SMALL_M_KERNEL[fmt]
                 out[small_key] = _best("gemv", small_key, small_cands, works)
-            else:
-                out[key] = _best("gemv", key, cands, works)
     for key, works in tc_works.items():
         out[key] = _best("gemv", key, TC_LEGACY_CANDS, works)
     # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
