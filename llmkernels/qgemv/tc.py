@@ -39,28 +39,35 @@ from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
 
+def _nibbles(bf16: bool, finish) -> str:
+    """PTX for the 4 nibble pairs of a word spread by prmt into t0 (bytes 0, 1) and t1 (bytes 2, 3): pair i (0, 1:
+    low nibbles of t0, t1; 2, 3: high nibbles) is masked into the mantissa of a magic float (fp16 1024 + q, bf16 128
+    + q; fp16 takes the high nibble in place as 1024 + 16 q and rescales it with one fma) and the magic subtracted
+    exactly, leaving q in ``a``; ``finish(i)`` applies the scale and stores the pair."""
+    if bf16:
+        code = "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
+        for i, src in enumerate(("t0", "t1", "u0", "u1")):
+            code += f"lop3.b32 a, {src}, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; " + finish(i)
+        return code
+    code = "mov.b32 m, 0x64006400; mov.b32 h, 0x2C002C00; mov.b32 k, 0xD400D400; "
+    for i, src in enumerate(("t0", "t1", "t0", "t1")):
+        if i < 2:
+            code += f"lop3.b32 a, {src}, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; " + finish(i)
+        else:
+            code += f"lop3.b32 a, {src}, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; " + finish(i)
+    return code
+
+
 def _asm_q4(bf16: bool) -> str:
     """PTX: 4 packed bytes ($4) and per-element scales -> w = q * s + nz for the low and the high nibbles.
 
     Outputs $0,$1: low nibbles of bytes (0,1), (2,3); $2,$3: high nibbles. Inputs: $4 bytes, $5,$6 s_lo, $7,$8 nz_lo,
     $9,$10 s_hi, $11,$12 nz_hi (two 16-bit values per register). A byte pair is spread into the two halves of a
-    register (prmt), the nibble is masked into the mantissa of a magic float (fp16 1024 + q, bf16 128 + q) and the
-    magic is subtracted exactly; then one fma per pair applies the sub-block's scale and min."""
-    if bf16:
-        return ("{ .reg .b32 t0, t1, u0, u1, m, a; "
-                "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
-                "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
-                "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $0, a, $5, $7; "
-                "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $1, a, $6, $8; "
-                "lop3.b32 a, u0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $2, a, $9, $11; "
-                "lop3.b32 a, u1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 $3, a, $10, $12; }")
-    return ("{ .reg .b32 t0, t1, m, h, k, a; "
-            "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
-            "mov.b32 m, 0x64006400; mov.b32 h, 0x2C002C00; mov.b32 k, 0xD400D400; "
-            "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 $0, a, $5, $7; "
-            "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 $1, a, $6, $8; "
-            "lop3.b32 a, t0, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 $2, a, $9, $11; "
-            "lop3.b32 a, t1, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 $3, a, $10, $12; }")
+    register (prmt) and unpacked by _nibbles; then one fma per pair applies the sub-block's scale and min."""
+    t = "bf16x2" if bf16 else "f16x2"
+    regs = "t0, t1, u0, u1, m, a" if bf16 else "t0, t1, m, h, k, a"
+    return (f"{{ .reg .b32 {regs}; prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
+            + _nibbles(bf16, lambda i: f"fma.rn.{t} ${i}, a, ${(5, 6, 9, 10)[i]}, ${(7, 8, 11, 12)[i]}; ") + "}")
 
 
 def _asm_words(fmt: str, bf16: bool) -> str:
@@ -68,34 +75,16 @@ def _asm_words(fmt: str, bf16: bool) -> str:
     outputs, computed two at a time and split with mov.b32 {lo, hi}.
 
     "q4" (q4_0): 8 outputs $0 .. $7 = low, high nibble of byte 0, low, high of byte 1, ...; inputs $8 the word, $9 d,
-    $10 -8 d. A byte pair is spread into the two halves of a register (prmt), the nibble masked into the mantissa of a
-    magic float (fp16 1024 + q, bf16 128 + q) and the magic subtracted exactly (as in _asm_q4);
-    then one fma per pair applies d and -8 d. "q8" (q8_0): 4 outputs (bytes 0 .. 3), $4 the word, $5 d, $6
+    $10 -8 d: a byte pair spread into the two halves of a register (prmt), unpacked by _nibbles, then one fma per
+    pair applies d and -8 d. "q8" (q8_0): 4 outputs (bytes 0 .. 3), $4 the word, $5 d, $6
     -128 d: fp16 masks (q ^ 128) into the mantissa of 1024.0, subtracts 1152 (exact) and multiplies by d; bf16 (8
     significant bits, too few for 1024 + 255) masks the low 7 bits into 128.0, and the sign bits, replicated by prmt
     into a mask, select -128 d as the fma's addend (w = r d - 128 d s, one rounding)."""
     if fmt == "q4":
         w, s, z = "$8", "$9", "$10"
-        if bf16:
-            body = ("shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
-                    "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
-                    "mov.b32 {$0, $2}, a; "
-                    "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
-                    "mov.b32 {$4, $6}, a; "
-                    "lop3.b32 a, u0, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
-                    "mov.b32 {$1, $3}, a; "
-                    "lop3.b32 a, u1, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, zd; "
-                    "mov.b32 {$5, $7}, a; ")
-        else:
-            body = ("mov.b32 m, 0x64006400; mov.b32 h, 0x2C002C00; mov.b32 k, 0xD400D400; "
-                    "lop3.b32 a, t0, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 a, a, sd, zd; "
-                    "mov.b32 {$0, $2}, a; "
-                    "lop3.b32 a, t1, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; fma.rn.f16x2 a, a, sd, zd; "
-                    "mov.b32 {$4, $6}, a; "
-                    "lop3.b32 a, t0, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 a, a, sd, zd; "
-                    "mov.b32 {$1, $3}, a; "
-                    "lop3.b32 a, t1, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; fma.rn.f16x2 a, a, sd, zd; "
-                    "mov.b32 {$5, $7}, a; ")
+        outs = ("$0, $2", "$4, $6", "$1, $3", "$5, $7")  # pair i's two values: byte 2j's and 2j + 1's nibble p
+        t = "bf16x2" if bf16 else "f16x2"
+        body = _nibbles(bf16, lambda i: f"fma.rn.{t} a, a, sd, zd; mov.b32 {{{outs[i]}}}, a; ")
     else:
         w, s, z = "$4", "$5", "$6"
         if bf16:
