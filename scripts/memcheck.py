@@ -126,7 +126,7 @@ def m1_cases(dev="cuda"):
 
 
 def tc_cases(dev="cuda"):
-    """The tensor-core kernel for mid M (tc.py): rows past the tile, uneven K splits, both activation dtypes; q4_k,
+    """The tensor-core kernel (tc.py): rows past the tile, uneven K splits, both activation dtypes; q4_k, q5_k, q6_k,
     q4_0, q8_0 and MLX 4-bit at each group size."""
     from llmkernels.qgemv.tc import launch_tc
 
@@ -142,6 +142,13 @@ def tc_cases(dev="cuda"):
             for M in (1, 5):  # silu_mul_gemv: silu(x) * x2 formed in the kernel's x loads
                 lk.silu_mul_gemv(torch.randn(M, 768, device=dev, dtype=dt), torch.randn(M, 768, device=dev, dtype=dt),
                                  qt)
+    for fmt, K in (("q5_k", 768), ("q6_k", 2048)):  # q6_k: blocks at every offset mod 16, the last row's end
+        qt = lk.quantize(torch.randn(77, K, device=dev), fmt)
+        for dt in (torch.float16, torch.bfloat16):
+            for M, config, sms in ((1, (64, 4, 1, 4), 132), (5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7),
+                                   (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+                launch_tc(torch.randn(M, K, device=dev, dtype=dt), qt.data, 77, K, config, sms, 2, fmt=fmt)
+            lk.silu_mul_gemv(torch.randn(5, K, device=dev, dtype=dt), torch.randn(5, K, device=dev, dtype=dt), qt)
     for gs in (32, 64, 128):
         qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
         for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):

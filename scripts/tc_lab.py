@@ -1,12 +1,15 @@
-"""Small-M GEMV on the tensor cores (qgemv/tc.py: q4_k, q4_0, q8_0, MLX 4-bit) against gemv without it, on the GPU.
+"""Small-M GEMV on the tensor cores (qgemv/tc.py: q4_k, q5_k, q6_k, q4_0, q8_0, MLX 4-bit) against gemv without
+it, on the GPU.
 
-    python scripts/tc_lab.py [--fmt q4_k|q4_0|q8_0|mlx4] [--configs BLOCK_N/warps/stages/waves,...] [--m 1,8,16]
-                             [--dtypes fp16,bf16] [--shapes NxK,...]
+    python scripts/tc_lab.py [--fmt q4_k|q5_k|q6_k|q4_0|q8_0|mlx4] [--configs BLOCK_N/warps/stages/waves,...]
+                             [--m 1,8,16] [--dtypes fp16,bf16] [--shapes NxK,...]
+
+A config may add /prefetch/maxnreg (tc.launch_tc).
 
 Checks each config against x @ dequantize(W).T (float32), then times it by CUDA-graph replay over enough weight
 copies to overflow L2 and prints effective TB/s (weight + activation bytes / time) next to the time of gemv with
-the tensor-core branch switched off (ops.TC_MIN_M, ops.TC_WIDE_N and ops.TC_LEGACY_MIN_M set out of reach): the m1,
-words or planes kernel.
+the tensor-core branch switched off (ops.TC_MIN_M, ops.TC_WIDE_N, ops.TC_LEGACY_MIN_M and ops.TC_KQ_MIN_M set out
+of reach): the m1 or planes kernel.
 """
 import argparse
 import math
@@ -37,14 +40,14 @@ def main():
     ap.add_argument("--m", default="1,8,16")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--shapes", default="")
-    ap.add_argument("--fmt", default="q4_k", choices=["q4_k", "q4_0", "q8_0", "mlx4"])
+    ap.add_argument("--fmt", default="q4_k", choices=["q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mlx4"])
     args = ap.parse_args()
     cfgs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     dts = [{"fp16": torch.float16, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tc_min, tc_wide, tc_legacy = ops.TC_MIN_M, ops.TC_WIDE_N, dict(ops.TC_LEGACY_MIN_M)
+    tc_min, tc_wide, tc_legacy, tc_kq = ops.TC_MIN_M, ops.TC_WIDE_N, dict(ops.TC_LEGACY_MIN_M), dict(ops.TC_KQ_MIN_M)
     print(f"read bandwidth {measure_read_bandwidth():.3f} TB/s", flush=True)
     summary = {}
     for N, K in shapes:
@@ -59,8 +62,10 @@ def main():
                 ref = x.float() @ w_ref.T
                 ops.TC_MIN_M, ops.TC_WIDE_N = 10**9, 10**12  # the path without tensor cores
                 ops.TC_LEGACY_MIN_M = {k: 10**9 for k in tc_legacy}
+                ops.TC_KQ_MIN_M = {k: 10**9 for k in tc_kq}
                 t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
                 ops.TC_MIN_M, ops.TC_WIDE_N, ops.TC_LEGACY_MIN_M = tc_min, tc_wide, dict(tc_legacy)
+                ops.TC_KQ_MIN_M = dict(tc_kq)
                 line = f"N{N} K{K} {str(dt)[6:]} M{M}: no-tc {t_g * 1e3:6.1f} us {nbytes / t_g / 1e9:5.2f} TB/s |"
                 for cfg in cfgs:
                     try:

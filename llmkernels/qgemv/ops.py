@@ -45,6 +45,12 @@ TC_WIDE_N = 32768
 # 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ... 558.9 / 129.8; q8_0 M = 1 (planes) 13.7 /
 # 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
 TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
+# q5_k and q6_k (q6_k: K a multiple of 2048, so that rows are 16-byte aligned) from this M up to MID_M (H100, fp16 x,
+# us on the five Llama-3-8B shapes, the m1 kernel / tc with config (64, 4, 1, 4, 0, 128), scripts/tc_lab.py, session
+# 26): q6_k M = 1 13.9 / 12.5, 25.8 / 14.7, 39.5 / 28.8, 47.4 / 27.8, 328.3 / 186.3 (the m1 kernel gets 2-byte loads
+# from 210-byte blocks; tc shifts aligned 16-byte vectors into place); q5_k M = 2 10.7 / 11.7, 12.3 / 13.5, 25.9 /
+# 28.9, 31.7 / 27.6, 197.8 / 182.8, M = 3 12.2 / 11.6, 18.0 / 13.5, 37.5 / 29.1, 36.4 / 27.7, 310.0 / 183.3
+TC_KQ_MIN_M = {"q5_k": 3, "q6_k": 1}
 TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and the m1 kernel does not
 # (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1,
 # "tc/<format>/silu" silu_mul_gemv from M = 2 (q8_0 loads one step ahead there: fp16, us, 4096 x 14336 and
@@ -54,7 +60,11 @@ TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and
 # M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
 # q4_0 at M = 1 loads one step ahead (the table's (64, 4, 1, 2, 1); fp16, us, (64, 4, 1, 4) without / (64, 4, 1, 2)
 # with: 9.7 / 8.4, 10.7 / 10.9, 20.2 / 20.9, 20.0 / 18.6, 125.0 / 116.1; q8_0 and M = 8 lost with it; session 25)
-TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2)}
+# q5_k and q6_k cap registers at 128 (the sixth field): 4 programs per SM instead of 3 (q6_k 153 registers -> 127
+# with no spill, q5_k 148 -> 128 with 3 spill instructions); M = 8, us, without / with the cap: q6_k 14.4 / 12.9,
+# 17.5 / 15.5, 32.5 / 30.8, 36.6 / 29.3, 219.6 / 194.2 (session 26)
+TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1, 4, 0, 128),
+               "q6_k": (64, 4, 1, 4, 0, 128)}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
@@ -290,9 +300,11 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
     tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
     tc_m = tc_m or (fmt in TC_LEGACY_MIN_M and TC_LEGACY_MIN_M[fmt] <= M <= MID_M)
-    # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and the m1
-    # kernel (which forms it in its loads too) does not
-    tc_silu = TC_SILU and mode == 1 and tc_m and not (m1_fmt and M <= M1_MAX_M.get(fmt, 0))
+    tc_m = tc_m or (fmt in TC_KQ_MIN_M and TC_KQ_MIN_M[fmt] <= M <= MID_M)
+    # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and (q4_k,
+    # MLX) the m1 kernel, which forms it in its loads too, does not
+    tc_silu = TC_SILU and mode == 1 and tc_m and not (m1_fmt and fmt not in TC_KQ_MIN_M
+                                                      and M <= M1_MAX_M.get(fmt, 0))
     if tc_m and (mode == 0 or tc_silu):
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
         from .tc import launch_tc, tc_supports

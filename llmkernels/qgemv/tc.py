@@ -39,22 +39,28 @@ from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
 
-def _nibbles(bf16: bool, finish) -> str:
+def _nibbles(bf16: bool, finish, mag=("m", "m", "m", "m"), offset: int = 0) -> str:
     """PTX for the 4 nibble pairs of a word spread by prmt into t0 (bytes 0, 1) and t1 (bytes 2, 3): pair i (0, 1:
     low nibbles of t0, t1; 2, 3: high nibbles) is masked into the mantissa of a magic float (fp16 1024 + q, bf16 128
-    + q; fp16 takes the high nibble in place as 1024 + 16 q and rescales it with one fma) and the magic subtracted
-    exactly, leaving q in ``a``; ``finish(i)`` applies the scale and stores the pair."""
+    + q; fp16 takes the high nibble in place as 1024 + 16 q and rescales it with one fma) and the magic plus
+    ``offset`` (0, or q6_k's 32) subtracted exactly, leaving q - offset in ``a``; ``finish(i)`` applies the scale and
+    stores the pair. ``mag[i]`` names the register OR-ed in as pair i's magic: m itself, or (q5_k / q6_k) m with the
+    code's high bits already in place (_qh_bits)."""
+    # m: the magic float plus offset, subtracted from every pair (with offset 32 the pairs OR in e0 .. e3 instead)
+    assert offset == 0 or "m" not in mag
     if bf16:
-        code = "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, 0x43004300; "
+        code = f"shr.b32 u0, t0, 4; shr.b32 u1, t1, 4; mov.b32 m, {'0x43204320' if offset else '0x43004300'}; "
         for i, src in enumerate(("t0", "t1", "u0", "u1")):
-            code += f"lop3.b32 a, {src}, 0x000F000F, m, 0xEA; sub.rn.bf16x2 a, a, m; " + finish(i)
+            code += f"lop3.b32 a, {src}, 0x000F000F, {mag[i]}, 0xEA; sub.rn.bf16x2 a, a, m; " + finish(i)
         return code
-    code = "mov.b32 m, 0x64006400; mov.b32 h, 0x2C002C00; mov.b32 k, 0xD400D400; "
+    # 1024 (+ 32); (1024 + 16 q) / 16 - 64 (- 32)
+    code = (f"mov.b32 m, {'0x64206420' if offset else '0x64006400'}; mov.b32 h, 0x2C002C00; "
+            f"mov.b32 k, {'0xD600D600' if offset else '0xD400D400'}; ")
     for i, src in enumerate(("t0", "t1", "t0", "t1")):
         if i < 2:
-            code += f"lop3.b32 a, {src}, 0x000F000F, m, 0xEA; sub.f16x2 a, a, m; " + finish(i)
+            code += f"lop3.b32 a, {src}, 0x000F000F, {mag[i]}, 0xEA; sub.f16x2 a, a, m; " + finish(i)
         else:
-            code += f"lop3.b32 a, {src}, 0x00F000F0, m, 0xEA; fma.rn.f16x2 a, a, h, k; " + finish(i)
+            code += f"lop3.b32 a, {src}, 0x00F000F0, {mag[i]}, 0xEA; fma.rn.f16x2 a, a, h, k; " + finish(i)
     return code
 
 
@@ -105,18 +111,88 @@ def _asm_words(fmt: str, bf16: bool) -> str:
             f"prmt.b32 t0, {w}, 0, 0x4140; prmt.b32 t1, {w}, 0, 0x4342; " + body + "}")
 
 
+def _qh_bits(bits: int, bf16: bool, codes: str, qh: str, shift: str) -> str:
+    """PTX shared by q5_k and q6_k: spreads the word of codes ``codes`` into t0, t1 (as _nibbles wants) and puts the
+    high bits of each weight from the word ``qh`` (qh bytes at the codes' byte indices), shifted right by ``shift``,
+    into e0 .. e3: the magic float with pair i's high bits already in place (q5_k: the low nibble's at bit 0 of the
+    shifted byte, the high nibble's at bit 1; q6_k: bits 0-1 and 4-5), so each pair's mask-and-OR takes e_i for m and
+    the code is nibble + 16 hb at no cost per pair: 9 instructions per word beyond q4_k's."""
+    mask = "0x10101010" if bits == 5 else "0x30303030"
+    code = (f"prmt.b32 t0, {codes}, 0, 0x4140; prmt.b32 t1, {codes}, 0, 0x4342; shr.b32 hq, {qh}, {shift}; "
+            f"shl.b32 hl, hq, 4; and.b32 hl, hl, {mask}; ")  # low nibbles' high bits at bit 4 (and 5) of each byte
+    if bf16:  # the high nibbles are shifted down to bits 0..3 too: their high bits at bit 4 (and 5) as well
+        code += "shl.b32 hh, hq, 3; and.b32 hh, hh, 0x10101010; " if bits == 5 else "and.b32 hh, hq, 0x30303030; "
+        return code + ("prmt.b32 e0, hl, 0x43434343, 0x4140; prmt.b32 e1, hl, 0x43434343, 0x4342; "
+                       "prmt.b32 e2, hh, 0x43434343, 0x4140; prmt.b32 e3, hh, 0x43434343, 0x4342; ")
+    # fp16 keeps the high nibble in place (1024 + 16 q): its high bits go to bit 8 (and 9), in the magic's byte
+    code += ("shr.b32 hh, hq, 1; lop3.b32 hh, hh, 0x01010101, 0x64646464, 0xEA; " if bits == 5
+             else "shr.b32 hh, hq, 4; lop3.b32 hh, hh, 0x03030303, 0x64646464, 0xEA; ")
+    return code + ("prmt.b32 e0, hl, 0x64646464, 0x4140; prmt.b32 e1, hl, 0x64646464, 0x4342; "
+                   "prmt.b32 e2, hh, 0, 0x1404; prmt.b32 e3, hh, 0, 0x3424; ")
+
+
+_QH_REGS = "hq, hl, hh, e0, e1, e2, e3"
+_MAGS = ("e0", "e1", "e2", "e3")
+
+
+def _asm_q5(bf16: bool) -> str:
+    """PTX like _asm_q4 for q5_k: code q = nibble + 16 hb, hb from the qh byte at the same index, bit 2t (low nibble)
+    or 2t + 1 (high) for lane chunk t. Inputs: $4 code bytes, $5 their qh bytes, $6 .. $9 the shift 2t (pack 4 gives
+    an int32 operand 4 registers), $10 .. $17 the scales and addends as _asm_q4's $5 .. $12."""
+    t = "bf16x2" if bf16 else "f16x2"
+    regs = "t0, t1, u0, u1, m, a" if bf16 else "t0, t1, m, h, k, a"
+    return (f"{{ .reg .b32 {regs}, {_QH_REGS}; " + _qh_bits(5, bf16, "$4", "$5", "$6")
+            + _nibbles(bf16, lambda i: f"fma.rn.{t} ${i}, a, ${(10, 11, 14, 15)[i]}, ${(12, 13, 16, 17)[i]}; ", _MAGS)
+            + "}")
+
+
+def _asm_q6_words(bf16: bool) -> str:
+    """PTX for q6_k code words: $8 a word of low-nibble bytes (ql), $9 the qh word of the same weights, $10 the
+    shift 2c (chunk c of the half), $11 / $12 the scale d * sc of the low / high nibbles (16-bit) -> 8 16-bit
+    outputs as _asm_words' q4: (q - 32) * scale, q = nibble + 16 hb exact before one rounding."""
+    t = "bf16x2" if bf16 else "f16x2"
+    regs = "t0, t1, u0, u1, m, a" if bf16 else "t0, t1, m, h, k, a"
+    outs = ("$0, $2", "$4, $6", "$1, $3", "$5, $7")
+    return (f"{{ .reg .b32 {regs}, {_QH_REGS}, sl, sh; mov.b32 sl, {{$11, $11}}; mov.b32 sh, {{$12, $12}}; "
+            + _qh_bits(6, bf16, "$8", "$9", "$10")
+            + _nibbles(bf16, lambda i: f"mul.rn.{t} a, a, {'sl' if i < 2 else 'sh'}; mov.b32 {{{outs[i]}}}, a; ",
+                       _MAGS, offset=32) + "}")
+
+
 _ASM_W4_F16 = tl.constexpr(_asm_words("q4", False))
 _ASM_W4_BF16 = tl.constexpr(_asm_words("q4", True))
 _ASM_W8_F16 = tl.constexpr(_asm_words("q8", False))
 _ASM_W8_BF16 = tl.constexpr(_asm_words("q8", True))
 _ASM_Q4_F16 = tl.constexpr(_asm_q4(False))
 _ASM_Q4_BF16 = tl.constexpr(_asm_q4(True))
+_ASM_Q5_F16 = tl.constexpr(_asm_q5(False))
+_ASM_Q5_BF16 = tl.constexpr(_asm_q5(True))
+_ASM_Q6_F16 = tl.constexpr(_asm_q6_words(False))
+_ASM_Q6_BF16 = tl.constexpr(_asm_q6_words(True))
+_CONS_Q5 = tl.constexpr("=r,=r,=r,=r" + ",r" * 14)  # pack 4: a register of codes, of qh, 4 of the shift, 2 per scale
+_CONS_Q6 = tl.constexpr("=h," * 8 + "r,r,r,h,h")
+_ASM_PRMT = tl.constexpr("prmt.b32 $0, $1, $2, $3;")
 
 
 @triton.jit
-def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
-    """(low, high) nibble weights q * s + nz of a uint8 tile, in DT (fp16 or bf16)."""
-    if UNPACK == 2:
+def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.constexpr, HB: tl.constexpr = 0,
+            qh=None, sh=None):
+    """(low, high) nibble weights q * s + nz of a uint8 tile, in DT (fp16 or bf16). HB 5 (q5_k): q also takes a
+    high bit from ``qh`` (uint8, like units) shifted right by ``sh`` (int32): _asm_q5."""
+    if HB != 0 and UNPACK == 2:
+        if DT == tl.float16:
+            return tl.inline_asm_elementwise(_ASM_Q5_F16, _CONS_Q5, [units, qh, sh, s_lo, nz_lo, s_hi, nz_hi],
+                                             dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_ASM_Q5_BF16, _CONS_Q5, [units, qh, sh, s_lo, nz_lo, s_hi, nz_hi],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif HB != 0:
+        v = units.to(tl.int32)
+        hq = qh.to(tl.int32) >> sh
+        lo = ((v & 15) | ((hq & 1) << 4)).to(tl.float32) * s_lo.to(tl.float32) + nz_lo.to(tl.float32)
+        hi = ((v >> 4) | ((hq & 2) << 3)).to(tl.float32) * s_hi.to(tl.float32) + nz_hi.to(tl.float32)
+        return lo.to(DT), hi.to(DT)
+    elif UNPACK == 2:
         if DT == tl.float16:
             return tl.inline_asm_elementwise(_ASM_Q4_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                              [units, s_lo, nz_lo, s_hi, nz_hi], dtype=(tl.float16, tl.float16),
@@ -226,6 +302,54 @@ def _lane_blocks(vecs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
+def _shift_words(vecs, s, odd, UNPACK: tl.constexpr):
+    """q6_k: the 8 words at byte 4 s + 2 odd of three 16-byte vectors (int32 [4, 8, A, 2, 4] each, _lane_load), as a
+    tuple of [4, 8, A, 2] tiles. s (0..3) and odd are the same for the whole program (the block's start modulo 16),
+    so the word shift is two levels of uniform selects and the half-word shift one byte permute per word."""
+    w = ()
+    for v in tl.static_range(3):
+        w = w + _words4(vecs[v])
+    a = ()
+    for j in tl.static_range(10):
+        a = a + (tl.where(s >= 2, w[j + 2], w[j]), )
+    b = ()
+    for j in tl.static_range(9):
+        b = b + (tl.where((s & 1) != 0, a[j + 1], a[j]), )
+    out = ()
+    for j in tl.static_range(8):
+        if UNPACK == 2:  # selector 0x3210 keeps b[j], 0x5432 takes its high half and b[j + 1]'s low half
+            sel = tl.full(b[j].shape, 0x3210, tl.int32) + odd * 0x2222
+            out = out + (tl.inline_asm_elementwise(_ASM_PRMT, "=r,r,r,r", [b[j], b[j + 1], sel], dtype=tl.int32,
+                                                   is_pure=True, pack=1), )
+        else:
+            out = out + (tl.where(odd != 0, _funnel(b[j], b[j + 1], UNPACK), b[j]), )
+    return out
+
+
+@triton.jit
+def _deq_q6(cw, qh, sh, s_lo, s_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
+    """q6_k code words ``cw`` (4 ql bytes each), their qh words, the shift 2c and the scales (DT) of the low and the
+    high nibbles -> weights (q - 32) * scale in DT, [..., 4 bytes, 2 nibbles] (_asm_q6_words)."""
+    if UNPACK == 2:
+        if DT == tl.float16:
+            o = tl.inline_asm_elementwise(_ASM_Q6_F16, _CONS_Q6, [cw, qh, sh, s_lo, s_hi], dtype=(tl.float16, ) * 8,
+                                          is_pure=True, pack=1)
+        else:
+            o = tl.inline_asm_elementwise(_ASM_Q6_BF16, _CONS_Q6, [cw, qh, sh, s_lo, s_hi],
+                                          dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+    else:
+        o = ()
+        hq = qh >> sh
+        for j in tl.static_range(4):
+            byte = (cw >> (8 * j)) & 255
+            hb = (hq >> (8 * j)) & 255
+            lo = (((byte & 15) | ((hb & 3) << 4)) - 32).to(tl.float32) * s_lo.to(tl.float32)
+            hi = (((byte >> 4) | (hb & 0x30)) - 32).to(tl.float32) * s_hi.to(tl.float32)
+            o = o + (lo.to(DT), hi.to(DT))
+    return _stack(o, 3)
+
+
+@triton.jit
 def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym, row_bytes,
                    scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
                    BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
@@ -242,7 +366,9 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
     pid_m = tl.program_id(2)
     DT: tl.constexpr = X.dtype.element_ty
     A: tl.constexpr = BLOCK_N // 16
-    STEP: tl.constexpr = 144 if (FMT == 10 or FMT == 3) else (272 if FMT == 7 else 128)  # bytes of one row per step
+    # bytes of one row per step
+    STEP: tl.constexpr = 144 if (FMT == 10 or FMT == 3) else (
+        272 if FMT == 7 else (176 if FMT == 11 else (210 if FMT == 12 else 128)))
     NV: tl.constexpr = 3 if FMT == 3 else 5  # q4_0 / q8_0: 16-byte vectors per lane and row
     NW: tl.constexpr = 4 if FMT == 3 else 8  # q4_0 / q8_0: code words per block
     t_ = tl.arange(0, 4)[:, None, None, None, None, None]
@@ -256,9 +382,25 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
     # rows past N read row N - 1 (in bounds, never stored)
     row = tl.minimum(pid_n * BLOCK_N + 16 * a_ + 8 * h_ + g_, N - 1).to(tl.int64)
     base = row * row_bytes + kb_start * STEP
-    if FMT == 10:
-        w_ptrs = W8 + base + 16 + t_ * 32 + half_ * 16 + b_
+    if FMT == 10 or FMT == 11:  # q5_k: q4_k's header, then qh (32 bytes), then the low nibbles as q4_k's codes
+        w_ptrs = W8 + base + (16 if FMT == 10 else 48) + t_ * 32 + half_ * 16 + b_
         h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base // 4 + t_ * 0
+        if FMT == 11:  # qh byte b holds the 5th bit of weight 32 i + b at bit i: chunk t's at bits 2t, 2t + 1
+            qh_ptrs = W8 + base + 16 + half_ * 16 + b_ + t_ * 0
+            sh = (2 * t_).to(tl.int32)
+    elif FMT == 12:  # q6_k: words [4 t, 8 g, A, 2 h, 4] of the 16-byte vectors holding ql (32 t ..) and qh
+        # (128 + 32 (t // 2) ..) of a block, which starts 2 (kb % 8) bytes past a 16-byte boundary (rows are 16-byte
+        # aligned: tc_supports wants K a multiple of 2048)
+        t4 = tl.reshape(t_, (4, 1, 1, 1, 1))
+        row_w = tl.multiple_of(tl.reshape(row * row_bytes, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
+        ql_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + row_w + t4 * 8 + tl.arange(0, 4)[None, None, None,
+                                                                                                    None, :]
+        qh_ptrs = ql_ptrs - t4 * 8 + 32 + (t4 // 2) * 8
+        # the scale pairs sc[4 t - 2 c], sc[4 t - 2 c + 1] (low nibbles of halves 0, 1) and 4 bytes on (high
+        # nibbles), c = t % 2, and d: 2-byte loads at block offsets 192 + 4 t - 2 c, 196 + ..., 208
+        c6 = t_ % 2
+        s_ptrs = W8.to(tl.pointer_type(tl.int16), bitcast=True) + (row * row_bytes) // 2 + 96 + 2 * t_ - c6
+        sh = tl.reshape(2 * c6, (4, 1, 1, 1, 1, 1)).to(tl.int32)
     elif FMT == 3 or FMT == 7:  # [4 t, 8 g, A, 2 h, 4 words] from byte 32 t (q4_0) or 64 t (q8_0) of the step
         t4 = tl.reshape(t_, (4, 1, 1, 1))
         # (row_bytes and STEP are multiples of 16, so every vector starts 16-byte aligned)
@@ -278,7 +420,26 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
     if (FMT == 3 or FMT == 7) and PREFETCH:  # q4_0 / q8_0: the next step's vectors load while this one computes
         nxt = _lane_load(v_ptrs, kb_start < kb_end, NV)
     for kb in range(kb_start, kb_end):
-        if FMT == 3 or FMT == 7:
+        if FMT == 12:
+            off = (kb * 210) // 16 * 4  # words to the 16-byte boundary at or before the block
+            odd = kb % 2
+            s_w = (kb % 8) // 2
+            cq = _stack(_shift_words(_lane_load(ql_ptrs + off, True, 3), s_w, odd, UNPACK), 3)
+            ch = _stack(_shift_words(_lane_load(qh_ptrs + off, True, 3), s_w, odd, UNPACK), 3)
+            s_off = kb * 105
+            d = tl.load(s_ptrs + s_off + (104 - 96) - 2 * t_ + c6).to(tl.float16, bitcast=True).to(tl.float32)
+            sc_lo = tl.load(s_ptrs + s_off).to(tl.int32)
+            sc_hi = tl.load(s_ptrs + s_off + 2).to(tl.int32)
+            # int8 scale of half 0 in the low byte, of half 1 in the high byte: [4, 8, A, 2, 1, 1] -> [.., 2 half, 1]
+            s_lo = tl.reshape(tl.join(d * ((sc_lo << 24) >> 24).to(tl.float32), d * ((sc_lo << 16) >> 24).to(
+                tl.float32)), (4, 8, A, 2, 2, 1)).to(DT)
+            s_hi = tl.reshape(tl.join(d * ((sc_hi << 24) >> 24).to(tl.float32), d * ((sc_hi << 16) >> 24).to(
+                tl.float32)), (4, 8, A, 2, 2, 1)).to(DT)
+            w = _deq_q6(tl.reshape(cq, (4, 8, A, 2, 2, 4)), tl.reshape(ch, (4, 8, A, 2, 2, 4)), sh, s_lo, s_hi, DT,
+                        UNPACK)  # [t, g, a, h, half, word, byte, nibble]
+            w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p as q4_k's
+            w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
+        elif FMT == 3 or FMT == 7:
             if PREFETCH:
                 vecs = nxt
                 nxt = _lane_load(v_ptrs + STEP // 4, kb + 1 < kb_end, NV)
@@ -296,11 +457,11 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
                 w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 6, 0, 7)), (BLOCK_N, 256))
             v_ptrs += STEP // 4
         else:
-            if FMT == 10:
+            if FMT == 10 or FMT == 11:
                 d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
                 sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
                 s_lo, z_lo, s_hi, z_hi = (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT), (-dmin * mn1).to(DT)
-                h_ptrs += 36
+                h_ptrs += STEP // 4
             else:
                 s_lo = tl.load(s_ptrs).to(DT)
                 z_lo = tl.load(z_ptrs).to(DT)
@@ -309,7 +470,11 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
                 z_ptrs += 256 // GS
             # (the scales before the codes' load: 656 SASS instructions against 768 with the load first, q4_k
             # fp16; 144.3 against 154.7 us at M = 8 on 128256 x 4096, H100)
-            w_lo, w_hi = _deq_q4(tl.load(w_ptrs), s_lo, z_lo, s_hi, z_hi, DT, UNPACK)
+            if FMT == 11:
+                w_lo, w_hi = _deq_q4(tl.load(w_ptrs), s_lo, z_lo, s_hi, z_hi, DT, UNPACK, 5, tl.load(qh_ptrs), sh)
+                qh_ptrs += STEP
+            else:
+                w_lo, w_hi = _deq_q4(tl.load(w_ptrs), s_lo, z_lo, s_hi, z_hi, DT, UNPACK)
             w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
             w_ptrs += STEP
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
@@ -318,8 +483,11 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
             xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
                            SILU).to(DT)
             x2_ptrs += 256
-        if FMT == 10:  # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
+        if FMT == 10 or FMT == 11:
+            # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
+        elif FMT == 12:  # chunk t = 2 h6 + c, byte 16 half + 2 lhl + ll, nibble p: weight 128 h6 + 64 p + 32 c + ..
+            xt = tl.reshape(tl.permute(tl.reshape(xn, (2, 2, 2, 2, 8, 2, M_PAD)), (3, 4, 1, 0, 2, 5, 6)), (256, M_PAD))
         elif FMT == 3:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (1, 3, 2, 0, 4, 5)), (256, M_PAD))
         elif FMT == 7:  # byte 4 bj + 2 p + ll of block 2t + blk: weight 64 t + 32 blk + 4 bj + 2 p + ll
@@ -341,15 +509,17 @@ def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
 
     if x.dtype not in (torch.float16, torch.bfloat16) or data.data_ptr() % 16:
         return False
-    if fmt == "q4_k":
+    if fmt in ("q4_k", "q5_k"):
         return True
+    if fmt == "q6_k":  # 210-byte blocks: rows 16-byte aligned when K is a multiple of 8 blocks
+        return K % 2048 == 0
     if fmt in ("q4_0", "q8_0"):
         return K % 256 == 0
     return (fmt == "mlx" and bits == 4 and group_size in (32, 64, 128) and K % 256 == 0
             and scales.stride(-1) == 1 and biases.stride(-1) == 1 and scales.stride(0) == biases.stride(0))
 
 
-TC_FORMATS = {"q4_k": 10, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kernel's FMT
+TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kernel's FMT
 
 
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
@@ -357,11 +527,12 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit
     words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages,
-    waves[, prefetch]); K is split until the grid has ``waves`` programs per SM. With ``x2`` (like x) the
+    waves[, prefetch[, maxnreg]]); K is split until the grid has ``waves`` programs per SM. With ``x2`` (like x) the
     activations are silu(x) * x2 (silu_mul_gemv), rounded to x's dtype as the two-step path rounds them. prefetch
     (q4_0 / q8_0 only) loads the next step's weights before computing this one (157 registers instead of 128 for
     q4_0: 3 programs per SM instead of 4, which pays at M = 1 on some shapes and loses at M = 8; bench/NOTES.md
-    session 25)."""
+    session 25). maxnreg caps the registers per thread (q6_k: 153 -> 127 with no spill, a fourth program per SM;
+    bench/NOTES.md session 26)."""
     import torch
 
     from .._runtime import empty
@@ -369,6 +540,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
 
     block_n, warps, stages, waves = config[:4]
     prefetch = bool(config[4]) if len(config) > 4 else False
+    maxnreg = {"maxnreg": int(config[5])} if len(config) > 5 and config[5] else {}
     M = x.shape[0]
     # the activation rows are the dot's N: 16, 32 or 64 of them per program, so up to M = 64 each weight is read once
     m_pad = 16 if M <= 16 else (32 if M <= 32 else 64)
@@ -385,5 +557,5 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
         x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes, scales.stride(0) if mlx else 0,
         nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt], GS=group_size if mlx else 256, BLOCK_N=block_n,
         M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **maxnreg)
     return y

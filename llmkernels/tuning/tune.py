@@ -155,12 +155,15 @@ def tune_decode_few(gpu):
     return out
 
 
-# the tensor-core kernel (qgemv/tc.py: q4_k and MLX 4-bit at M = 3..64, q4_0 and q8_0 at M = 1..64): (BLOCK_N,
-# warps, stages, waves); pipelined stages (> 1) lost 2x, and so did loading the next step's weights one step ahead
-# (163 registers: 3 programs per SM)
+# the tensor-core kernel (qgemv/tc.py: q4_k, q5_k and MLX 4-bit at M = 3..64, q4_0, q8_0 and q6_k at M = 1..64):
+# (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x, and so did loading the next step's weights one
+# step ahead for q4_k (163 registers: 3 programs per SM)
 TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
 # q4_0 / q8_0 also try loading the next step's weights one step ahead (a fifth field, tc.launch_tc)
 TC_LEGACY_CANDS = TC_CANDS + [(64, 4, 1, 2, 1), (64, 4, 1, 4, 1), (128, 8, 1, 2, 1)]
+# q5_k / q6_k: also with registers capped at 128 (a sixth field: 4 programs per SM, bench/NOTES.md session 26)
+TC_KQ_CANDS = [(64, 4, 1, 4, 0, 128), (64, 4, 1, 2, 0, 128), (128, 8, 1, 2, 0, 128), (64, 4, 1, 8, 0, 128),
+               (64, 4, 1, 4), (128, 8, 1, 2)]
 # q4_0 and q8_0: gemv and silu_mul_gemv take the tensor-core kernel at every M (entries "tc/<format>/m1" for M = 1,
 # tuned at M = 1, "tc/<format>" and "tc/<format>/silu", tuned at M = 8); the planes kernel serves float32 x
 TC_ALL_M = ("q4_0", "q8_0")
@@ -219,7 +222,14 @@ def tune_gemv(gpu):
     xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]
     out["tc/mlx4"] = _best("gemv", "tc/mlx4", TC_CANDS,
                            [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, mlx)])
-    generic = [("legacy", "q5_0", {}, 8), ("kquant", "q6_k", {}, 1), ("dense", "f16", {}, 8),
+    # q5_k from M = 3 and q6_k at every M (K a multiple of 2048) take the tensor-core kernel, tuned at M = 8
+    for fmt in ("q5_k", "q6_k"):
+        qts = [[random_qtensor(fmt, N, K, "cuda") for _ in range(4)] for N, K in shapes]
+        xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]
+        out[f"tc/{fmt}"] = _best("gemv", f"tc/{fmt}", TC_KQ_CANDS,
+                                 [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)])
+    # the generic kernel's K-quant entries, timed on q3_k (q5_k and q6_k have kernels of their own at these shapes)
+    generic = [("legacy", "q5_0", {}, 8), ("kquant", "q3_k", {}, 1), ("dense", "f16", {}, 8),
                ("mlx_odd", "mlx", dict(bits=3, group_size=64), 4)]
     for family, fmt, kw, nb in generic:
         qts = [[random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(4)] for N, K in shapes]

@@ -1,4 +1,4 @@
-"""The tensor-core kernel for q4_k, q4_0, q8_0 and MLX 4-bit at 3 <= M <= 64 (qgemv/tc.py) against
+"""The tensor-core kernel for q4_k, q5_k, q6_k, q4_0, q8_0 and MLX 4-bit (qgemv/tc.py) against
 x @ dequantize(W).T in float64: tile edges, split-K, M classes, group sizes, and on the GPU fp16 and bf16 at model
 shapes, through gemv and directly."""
 import pytest
@@ -26,12 +26,16 @@ def _check(y, x, qt, dtype):
     (45, 512, 29, (32, 4, 1, 2), 2),    # 32 activation rows per program, 3 of them padding
     (21, 256, 64, (16, 4, 1, 2), 3),    # 64 activation rows in one program
     (19, 512, 3, (16, 4, 1, 2), 2),     # 3 rows: 13 of the 16 padding
+    (37, 512, 2, (16, 4, 1, 2, 0, 128), 4),  # a register cap (a compile option; the interpreter ignores it)
 ])
-def test_tc_kernel(N, K, M, config, sms, device):
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_tc_kernel(fmt, N, K, M, config, sms, device):
+    """q4_k and q5_k (whose 5th bits come from qh: bits 2t, 2t + 1 of the byte for lane chunk t; the weights' spread
+    over rows puts codes 0 and 31 in every super-block)."""
+    qt = lk.quantize(torch.randn(N, K) * torch.logspace(-3, 0, N)[:, None], fmt).to(device)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
-    _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2), x.dtype), x, qt,
-           torch.float16)
+    y = launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2, fmt=fmt)
+    _check(_finish(y, x.dtype), x, qt, torch.float16)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
@@ -51,6 +55,22 @@ def test_tc_kernel_legacy(fmt, N, K, M, config, sms, device):
     qt = lk.quantize(w, fmt).to(device)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     y = launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2, fmt=fmt)
+    _check(_finish(y, x.dtype), x, qt, torch.float16)
+
+
+@pytest.mark.parametrize("N,K,M,config,sms", [
+    (37, 2048, 5, (16, 4, 1, 2), 4),    # rows not a multiple of the tile, K split: blocks at all 8 offsets mod 16
+    (19, 4096, 16, (32, 4, 1, 2), 1),   # one program column, 16 blocks, no split, a 32-row tile over 19 rows
+    (45, 2048, 29, (16, 4, 1, 2), 40),  # 32 activation rows per program; single-block splits at odd blocks
+])
+def test_tc_kernel_q6k(N, K, M, config, sms, device):
+    """q6_k: 210-byte blocks start 2 (kb % 8) bytes past a 16-byte boundary, so each block's words are shifted into
+    place by the program (_shift_words); signed 6-bit codes and int8 scales of both signs."""
+    w = torch.randn(N, K) * torch.logspace(-3, 0, N)[:, None]
+    w[::3, :16] = -w[::3, :16].abs() * 4  # sub-blocks whose scale comes out negative
+    qt = lk.quantize(w, "q6_k").to(device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    y = launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2, fmt="q6_k")
     _check(_finish(y, x.dtype), x, qt, torch.float16)
 
 
@@ -148,10 +168,11 @@ def _check_silu(y, g, u, qt):
     _check(y, (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype), qt, g.dtype)
 
 
-@pytest.mark.parametrize("fmt,M", [("q4_0", 1), ("q8_0", 3), ("q4_k", 5), ("mlx", 3), ("q4_k", 17)])
+@pytest.mark.parametrize("fmt,M", [("q4_0", 1), ("q8_0", 3), ("q4_k", 5), ("mlx", 3), ("q4_k", 17), ("q5_k", 4)])
 def test_silu_mul_gemv_takes_tc(fmt, M, device, monkeypatch):
     """silu_mul_gemv runs the tensor-core kernel with silu(g) * u formed in its x loads where gemv runs it and the
-    m1 kernel does not (q4_k beyond ops.M1_MAX_M, MLX 4-bit from M = 3, q4_0 / q8_0 at every M)."""
+    m1 kernel does not (q4_k beyond ops.M1_MAX_M, MLX 4-bit from M = 3, q4_0 / q8_0 at every M); q5_k and q6_k
+    wherever gemv does."""
     from llmkernels.qgemv import tc
 
     calls = []
@@ -179,6 +200,51 @@ def test_tc_kernel_legacy_gpu(fmt, dtype, device):
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2, fmt=fmt), dtype), x, qt, dtype)
         _check(lk.gemv(x, qt), x, qt, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tc_kernel_kquant_gpu(fmt, dtype, device):
+    """q5_k and q6_k at model shapes, directly and through gemv and silu_mul_gemv (M = 1 .. 64)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K, M, config in [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)),
+                            (77, 2048, 5, (128, 8, 1, 2)), (14336, 4096, 1, (128, 4, 1, 2)),
+                            (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8)),
+                            (4097, 4096, 2, (64, 4, 1, 2)), (130, 6144, 64, (64, 4, 1, 4))]:
+        w = torch.randn(N, K, device=device) * torch.logspace(-3, 1, N, device=device)[:, None]
+        w[::5, :32] = -w[::5, :32].abs()
+        qt = lk.quantize(w, fmt)
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2, fmt=fmt), dtype), x, qt, dtype)
+        _check(lk.gemv(x, qt), x, qt, dtype)
+        _check_silu(lk.silu_mul_gemv(x, x * 2, qt), x, x * 2, qt)
+
+
+def test_gemv_takes_tc_for_kquants(device, monkeypatch):
+    """q5_k from ops.TC_KQ_MIN_M and q6_k (K a multiple of 2048) go to the tensor-core kernel up to 64 rows,
+    silu_mul_gemv too; q6_k with K = 1024 does not."""
+    from llmkernels.qgemv import ops, tc
+
+    calls = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
+    want = []
+    for fmt, K in (("q5_k", 256), ("q6_k", 2048)):
+        lo = ops.TC_KQ_MIN_M[fmt]
+        qt = lk.quantize(torch.randn(20, K) * 0.05, fmt).to(device)
+        for M in (lo - 1, lo, 64, 65):
+            if M < 1:
+                continue
+            x = torch.randn(M, K, dtype=torch.float16, device=device)
+            _check(lk.gemv(x, qt), x, qt, torch.float16)
+        g, u = (torch.randn(lo, K, dtype=torch.float16, device=device) for _ in range(2))
+        _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
+        want += [(fmt, lo), (fmt, 64), (fmt, lo)]
+    qt = lk.quantize(torch.randn(20, 1024) * 0.05, "q6_k").to(device)
+    x = torch.randn(8, 1024, dtype=torch.float16, device=device)
+    _check(lk.gemv(x, qt), x, qt, torch.float16)
+    assert calls == want
 
 
 @pytest.mark.gpu
