@@ -59,7 +59,9 @@ TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and
 # fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8, 209.0 / 210.9;
 # M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
 # q4_0 at M = 1 loads one step ahead (the table's (64, 4, 1, 2, 1); fp16, us, (64, 4, 1, 4) without / (64, 4, 1, 2)
-# with: 9.7 / 8.4, 10.7 / 10.9, 20.2 / 20.9, 20.0 / 18.6, 125.0 / 116.1; q8_0 and M = 8 lost with it; session 25)
+# with: 9.7 / 8.4, 10.7 / 10.9, 20.2 / 20.9, 20.0 / 18.6, 125.0 / 116.1; q8_0 and M = 8 lost with it; session 25),
+# registers capped at 128 since session 26 (153 -> 127, no spill: 4 programs per SM; us without / with the cap: 8.5 /
+# 8.6, 10.8 / 10.8, 20.8 / 17.8, 18.5 / 18.4, 116.6 / 116.3; at M = 8 the cap lost 1-27%)
 # q5_k and q6_k cap registers at 128 (the sixth field): 4 programs per SM instead of 3 (q6_k 153 registers -> 127
 # with no spill, q5_k 148 -> 128 with 3 spill instructions); M = 8, us, without / with the cap: q6_k 14.4 / 12.9,
 # 17.5 / 15.5, 32.5 / 30.8, 36.6 / 29.3, 219.6 / 194.2 (session 26)

@@ -159,8 +159,9 @@ def tune_decode_few(gpu):
 # (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x, and so did loading the next step's weights one
 # step ahead for q4_k (163 registers: 3 programs per SM)
 TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 4, 1, 2), (64, 4, 1, 8)]
-# q4_0 / q8_0 also try loading the next step's weights one step ahead (a fifth field, tc.launch_tc)
-TC_LEGACY_CANDS = TC_CANDS + [(64, 4, 1, 2, 1), (64, 4, 1, 4, 1), (128, 8, 1, 2, 1)]
+# q4_0 / q8_0 also try loading the next step's weights one step ahead (a fifth field, tc.launch_tc), also with
+# registers capped at 128 (a sixth field)
+TC_LEGACY_CANDS = TC_CANDS + [(64, 4, 1, 2, 1), (64, 4, 1, 4, 1), (128, 8, 1, 2, 1), (64, 4, 1, 2, 1, 128)]
 # q5_k / q6_k: also with registers capped at 128 (a sixth field: 4 programs per SM, bench/NOTES.md session 26)
 TC_KQ_CANDS = [(64, 4, 1, 4, 0, 128), (64, 4, 1, 2, 0, 128), (128, 8, 1, 2, 0, 128), (64, 4, 1, 8, 0, 128),
                (64, 4, 1, 4), (128, 8, 1, 2)]
