@@ -350,17 +350,20 @@ def _deq_q6(cw, qh, sh, s_lo, s_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
 
 
 @triton.jit
-def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym, row_bytes,
-                   scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
+def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym,
+                   row_bytes, scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
                    BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
-                   SILU: tl.constexpr = 0):
+                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
     codes (256 weights) per row, the scale and bias of group g of row n at WS/WB + n * scale_stride + g, GS weights
     per group. FMT 3 / 7 (q4_0 / q8_0): a step is 8 blocks (144 / 272 bytes) per row, lane t taking blocks 2t and
     2t + 1 (_lane_blocks). SILU (silu_mul_gemv): the activations are silu(x) * x2, formed once per program and step
-    as x's tile is loaded (m1._silu_mul: 1 exact, 2 through tanh.approx)."""
+    as x's tile is loaded (m1._silu_mul: 1 exact, 2 through tanh.approx). FIXUP: the K splits of an output tile write
+    float32 partials to PART [split, M, N] and count their arrivals in COUNT (zero on entry); the last to arrive sums
+    them in split order (what ops._finish's kernel computes) into Y [M, N] and resets its counter, which saves that
+    kernel's launch."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -497,8 +500,22 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, M, N, K, stride_xm, stride_x2m, stride_
         acc = tl.dot(w, xt, acc)
         x_ptrs += 256
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rows < N)[:, None] & (m < M)[None, :])
+    ok = (rows < N)[:, None] & (m < M)[None, :]
+    if FIXUP:
+        part = PART + m[None, :] * N + rows[:, None]
+        tl.store(part + pid_k * N * M, acc, mask=ok)
+        # every warp's partials stored before the one-thread release (as m1._store_rows)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()
+        if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            total = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+            for s in range(tl.num_programs(1)):
+                total += tl.load(part + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(Y + m[None, :] * stride_ym + rows[:, None], total.to(Y.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(COUNT + tile, 0)
+    else:
+        y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, scales=None, biases=None) -> bool:
@@ -523,19 +540,20 @@ TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 1
 
 
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
-              fmt: str = "q4_k", x2=None):
-    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q4_0, q8_0), or MLX 4-bit
-    words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
-    (float32 partials when split > 1, for ops._finish to sum). ``config`` is (BLOCK_N, num_warps, num_stages,
-    waves[, prefetch[, maxnreg]]); K is split until the grid has ``waves`` programs per SM. With ``x2`` (like x) the
-    activations are silu(x) * x2 (silu_mul_gemv), rounded to x's dtype as the two-step path rounds them. prefetch
-    (q4_0 / q8_0 only) loads the next step's weights before computing this one (157 registers instead of 128 for
-    q4_0: 3 programs per SM instead of 4, which pays at M = 1 on some shapes and loses at M = 8; bench/NOTES.md
-    session 25). maxnreg caps the registers per thread (q6_k: 153 -> 127 with no spill, a fourth program per SM;
-    bench/NOTES.md session 26)."""
+              fmt: str = "q4_k", x2=None, fixup: bool = True):
+    """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
+    MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
+    (float32 partials when split > 1, for ops._finish to sum), or with ``fixup`` and a counter buffer
+    (m1.split_outputs) y [1, M, N], the kernel having summed its own partials. ``config`` is (BLOCK_N, num_warps,
+    num_stages, waves[, prefetch[, maxnreg]]); K is split until the grid has ``waves`` programs per SM. With ``x2``
+    (like x) the activations are silu(x) * x2 (silu_mul_gemv), rounded to x's dtype as the two-step path rounds them.
+    prefetch (q4_0 / q8_0 only) loads the next step's weights before computing this one (157 registers instead of
+    128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on some shapes and loses at M = 8;
+    bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 -> 127 with no spill, a fourth
+    program per SM; bench/NOTES.md session 26)."""
     import torch
 
-    from .._runtime import empty
+    from .m1 import split_outputs
     from .ops import split_k
 
     block_n, warps, stages, waves = config[:4]
@@ -549,13 +567,14 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     programs_n = triton.cdiv(N, block_n)
     grid_m = triton.cdiv(M, m_pad)
     split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves)
-    y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)
     mlx = scales is not None
     gemv_tc_kernel[(programs_n, split, grid_m)](
-        x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, M, N, K, x.stride(0),
+        x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, part,
+        counters if counters is not None else y, M, N, K, x.stride(0),
         x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes, scales.stride(0) if mlx else 0,
         nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt], GS=group_size if mlx else 256, BLOCK_N=block_n,
         M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
-        num_warps=warps, num_stages=stages, **maxnreg)
+        FIXUP=counters is not None, num_warps=warps, num_stages=stages, **maxnreg)
     return y

@@ -38,6 +38,25 @@ def test_tc_kernel(fmt, N, K, M, config, sms, device):
     _check(_finish(y, x.dtype), x, qt, torch.float16)
 
 
+@pytest.mark.parametrize("fmt,K", [("q4_k", 1024), ("q6_k", 2048), ("q8_0", 768)])
+def test_tc_fixup(fmt, K, device):
+    """Split-K partials summed by the kernel's last program per tile (fixup) give the bits of the separate sum
+    kernel (same order), with M = 1, 5 and 17 (two activation tiles) and more tiles than one wave; the arrival
+    counters are back to zero afterwards."""
+    from llmkernels._runtime import split_counters
+
+    qt = lk.quantize(torch.randn(45, K) * 0.05, fmt).to(device)
+    for M in (1, 5, 17):
+        x = torch.randn(M, K, dtype=torch.float16, device=device)
+        unpack = 1 if interpreter_mode() else 2
+        y1 = launch_tc(x, qt.data, 45, K, (16, 4, 1, 8), 8, unpack, fmt=fmt)
+        y0 = launch_tc(x, qt.data, 45, K, (16, 4, 1, 8), 8, unpack, fmt=fmt, fixup=False)
+        assert y1.shape == (1, M, 45) and y0.shape[0] > 1 and y0.dtype == torch.float32
+        assert torch.equal(y1[0], _finish(y0, x.dtype))
+        _check(y1[0], x, qt, torch.float16)
+    assert not split_counters(x.device).any()
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("N,K,M,config,sms", [
     (37, 512, 5, (16, 4, 1, 2), 4),     # rows not a multiple of the tile, K split into single steps of 8 blocks
