@@ -543,14 +543,15 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
               fmt: str = "q4_k", x2=None, fixup: bool = True):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
     MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
-    (float32 partials when split > 1, for ops._finish to sum), or with ``fixup`` and a counter buffer
-    (m1.split_outputs) y [1, M, N], the kernel having summed its own partials. ``config`` is (BLOCK_N, num_warps,
-    num_stages, waves[, prefetch[, maxnreg]]); K is split until the grid has ``waves`` programs per SM. With ``x2``
-    (like x) the activations are silu(x) * x2 (silu_mul_gemv), rounded to x's dtype as the two-step path rounds them.
-    prefetch (q4_0 / q8_0 only) loads the next step's weights before computing this one (157 registers instead of
-    128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on some shapes and loses at M = 8;
-    bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 -> 127 with no spill, a fourth
-    program per SM; bench/NOTES.md session 26)."""
+    (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (m1.split_outputs)
+    and a grid of at most ``waves`` programs per SM, y [1, M, N], the kernel having summed its own partials.
+
+    ``config`` is (BLOCK_N, num_warps, num_stages, waves[, prefetch[, maxnreg]]); K is split until the grid has
+    ``waves`` programs per SM. With ``x2`` (like x) the activations are silu(x) * x2 (silu_mul_gemv), rounded to x's
+    dtype as the two-step path rounds them. prefetch (q4_0 / q8_0 only) loads the next step's weights before
+    computing this one (157 registers instead of 128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on
+    some shapes and loses at M = 8; bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 ->
+    127 with no spill, a fourth program per SM; bench/NOTES.md session 26)."""
     import torch
 
     from .m1 import split_outputs
@@ -567,6 +568,11 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     programs_n = triton.cdiv(N, block_n)
     grid_m = triton.cdiv(M, m_pad)
     split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves)
+    # the kernel sums its own partials only when the whole grid fits in the ``waves`` programs per SM: each program
+    # then waits for its arrival atomic once, not once per wave (H100, fp16, us, separate sum kernel / fixup, session
+    # 26, .lab/ab_fixup.py: q4_k M = 8 on 4096 x 4096 (512 programs for 528 slots) 10.7 / 9.8, 4096 x 14336 (512)
+    # 22.5 / 21.7, 14336 x 4096 (672) 23.3 / 23.9, 6144 x 4096 (576) 11.9 / 11.9; the other formats alike)
+    fixup = fixup and programs_n * grid_m * split <= waves * sms
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)
     mlx = scales is not None

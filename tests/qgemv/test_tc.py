@@ -44,17 +44,27 @@ def test_tc_fixup(fmt, K, device):
     kernel (same order), with M = 1, 5 and 17 (two activation tiles) and more tiles than one wave; the arrival
     counters are back to zero afterwards."""
     from llmkernels._runtime import split_counters
+    from llmkernels.qgemv.ops import split_k
 
     qt = lk.quantize(torch.randn(45, K) * 0.05, fmt).to(device)
     for M in (1, 5, 17):
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         unpack = 1 if interpreter_mode() else 2
-        y1 = launch_tc(x, qt.data, 45, K, (16, 4, 1, 8), 8, unpack, fmt=fmt)
+        y1 = launch_tc(x, qt.data, 45, K, (16, 4, 1, 8), 8, unpack, fmt=fmt)  # 3 or 6 tiles x 4 or 8 splits
         y0 = launch_tc(x, qt.data, 45, K, (16, 4, 1, 8), 8, unpack, fmt=fmt, fixup=False)
         assert y1.shape == (1, M, 45) and y0.shape[0] > 1 and y0.dtype == torch.float32
         assert torch.equal(y1[0], _finish(y0, x.dtype))
         _check(y1[0], x, qt, torch.float16)
     assert not split_counters(x.device).any()
+    # only a grid of at most waves x SMs programs sums in the kernel; past that the partials come back
+    fused = []
+    for sms in (4, 5):
+        split, _ = split_k(3, K // 256, 1, sms, 2)
+        y = launch_tc(x, qt.data, 45, K, (16, 4, 1, 2), sms, unpack, fmt=fmt)
+        assert y.shape[0] == (1 if 3 * split <= 2 * sms else split)
+        fused.append(y.shape[0] == 1)
+        _check(_finish(y, x.dtype), x, qt, torch.float16)
+    assert not all(fused)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
