@@ -387,7 +387,10 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     base = row * row_bytes + kb_start * STEP
     if FMT == 10 or FMT == 11:  # q5_k: q4_k's header, then qh (32 bytes), then the low nibbles as q4_k's codes
         w_ptrs = W8 + base + (16 if FMT == 10 else 48) + t_ * 32 + half_ * 16 + b_
-        h_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + base // 4 + t_ * 0
+        # the 16-byte header (d, dmin, 12 scale bytes) as one vector per row: words [4 t, 8 g, A, 2 h, 4]
+        h_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True)
+                  + tl.multiple_of(tl.reshape(base, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
+                  + tl.reshape(t_, (4, 1, 1, 1, 1)) * 0 + tl.arange(0, 4)[None, None, None, None, :])
         if FMT == 11:  # qh byte b holds the 5th bit of weight 32 i + b at bit i: chunk t's at bits 2t, 2t + 1
             qh_ptrs = W8 + base + 16 + half_ * 16 + b_ + t_ * 0
             sh = (2 * t_).to(tl.int32)
@@ -461,8 +464,10 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             v_ptrs += STEP // 4
         else:
             if FMT == 10 or FMT == 11:
-                d, dmin = _split_words(tl.load(h_ptrs), tl.float16)  # the header's first word: fp16 d, fp16 dmin
-                sc0, mn0, sc1, mn1 = _q4k_scales(tl.load(h_ptrs + 1), tl.load(h_ptrs + 2), tl.load(h_ptrs + 3), t_)
+                h0, h1, h2, h3 = _words4(tl.load(h_ptrs))
+                d, dmin = _split_words(tl.reshape(h0, (4, 8, A, 2, 1, 1)), tl.float16)  # fp16 d, fp16 dmin
+                sc0, mn0, sc1, mn1 = _q4k_scales(tl.reshape(h1, (4, 8, A, 2, 1, 1)), tl.reshape(h2, (4, 8, A, 2, 1, 1)),
+                                                 tl.reshape(h3, (4, 8, A, 2, 1, 1)), t_)
                 s_lo, z_lo, s_hi, z_hi = (d * sc0).to(DT), (-dmin * mn0).to(DT), (d * sc1).to(DT), (-dmin * mn1).to(DT)
                 h_ptrs += STEP // 4
             else:
@@ -472,7 +477,9 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
                 s_ptrs += 256 // GS
                 z_ptrs += 256 // GS
             # (the scales before the codes' load: 656 SASS instructions against 768 with the load first, q4_k
-            # fp16; 144.3 against 154.7 us at M = 8 on 128256 x 4096, H100)
+            # fp16; 144.3 against 154.7 us at M = 8 on 128256 x 4096, H100. The header as one 16-byte load per row
+            # instead of four 4-byte ones: q4_k M = 8 9.8 / 12.1 / 23.5 / 21.9 / 143.2 -> 9.4 / 11.3 / 21.8 / 20.7 /
+            # 134.2 us, q5_k 2-5% faster, session 26, .lab/ab_hv.py)
             if FMT == 11:
                 w_lo, w_hi = _deq_q4(tl.load(w_ptrs), s_lo, z_lo, s_hi, z_hi, DT, UNPACK, 5, tl.load(qh_ptrs), sh)
                 qh_ptrs += STEP
