@@ -1,5 +1,5 @@
-"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0 and q8_0 here from M = 1, q4_k and MLX 4-bit from M = 3):
-weights dequantized to fp16/bf16 in registers and fed to tl.dot.
+"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0, q8_0 and q6_k here from M = 1, q4_k, q5_k and MLX 4-bit
+from M = 3): weights dequantized to fp16/bf16 in registers and fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
@@ -14,9 +14,9 @@ dequantized tile is already in the wgmma A-operand layout (no shared-memory roun
   as one axis it would spread them over two lanes;
 - the dot's column k = 16 lh + 8 p + 2 t + ll holds weight 64 t + 32 p + 2 lh + ll, so lane (t, g) owns exactly
   the fragment elements k = 16 j + 2 t + {0, 1, 8, 9} of rows g and g + 8;
-- the header words come through pointers [4, 8, A, 2, 1, 1] of the same layout (each lane decodes the scales of its
-  chunk), and x is loaded in natural order ([256, M_PAD], 16-byte loads) and permuted to the k order on its way
-  into shared memory, where the wgmma reads it as the B operand.
+- the 16-byte header comes as one vector per row through pointers [4, 8, A, 2, 4] of the same layout (each lane
+  decodes the scales of its chunk), and x is loaded in natural order ([256, M_PAD], 16-byte loads) and permuted to
+  the k order on its way into shared memory, where the wgmma reads it as the B operand.
 MLX 4-bit uses the same tile: a step is 128 bytes of codes per row, byte b of chunk t holding weights 64 t + 2 b (low
 nibble) and 64 t + 2 b + 1 (high), so only x's permutation differs; each 16-byte half chunk takes the scale and bias
 of its group (group size 32, 64 or 128) as its fma operands.
@@ -28,6 +28,12 @@ words with two levels of selects, takes block 2t's codes across word halves (one
 2t + 1's codes as whole words. q8_0 codes become fp16 exactly through a magic float (1024 + (q ^ 128) - 1152, then
 one multiply by d); bf16 cannot hold 8-bit magic values, so there the low 7 bits go through the magic float and the
 sign bit selects -128 d as the fma's addend (w = r d - 128 d s, rounded once).
+q5_k (176-byte blocks: q4_k's header, 32 bytes of qh, q4_k's codes) reads the same tiles plus qh's 32 bytes at the
+codes' byte indices; lane chunk t's fifth bits sit at bits 2t, 2t + 1 of those bytes and join the magic float's byte
+once per word (_qh_bits). q6_k (210-byte blocks: 128 bytes of low nibbles, 64 of qh, 16 int8 scales, fp16 d) takes
+chunk t = 2 h6 + c as 32 low-nibble bytes at the q4_k codes' offsets (low nibble weight 128 h6 + 32 c + b, high
++ 64) with qh bytes 128 + 32 h6 + b (bits 2c, 2c + 1 and 4 + 2c, 5 + 2c); its blocks start 2 (kb % 8) bytes past a
+16-byte boundary, so the lane loads aligned vectors and shifts them into place (_shift_words).
 Loads go straight to registers (num_stages 1): letting Triton's pipeliner stage the codes in shared memory measured
 2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle), and loading
 the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 programs per SM instead of 4).
@@ -399,8 +405,8 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
         # aligned: tc_supports wants K a multiple of 2048)
         t4 = tl.reshape(t_, (4, 1, 1, 1, 1))
         row_w = tl.multiple_of(tl.reshape(row * row_bytes, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
-        ql_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + row_w + t4 * 8 + tl.arange(0, 4)[None, None, None,
-                                                                                                    None, :]
+        w4 = tl.arange(0, 4)[None, None, None, None, :]
+        ql_ptrs = W8.to(tl.pointer_type(tl.int32), bitcast=True) + row_w + t4 * 8 + w4
         qh_ptrs = ql_ptrs - t4 * 8 + 32 + (t4 // 2) * 8
         # the scale pairs sc[4 t - 2 c], sc[4 t - 2 c + 1] (low nibbles of halves 0, 1) and 4 bytes on (high
         # nibbles), c = t % 2, and d: 2-byte loads at block offsets 192 + 4 t - 2 c, 196 + ..., 208
