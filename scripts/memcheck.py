@@ -226,7 +226,6 @@ def main():
                 launch_m1(lane_order(x), qt.data, "q4_k", N, K, config, sms, 2, fixup=fixup, x_perm=True)
             ops.LANES_MIN_WEIGHTS, saved = 1, ops.LANES_MIN_WEIGHTS
             lk.gemv(x, qt)
-            lk.silu_mul_gemv(x, torch.randn(1, K, device=dev, dtype=dt), qt)  # silu formed by the lane-order copy
             ops.LANES_MIN_WEIGHTS = saved
     # GLU (silu(x G^T) * (x U^T), a gate and an up row per thread): odd N, M = 1..4, x natural or in lane order
     g, u = (lk.quantize(torch.randn(37, 768, device=dev), "q4_k") for _ in range(2))
