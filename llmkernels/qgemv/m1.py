@@ -515,19 +515,13 @@ def lane_pos(k):
 
 
 @triton.jit
-def _lane_order_kernel(X, X2, XL, K, stride_x, stride_x2, stride_xl, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                       SILU: tl.constexpr = 0):
-    """x, or with SILU silu(x) * x2 (rounded to x's dtype, as the two-step path rounds it), into lane order."""
+def _lane_order_kernel(X, XL, K, stride_x, stride_xl, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(1).to(tl.int64)
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = k < K
-    v = tl.load(X + row * stride_x + k, mask=ok)
-    if SILU:
-        v = _silu_mul(v.to(tl.float32), tl.load(X2 + row * stride_x2 + k, mask=ok).to(tl.float32), XL.dtype.element_ty,
-                      SILU).to(XL.dtype.element_ty)
-    tl.store(XL + row * stride_xl + lane_pos(k), v, mask=ok)
+    tl.store(XL + row * stride_xl + lane_pos(k), tl.load(X + row * stride_x + k, mask=ok), mask=ok)
 
 
 def lanes_width(K: int) -> int:
@@ -536,20 +530,15 @@ def lanes_width(K: int) -> int:
     return triton.cdiv(K, LANE_GROUP) * LANE_GROUP
 
 
-def lane_order(x, pdl: bool = False, x2=None):
-    """x [M, K] (last dim contiguous) copied into lane order: [M, lanes_width(K)], see lane_pos. With ``x2`` (x's
-    shape and dtype, last dim contiguous) the copy holds silu(x) * x2 instead: silu_mul_gemv's activations formed on
-    their way into lane order, so the fused op costs what gemv does."""
-    from .._checks import interpreter_mode
+def lane_order(x, pdl: bool = False):
+    """x [M, K] (last dim contiguous) copied into lane order: [M, lanes_width(K)], see lane_pos."""
     from .._runtime import empty
 
     M, K = x.shape
     xl = empty(M, lanes_width(K), dtype=x.dtype, device=x.device)
     BLOCK = 1024
-    silu = 0 if x2 is None else (1 if interpreter_mode() else 2)
-    _lane_order_kernel[(triton.cdiv(K, BLOCK), M)](x, x if x2 is None else x2, xl, K, x.stride(0),
-                                                   0 if x2 is None else x2.stride(0), xl.stride(0), BLOCK=BLOCK,
-                                                   PDL=pdl, SILU=silu, **pdl_options(pdl))
+    _lane_order_kernel[(triton.cdiv(K, BLOCK), M)](x, xl, K, x.stride(0), xl.stride(0), BLOCK=BLOCK, PDL=pdl,
+                                                   **pdl_options(pdl))
     return xl
 
 

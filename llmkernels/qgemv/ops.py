@@ -87,10 +87,7 @@ LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) wh
 # fused silu_mul_gemv, q4_k, M = 1, matrices of LANES_MIN_WEIGHTS or more: twice the rows per thread and lanes split
 # over half chunks, so fewer warps form each silu(gate) * up value (H100, 4096 x 14336, us with sigmoid through
 # tanh.approx: fp16 23.1 against 26.7 with m1/q4_k, bf16 23.7 against 24.4; on 4096 x 4096 it loses, 10.0 against
-# 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large". Since session 26 fp16/bf16 activations take the
-# lane kernel instead, silu(gate) * up formed by the copy into lane order (m1.lane_order with x2: H100, fp16, us,
-# two-step / this config / tc with silu, .lab/silu_k.py: 4096 x 14336 19.7 / 24.4 / 23.2, 14336 x 4096 21.1 / 19.7
-# / 23.2); this config serves float32 activations.
+# 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large".
 SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 1)  # (R, NB, warps, stages, KT, H, waves); not tuned, so not in the table
 
 
@@ -279,11 +276,10 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     M = x.shape[0]
     if mode == 3:  # x2: x in lane order (_gemv_impl has checked that the lane kernel applies)
         return _launch_lanes(x, x2, data, N, K)
-    if mode in (0, 1) and N * K >= LANES_MIN_WEIGHTS and lanes_apply(M, x.dtype, data, fmt, K, act):
-        # (silu_mul_gemv: silu(x) * x2 formed by the copy into lane order, one launch fewer than the two-step path)
+    if mode == 0 and N * K >= LANES_MIN_WEIGHTS and lanes_apply(M, x.dtype, data, fmt, K, act):
         from .m1 import lane_order
 
-        return _launch_lanes(x, lane_order(x, pdl_supported(x.device), x2=x2 if mode == 1 else None), data, N, K)
+        return _launch_lanes(x, lane_order(x, pdl_supported(x.device)), data, N, K)
     if mode == 2 and fmt == "q4_k" and x.dtype != torch.float32:  # both projections' rows in one thread (m1 GLU)
         y = _launch_glu(x, data, data2, N, K)
         if y is not None:
