@@ -214,40 +214,34 @@ def test_silu_mul_gemv_takes_tc(fmt, M, device, monkeypatch):
     assert calls == [True]
 
 
+# model-shape GPU cases per GGUF format: (N, K, M, config); q4_0 / q8_0 also load ahead (a fifth config field)
+_GPU_CASES = {
+    "legacy": [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)), (77, 1024, 5, (128, 8, 1, 2)),
+               (14336, 4096, 13, (128, 4, 1, 2)), (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8)),
+               (4097, 4096, 1, (64, 4, 1, 2, 1)), (77, 1024, 2, (128, 8, 1, 2, 1))],
+    "kquant": [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)), (77, 2048, 5, (128, 8, 1, 2)),
+               (14336, 4096, 1, (128, 4, 1, 2)), (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8)),
+               (4097, 4096, 2, (64, 4, 1, 2)), (130, 6144, 64, (64, 4, 1, 4))],
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q5_k", "q6_k"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tc_kernel_legacy_gpu(fmt, dtype, device):
+def test_tc_kernel_gguf_gpu(fmt, dtype, device):
+    """q4_0, q8_0, q5_k and q6_k at model shapes, directly and through gemv (q5_k / q6_k also silu_mul_gemv);
+    scales of both signs and sizes."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for N, K, M, config in [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)),
-                            (77, 1024, 5, (128, 8, 1, 2)), (14336, 4096, 13, (128, 4, 1, 2)),
-                            (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8)),
-                            (4097, 4096, 1, (64, 4, 1, 2, 1)), (77, 1024, 2, (128, 8, 1, 2, 1))]:
+    kquant = fmt in ("q5_k", "q6_k")
+    for N, K, M, config in _GPU_CASES["kquant" if kquant else "legacy"]:
         w = torch.randn(N, K, device=device) * torch.logspace(-3, 1, N, device=device)[:, None]
         w[::5, :32] = -w[::5, :32].abs()
         qt = lk.quantize(w, fmt)
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2, fmt=fmt), dtype), x, qt, dtype)
         _check(lk.gemv(x, qt), x, qt, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tc_kernel_kquant_gpu(fmt, dtype, device):
-    """q5_k and q6_k at model shapes, directly and through gemv and silu_mul_gemv (M = 1 .. 64)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for N, K, M, config in [(4096, 4096, 8, (64, 4, 1, 4)), (1001, 14336, 16, (64, 4, 1, 4)),
-                            (77, 2048, 5, (128, 8, 1, 2)), (14336, 4096, 1, (128, 4, 1, 2)),
-                            (4096, 4096, 33, (64, 4, 1, 2)), (300, 2048, 3, (64, 4, 1, 8)),
-                            (4097, 4096, 2, (64, 4, 1, 2)), (130, 6144, 64, (64, 4, 1, 4))]:
-        w = torch.randn(N, K, device=device) * torch.logspace(-3, 1, N, device=device)[:, None]
-        w[::5, :32] = -w[::5, :32].abs()
-        qt = lk.quantize(w, fmt)
-        x = torch.randn(M, K, dtype=dtype, device=device)
-        _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2, fmt=fmt), dtype), x, qt, dtype)
-        _check(lk.gemv(x, qt), x, qt, dtype)
-        _check_silu(lk.silu_mul_gemv(x, x * 2, qt), x, x * 2, qt)
+        if kquant:
+            _check_silu(lk.silu_mul_gemv(x, x * 2, qt), x, x * 2, qt)
 
 
 def test_gemv_takes_tc_for_kquants(device, monkeypatch):
