@@ -44,13 +44,12 @@ TC_WIDE_N = 32768
 # scripts/tc_lab.py): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2 / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 /
 # 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ... 558.9 / 129.8; q8_0 M = 1 (planes) 13.7 /
 # 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
-TC_LEGACY_MIN_M = {"q4_0": 1, "q8_0": 1}
-# q5_k and q6_k (q6_k: K a multiple of 2048, so that rows are 16-byte aligned) from this M up to MID_M (H100, fp16 x,
+# q5_k and q6_k (q6_k: K a multiple of 2048, so that rows are 16-byte aligned) likewise (H100, fp16 x,
 # us on the five Llama-3-8B shapes, the m1 kernel / tc with config (64, 4, 1, 4, 0, 128), scripts/tc_lab.py, session
 # 26): q6_k M = 1 13.9 / 12.5, 25.8 / 14.7, 39.5 / 28.8, 47.4 / 27.8, 328.3 / 186.3 (the m1 kernel gets 2-byte loads
 # from 210-byte blocks; tc shifts aligned 16-byte vectors into place); q5_k M = 2 10.7 / 11.7, 12.3 / 13.5, 25.9 /
 # 28.9, 31.7 / 27.6, 197.8 / 182.8, M = 3 12.2 / 11.6, 18.0 / 13.5, 37.5 / 29.1, 36.4 / 27.7, 310.0 / 183.3
-TC_KQ_MIN_M = {"q5_k": 3, "q6_k": 1}
+TC_FMT_MIN_M = {"q4_0": 1, "q8_0": 1, "q5_k": 3, "q6_k": 1}
 TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and the m1 kernel does not
 # (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1,
 # "tc/<format>/silu" silu_mul_gemv from M = 2 (q8_0 loads one step ahead there: fp16, us, 4096 x 14336 and
@@ -301,11 +300,10 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     m1_fmt = fmt in ("q4_k", "q5_k", "q6_k") or (fmt == "mlx" and bits in (4, 8))
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
     tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
-    tc_m = tc_m or (fmt in TC_LEGACY_MIN_M and TC_LEGACY_MIN_M[fmt] <= M <= MID_M)
-    tc_m = tc_m or (fmt in TC_KQ_MIN_M and TC_KQ_MIN_M[fmt] <= M <= MID_M)
+    tc_m = tc_m or (fmt in TC_FMT_MIN_M and TC_FMT_MIN_M[fmt] <= M <= MID_M)
     # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and (q4_k,
     # MLX) the m1 kernel, which forms it in its loads too, does not
-    tc_silu = TC_SILU and mode == 1 and tc_m and not (m1_fmt and fmt not in TC_KQ_MIN_M
+    tc_silu = TC_SILU and mode == 1 and tc_m and not (m1_fmt and fmt not in TC_FMT_MIN_M
                                                       and M <= M1_MAX_M.get(fmt, 0))
     if tc_m and (mode == 0 or tc_silu):
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once

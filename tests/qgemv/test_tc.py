@@ -168,7 +168,7 @@ def test_tc_kernel_gpu(dtype, device):
 
 
 def test_gemv_takes_tc_for_legacy(device, monkeypatch):
-    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_LEGACY_MIN_M up to 64 rows,
+    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_FMT_MIN_M up to 64 rows,
     silu_mul_gemv too (silu(g) * u formed in the kernel); K = 320 and fp32 x do not."""
     from llmkernels.qgemv import ops, tc
 
@@ -177,7 +177,7 @@ def test_gemv_takes_tc_for_legacy(device, monkeypatch):
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
     want = []
     for fmt in ("q4_0", "q8_0"):
-        lo = ops.TC_LEGACY_MIN_M[fmt]
+        lo = ops.TC_FMT_MIN_M[fmt]
         for K, M in ((256, lo - 1), (256, lo), (512, 16), (256, 64), (256, 65), (320, 8)):
             if M < 1:
                 continue
@@ -245,7 +245,7 @@ def test_tc_kernel_gguf_gpu(fmt, dtype, device):
 
 
 def test_gemv_takes_tc_for_kquants(device, monkeypatch):
-    """q5_k from ops.TC_KQ_MIN_M and q6_k (K a multiple of 2048) go to the tensor-core kernel up to 64 rows,
+    """q5_k from ops.TC_FMT_MIN_M and q6_k (K a multiple of 2048) go to the tensor-core kernel up to 64 rows,
     silu_mul_gemv too; q6_k with K = 1024 does not."""
     from llmkernels.qgemv import ops, tc
 
@@ -254,7 +254,7 @@ def test_gemv_takes_tc_for_kquants(device, monkeypatch):
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
     want = []
     for fmt, K in (("q5_k", 256), ("q6_k", 2048)):
-        lo = ops.TC_KQ_MIN_M[fmt]
+        lo = ops.TC_FMT_MIN_M[fmt]
         qt = lk.quantize(torch.randn(20, K) * 0.05, fmt).to(device)
         for M in (lo - 1, lo, 64, 65):
             if M < 1:
