@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .._checks import call_op, check_device, check_tensor, interpreter_mode
-from .._pdl import pdl_supported
+from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from .._runtime import empty, gpu_name, num_sms
 from ..quant.formats import GGUF_FORMATS
 from ..quant.tensor import QuantizedTensor
@@ -189,8 +189,11 @@ def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2) -> t
 
 
 @triton.jit
-def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum over splits of the float32 partials P [SPLIT, n], cast to y's dtype: one pass, one launch."""
+def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """y = sum over splits of the float32 partials P [SPLIT, n], cast to y's dtype: one pass, one launch (with PDL
+    its launch overlaps the GEMV's last programs, see _pdl.py)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -206,7 +209,9 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
         return y[0]
     out = empty(M, N, dtype=out_dtype, device=y.device)
     BLOCK = 1024
-    _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK)
+    pdl = pdl_supported(y.device)
+    _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK, PDL=pdl,
+                                                     **pdl_options(pdl))
     return out
 
 

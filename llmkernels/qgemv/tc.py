@@ -41,6 +41,7 @@ the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
@@ -359,7 +360,7 @@ def _deq_q6(cw, qh, sh, s_lo, s_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
 def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym,
                    row_bytes, scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
                    BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
-                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False):
+                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
@@ -369,10 +370,12 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     as x's tile is loaded (m1._silu_mul: 1 exact, 2 through tanh.approx). FIXUP: the K splits of an output tile write
     float32 partials to PART [split, M, N] and count their arrivals in COUNT (zero on entry); the last to arrive sums
     them in split order (what ops._finish's kernel computes) into Y [M, N] and resets its counter, which saves that
-    kernel's launch."""
+    kernel's launch. PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let
+    the next one launch after their loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    pdl_wait(PDL)
     DT: tl.constexpr = X.dtype.element_ty
     A: tl.constexpr = BLOCK_N // 16
     # bytes of one row per step
@@ -512,6 +515,7 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 4, 0, 3, 5)), (256, M_PAD))
         acc = tl.dot(w, xt, acc)
         x_ptrs += 256
+    pdl_trigger(PDL)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < N)[:, None] & (m < M)[None, :]
     if FIXUP:
@@ -553,7 +557,7 @@ TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 1
 
 
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
-              fmt: str = "q4_k", x2=None, fixup: bool = True):
+              fmt: str = "q4_k", x2=None, fixup: bool = True, pdl=None):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
     MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (m1.split_outputs)
@@ -564,7 +568,8 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     dtype as the two-step path rounds them. prefetch (q4_0 / q8_0 only) loads the next step's weights before
     computing this one (157 registers instead of 128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on
     some shapes and loses at M = 8; bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 ->
-    127 with no spill, a fourth program per SM; bench/NOTES.md session 26)."""
+    127 with no spill, a fourth program per SM; bench/NOTES.md session 26). ``pdl`` (default: pdl_supported) launches
+    it with programmatic dependent launch."""
     import torch
 
     from .m1 import split_outputs
@@ -589,11 +594,12 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)
     mlx = scales is not None
+    pdl = pdl_supported(x.device) if pdl is None else pdl
     gemv_tc_kernel[(programs_n, split, grid_m)](
         x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, part,
         counters if counters is not None else y, M, N, K, x.stride(0),
         x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes, scales.stride(0) if mlx else 0,
         nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt], GS=group_size if mlx else 256, BLOCK_N=block_n,
         M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
-        FIXUP=counters is not None, num_warps=warps, num_stages=stages, **maxnreg)
+        FIXUP=counters is not None, PDL=pdl, num_warps=warps, num_stages=stages, **maxnreg, **pdl_options(pdl))
     return y
