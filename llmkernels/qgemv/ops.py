@@ -31,14 +31,19 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
 # --m-curve)
 M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
-# plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices: us
-# on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16), m1 / tc: M = 2 9.0 / 11.3, 14.9 /
-# 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 /
-# 157.2. silu_mul_gemv and the GLU keep the m1 kernel up to M1_MAX_M. MLX 4-bit (K a multiple of 256) takes the
-# same limits (session 17, bf16, group 64, m1 or planes / tc: M = 2 8.8 / 10.2, 11.0 / 11.4, 21.9 / 21.5, 21.5 /
-# 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 / 22.0, 280.2 / 135.0).
+# plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices
+# (q4_k now on every N, below): us on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16),
+# m1 / tc: M = 2 9.0 / 11.3, 14.9 / 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 /
+# 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 / 157.2. silu_mul_gemv and the GLU keep the m1 kernel up to M1_MAX_M.
+# MLX 4-bit (K a multiple of 256) takes the same limits (session 17, bf16, group 64, m1 or planes / tc: M = 2 8.8 /
+# 10.2, 11.0 / 11.4, 21.9 / 21.5, 21.5 / 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 /
+# 22.0, 280.2 / 135.0).
+# Since the tensor-core kernel's rebuilds and PDL launches (session 27, fp16, first four shapes, scripts/tc_lab.py
+# --m 2, m1 / tc): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7, so q4_k takes it at M = 2 on every N
+# (TC_M2_FORMATS); MLX 4-bit at M = 2 only for wide N (not re-measured).
 TC_MIN_M = 3
 TC_WIDE_N = 32768
+TC_M2_FORMATS = ("q4_k",)
 # q4_0 and q8_0 (K a multiple of 256, fp16/bf16 x) take the tensor-core kernel from this M up to MID_M: from M = 1
 # it beat the kernels it replaced on every Llama-3-8B shape but one (H100, fp16 x, us, the old path / tc, session 25,
 # scripts/tc_lab.py): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2 / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 /
@@ -304,7 +309,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     wb = biases if biases is not None else w16
     m1_fmt = fmt in ("q4_k", "q5_k", "q6_k") or (fmt == "mlx" and bits in (4, 8))
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
-    tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and N >= TC_WIDE_N))
+    tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and (N >= TC_WIDE_N or fmt in TC_M2_FORMATS)))
     tc_m = tc_m or (fmt in TC_FMT_MIN_M and TC_FMT_MIN_M[fmt] <= M <= MID_M)
     # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and (q4_k,
     # MLX) the m1 kernel, which forms it in its loads too, does not

@@ -262,7 +262,7 @@ def tune_gemv_m1(gpu):
     64) at M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
     from ..bench.harness import copies_for
     from ..qgemv import gemv, silu_mul_gemv
-    from ..qgemv.ops import TC_MIN_M, m1_key
+    from ..qgemv.ops import m1_key
     from ..testing.random_weights import random_qtensor
 
     out = {}
@@ -276,8 +276,9 @@ def tune_gemv_m1(gpu):
             qts.append([first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)])
         for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
-            # plain q4_k gemv takes the tensor-core kernel from TC_MIN_M: its m1 entry serves silu_mul_gemv there
-            fn = silu_mul_gemv if name == "q4_k" and M >= TC_MIN_M else (lambda x, y, qt: gemv(x, qt))
+            # plain q4_k gemv takes the tensor-core kernel from M = 2 (ops.TC_M2_FORMATS): its m1 entries serve
+            # silu_mul_gemv there
+            fn = silu_mul_gemv if name == "q4_k" else (lambda x, y, qt: gemv(x, qt))
             works = [[lambda x=x, qt=qt: fn(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             key = m1_key(name, M)
             out[key] = _best("gemv", key, Q6_M1_CANDIDATES if fmt == "q6_k" else M1_CANDIDATES, works)

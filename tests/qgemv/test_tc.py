@@ -131,8 +131,8 @@ def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
 
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
-    """gemv routes q4_k at M = 3..64 (fp16/bf16), and M = 2 on wide matrices, to the tensor-core kernel; fp32
-    activations, silu_mul_gemv and other M elsewhere."""
+    """gemv routes q4_k at M = 2..64 (fp16/bf16) to the tensor-core kernel (M = 2 only on wide matrices for the
+    formats outside ops.TC_M2_FORMATS); fp32 activations, silu_mul_gemv at M <= 4 and other M elsewhere."""
     from llmkernels.qgemv import ops, tc
 
     calls = []
@@ -146,11 +146,14 @@ def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     assert y.dtype == torch.float32
     lk.silu_mul_gemv(torch.randn(3, 256, dtype=torch.float16, device=device),
                      torch.randn(3, 256, dtype=torch.float16, device=device), qt)
-    assert calls == [(3, 256), (4, 256), (16, 256), (17, 256), (64, 256)]
-    monkeypatch.setattr(ops, "TC_WIDE_N", 40)  # M = 2 from this N on
+    assert calls == [(2, 256), (3, 256), (4, 256), (16, 256), (17, 256), (64, 256)]
+    monkeypatch.setattr(ops, "TC_M2_FORMATS", ())  # M = 2 only from TC_WIDE_N on
     x = torch.randn(2, 256, dtype=torch.float16, device=device)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
-    assert calls[-1] == (2, 256)
+    assert len(calls) == 6
+    monkeypatch.setattr(ops, "TC_WIDE_N", 40)
+    _check(lk.gemv(x, qt), x, qt, torch.float16)
+    assert calls[-1] == (2, 256) and len(calls) == 7
 
 
 @pytest.mark.gpu
