@@ -127,7 +127,9 @@ def m1_cases(dev="cuda"):
 
 def tc_cases(dev="cuda"):
     """The tensor-core kernel (tc.py): rows past the tile, uneven K splits, both activation dtypes; q4_k, q5_k, q6_k,
-    q4_0, q8_0 and MLX 4-bit at each group size."""
+    q4_0, q8_0 and MLX 4-bit at each group size; partials summed by the split-K sum kernel (ops._finish) where the
+    grid exceeds its waves."""
+    from llmkernels.qgemv.ops import _finish
     from llmkernels.qgemv.tc import launch_tc
 
     for fmt in ("q4_k", "q4_0", "q8_0"):
@@ -138,7 +140,9 @@ def tc_cases(dev="cuda"):
             cases += ((1, (64, 4, 1, 2, 1), 132), (2, (128, 8, 1, 2, 1), 1), (7, (64, 4, 1, 4, 1), 5))
         for dt in (torch.float16, torch.bfloat16):
             for M, config, sms in cases:
-                launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2, fmt=fmt)
+                _finish(launch_tc(torch.randn(M, 768, device=dev, dtype=dt), qt.data, 77, 768, config, sms, 2,
+                                  fmt=fmt), dt)
+            lk.gemv(torch.randn(2, 768, device=dev, dtype=dt), qt)
             for M in (1, 5):  # silu_mul_gemv: silu(x) * x2 formed in the kernel's x loads
                 lk.silu_mul_gemv(torch.randn(M, 768, device=dev, dtype=dt), torch.randn(M, 768, device=dev, dtype=dt),
                                  qt)
@@ -147,7 +151,7 @@ def tc_cases(dev="cuda"):
         for dt in (torch.float16, torch.bfloat16):
             for M, config, sms in ((1, (64, 4, 1, 4), 132), (5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7),
                                    (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
-                launch_tc(torch.randn(M, K, device=dev, dtype=dt), qt.data, 77, K, config, sms, 2, fmt=fmt)
+                _finish(launch_tc(torch.randn(M, K, device=dev, dtype=dt), qt.data, 77, K, config, sms, 2, fmt=fmt), dt)
             lk.silu_mul_gemv(torch.randn(5, K, device=dev, dtype=dt), torch.randn(5, K, device=dev, dtype=dt), qt)
     for gs in (32, 64, 128):
         qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
