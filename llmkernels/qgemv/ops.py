@@ -39,11 +39,12 @@ M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # 10.2, 11.0 / 11.4, 21.9 / 21.5, 21.5 / 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 /
 # 22.0, 280.2 / 135.0).
 # Since the tensor-core kernel's rebuilds and PDL launches (session 27, fp16, first four shapes, scripts/tc_lab.py
-# --m 2, m1 / tc): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7, so q4_k takes it at M = 2 on every N
-# (TC_M2_FORMATS); MLX 4-bit at M = 2 only for wide N (not re-measured).
+# --m 2, m1 / tc): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7; MLX 4-bit group 64, m1 / tc, fp16: 9.3 / 8.4,
+# 11.2 / 10.3, 21.8 / 19.9, 21.5 / 19.6, bf16: 10.3 / 8.5, 11.0 / 10.4, 22.2 / 20.1, 23.7 / 19.5. So both take it at
+# M = 2 on every N (TC_M2_FORMATS).
 TC_MIN_M = 3
 TC_WIDE_N = 32768
-TC_M2_FORMATS = ("q4_k",)
+TC_M2_FORMATS = ("q4_k", "mlx")
 # q4_0 and q8_0 (K a multiple of 256, fp16/bf16 x) take the tensor-core kernel from this M up to MID_M: from M = 1
 # it beat the kernels it replaced on every Llama-3-8B shape but one (H100, fp16 x, us, the old path / tc, session 25,
 # scripts/tc_lab.py): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2 / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 /
