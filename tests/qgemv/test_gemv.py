@@ -12,7 +12,7 @@ ids = [f if not kw else f"mlx{kw['bits']}g{kw['group_size']}" for f, kw in ALL]
 
 
 def weights(fmt, kw, N, K, device):
-    return lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
+    return lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt, **kw)
 
 
 def rel_close(y, ref, dtype):

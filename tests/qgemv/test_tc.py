@@ -164,7 +164,7 @@ def test_tc_kernel_gpu(dtype, device):
                             (77, 1024, 5, (128, 8, 1, 2)), (14336, 4096, 13, (64, 4, 1, 4)),
                             (4096, 4096, 33, (128, 4, 1, 2)), (6144, 4096, 64, (64, 4, 1, 4)),
                             (32768, 1024, 2, (64, 4, 1, 4)), (300, 2048, 3, (64, 4, 2, 2))]:
-        qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+        qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, qt.data, N, K, config, sms, 2), dtype), x, qt, dtype)
         _check(lk.gemv(x, qt), x, qt, dtype)
@@ -280,7 +280,7 @@ def test_tc_kernel_mlx_gpu(dtype, device):
     for N, K, M, gs, config in [(4096, 4096, 8, 64, (64, 4, 1, 4)), (1001, 14336, 16, 32, (64, 4, 1, 4)),
                                 (77, 1024, 5, 128, (128, 8, 1, 2)), (14336, 4096, 33, 64, (64, 4, 1, 4)),
                                 (300, 2048, 3, 64, (64, 4, 2, 2))]:
-        qt = lk.quantize(torch.randn(N, K) * 0.05, "mlx", bits=4, group_size=gs).to(device)
+        qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "mlx", bits=4, group_size=gs)
         x = torch.randn(M, K, dtype=dtype, device=device)
         y = launch_tc(x, qt.data, N, K, config, sms, 2, qt.scales, qt.biases, gs)
         _check(_finish(y, dtype), x, qt, dtype)
