@@ -360,8 +360,7 @@ def _deq_q6(cw, qh, sh, s_lo, s_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
 def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym,
                    row_bytes, scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
                    BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
-                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False, PDL: tl.constexpr = False,
-                   X1: tl.constexpr = False):
+                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
@@ -372,8 +371,7 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     float32 partials to PART [split, M, N] and count their arrivals in COUNT (zero on entry); the last to arrive sums
     them in split order (what ops._finish's kernel computes) into Y [M, N] and resets its counter, which saves that
     kernel's launch. PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let
-    the next one launch after their loop. X1 (M = 1): x is loaded (and SILU formed) as one 256-vector per step, put
-    in column 0 of the tile, instead of as a masked [256, M_PAD] tile."""
+    the next one launch after their loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -433,8 +431,6 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     x_ptrs = X + m[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
     x2_ptrs = X2 + m[None, :] * stride_x2m + kb_start * 256 + tl.arange(0, 256)[:, None]
     x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
-    xv_ptrs = X + kb_start * 256 + tl.arange(0, 256)  # X1: the one activation row
-    x2v_ptrs = X2 + kb_start * 256 + tl.arange(0, 256)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     if (FMT == 3 or FMT == 7) and PREFETCH:  # q4_0 / q8_0: the next step's vectors load while this one computes
         nxt = _lane_load(v_ptrs, kb_start < kb_end, NV)
@@ -501,19 +497,11 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
             w_ptrs += STEP
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
-        if X1:
-            xv = tl.load(xv_ptrs)
-            if SILU:
-                xv = _silu_mul(xv.to(tl.float32), tl.load(x2v_ptrs).to(tl.float32), DT, SILU).to(DT)
-                x2v_ptrs += 256
-            xn = tl.where(tl.arange(0, M_PAD)[None, :] == 0, xv[:, None], tl.zeros([256, M_PAD], DT))
-            xv_ptrs += 256
-        else:
-            xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
-            if SILU:
-                xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
-                               SILU).to(DT)
-                x2_ptrs += 256
+        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if SILU:
+            xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
+                           SILU).to(DT)
+            x2_ptrs += 256
         if FMT == 10 or FMT == 11:
             # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
             xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
@@ -569,7 +557,7 @@ TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 1
 
 
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
-              fmt: str = "q4_k", x2=None, fixup: bool = True, pdl=None, x1: bool = True):
+              fmt: str = "q4_k", x2=None, fixup: bool = True, pdl=None):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
     MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (m1.split_outputs)
@@ -581,7 +569,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     computing this one (157 registers instead of 128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on
     some shapes and loses at M = 8; bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 ->
     127 with no spill, a fourth program per SM; bench/NOTES.md session 26). ``pdl`` (default: pdl_supported) launches
-    it with programmatic dependent launch; ``x1`` lets M = 1 load x as one vector per step (X1)."""
+    it with programmatic dependent launch."""
     import torch
 
     from .m1 import split_outputs
@@ -613,6 +601,5 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
         x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes, scales.stride(0) if mlx else 0,
         nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt], GS=group_size if mlx else 256, BLOCK_N=block_n,
         M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
-        FIXUP=counters is not None, PDL=pdl, X1=M == 1 and x1, num_warps=warps, num_stages=stages, **maxnreg,
-        **pdl_options(pdl))
+        FIXUP=counters is not None, PDL=pdl, num_warps=warps, num_stages=stages, **maxnreg, **pdl_options(pdl))
     return y
