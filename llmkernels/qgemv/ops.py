@@ -45,6 +45,10 @@ M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 TC_MIN_M = 3
 TC_WIDE_N = 32768
 TC_M2_FORMATS = ("q4_k", "mlx")
+# MLX 4-bit at M = 1 takes the tensor-core kernel from this K (H100, fp16, group 64, us, m1 / tc (64, 4, 1, 4),
+# session 27, .lab/x1_lab.py: 7.5 / 8.1, 9.2 / 10.3, 18.0 / 19.6, 23.1 / 19.2 (4096 x 14336), 127.6 / 124.4);
+# q4_k keeps the m1 and lane kernels at M = 1 (7.3 / 8.3, 9.2 / 10.1, 17.3 / 19.5, 17.1 / 18.9, 116.8 / 128.1)
+TC_MLX_M1_MIN_K = 8192
 # q4_0 and q8_0 (K a multiple of 256, fp16/bf16 x) take the tensor-core kernel from this M up to MID_M: from M = 1
 # it beat the kernels it replaced on every Llama-3-8B shape but one (H100, fp16 x, us, the old path / tc, session 25,
 # scripts/tc_lab.py): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2 / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 /
@@ -310,7 +314,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     wb = biases if biases is not None else w16
     m1_fmt = fmt in ("q4_k", "q5_k", "q6_k") or (fmt == "mlx" and bits in (4, 8))
     tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
-    tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and (N >= TC_WIDE_N or fmt in TC_M2_FORMATS)))
+    tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and (N >= TC_WIDE_N or fmt in TC_M2_FORMATS))
+                       or (M == 1 and fmt == "mlx" and K >= TC_MLX_M1_MIN_K))
     tc_m = tc_m or (fmt in TC_FMT_MIN_M and TC_FMT_MIN_M[fmt] <= M <= MID_M)
     # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and (q4_k,
     # MLX) the m1 kernel, which forms it in its loads too, does not

@@ -117,17 +117,18 @@ def test_tc_kernel_mlx(N, K, M, gs, sdt, device):
 
 
 def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
-    """MLX 4-bit at M = 2..64 goes to the tensor-core kernel; 8-bit, K not a multiple of 256 and M = 1 do not."""
+    """MLX 4-bit at M = 2..64, and at M = 1 from K = ops.TC_MLX_M1_MIN_K, goes to the tensor-core kernel; 8-bit, K
+    not a multiple of 256 and M = 1 with a shorter K do not."""
     from llmkernels.qgemv import tc
 
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    for bits, K, M in ((4, 256, 1), (4, 256, 2), (4, 256, 3), (4, 256, 16), (8, 256, 8), (4, 320, 8)):
+    for bits, K, M in ((4, 256, 1), (4, 256, 2), (4, 256, 3), (4, 256, 16), (8, 256, 8), (4, 320, 8), (4, 8192, 1)):
         qt = lk.quantize(torch.randn(24, K) * 0.05, "mlx", bits=bits, group_size=64).to(device)
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
-    assert calls == [(2, 256), (3, 256), (16, 256)]
+    assert calls == [(2, 256), (3, 256), (16, 256), (1, 8192)]
 
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
