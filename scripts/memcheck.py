@@ -155,7 +155,8 @@ def tc_cases(dev="cuda"):
             lk.silu_mul_gemv(torch.randn(5, K, device=dev, dtype=dt), torch.randn(5, K, device=dev, dtype=dt), qt)
     for gs in (32, 64, 128):
         qt = lk.quantize(torch.randn(77, 768, device=dev), "mlx", bits=4, group_size=gs)
-        for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+        for M, config, sms in ((5, (128, 4, 1, 2), 132), (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5),
+                               (1, (64, 4, 1, 4), 132)):
             launch_tc(torch.randn(M, 768, device=dev, dtype=torch.bfloat16), qt.data, 77, 768, config, sms, 2,
                       qt.scales, qt.biases, gs)
 
