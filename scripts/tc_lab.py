@@ -8,8 +8,7 @@ A config may add /prefetch/maxnreg (tc.launch_tc).
 
 Checks each config against x @ dequantize(W).T (float32), then times it by CUDA-graph replay over enough weight
 copies to overflow L2 and prints effective TB/s (weight + activation bytes / time) next to the time of gemv with
-the tensor-core branch switched off (ops.TC_MIN_M, ops.TC_WIDE_N, ops.TC_FMT_MIN_M, ops.TC_M2_FORMATS set out of
-reach): the m1 or planes kernel.
+the tensor-core branch switched off (ops.TC_FIRST_M and ops.TC_FIRST_M_LARGE emptied): the m1 or planes kernel.
 """
 import argparse
 import math
@@ -47,7 +46,7 @@ def main():
     dts = [{"fp16": torch.float16, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tc_min, tc_wide, tc_fmt, tc_m2 = ops.TC_MIN_M, ops.TC_WIDE_N, dict(ops.TC_FMT_MIN_M), ops.TC_M2_FORMATS
+    tc_first, tc_large = dict(ops.TC_FIRST_M), dict(ops.TC_FIRST_M_LARGE)
     print(f"read bandwidth {measure_read_bandwidth():.3f} TB/s", flush=True)
     summary = {}
     for N, K in shapes:
@@ -60,10 +59,9 @@ def main():
                 x = torch.randn(M, K, device="cuda", dtype=dt)
                 nbytes = first.nbytes + x.numel() * x.element_size()
                 ref = x.float() @ w_ref.T
-                ops.TC_MIN_M, ops.TC_WIDE_N, ops.TC_M2_FORMATS = 10**9, 10**12, ()  # the path without tensor cores
-                ops.TC_FMT_MIN_M = {k: 10**9 for k in tc_fmt}
+                ops.TC_FIRST_M, ops.TC_FIRST_M_LARGE = {}, {}  # the path without tensor cores
                 t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
-                ops.TC_MIN_M, ops.TC_WIDE_N, ops.TC_FMT_MIN_M, ops.TC_M2_FORMATS = tc_min, tc_wide, dict(tc_fmt), tc_m2
+                ops.TC_FIRST_M, ops.TC_FIRST_M_LARGE = dict(tc_first), dict(tc_large)
                 line = f"N{N} K{K} {str(dt)[6:]} M{M}: no-tc {t_g * 1e3:6.1f} us {nbytes / t_g / 1e9:5.2f} TB/s |"
                 for cfg in cfgs:
                     try:

@@ -27,40 +27,48 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # 39.2, 53.3 / 47.2, 359.0 / 299.7; M = 4 26.4 / 17.2, 40.2 / 29.5, 86.4 / 55.1, 83.5 / 56.3, 638.6 / 429.7; at M = 8
 # the generic kernel wins (26.1 / 31.0 ... 637.6 / 850.8): its 210-byte blocks give the m1 kernel 2-byte loads.
 # the m1 kernel (up to 4 activation rows per program) up to this M: for q4_k that now covers silu_mul_gemv and the
-# GLU (plain gemv takes the tensor-core kernel from TC_MIN_M, below), MLX 4-bit against the planes kernel (faster at
+# GLU (plain gemv takes the tensor-core kernel from TC_FIRST_M, below), MLX 4-bit against the planes kernel (faster at
 # M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
 # --m-curve)
 M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
-# plain q4_k gemv takes the tensor-core kernel (tc.py) from this M (up to MID_M), and at M = 2 for wide matrices
-# (q4_k now on every N, below): us on an H100, bf16, the five Llama-3-8B shapes (scripts/tc_lab.py, session 16),
-# m1 / tc: M = 2 9.0 / 11.3, 14.9 / 12.9, 25.3 / 24.2, 23.9 / 24.3, 207.2 / 157.2; M = 4 11.2 / 11.3, 19.4 /
-# 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 / 157.2. silu_mul_gemv and the GLU keep the m1 kernel up to M1_MAX_M.
-# MLX 4-bit (K a multiple of 256) takes the same limits (session 17, bf16, group 64, m1 or planes / tc: M = 2 8.8 /
-# 10.2, 11.0 / 11.4, 21.9 / 21.5, 21.5 / 22.1, 142.7 / 133.9; M = 3 15.9 / 10.3, 31.4 / 11.4, 42.9 / 21.6, 43.1 /
-# 22.0, 280.2 / 135.0).
-# Since the tensor-core kernel's rebuilds and PDL launches (session 27, fp16, first four shapes, scripts/tc_lab.py
-# --m 2, m1 / tc): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7; MLX 4-bit group 64, m1 / tc, fp16: 9.3 / 8.4,
-# 11.2 / 10.3, 21.8 / 19.9, 21.5 / 19.6, bf16: 10.3 / 8.5, 11.0 / 10.4, 22.2 / 20.1, 23.7 / 19.5. So both take it at
-# M = 2 on every N (TC_M2_FORMATS).
-TC_MIN_M = 3
+# The tensor-core kernel (tc.py) per format: gemv takes it from TC_FIRST_M rows up to MID_M, and from
+# TC_FIRST_M_LARGE on long or wide matrices (K >= TC_LONG_K or N >= TC_WIDE_N); silu_mul_gemv from TC_FIRST_M, past
+# M1_MAX_M for the formats of TC_SILU_M1 (the m1 kernel forms silu(g) * u in its loads up to there). The evidence
+# (H100, us on the five Llama-3-8B shapes 4096x4096 / 6144x4096 / 14336x4096 / 4096x14336 / 128256x4096, the kernel
+# replaced / tc, scripts/tc_lab.py unless named):
+# - q4_k M = 2 (m1 / tc, session 27, fp16, PDL on both): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7. M = 4
+#   (session 16, bf16): 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 / 157.2. M = 1 stays on the m1 and
+#   lane kernels (session 27, .lab/x1_lab.py): 7.3 / 8.3, 9.2 / 10.1, 17.3 / 19.5, 17.1 / 18.9, 116.8 / 128.1.
+# - MLX 4-bit group 64 (K a multiple of 256), M = 2 (m1 / tc, session 27): fp16 9.3 / 8.4, 11.2 / 10.3, 21.8 / 19.9,
+#   21.5 / 19.6; bf16 10.3 / 8.5, 11.0 / 10.4, 22.2 / 20.1, 23.7 / 19.5. M = 1 (.lab/x1_lab.py, fp16): 7.5 / 8.1,
+#   9.2 / 10.3, 18.0 / 19.6, 23.1 / 19.2, 127.6 / 124.4, hence from M = 1 on long or wide matrices only.
+# - q4_0 / q8_0 (K a multiple of 256) from M = 1 (session 25, fp16): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2
+#   / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 / 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ...
+#   558.9 / 129.8; q8_0 M = 1 (planes) 13.7 / 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7.
+# - q6_k (K a multiple of 2048, so that rows are 16-byte aligned) from M = 1 (session 26, fp16, m1 / tc (64, 4, 1,
+#   4, 0, 128)): 13.9 / 12.5, 25.8 / 14.7, 39.5 / 28.8, 47.4 / 27.8, 328.3 / 186.3 (the m1 kernel gets 2-byte loads
+#   from 210-byte blocks; tc shifts aligned 16-byte vectors into place).
+# - q5_k (session 26, same): M = 2 10.7 / 11.7, 12.3 / 13.5, 25.9 / 28.9, 31.7 / 27.6, 197.8 / 182.8 (so M = 2 on
+#   long or wide matrices only); M = 3 12.2 / 11.6, 18.0 / 13.5, 37.5 / 29.1, 36.4 / 27.7, 310.0 / 183.3.
+TC_FIRST_M = {"q4_0": 1, "q8_0": 1, "q6_k": 1, "q4_k": 2, "mlx4": 2, "q5_k": 3}
+TC_FIRST_M_LARGE = {"mlx4": 1, "q5_k": 2}
+TC_LONG_K = 8192
 TC_WIDE_N = 32768
-TC_M2_FORMATS = ("q4_k", "mlx")
-# MLX 4-bit at M = 1 takes the tensor-core kernel from this K (H100, fp16, group 64, us, m1 / tc (64, 4, 1, 4),
-# session 27, .lab/x1_lab.py: 7.5 / 8.1, 9.2 / 10.3, 18.0 / 19.6, 23.1 / 19.2 (4096 x 14336), 127.6 / 124.4);
-# q4_k keeps the m1 and lane kernels at M = 1 (7.3 / 8.3, 9.2 / 10.1, 17.3 / 19.5, 17.1 / 18.9, 116.8 / 128.1)
-TC_MLX_M1_MIN_K = 8192
-# q4_0 and q8_0 (K a multiple of 256, fp16/bf16 x) take the tensor-core kernel from this M up to MID_M: from M = 1
-# it beat the kernels it replaced on every Llama-3-8B shape but one (H100, fp16 x, us, the old path / tc, session 25,
-# scripts/tc_lab.py): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2 / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 /
-# 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ... 558.9 / 129.8; q8_0 M = 1 (planes) 13.7 /
-# 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7
-# q5_k and q6_k (q6_k: K a multiple of 2048, so that rows are 16-byte aligned) likewise (H100, fp16 x,
-# us on the five Llama-3-8B shapes, the m1 kernel / tc with config (64, 4, 1, 4, 0, 128), scripts/tc_lab.py, session
-# 26): q6_k M = 1 13.9 / 12.5, 25.8 / 14.7, 39.5 / 28.8, 47.4 / 27.8, 328.3 / 186.3 (the m1 kernel gets 2-byte loads
-# from 210-byte blocks; tc shifts aligned 16-byte vectors into place); q5_k M = 2 10.7 / 11.7, 12.3 / 13.5, 25.9 /
-# 28.9, 31.7 / 27.6, 197.8 / 182.8, M = 3 12.2 / 11.6, 18.0 / 13.5, 37.5 / 29.1, 36.4 / 27.7, 310.0 / 183.3
-TC_FMT_MIN_M = {"q4_0": 1, "q8_0": 1, "q5_k": 3, "q6_k": 1}
-TC_SILU = True  # silu_mul_gemv takes the tensor-core kernel where gemv does and the m1 kernel does not
+TC_SILU_M1 = ("q4_k", "mlx4")
+TC_SILU = True  # silu_mul_gemv may take the tensor-core kernel (off: the m1 or planes kernel, for A/B labs)
+
+
+def tc_first_m(name: str, N: int, K: int, silu: bool = False):
+    """The first M at which gemv (or with ``silu``, silu_mul_gemv) of an [N, K] matrix in format ``name`` (GGUF
+    name, or "mlx4") takes the tensor-core kernel, or None if it never does (see TC_FIRST_M)."""
+    first = TC_FIRST_M.get(name)
+    if first is None or (silu and not TC_SILU):
+        return None
+    if silu:
+        return max(first, M1_MAX_M["mlx" if name.startswith("mlx") else name] + 1) if name in TC_SILU_M1 else first
+    if K >= TC_LONG_K or N >= TC_WIDE_N:
+        first = min(first, TC_FIRST_M_LARGE.get(name, first))
+    return first
 # (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1,
 # "tc/<format>/silu" silu_mul_gemv from M = 2 (q8_0 loads one step ahead there: fp16, us, 4096 x 14336 and
 # 14336 x 4096 at M = 2 and 8, (128, 8, 1, 2) / (64, 4, 1, 4, 1): 40.1 / 34.0, 41.7 / 37.2, 41.2 / 34.2, 42.9 /
@@ -313,15 +321,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     ws = scales if scales is not None else w16
     wb = biases if biases is not None else w16
     m1_fmt = fmt in ("q4_k", "q5_k", "q6_k") or (fmt == "mlx" and bits in (4, 8))
-    tc_fmt = fmt == "q4_k" or (fmt == "mlx" and bits == 4)
-    tc_m = tc_fmt and (TC_MIN_M <= M <= MID_M or (M == 2 and (N >= TC_WIDE_N or fmt in TC_M2_FORMATS))
-                       or (M == 1 and fmt == "mlx" and K >= TC_MLX_M1_MIN_K))
-    tc_m = tc_m or (fmt in TC_FMT_MIN_M and TC_FMT_MIN_M[fmt] <= M <= MID_M)
-    # silu_mul_gemv: the tensor-core kernel forms silu(x) * x2 as it loads x's tile, where gemv takes it and (q4_k,
-    # MLX) the m1 kernel, which forms it in its loads too, does not
-    tc_silu = TC_SILU and mode == 1 and tc_m and not (m1_fmt and fmt not in TC_FMT_MIN_M
-                                                      and M <= M1_MAX_M.get(fmt, 0))
-    if tc_m and (mode == 0 or tc_silu):
+    first = tc_first_m(fmt if fmt != "mlx" else f"mlx{bits}", N, K, mode == 1) if mode != 2 else None
+    if first is not None and first <= M <= MID_M:
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
         from .tc import launch_tc, tc_supports
 

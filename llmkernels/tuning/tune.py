@@ -276,7 +276,7 @@ def tune_gemv_m1(gpu):
             qts.append([first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)])
         for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
-            # plain q4_k gemv takes the tensor-core kernel from M = 2 (ops.TC_M2_FORMATS): its m1 entries serve
+            # plain q4_k gemv takes the tensor-core kernel from M = 2 (ops.TC_FIRST_M): its m1 entries serve
             # silu_mul_gemv there
             fn = silu_mul_gemv if name == "q4_k" else (lambda x, y, qt: gemv(x, qt))
             works = [[lambda x=x, qt=qt: fn(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]

@@ -89,13 +89,13 @@ def test_silu_mul_fused_in_m1(fmt, kw, M, layout, device, monkeypatch):
 @pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
 @pytest.mark.parametrize("M", [1, 4, 7, 9])
 def test_q5k_q6k_small_m_take_m1(fmt, M, device, monkeypatch):
-    """q5_k below TC_FMT_MIN_M and q6_k with K not a multiple of 2048 (so not on the tensor-core kernel) up to
+    """q5_k below TC_FIRST_M and q6_k with K not a multiple of 2048 (so not on the tensor-core kernel) up to
     M1_MAX_M run the m1 kernel (their high bits merged into 5- or 6-bit codes in registers), beyond it the generic
     one."""
     from llmkernels.qgemv import m1 as m1_mod
-    from llmkernels.qgemv.ops import M1_MAX_M, TC_FMT_MIN_M
+    from llmkernels.qgemv.ops import M1_MAX_M, TC_FIRST_M
 
-    m1 = M <= M1_MAX_M[fmt] and not (fmt == "q5_k" and M >= TC_FMT_MIN_M[fmt])
+    m1 = M <= M1_MAX_M[fmt] and not (fmt == "q5_k" and M >= TC_FIRST_M[fmt])
     calls = []
     real = m1_mod.launch_m1
     monkeypatch.setattr(m1_mod, "launch_m1", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))

@@ -117,8 +117,8 @@ def test_tc_kernel_mlx(N, K, M, gs, sdt, device):
 
 
 def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
-    """MLX 4-bit at M = 2..64, and at M = 1 from K = ops.TC_MLX_M1_MIN_K, goes to the tensor-core kernel; 8-bit, K
-    not a multiple of 256 and M = 1 with a shorter K do not."""
+    """MLX 4-bit at M = 2..64, and at M = 1 from K = ops.TC_LONG_K, goes to the tensor-core kernel; 8-bit, K not a
+    multiple of 256 and M = 1 with a shorter K do not."""
     from llmkernels.qgemv import tc
 
     calls = []
@@ -133,7 +133,7 @@ def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     """gemv routes q4_k at M = 2..64 (fp16/bf16) to the tensor-core kernel (M = 2 only on wide matrices for the
-    formats outside ops.TC_M2_FORMATS); fp32 activations, silu_mul_gemv at M <= 4 and other M elsewhere."""
+    formats whose ops.TC_FIRST_M is 3); fp32 activations, silu_mul_gemv at M <= 4 and other M elsewhere."""
     from llmkernels.qgemv import ops, tc
 
     calls = []
@@ -148,7 +148,8 @@ def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     lk.silu_mul_gemv(torch.randn(3, 256, dtype=torch.float16, device=device),
                      torch.randn(3, 256, dtype=torch.float16, device=device), qt)
     assert calls == [(2, 256), (3, 256), (4, 256), (16, 256), (17, 256), (64, 256)]
-    monkeypatch.setattr(ops, "TC_M2_FORMATS", ())  # M = 2 only from TC_WIDE_N on
+    monkeypatch.setitem(ops.TC_FIRST_M, "q4_k", 3)  # M = 2 only on wide matrices
+    monkeypatch.setitem(ops.TC_FIRST_M_LARGE, "q4_k", 2)
     x = torch.randn(2, 256, dtype=torch.float16, device=device)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
     assert len(calls) == 6
@@ -172,7 +173,7 @@ def test_tc_kernel_gpu(dtype, device):
 
 
 def test_gemv_takes_tc_for_legacy(device, monkeypatch):
-    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_FMT_MIN_M up to 64 rows,
+    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_FIRST_M up to 64 rows,
     silu_mul_gemv too (silu(g) * u formed in the kernel); K = 320 and fp32 x do not."""
     from llmkernels.qgemv import ops, tc
 
@@ -181,7 +182,7 @@ def test_gemv_takes_tc_for_legacy(device, monkeypatch):
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
     want = []
     for fmt in ("q4_0", "q8_0"):
-        lo = ops.TC_FMT_MIN_M[fmt]
+        lo = ops.TC_FIRST_M[fmt]
         for K, M in ((256, lo - 1), (256, lo), (512, 16), (256, 64), (256, 65), (320, 8)):
             if M < 1:
                 continue
@@ -249,8 +250,8 @@ def test_tc_kernel_gguf_gpu(fmt, dtype, device):
 
 
 def test_gemv_takes_tc_for_kquants(device, monkeypatch):
-    """q5_k from ops.TC_FMT_MIN_M and q6_k (K a multiple of 2048) go to the tensor-core kernel up to 64 rows,
-    silu_mul_gemv too; q6_k with K = 1024 does not."""
+    """q5_k from ops.TC_FIRST_M (ops.TC_FIRST_M_LARGE from K = ops.TC_LONG_K, not silu_mul_gemv) and q6_k (K a
+    multiple of 2048) go to the tensor-core kernel up to 64 rows, silu_mul_gemv too; q6_k with K = 1024 does not."""
     from llmkernels.qgemv import ops, tc
 
     calls = []
@@ -258,7 +259,7 @@ def test_gemv_takes_tc_for_kquants(device, monkeypatch):
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
     want = []
     for fmt, K in (("q5_k", 256), ("q6_k", 2048)):
-        lo = ops.TC_FMT_MIN_M[fmt]
+        lo = ops.TC_FIRST_M[fmt]
         qt = lk.quantize(torch.randn(20, K) * 0.05, fmt).to(device)
         for M in (lo - 1, lo, 64, 65):
             if M < 1:
@@ -271,6 +272,13 @@ def test_gemv_takes_tc_for_kquants(device, monkeypatch):
     qt = lk.quantize(torch.randn(20, 1024) * 0.05, "q6_k").to(device)
     x = torch.randn(8, 1024, dtype=torch.float16, device=device)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
+    K = ops.TC_LONG_K
+    qt = lk.quantize(torch.randn(20, K) * 0.05, "q5_k").to(device)
+    lo = ops.TC_FIRST_M_LARGE["q5_k"]
+    g, u = (torch.randn(lo, K, dtype=torch.float16, device=device) for _ in range(2))
+    _check(lk.gemv(g, qt), g, qt, torch.float16)
+    _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)  # silu_mul_gemv from TC_FIRST_M only
+    want += [("q5_k", lo)] if lo < ops.TC_FIRST_M["q5_k"] else []
     assert calls == want
 
 
