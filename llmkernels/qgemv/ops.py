@@ -104,8 +104,10 @@ LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) wh
 # fused silu_mul_gemv, q4_k, M = 1, matrices of LANES_MIN_WEIGHTS or more: twice the rows per thread and lanes split
 # over half chunks, so fewer warps form each silu(gate) * up value (H100, 4096 x 14336, us with sigmoid through
 # tanh.approx: fp16 23.1 against 26.7 with m1/q4_k, bf16 23.7 against 24.4; on 4096 x 4096 it loses, 10.0 against
-# 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large".
-SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 1)  # (R, NB, warps, stages, KT, H, waves); not tuned, so not in the table
+# 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large". Three programs per SM (K split until then):
+# 4096 x 14336 has only 128 programs of 32 rows, one wave; us, fp16, waves 1 / 2 / 3 / 4: 24.6 / 22.7 / 20.4 / 21.2,
+# 14336 x 4096 19.6 / 19.6 / 19.6 / 20.4 (session 27, .lab/silu_sweep.py; R 4 or 16, KT 8, 2 or 8 warps: slower)
+SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 3)  # (R, NB, warps, stages, KT, H, waves); not tuned, so not in the table
 
 
 def _layout(fmt: str, K: int, row_bytes: int, group_size: int | None):
