@@ -260,6 +260,22 @@ LANE_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1), (2, 1, 4, 4, 8,
 def tune_gemv_m1(gpu):
     """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, q5_k and q6_k at M = 1, 2 and 4, MLX 4- and 8-bit (group
     64) at M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
+    from ..qgemv import ops
+
+    # gemv takes the tensor-core kernel for many of these cases (ops.TC_FIRST_M: q6_k at every M, q4_k and MLX 4-bit
+    # from M = 2, long matrices earlier); the m1 entries serve the others (shapes or K it does not take, silu_mul_gemv),
+    # so they are timed with that route off
+    saved = dict(ops.TC_FIRST_M), dict(ops.TC_FIRST_M_LARGE)
+    ops.TC_FIRST_M.clear()
+    ops.TC_FIRST_M_LARGE.clear()
+    try:
+        return _tune_gemv_m1()
+    finally:
+        ops.TC_FIRST_M.update(saved[0])
+        ops.TC_FIRST_M_LARGE.update(saved[1])
+
+
+def _tune_gemv_m1():
     from ..bench.harness import copies_for
     from ..qgemv import gemv, silu_mul_gemv
     from ..qgemv.ops import m1_key
@@ -276,8 +292,7 @@ def tune_gemv_m1(gpu):
             qts.append([first] + [random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(copies_for(first.nbytes) - 1)])
         for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _, K in shapes]
-            # plain q4_k gemv takes the tensor-core kernel from M = 2 (ops.TC_FIRST_M): its m1 entries serve
-            # silu_mul_gemv there
+            # plain q4_k gemv takes the tensor-core kernel from M = 2: its m1 entries serve silu_mul_gemv there
             fn = silu_mul_gemv if name == "q4_k" else (lambda x, y, qt: gemv(x, qt))
             works = [[lambda x=x, qt=qt: fn(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             key = m1_key(name, M)
