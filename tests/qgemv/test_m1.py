@@ -247,6 +247,31 @@ def test_m1_lane_order_gpu(device):
                 assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.gpu
+def test_silu_large_gpu(device, monkeypatch):
+    """silu_mul_gemv on q4_k at M = 1 with N * K >= ops.LANES_MIN_WEIGHTS (the config "m1/q4_k/silu_large", K split
+    over three programs per SM by default): odd N, one long and one wide shape, fp16 and bf16, against float64."""
+    from llmkernels._runtime import gpu_name
+    from llmkernels.qgemv import m1, ops
+    from llmkernels.testing import silu_mul_gemv_ref
+    from llmkernels.tuning import lookup
+
+    seen = []
+    real = m1.launch_m1
+    monkeypatch.setattr(m1, "launch_m1", lambda *a, **k: seen.append(tuple(a[5])) or real(*a, **k))
+    for N, K in [(2347, 14336), (14337, 4096)]:
+        assert N * K >= ops.LANES_MIN_WEIGHTS
+        qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
+        for dtype in (torch.float16, torch.bfloat16):
+            g, u = (torch.randn(1, K, dtype=dtype, device=device) * 2 for _ in range(2))
+            y = lk.silu_mul_gemv(g, u, qt)
+            ref = silu_mul_gemv_ref(g, u, qt)
+            tol = 4e-3 if dtype == torch.float16 else 2e-2
+            assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+    want = tuple(lookup("gemv", gpu_name(), "m1/q4_k/silu_large") or ops.SILU_LARGE_DEFAULT)
+    assert seen == [want] * 4
+
+
 def _glu_ref(x, g, u):
     return torch.nn.functional.silu(gemv_ref(x, g)) * gemv_ref(x, u)
 
