@@ -1,5 +1,6 @@
-"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0, q8_0 and q6_k here from M = 1, q4_k, q5_k and MLX 4-bit
-from M = 3): weights dequantized to fp16/bf16 in registers and fed to tl.dot.
+"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0, q8_0 and q6_k here from M = 1, q4_k and MLX 4-bit from
+M = 2, q5_k from M = 3, MLX 4-bit and q5_k one M earlier on long or wide matrices: ops.TC_FIRST_M): weights
+dequantized to fp16/bf16 in registers and fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
