@@ -47,17 +47,23 @@ from ._gluon import compile_sm90 as _compile_sm90
 
 
 @gluon.jit
-def _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
-    """(sequence, kv head, split, first key, last key + 1) of work unit u."""
+def _unit_seq(u, n_units, TILE_SEQ, per_tile):
+    """The sequence of work unit u (0 from the last unit on: a valid index whose results go unused). Each partition
+    loads it a few units ahead (see _loader), so the chain TILE_SEQ -> SEQ_LENS -> page ids / q of a unit's start
+    is not waited on at every unit boundary."""
+    return gl.load(TILE_SEQ + u // per_tile, mask=u < n_units, other=0)
+
+
+@gluon.jit
+def _unit_keys(u, k_len, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
+    """(kv head, split, first key, last key + 1) of work unit u, whose sequence has k_len keys."""
     per_tile = num_kv_heads * num_splits
-    b = gl.load(TILE_SEQ + u // per_tile)
     hk = (u % per_tile) // num_splits
     split = u % num_splits
-    k_len = gl.load(SEQ_LENS + b)
     chunk = ((k_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = gl.minimum(split * chunk, k_len)
     hi = gl.minimum(lo + chunk, k_len)
-    return b, hk, split, lo, hi
+    return hk, split, lo, hi
 
 
 @gluon.jit
@@ -94,12 +100,12 @@ def _piece(g, g1, ti, CU_T, num_kv_heads):
 
 @gluon.jit
 def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, n_pages, col, lo, hi, c,
-               num_pages, sub, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               num_pages, rows, sub, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
                STAGES: gl.constexpr):
-    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring; -> the ring counter."""
+    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring (rows: the first tile's
+    cache rows, _first_rows); -> the ring counter."""
     ROWS: gl.constexpr = desc_k.block_type.shape[0]
     NSUB: gl.constexpr = BLOCK_N // ROWS
-    rows = _page_rows(pt_row, lo, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
     for start in range(lo, hi, BLOCK_N):
         # the next tile's page ids load while this tile's copies are issued (used one iteration later)
         nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
@@ -154,11 +160,28 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, 
 
 
 @gluon.jit
+def _first_rows(desc_k, pt_row, k_len, lo, num_pages, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                GATHER: gl.constexpr):
+    """The cache rows of the first tile from key lo (TMA pages; 0 with GATHER, whose loads start in _gather_keys),
+    loaded a unit ahead by the loader."""
+    if GATHER:
+        rows = 0
+    else:
+        ROWS: gl.constexpr = desc_k.block_type.shape[0]
+        NSUB: gl.constexpr = BLOCK_N // ROWS
+        sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])  # as in _copy_keys
+        rows = _page_rows(pt_row, lo, (k_len + PAGE_SIZE - 1) // PAGE_SIZE, num_pages, PAGE_SIZE, NSUB, ROWS,
+                          sub_layout)
+    return rows
+
+
+@gluon.jit
 def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, col, lo, hi, c, num_pages,
-               stride_kp, stride_ks, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+               stride_kp, stride_ks, rows, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                GATHER: gl.constexpr):
-    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA, or with GATHER
-    (desc_k / desc_v are then the caches' pointers) rows by cp.async; -> the ring counter."""
+    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA (rows: the
+    first tile's, _first_rows), or with GATHER (desc_k / desc_v are then the caches' pointers) rows by cp.async;
+    -> the ring counter."""
     if GATHER:  # 16-byte pieces, rows over the threads
         VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
         TPR: gl.constexpr = k_smem.shape[2] // VEC
@@ -170,7 +193,7 @@ def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
         # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
         sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
         c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row,
-                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages,
+                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages, rows,
                        gl.arange(0, NSUB, layout=sub_layout), sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
     return c
 
@@ -187,19 +210,39 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
             hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
             b = gl.load(TILE_SEQ + ti)
             k_len = gl.load(SEQ_LENS + b)
-            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b.to(gl.int64) * stride_pt, k_len, hk * HEAD_DIM, t0 * BLOCK_N,
-                           gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, stride_kp, stride_ks, BLOCK_N,
-                           PAGE_SIZE, STAGES, GATHER)
+            pt_row = PAGE_TABLE + b.to(gl.int64) * stride_pt
+            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, hk * HEAD_DIM,
+                           t0 * BLOCK_N, gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, stride_kp, stride_ks,
+                           _first_rows(desc_k, pt_row, k_len, t0 * BLOCK_N, num_pages, BLOCK_N, PAGE_SIZE, GATHER),
+                           BLOCK_N, PAGE_SIZE, STAGES, GATHER)
             g += nt
             ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-        for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+        per_tile = num_kv_heads * num_splits
+        P = gl.num_programs(0)
+        u0 = gl.program_id(0)
+        # the next units' metadata, loaded ahead so that no unit boundary waits on a chain of loads: sequence ids
+        # three units ahead, their lengths two ahead, the first tile's page ids one ahead
+        b0 = _unit_seq(u0, n_units, TILE_SEQ, per_tile)
+        b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
+        b2 = _unit_seq(u0 + 2 * P, n_units, TILE_SEQ, per_tile)
+        k0 = gl.load(SEQ_LENS + b0)
+        k1 = gl.load(SEQ_LENS + b1)
+        _, _, lo0, _ = _unit_keys(u0, k0, num_kv_heads, num_splits, BLOCK_N)
+        rows0 = _first_rows(desc_k, PAGE_TABLE + b0.to(gl.int64) * stride_pt, k0, lo0, num_pages, BLOCK_N, PAGE_SIZE,
+                            GATHER)
+        for u in range(u0, n_units, P):
+            k2 = gl.load(SEQ_LENS + b2)
+            b3 = _unit_seq(u + 3 * P, n_units, TILE_SEQ, per_tile)
+            _, _, lo1, _ = _unit_keys(u + P, k1, num_kv_heads, num_splits, BLOCK_N)
+            rows1 = _first_rows(desc_k, PAGE_TABLE + b1.to(gl.int64) * stride_pt, k1, lo1, num_pages, BLOCK_N,
+                                PAGE_SIZE, GATHER)
+            hk, _, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
             c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b), hk * HEAD_DIM, lo, hi, c,
-                           num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
+                           PAGE_TABLE + b0.to(gl.int64) * stride_pt, k0, hk * HEAD_DIM, lo, hi, c, num_pages,
+                           stride_kp, stride_ks, rows0, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
+            b0, k0, rows0, b1, k1, b2 = b1, k1, rows1, b2, k2, b3
 
 
 @gluon.jit
@@ -220,22 +263,40 @@ def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_
     fp8 dots read it from the fp8 ring."""
     if BALANCED:
         g, g1, _ = _balanced_range(TABLES, cap, num_kv_heads)
-        total = g1 - g
+        for c in range(g1 - g):
+            _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM, STAGES, STAGES16)
     else:
-        total = 0
+        # unit by unit, each unit's length loaded a unit ahead (counting every unit's tiles first cost two dependent
+        # loads per unit before the first tile)
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-        for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
-            total += (hi - lo + BLOCK_N - 1) // BLOCK_N
-    for c in range(total):
-        s2 = c % STAGES16
-        mbarrier.wait(v16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
-        mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-        _widen(v8.index(c % STAGES), v16.index(s2), HEAD_DIM)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(v16_ready.index(s2), count=1)
-        mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
+        per_tile = num_kv_heads * num_splits
+        P = gl.num_programs(0)
+        u0 = gl.program_id(0)
+        k0 = gl.load(SEQ_LENS + _unit_seq(u0, n_units, TILE_SEQ, per_tile))
+        b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
+        c = 0
+        for u in range(u0, n_units, P):
+            k1 = gl.load(SEQ_LENS + b1)
+            b2 = _unit_seq(u + 2 * P, n_units, TILE_SEQ, per_tile)
+            _, _, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
+            for _j in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+                _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM, STAGES, STAGES16)
+                c += 1
+            k0, b1 = k1, b2
+
+
+@gluon.jit
+def _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  STAGES16: gl.constexpr):
+    """Ring use c: V's fp8 slot -> its fp16 slot."""
+    s2 = c % STAGES16
+    mbarrier.wait(v16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
+    mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+    _widen(v8.index(c % STAGES), v16.index(s2), HEAD_DIM)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(v16_ready.index(s2), count=1)
+    mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
 
 
 @gluon.jit
@@ -288,20 +349,25 @@ def _pv(p_buf, acc, v_smem, v_ready, c, V_STAGES: gl.constexpr, FENCE: gl.conste
 
 
 @gluon.jit
-def _stage_q(Q, t, hk, q_smem, stride_qt, stride_qh, qk_scale, cs_layout: gl.constexpr, GROUP: gl.constexpr,
-             HEAD_DIM: gl.constexpr):
-    """Query token t's GROUP heads of kv head hk into q_smem [terms, GP, HEAD_DIM] (rows past GROUP zero) -> the
-    per-head score scale (log2 units) in cs_layout. One term: q in the cache's dtype. Three terms (fp8 caches):
+def _load_q(Q, t, hk, ok, stride_qt, stride_qh, GROUP: gl.constexpr, GP: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Query token t's GROUP heads of kv head hk as [GP, HEAD_DIM] in q's dtype (rows past GROUP, and all when not
+    ok, zero). The consumer loads the next unit's q while this unit runs."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    qr = gl.arange(0, GP, layout=gl.SliceLayout(1, q_layout))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    return gl.load(Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :],
+                   mask=((qr < GROUP) & ok)[:, None], other=0.0)
+
+
+@gluon.jit
+def _stage_q(q, q_smem, qk_scale, cs_layout: gl.constexpr):
+    """q (_load_q) into q_smem [terms, GP, HEAD_DIM] -> the per-head score scale (log2 units) in cs_layout. One term: q in the cache's dtype. Three terms (fp8 caches):
     each head row is scaled by a power of two to at most 256 and split into e4m3 terms h + m + l, each the rounded
     remainder of the ones before (exact in float32), so the sum keeps about 12 significant bits, more than fp16 q
     has, and K stays fp8: the dots run on the fp8 tensor cores with no widening of K."""
     GP: gl.constexpr = q_smem.shape[1]
     TERMS: gl.constexpr = q_smem.shape[0]
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    qr = gl.arange(0, GP, layout=gl.SliceLayout(1, q_layout))
-    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(Q + t * stride_qt + (hk * GROUP + qr)[:, None] * stride_qh + qd[None, :], mask=(qr < GROUP)[:, None],
-                other=0.0).to(gl.float32)
+    q = q.to(gl.float32)
     gl.thread_barrier()  # every warp is past the previous unit's last wgmma
     if TERMS == 1:
         q_smem.index(0).store(q.to(q_smem.dtype))
@@ -322,11 +388,10 @@ def _stage_q(Q, t, hk, q_smem, stride_qt, stride_qh, qk_scale, cs_layout: gl.con
 
 
 @gluon.jit
-def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, stride_qt,
-            stride_qh, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, o_layout: gl.constexpr, KF: gl.constexpr = False,
-            VF: gl.constexpr = False):
-    """The online softmax of query token t's GROUP heads of kv head hk over keys [lo, hi): K tiles from the
+def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, qk_scale,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False):
+    """The online softmax of one unit's query heads q (_load_q) over keys [lo, hi): K tiles from the
     (k_smem, k_ready, k_empty) ring, V tiles from the (v_smem, ...) ring (the same ring for 16-bit caches; for fp8,
     the fp8 ring and the converter's fp16 ring), counted by c. -> (O [GP, HEAD_DIM] unnormalized in o_layout, row
     max (log2 units) and row sum in its row slice, ring counter).
@@ -345,7 +410,7 @@ def _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_sme
     ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, GP, 16])
     col: gl.constexpr = gl.SliceLayout(0, st_layout)
-    cs = _stage_q(Q, t, hk, q_smem, stride_qt, stride_qh, qk_scale, col, GROUP, HEAD_DIM)
+    cs = _stage_q(q, q_smem, qk_scale, col)
     m_i = gl.full([GP], float("-inf"), gl.float32, col)
     l_p = gl.zeros([BLOCK_N, GP], gl.float32, st_layout)
     acc = gl.zeros([HEAD_DIM, GP], gl.float32, ot_layout)
@@ -421,9 +486,10 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
             b = gl.load(TILE_SEQ + ti)
             t = gl.load(CU_Q + b).to(gl.int64)
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
-            acc, m_i, l_i, c = _attend(Q, t, hk, t0 * BLOCK_N, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty,
-                                       v_smem, v_ready, v_empty, stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM,
-                                       BLOCK_N, K_STAGES, V_STAGES, o_layout, KF, VF)
+            q = _load_q(Q, t, hk, True, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
+            acc, m_i, l_i, c = _attend(q, t0 * BLOCK_N, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem,
+                                       v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, o_layout, KF,
+                                       VF)
             o = acc * (v_scale / l_i)[:, None]  # every piece holds a key: l_i > 0
             head_o = hk * GROUP + orow
             idx = ti * num_kv_heads + hk
@@ -449,12 +515,28 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
                         stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-        for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            b, hk, split, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
-            t = gl.load(CU_Q + b).to(gl.int64)  # the sequence's one query token
-            acc, m_i, l_i, c = _attend(Q, t, hk, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem,
-                                       v_ready, v_empty, stride_qt, stride_qh, qk_scale, GROUP, HEAD_DIM, BLOCK_N,
-                                       K_STAGES, V_STAGES, o_layout, KF, VF)
+        per_tile = num_kv_heads * num_splits
+        P = gl.num_programs(0)
+        u0 = gl.program_id(0)
+        # loaded ahead (see _loader): the next unit's q, its length and query token, the sequence id two units ahead
+        b0 = _unit_seq(u0, n_units, TILE_SEQ, per_tile)
+        b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
+        k0 = gl.load(SEQ_LENS + b0)
+        t0 = gl.load(CU_Q + b0).to(gl.int64)  # the sequence's one query token
+        k1 = gl.load(SEQ_LENS + b1)
+        t1 = gl.load(CU_Q + b1).to(gl.int64)
+        b2 = _unit_seq(u0 + 2 * P, n_units, TILE_SEQ, per_tile)
+        q0 = _load_q(Q, t0, (u0 % per_tile) // num_splits, u0 < n_units, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
+        for u in range(u0, n_units, P):
+            un = u + P
+            q1 = _load_q(Q, t1, (un % per_tile) // num_splits, un < n_units, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
+            k2 = gl.load(SEQ_LENS + b2)
+            t2 = gl.load(CU_Q + b2).to(gl.int64)
+            b3 = _unit_seq(u + 3 * P, n_units, TILE_SEQ, per_tile)
+            hk, split, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
+            t = t0
+            acc, m_i, l_i, c = _attend(q0, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready,
+                                       v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, o_layout, KF, VF)
             empty = l_i == 0.0
             l_safe = gl.where(empty, 1.0, l_i)
             o = acc * (v_scale / l_safe)[:, None]
@@ -464,6 +546,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
             if SPLIT:
                 lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
                 gl.store(LSE + split * stride_ls + t * num_heads + head_o, lse, mask=orow < GROUP)
+            q0, k0, t0, k1, t1, b2 = q1, k1, t1, k2, t2, b3
 
 
 @gluon.jit
