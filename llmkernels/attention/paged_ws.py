@@ -47,10 +47,24 @@ from ._gluon import compile_sm90 as _compile_sm90
 
 
 @gluon.jit
+def _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
+    """(sequence, kv head, split, first key, last key + 1) of work unit u."""
+    per_tile = num_kv_heads * num_splits
+    b = gl.load(TILE_SEQ + u // per_tile)
+    hk = (u % per_tile) // num_splits
+    split = u % num_splits
+    k_len = gl.load(SEQ_LENS + b)
+    chunk = ((k_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = gl.minimum(split * chunk, k_len)
+    hi = gl.minimum(lo + chunk, k_len)
+    return b, hk, split, lo, hi
+
+
+@gluon.jit
 def _unit_seq(u, n_units, TILE_SEQ, per_tile):
-    """The sequence of work unit u (0 from the last unit on: a valid index whose results go unused). Each partition
-    loads it a few units ahead (see _loader), so the chain TILE_SEQ -> SEQ_LENS -> page ids / q of a unit's start
-    is not waited on at every unit boundary."""
+    """The sequence of work unit u (0 from the last unit on: a valid index whose results go unused). The consumer
+    and the converter load it units ahead (see _consumer), so that the chain TILE_SEQ -> SEQ_LENS, CU_Q -> q of a
+    unit's start is not waited on at every unit boundary."""
     return gl.load(TILE_SEQ + u // per_tile, mask=u < n_units, other=0)
 
 
@@ -100,12 +114,12 @@ def _piece(g, g1, ti, CU_T, num_kv_heads):
 
 @gluon.jit
 def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, n_pages, col, lo, hi, c,
-               num_pages, rows, sub, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               num_pages, sub, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
                STAGES: gl.constexpr):
-    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring (rows: the first tile's
-    cache rows, _first_rows); -> the ring counter."""
+    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring; -> the ring counter."""
     ROWS: gl.constexpr = desc_k.block_type.shape[0]
     NSUB: gl.constexpr = BLOCK_N // ROWS
+    rows = _page_rows(pt_row, lo, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
     for start in range(lo, hi, BLOCK_N):
         # the next tile's page ids load while this tile's copies are issued (used one iteration later)
         nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
@@ -160,28 +174,11 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, 
 
 
 @gluon.jit
-def _first_rows(desc_k, pt_row, k_len, lo, num_pages, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                GATHER: gl.constexpr):
-    """The cache rows of the first tile from key lo (TMA pages; 0 with GATHER, whose loads start in _gather_keys),
-    loaded a unit ahead by the loader."""
-    if GATHER:
-        rows = 0
-    else:
-        ROWS: gl.constexpr = desc_k.block_type.shape[0]
-        NSUB: gl.constexpr = BLOCK_N // ROWS
-        sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])  # as in _copy_keys
-        rows = _page_rows(pt_row, lo, (k_len + PAGE_SIZE - 1) // PAGE_SIZE, num_pages, PAGE_SIZE, NSUB, ROWS,
-                          sub_layout)
-    return rows
-
-
-@gluon.jit
 def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, col, lo, hi, c, num_pages,
-               stride_kp, stride_ks, rows, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+               stride_kp, stride_ks, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                GATHER: gl.constexpr):
-    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA (rows: the
-    first tile's, _first_rows), or with GATHER (desc_k / desc_v are then the caches' pointers) rows by cp.async;
-    -> the ring counter."""
+    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA, or with GATHER
+    (desc_k / desc_v are then the caches' pointers) rows by cp.async; -> the ring counter."""
     if GATHER:  # 16-byte pieces, rows over the threads
         VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
         TPR: gl.constexpr = k_smem.shape[2] // VEC
@@ -193,7 +190,7 @@ def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
         # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
         sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
         c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row,
-                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages, rows,
+                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages,
                        gl.arange(0, NSUB, layout=sub_layout), sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
     return c
 
@@ -210,39 +207,19 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
             hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
             b = gl.load(TILE_SEQ + ti)
             k_len = gl.load(SEQ_LENS + b)
-            pt_row = PAGE_TABLE + b.to(gl.int64) * stride_pt
-            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, hk * HEAD_DIM,
-                           t0 * BLOCK_N, gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, stride_kp, stride_ks,
-                           _first_rows(desc_k, pt_row, k_len, t0 * BLOCK_N, num_pages, BLOCK_N, PAGE_SIZE, GATHER),
-                           BLOCK_N, PAGE_SIZE, STAGES, GATHER)
+            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                           PAGE_TABLE + b.to(gl.int64) * stride_pt, k_len, hk * HEAD_DIM, t0 * BLOCK_N,
+                           gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, stride_kp, stride_ks, BLOCK_N,
+                           PAGE_SIZE, STAGES, GATHER)
             g += nt
             ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-        per_tile = num_kv_heads * num_splits
-        P = gl.num_programs(0)
-        u0 = gl.program_id(0)
-        # the next units' metadata, loaded ahead so that no unit boundary waits on a chain of loads: sequence ids
-        # three units ahead, their lengths two ahead, the first tile's page ids one ahead
-        b0 = _unit_seq(u0, n_units, TILE_SEQ, per_tile)
-        b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
-        b2 = _unit_seq(u0 + 2 * P, n_units, TILE_SEQ, per_tile)
-        k0 = gl.load(SEQ_LENS + b0)
-        k1 = gl.load(SEQ_LENS + b1)
-        _, _, lo0, _ = _unit_keys(u0, k0, num_kv_heads, num_splits, BLOCK_N)
-        rows0 = _first_rows(desc_k, PAGE_TABLE + b0.to(gl.int64) * stride_pt, k0, lo0, num_pages, BLOCK_N, PAGE_SIZE,
-                            GATHER)
-        for u in range(u0, n_units, P):
-            k2 = gl.load(SEQ_LENS + b2)
-            b3 = _unit_seq(u + 3 * P, n_units, TILE_SEQ, per_tile)
-            _, _, lo1, _ = _unit_keys(u + P, k1, num_kv_heads, num_splits, BLOCK_N)
-            rows1 = _first_rows(desc_k, PAGE_TABLE + b1.to(gl.int64) * stride_pt, k1, lo1, num_pages, BLOCK_N,
-                                PAGE_SIZE, GATHER)
-            hk, _, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
+        for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
             c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b0.to(gl.int64) * stride_pt, k0, hk * HEAD_DIM, lo, hi, c, num_pages,
-                           stride_kp, stride_ks, rows0, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
-            b0, k0, rows0, b1, k1, b2 = b1, k1, rows1, b2, k2, b3
+                           PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b), hk * HEAD_DIM, lo, hi, c,
+                           num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
 
 
 @gluon.jit
@@ -266,8 +243,8 @@ def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_
         for c in range(g1 - g):
             _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM, STAGES, STAGES16)
     else:
-        # unit by unit, each unit's length loaded a unit ahead (counting every unit's tiles first cost two dependent
-        # loads per unit before the first tile)
+        # unit by unit, each unit's length loaded a unit ahead (it counted every unit's tiles first, two dependent
+        # loads per unit before its first tile; the two measured the same)
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         per_tile = num_kv_heads * num_splits
         P = gl.num_programs(0)
@@ -361,10 +338,11 @@ def _load_q(Q, t, hk, ok, stride_qt, stride_qh, GROUP: gl.constexpr, GP: gl.cons
 
 @gluon.jit
 def _stage_q(q, q_smem, qk_scale, cs_layout: gl.constexpr):
-    """q (_load_q) into q_smem [terms, GP, HEAD_DIM] -> the per-head score scale (log2 units) in cs_layout. One term: q in the cache's dtype. Three terms (fp8 caches):
-    each head row is scaled by a power of two to at most 256 and split into e4m3 terms h + m + l, each the rounded
-    remainder of the ones before (exact in float32), so the sum keeps about 12 significant bits, more than fp16 q
-    has, and K stays fp8: the dots run on the fp8 tensor cores with no widening of K."""
+    """q (_load_q) into q_smem [terms, GP, HEAD_DIM] -> the per-head score scale (log2 units) in cs_layout. One
+    term: q in the cache's dtype. Three terms (fp8 caches): each head row is scaled by a power of two to at most 256
+    and split into e4m3 terms h + m + l, each the rounded remainder of the ones before (exact in float32), so the
+    sum keeps about 12 significant bits, more than fp16 q has, and K stays fp8: the dots run on the fp8 tensor cores
+    with no widening of K."""
     GP: gl.constexpr = q_smem.shape[1]
     TERMS: gl.constexpr = q_smem.shape[0]
     q = q.to(gl.float32)
@@ -518,7 +496,10 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
         per_tile = num_kv_heads * num_splits
         P = gl.num_programs(0)
         u0 = gl.program_id(0)
-        # loaded ahead (see _loader): the next unit's q, its length and query token, the sequence id two units ahead
+        # loaded ahead: the next unit's q, its length and query token, the sequence id two units ahead. At one unit
+        # per program boundary a dependent chain of three loads (unit -> sequence -> length, query token -> q) cost
+        # about 2 us per 16-tile unit with an fp8 cache (.lab/b1_ab.py, bench/NOTES.md session 28); the same
+        # look-ahead in the loader measured slightly slower, so the loader keeps its own loads (it runs ahead)
         b0 = _unit_seq(u0, n_units, TILE_SEQ, per_tile)
         b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
         k0 = gl.load(SEQ_LENS + b0)
