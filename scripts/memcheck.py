@@ -76,6 +76,17 @@ def ws_decode_cases(dev="cuda"):
             assert plan.balanced
             lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
             plan_mod.BALANCE_MIN_SKEW = 1.25
+    # many units per program (the consumer loads each next unit's q and lengths ahead), empty second splits
+    lens = [(53 * i) % 611 + 1 for i in range(70)]
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        kc, vc, pt, sl = _paged_cache(lens, 16, 4, 128, kv, dev)
+        cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
+        q = torch.randn(len(lens), 28, 128, device=dev, dtype=torch.bfloat16)
+        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), 16, 28, 4, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                       num_splits=2, device=dev)
+        assert plan.ws_decode and not plan.balanced
+        sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
+        lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
     plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
 
 

@@ -252,6 +252,9 @@ WS_CASES = [
     ([1] * 3, [33, 800, 257], 8, 8, 1, 128, dict(num_splits=1)),  # page 8, MQA (group 8), no split
     ([1], [30011], 16, 32, 8, 128, dict(balanced=True)),  # batch 1: each (sequence, kv head) cut over ~16 programs
     ([1] * 150, [(37 * i) % 997 + 1 for i in range(150)], 32, 8, 2, 128, {}),  # ragged, programs over many units
+    # fixed splits over 90 sequences, group 7: 720 units, five or six per program (the consumer loads each next
+    # unit's q and lengths ahead), sequences of one key leave their second split empty
+    ([1] * 90, [(53 * i) % 611 + 1 for i in range(90)], 16, 28, 4, 128, dict(num_splits=2)),
     # page sizes TMA cannot copy by pages: rows gathered with cp.async
     ([1] * 6, [1, 17, 100, 1000, 64, 65], 1, 32, 8, 128, {}),  # page 1
     ([1] * 4, [300, 31, 999, 2], 3, 28, 4, 64, dict(num_splits=3)),  # page 3, group 7, D 64, fixed splits
