@@ -63,8 +63,8 @@ def _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N: gl.constexpr
 @gluon.jit
 def _unit_seq(u, n_units, TILE_SEQ, per_tile):
     """The sequence of work unit u (0 from the last unit on: a valid index whose results go unused). The consumer
-    and the converter load it units ahead (see _consumer), so that the chain TILE_SEQ -> SEQ_LENS, CU_Q -> q of a
-    unit's start is not waited on at every unit boundary."""
+    loads it units ahead (see _consumer), so that the chain TILE_SEQ -> SEQ_LENS, CU_Q -> q of a unit's start is not
+    waited on at every unit boundary."""
     return gl.load(TILE_SEQ + u // per_tile, mask=u < n_units, other=0)
 
 
@@ -240,40 +240,22 @@ def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_
     fp8 dots read it from the fp8 ring."""
     if BALANCED:
         g, g1, _ = _balanced_range(TABLES, cap, num_kv_heads)
-        for c in range(g1 - g):
-            _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM, STAGES, STAGES16)
+        total = g1 - g
     else:
-        # unit by unit, each unit's length loaded a unit ahead (it counted every unit's tiles first, two dependent
-        # loads per unit before its first tile; the two measured the same)
+        total = 0
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
-        per_tile = num_kv_heads * num_splits
-        P = gl.num_programs(0)
-        u0 = gl.program_id(0)
-        k0 = gl.load(SEQ_LENS + _unit_seq(u0, n_units, TILE_SEQ, per_tile))
-        b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
-        c = 0
-        for u in range(u0, n_units, P):
-            k1 = gl.load(SEQ_LENS + b1)
-            b2 = _unit_seq(u + 2 * P, n_units, TILE_SEQ, per_tile)
-            _, _, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
-            for _j in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
-                _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM, STAGES, STAGES16)
-                c += 1
-            k0, b1 = k1, b2
-
-
-@gluon.jit
-def _convert_tile(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, c, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  STAGES16: gl.constexpr):
-    """Ring use c: V's fp8 slot -> its fp16 slot."""
-    s2 = c % STAGES16
-    mbarrier.wait(v16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
-    mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-    _widen(v8.index(c % STAGES), v16.index(s2), HEAD_DIM)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(v16_ready.index(s2), count=1)
-    mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
+        for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+            total += (hi - lo + BLOCK_N - 1) // BLOCK_N
+    for c in range(total):
+        s2 = c % STAGES16
+        mbarrier.wait(v16_empty.index(s2), ((c // STAGES16) & 1) ^ 1)
+        mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+        _widen(v8.index(c % STAGES), v16.index(s2), HEAD_DIM)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(v16_ready.index(s2), count=1)
+        mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
 
 
 @gluon.jit
@@ -498,8 +480,9 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
         u0 = gl.program_id(0)
         # loaded ahead: the next unit's q, its length and query token, the sequence id two units ahead. At one unit
         # per program boundary a dependent chain of three loads (unit -> sequence -> length, query token -> q) cost
-        # about 2 us per 16-tile unit with an fp8 cache (.lab/b1_ab.py, bench/NOTES.md session 28); the same
-        # look-ahead in the loader measured slightly slower, so the loader keeps its own loads (it runs ahead)
+        # about 2 us per 16-tile unit with an fp8 cache (bench/NOTES.md, session 28). The loader and the converter
+        # keep their own loads: the same look-ahead measured slightly slower in the loader and no faster in the
+        # converter (where one version hung on ragged fp8 batches, unexplained)
         b0 = _unit_seq(u0, n_units, TILE_SEQ, per_tile)
         b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
         k0 = gl.load(SEQ_LENS + b0)
