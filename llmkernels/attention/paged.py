@@ -32,12 +32,13 @@ def _check_fp8_words(name, cache):
 
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
-                    scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None):
+                    scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None, mixed=False):
     """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
     split merges its cut units itself); False (nothing launched) where the caches have no TMA view (or, for page
-    sizes it gathers by rows, a layout the gather cannot read)."""
+    sizes it gathers by rows, a layout the gather cannot read). ``mixed``: a mixed batch's decodes (the Triton
+    kernel runs beside them: fp8 keeps the smaller ring)."""
     from .paged_kernel import combine_kernel
-    from .paged_ws import gather_caches, launch_decode_ws, page_descriptors
+    from .paged_ws import fp8_ring, gather_caches, launch_decode_ws, page_descriptors
     from .plan import tma_pages
 
     gather = not tma_pages(k_cache.shape[1])  # other page sizes: rows gathered with cp.async
@@ -57,9 +58,12 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
             return True
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # fp8: a deeper ring when each program takes several units (units counted at the plan's tile capacity)
+    stages = fp8_ring(tiles[0].numel() * k_cache.shape[2] * num_splits, sms) if fp8 and not mixed else None
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
                      tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
-                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather)
+                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather, stages=stages)
     if split:
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
@@ -83,7 +87,7 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
             side.wait_stream(torch.cuda.current_stream(q.device))
         if _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o,
                            ws_lse, scale, num_sms(q.device), balanced, k_scale if k_scale is not None else k_scale_f,
-                           v_scale if v_scale is not None else v_scale_f, ws_maxnreg or None):
+                           v_scale if v_scale is not None else v_scale_f, ws_maxnreg or None, mixed):
             if not mixed:
                 return
             if num_splits > 1:

@@ -131,6 +131,15 @@ class PagedAttentionPlan:
                          f"split(s) per (sequence, kv head), one program per SM; the Triton launches above serve "
                          f"the calls it cannot take (left window, softcap, sinks, custom mask, LSE output, caches "
                          f"it cannot read)")
+            if self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and self.variant != "mixed" \
+                    and not self.balanced:
+                from .paged_ws import fp8_ring
+
+                units = self.launches[0].capacity * self.num_kv_heads * self.num_splits
+                sms = num_sms(self.device)
+                lines.append(f"  fp8 cache: a ring of {fp8_ring(units, sms)} TMA slots ({units} units "
+                             f"{'>' if units > sms else '<='} {sms} programs: "
+                             f"{'several units' if units > sms else 'at most one unit'} per program)")
             if self.variant == "mixed":
                 lines.append("  the 'long' launch runs on the Triton kernel in a second stream, beside the Gluon "
                              "kernel" + (f" (capped at {self.ws_maxnreg} registers so that a Triton program fits "

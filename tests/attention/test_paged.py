@@ -413,6 +413,12 @@ def test_ws_decode_fp8_gpu(case, kv_dtype, device, monkeypatch):
         assert_close(out, ref, torch.bfloat16, "o")
     assert len(launches) == 2, "the calls did not take the Gluon kernel"
     assert launches[-1] == bool(p.balanced)
+    if not p.balanced:  # the ring the call chose, in the plan's words
+        from llmkernels.attention.paged_ws import fp8_ring
+
+        units = p.launches[0].capacity * Hkv * p.num_splits
+        assert f"a ring of {fp8_ring(units, torch.cuda.get_device_properties(device).multi_processor_count)} TMA" \
+            in p.describe()
 
 
 @pytest.mark.gpu
@@ -467,6 +473,14 @@ def test_ws_plan_takes_fp8_caches(monkeypatch):
     assert ws(64, 1024, torch.bfloat16) and ws(17, 4096, torch.bfloat16)
     assert not ws(1, 1000, FP8)  # below WS_DECODE_MIN_BYTES
     assert not ws(16, 4096, torch.float16)  # a 16-bit cache must be q's dtype
+
+
+def test_fp8_ring_deepens_only_for_several_units_per_program():
+    from llmkernels.attention.paged_ws import FP8_STAGES, FP8_STAGES_MULTI, fp8_ring
+
+    assert FP8_STAGES_MULTI > FP8_STAGES
+    assert fp8_ring(128, 132) == fp8_ring(132, 132) == FP8_STAGES  # e.g. B=1 x 8 heads x 16 splits, B=16 x 8
+    assert fp8_ring(133, 132) == fp8_ring(512, 132) == FP8_STAGES_MULTI  # e.g. B=64 x 8 heads
 
 
 def test_ws_plan_mixed_batches(monkeypatch):
