@@ -132,7 +132,7 @@ class PagedAttentionPlan:
                          f"the calls it cannot take (left window, softcap, sinks, custom mask, LSE output, caches "
                          f"it cannot read)")
             if self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and self.variant != "mixed" \
-                    and not self.balanced:
+                    and not self.balanced and tma_pages(self.page_size):
                 from .paged_ws import fp8_ring
 
                 units = self.launches[0].capacity * self.num_kv_heads * self.num_splits

@@ -413,7 +413,7 @@ def test_ws_decode_fp8_gpu(case, kv_dtype, device, monkeypatch):
         assert_close(out, ref, torch.bfloat16, "o")
     assert len(launches) == 2, "the calls did not take the Gluon kernel"
     assert launches[-1] == bool(p.balanced)
-    if not p.balanced:  # the ring the call chose, in the plan's words
+    if not p.balanced and plan_mod.tma_pages(ps):  # the ring the call chose (TMA pages), in the plan's words
         from llmkernels.attention.paged_ws import fp8_ring
 
         units = p.launches[0].capacity * Hkv * p.num_splits
