@@ -482,7 +482,9 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
         # per program boundary a dependent chain of three loads (unit -> sequence -> length, query token -> q) cost
         # about 2 us per 16-tile unit with an fp8 cache (bench/NOTES.md, session 28). The loader and the converter
         # keep their own loads: the same look-ahead measured slightly slower in the loader and no faster in the
-        # converter (where one version hung on ragged fp8 batches, unexplained)
+        # converter, where it also met a Triton 3.6 miscompile (a loop-carried value used only as an inner loop's
+        # bound is dropped: the converter counted every unit's tiles with the first unit's length and hung on
+        # ragged batches). Here each carried value has other uses (masks, addresses); a test checks they survive
         b0 = _unit_seq(u0, n_units, TILE_SEQ, per_tile)
         b1 = _unit_seq(u0 + P, n_units, TILE_SEQ, per_tile)
         k0 = gl.load(SEQ_LENS + b0)

@@ -23,6 +23,20 @@ def sm90_compile_report(call: str, checks: dict) -> dict:
     return dict(zip(checks, (v == "True" for v in res.stdout.split())))
 
 
+def sm90_compile_text(call: str, key: str = "ttgir") -> str:
+    """``k = <call>`` compiled as in sm90_compile_report -> the text of ``k.asm[key]`` (e.g. the TTGIR after Triton's
+    optimization passes)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    code = (f"import sys, triton; from llmkernels.attention import prefill_ws, paged_ws; k = {call}; "
+            f"sys.stdout.write(k.asm[{key!r}])")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 def need_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are sm_90 code")

@@ -6,7 +6,7 @@ import torch
 import llmkernels as lk
 from llmkernels.testing import assert_close, paged_attention_ref, poison
 
-from .gluon_helpers import need_sm90, sm90_compile_report
+from .gluon_helpers import need_sm90, sm90_compile_report, sm90_compile_text
 from .paged_helpers import build, tree_mask
 
 FP8 = torch.float8_e4m3fn
@@ -355,6 +355,21 @@ def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, 
                                               "cvt": "cvt.rn.f16x2.e"})
     tma = page_size in (8, 16, 32) or page_size % 64 == 0
     assert got == {"wgmma": True, "tma": tma, "gather": not tma, "local": False, "cvt": bool(kv)}
+
+
+@pytest.mark.parametrize("kv", ["", "fp8e4nv"])
+def test_ws_decode_consumer_look_ahead_survives_compilation(kv):
+    # Triton 3.6 drops a loop-carried value whose only use in the loop is an inner loop's bound (the loop then
+    # reuses its first value; 3.9 keeps it). A converter written that way hung on ragged fp8 batches (bench/NOTES.md,
+    # session 28). The consumer's units loop carries the ring counter and six look-ahead values (two lengths, two
+    # query tokens, a sequence id, the next q): all seven must still be there after the optimization passes.
+    import re
+
+    ttgir = sm90_compile_text(f"paged_ws.compile_sm90(16, 128, split=True, kv={kv!r})")
+    loops = [ln for ln in ttgir.splitlines() if "scf.for" in ln and "%q0" in ln]
+    assert len(loops) == 1, loops
+    carried = re.search(r"iter_args\(([^)]*)\)", loops[0]).group(1)
+    assert carried.count(" = ") == 7, carried
 
 
 @pytest.mark.gpu
