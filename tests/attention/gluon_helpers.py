@@ -8,24 +8,10 @@ import pytest
 import torch
 
 
-def sm90_compile_report(call: str, checks: dict) -> dict:
-    """Run ``k = <call>`` in a subprocess without the interpreter (under TRITON_INTERPRET=1 Gluon functions are
-    interpreted and cannot be compiled; llmkernels would turn it on where there is no GPU) and return, for each
-    name in ``checks``, whether its PTX substring is in the compiled kernel."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    code = (f"import triton; from llmkernels.attention import prefill_ws, paged_ws; k = {call}; p = k.asm['ptx']; "
-            f"print(' '.join(str(s in p) for s in {list(checks.values())!r}))")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return dict(zip(checks, (v == "True" for v in res.stdout.split())))
-
-
 def sm90_compile_text(call: str, key: str = "ttgir") -> str:
-    """``k = <call>`` compiled as in sm90_compile_report -> the text of ``k.asm[key]`` (e.g. the TTGIR after Triton's
-    optimization passes)."""
+    """Run ``k = <call>`` in a subprocess without the interpreter (under TRITON_INTERPRET=1 Gluon functions are
+    interpreted and cannot be compiled; llmkernels would turn it on where there is no GPU) -> the text of
+    ``k.asm[key]`` ("ptx", or "ttgir": the IR after Triton's optimization passes)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     code = (f"import sys, triton; from llmkernels.attention import prefill_ws, paged_ws; k = {call}; "
             f"sys.stdout.write(k.asm[{key!r}])")
@@ -35,6 +21,13 @@ def sm90_compile_text(call: str, key: str = "ttgir") -> str:
                          check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+def sm90_compile_report(call: str, checks: dict) -> dict:
+    """``k = <call>`` compiled as in sm90_compile_text -> for each name in ``checks``, whether its PTX substring is
+    in the compiled kernel."""
+    ptx = sm90_compile_text(call, "ptx")
+    return {name: sub in ptx for name, sub in checks.items()}
 
 
 def need_sm90():
