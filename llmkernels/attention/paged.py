@@ -31,6 +31,14 @@ def _check_fp8_words(name, cache):
                          + ("" if _capturing_compile() else f", data_ptr % 16 = {cache.data_ptr() % 16}"))
 
 
+# PDL of the Gluon decode kernel (paged_decode_ws_kernel's PDL: 0 off, 1 wait, 2 wait and let the next launch) and
+# of combine_kernel after it. H100, graph-timed back-to-back calls, page 16 (bench/NOTES.md, session 29): B=1
+# L=32768 bf16 52.3 -> 51.4 us, fp8 32.4 -> 31.3 with both (1, True); unsplit shapes unchanged; mode 2 lost
+# (B=4 L=600 10.3 -> 13.7 us with the combine waiting); combine's PDL alone lost 3-5 us in session 28
+WS_PDL = 1
+COMBINE_PDL = True
+
+
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
                     scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None, mixed=False):
     """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
@@ -47,6 +55,7 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
         return False
     total_q, Hq, D = q.shape
     split = num_splits > 1
+    pdl = pdl_supported(q.device) and not mixed
     if balanced:
         # the balanced split merges the pieces of cut units with the counters; without them, the plan's split-KV
         counters = split_counters(q.device)
@@ -54,7 +63,7 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
             launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
                              tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
                              out=out, counters=counters, balanced=(balanced[0], tiles[0].numel()), k_scale=k_scale,
-                             v_scale=v_scale, maxnreg=maxnreg, gather=gather)
+                             v_scale=v_scale, maxnreg=maxnreg, gather=gather, pdl=WS_PDL if pdl else 0)
             return True
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
@@ -65,12 +74,15 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     stages = fp8_ring(tiles[0].numel() * k_cache.shape[2] * num_splits, sms) if deep else None
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
                      tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
-                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather, stages=stages)
+                     k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather, stages=stages,
+                     pdl=WS_PDL if pdl else 0)
     if split:
+        cp = pdl and COMBINE_PDL
         combine_kernel[(total_q, Hq)](
             ws_o, ws_lse, out, out, q, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
             out.stride(0), out.stride(1), Hq, num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
-            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=False, WRITE_LSE=False, num_warps=4)
+            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SINK=False, WRITE_LSE=False, PDL=cp,
+            num_warps=4, **pdl_options(cp))
     return True
 
 

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .._pdl import pdl_options
 from ._gluon import _SIG_DTYPES, LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
 
@@ -580,7 +581,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
-                           KV_LAYOUT: gl.constexpr = None):
+                           KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -593,7 +594,11 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
 
     GATHER: desc_k / desc_v are the caches themselves ([pages, page size, Hkv, D] pointers, page and slot strides
     stride_kp / stride_ks in elements, heads D apart) and the loader gathers one row per key with cp.async into
-    slots of shared layout KV_LAYOUT (page sizes whose pages TMA cannot copy whole, e.g. 1 or 3)."""
+    slots of shared layout KV_LAYOUT (page sizes whose pages TMA cannot copy whole, e.g. 1 or 3).
+
+    PDL (launched with launch_pdl, see _pdl.py): 1, the default warps wait for the previous kernel before the
+    partitions start (the partitions' warps begin after them), so the launch and the shared-memory setup overlap
+    that kernel's end; 2, the next kernel may also launch then."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
@@ -609,6 +614,11 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         mbarrier.init(v_ready.index(i), count=READY)
         mbarrier.init(kv_empty.index(i), count=2)  # K's reader and V's reader each free the slot once
     dtype16: gl.constexpr = gl.float16 if FP8 else dtype
+    if PDL > 0:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if PDL > 1:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
     if FP8:
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [3, GP, HEAD_DIM], Q_LAYOUT)
@@ -746,7 +756,7 @@ def balanced_table_size(capacity: int, num_kv_heads: int, programs: int) -> int:
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
-                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False):
+                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -760,7 +770,9 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     one-element float tensors on the device).
 
     ``gather``: ``descs`` are the caches themselves (same strides, last dim contiguous, 16-byte aligned rows), read
-    one row per key with cp.async (page sizes TMA cannot copy by pages)."""
+    one row per key with cp.async (page sizes TMA cannot copy by pages).
+
+    ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
@@ -773,7 +785,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     scales = dict(SCALE_PTRS=ptrs, STAGES16=FP8_STAGES16,
                   F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None,
                   **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
-                  GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None)
+                  GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None, PDL=pdl,
+                  **pdl_options(pdl > 0))
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
     sval = sval + ((descs[0].stride(0), descs[0].stride(1)) if gather else (0, 0))
@@ -817,7 +830,7 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False, gather=None):
+                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -843,6 +856,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(block_n, head_dim, torch.float16) if kv else None,
               "STAGES16": FP8_STAGES16,
               **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
-              "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None}
+              "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

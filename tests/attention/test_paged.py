@@ -348,13 +348,16 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
     (16, 128, True, False, "fp8e4nv"), (64, 64, False, True, "fp8e5"),
     (1, 128, False, False, ""), (3, 64, True, True, "fp8e4nv")])  # rows gathered with cp.async
 def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced, kv):
-    # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter
+    # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter; the split builds with PDL 1
+    # (wait for the previous kernel before the partitions start), the others without
     got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced}, "
-                              f"kv={kv!r})", {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor",
-                                              "gather": "cp.async.cg.shared.global", "local": ".local",
-                                              "cvt": "cvt.rn.f16x2.e"})
+                              f"kv={kv!r}, pdl={int(split)})",
+                              {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor",
+                               "gather": "cp.async.cg.shared.global", "local": ".local", "cvt": "cvt.rn.f16x2.e",
+                               "wait": "griddepcontrol.wait", "trigger": "griddepcontrol.launch_dependents"})
     tma = page_size in (8, 16, 32) or page_size % 64 == 0
-    assert got == {"wgmma": True, "tma": tma, "gather": not tma, "local": False, "cvt": bool(kv)}
+    assert got == {"wgmma": True, "tma": tma, "gather": not tma, "local": False, "cvt": bool(kv), "wait": split,
+                   "trigger": False}
 
 
 @pytest.mark.parametrize("kv", ["", "fp8e4nv"])
