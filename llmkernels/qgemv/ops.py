@@ -599,3 +599,52 @@ def embedding(ids: torch.Tensor, qt: QuantizedTensor, dtype: torch.dtype = torch
                   qt.format, N, K,
                         qt.bits or 0, qt.group_size or 0, dtype)
     return out.reshape(*ids.shape, K)
+
+
+def gemv_add_rmsnorm(x: torch.Tensor, qt: QuantizedTensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     x_lanes: torch.Tensor | None = None, lanes: bool = False):
+    """A decoder layer's output projection, residual add and next RMSNorm in one launch, where that applies:
+    delta = x @ dequantize(qt).T (rounded to x's dtype), residual += delta in place, and returns
+    (y, y_lanes) with y = rmsnorm(residual) * weight as the engine's add_rmsnorm computes it and y_lanes its copy in
+    lane order (m1.lane_pos) when ``lanes``, else None. The GEMV's last program to finish runs the norm (m1.py,
+    NORM), which saves the separate norm kernel and its launch.
+
+    Returns None (nothing launched) where it does not apply; the caller then runs gemv (or gemv_lanes) and its
+    norm. It applies to q4_k at M = 1 with fp16/bf16 x on the m1 kernel: with ``x_lanes`` (x in lane order, as for
+    gemv_lanes) wherever the lane kernel applies, without it for matrices below LANES_MIN_WEIGHTS weights; and
+    outside CUDA-graph capture or where the stream's counters exist already (see _runtime.split_counters).
+
+    x: [1, K]; residual: [1, N] of x's dtype (last dim contiguous); weight: [N]. Not registered with torch.library
+    (it writes residual in place).
+    """
+    from .._runtime import done_counter, split_counters
+    from .m1 import lanes_width, launch_m1, m1_supports
+
+    _check_qt("qt", qt)
+    N, K = qt.shape
+    x2 = _check_x("x", x, K)
+    check_tensor("residual", residual, dtypes=(x.dtype,), last_dim_contiguous=True)
+    if tuple(residual.shape) != (x2.shape[0], N):
+        raise ValueError(f"residual must be [{x2.shape[0]}, {N}], got {tuple(residual.shape)}")
+    check_tensor("weight", weight, last_dim_contiguous=True)
+    if tuple(weight.shape) != (N,):
+        raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
+    M = x2.shape[0]
+    data = qt.data
+    if qt.format != "q4_k" or M != 1 or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    perm = x_lanes is not None and lanes_apply(M, x.dtype, data, "q4_k", K)
+    if x_lanes is not None and perm and tuple(x_lanes.shape) != (M, lanes_width(K)):
+        raise ValueError(f"x_lanes must be [{M}, {lanes_width(K)}], got {tuple(x_lanes.shape)}")
+    if not perm and (N * K >= LANES_MIN_WEIGHTS or not m1_supports(x2, data, "q4_k")):
+        return None
+    counters, done = split_counters(x.device), done_counter(x.device)
+    if counters is None:
+        return None
+    interp = interpreter_mode()
+    config = _lanes_config(N, False) if perm else _m1_config("q4_k", M, N, small=interp and N < 128)
+    y = empty(M, N, dtype=x.dtype, device=x.device)
+    yl = empty(M, lanes_width(N), dtype=x.dtype, device=x.device) if lanes else None
+    launch_m1(x_lanes if perm else x2, data, "q4_k", N, K, config, num_sms(x.device), unpack=1 if interp else 2,
+              pdl=pdl_supported(x.device), x_perm=perm, norm=(residual, weight, eps, y, yl, done))
+    return y, yl

@@ -159,3 +159,66 @@ def test_sentencepiece_style_tokenizer_from_metadata():
     ids = tok.encode("hello é", add_bos=False)  # é is not in the vocab: its UTF-8 bytes 0xC3 0xA9
     assert ids == [tokens.index("\u2581hello"), tokens.index("\u2581"), 3 + 0xC3, 3 + 0xA9]
     assert tok.decode(ids) == "hello é"
+
+
+@pytest.mark.parametrize("N,K,x_lanes,lanes,sms", [
+    (37, 2304, False, True, 1),    # natural-order x, one K split, the norm also written in lane order
+    (45, 2048, True, False, 64),   # lane-order x, K split: the tile's last split sums, then the last program norms
+    (100, 4608, True, True, 8),
+])
+def test_gemv_add_rmsnorm(N, K, x_lanes, lanes, sms, device, monkeypatch):
+    """The projection, residual add and RMSNorm in one launch (the GEMV's last program runs the norm) against the
+    float64 references, and the same h as gemv + add_rmsnorm; outputs poisoned, the counter back at 0 after."""
+    import llmkernels as lk
+    from llmkernels._runtime import done_counter
+    from llmkernels.qgemv import ops
+    from llmkernels.qgemv.m1 import lane_order
+    from llmkernels.testing import gemv_ref
+
+    monkeypatch.setattr(ops, "num_sms", lambda dev: sms)
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    w = torch.randn(N, device=device)
+    for dtype in (torch.float16,) if device.type == "cpu" else (torch.float16, torch.bfloat16):
+        for _ in range(2):  # twice: the counter must be reset for the next call
+            x = torch.randn(1, K, dtype=dtype, device=device)
+            r = torch.randn(1, N, dtype=dtype, device=device)
+            r2 = r.clone()
+            y, yl = ops.gemv_add_rmsnorm(x, qt, r, w, 1e-5, x_lanes=lane_order(x) if x_lanes else None, lanes=lanes)
+            assert done_counter(x.device).item() == 0
+            delta = gemv_ref(x, qt)
+            tol = 4e-3 if dtype == torch.float16 else 2e-2
+            assert_close(r - r2, delta, dtype, atol=tol * delta.abs().max().item() + 2 * (r2.abs().max().item()
+                                                                                      * 2 ** -10), rtol=tol)
+            assert_close(y, rmsnorm_ref(r, w, 1e-5), dtype)
+            # the two-launch path: the same delta and h, the norm within rounding
+            y2 = add_rmsnorm(lk.gemv(x, qt), w, 1e-5, residual=r2)
+            assert torch.equal(r, r2)
+            assert_close(y, y2, dtype)
+            if lanes:
+                assert yl.shape == (1, -(-N // 2048) * 2048) and torch.equal(yl[:, lane_positions(N).to(device)], y)
+            else:
+                assert yl is None
+
+
+def test_gemv_add_rmsnorm_applies_or_declines(device):
+    """None (nothing launched, residual untouched) where the fused path does not apply; clear errors for bad
+    arguments."""
+    import llmkernels as lk
+    from llmkernels.qgemv import ops
+
+    N, K = 21, 512
+    w = torch.randn(N, device=device)
+    q8 = lk.quantize(torch.randn(N, K) * 0.05, "q8_0").to(device)
+    q4 = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    for qt, M, dtype in [(q8, 1, torch.float16), (q4, 2, torch.float16), (q4, 1, torch.float32)]:
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        r = torch.randn(M, N, dtype=dtype, device=device)
+        r0 = r.clone()
+        assert ops.gemv_add_rmsnorm(x, qt, r, w, 1e-5) is None and torch.equal(r, r0)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="residual must be"):
+        ops.gemv_add_rmsnorm(x, q4, torch.zeros(1, N + 1, dtype=torch.float16, device=device), w, 1e-5)
+    with pytest.raises(TypeError, match="residual"):
+        ops.gemv_add_rmsnorm(x, q4, torch.zeros(1, N, dtype=torch.bfloat16, device=device), w, 1e-5)
+    with pytest.raises(ValueError, match="weight must be"):
+        ops.gemv_add_rmsnorm(x, q4, torch.zeros(1, N, dtype=torch.float16, device=device), w[:-1], 1e-5)
