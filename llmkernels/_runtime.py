@@ -58,9 +58,13 @@ _COUNTERS: dict = {}
 COUNTER_SLOTS = 4096
 
 
-def _counter_buffer(device):
-    """The (device, stream)'s zeroed int32 counters: COUNTER_SLOTS for split_counters, then one for done_counter;
-    None inside CUDA-graph capture when the stream has none yet."""
+def split_counters(device):
+    """A zeroed int32 buffer of COUNTER_SLOTS arrival counters for split-K kernels that sum their own partials
+    (the last program of an output tile to arrive adds the others' partials and resets its counter to 0).
+
+    One buffer per (device, stream): kernels on one stream run one after another, so they can share it; two streams
+    get different buffers. Returns None inside CUDA-graph capture when the stream has no buffer yet (allocating
+    there would put it in the graph's private pool): callers then sum the partials with a separate kernel."""
     import torch
 
     if device.type != "cuda":
@@ -72,23 +76,5 @@ def _counter_buffer(device):
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS + 1, dtype=torch.int32, device=device)
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return buf
-
-
-def split_counters(device):
-    """A zeroed int32 buffer of COUNTER_SLOTS arrival counters for split-K kernels that sum their own partials
-    (the last program of an output tile to arrive adds the others' partials and resets its counter to 0).
-
-    One buffer per (device, stream): kernels on one stream run one after another, so they can share it; two streams
-    get different buffers. Returns None inside CUDA-graph capture when the stream has no buffer yet (allocating
-    there would put it in the graph's private pool): callers then sum the partials with a separate kernel."""
-    buf = _counter_buffer(device)
-    return None if buf is None else buf[:COUNTER_SLOTS]
-
-
-def done_counter(device):
-    """A zeroed one-element int32 counter (a view) beside split_counters' buffer, for kernels whose last program
-    to finish does a last piece of work and resets it to 0 (qgemv.m1's NORM); None where split_counters is."""
-    buf = _counter_buffer(device)
-    return None if buf is None else buf[COUNTER_SLOTS:]

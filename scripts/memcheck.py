@@ -135,24 +135,6 @@ def m1_cases(dev="cuda"):
             lk.silu_mul_gemv(torch.randn(M, 1280, device=dev, dtype=dt), torch.randn(M, 1280, device=dev, dtype=dt),
                              qt)
 
-    norm_cases(dev)
-
-
-def norm_cases(dev="cuda"):
-    """gemv_add_rmsnorm (the m1 kernel's NORM tail): natural and lane-order x, odd N, K split, the lane-order copy of
-    the norm; both activation dtypes."""
-    from llmkernels.qgemv import ops
-    from llmkernels.qgemv.m1 import lane_order
-
-    for N, K in ((37, 2304), (4097, 4096)):
-        qt = lk.quantize(torch.randn(N, K, device=dev) * 0.05, "q4_k")
-        w = torch.randn(N, device=dev)
-        for dt in (torch.float16, torch.bfloat16):
-            x = torch.randn(1, K, device=dev, dtype=dt)
-            for xl, lanes in ((None, True), (lane_order(x), False), (lane_order(x), True)):
-                r = torch.randn(1, N, device=dev, dtype=dt)
-                assert ops.gemv_add_rmsnorm(x, qt, r, w, 1e-5, x_lanes=xl, lanes=lanes) is not None
-
 
 def tc_cases(dev="cuda"):
     """The tensor-core kernel (tc.py): rows past the tile, uneven K splits, both activation dtypes; q4_k, q5_k, q6_k,

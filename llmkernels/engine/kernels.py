@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from ..kv_cache import FP8_DTYPES
-from ..qgemv.m1 import add_rmsnorm_row, lane_pos, lanes_width
+from ..qgemv.m1 import lane_pos, lanes_width
 
 
 @triton.jit
@@ -21,8 +21,19 @@ def _add_rmsnorm_kernel(X, R, W, Y, YL, stride_x, stride_r, stride_y, stride_yl,
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
-    add_rmsnorm_row(X + row * stride_x, R + row * stride_r, W, Y + row * stride_y, YL + row * stride_yl, H, eps,
-                    HAS_RES, LANES, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:  # residual stream h = r + x, kept in the activation dtype (as the reference models do)
+        x = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0) + x).to(R.dtype.element_ty)
+        tl.store(R + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    if LANES:  # a second copy in the q4_k GEMV's lane order (qgemv.m1.lane_pos)
+        tl.store(YL + row * stride_yl + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

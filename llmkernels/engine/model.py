@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_add_rmsnorm, gemv_lanes, lanes_apply, silu_mul_gemv
+from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_lanes, lanes_apply, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -189,22 +189,7 @@ class Model:
             return self._gemv(x, xl, layer.qkv[0])
         return torch.cat([self._gemv(x, xl, m) for m in layer.qkv], dim=1)
 
-    def _project(self, x, xl, m, h=None, nxt=None):
-        """x @ m (xl: x in lane order or None); with ``nxt`` = (next matrices, norm weight), h += that product and
-        the norm for those matrices -> (x, x in lane order or None), in one launch where gemv_add_rmsnorm applies
-        (q4_k at batch 1: the GEMV's last program runs the norm). LLMK_FUSE_NORM=0 turns that off (A/B runs)."""
-        if nxt is None:
-            return self._gemv(x, xl, m)
-        mats, weight = nxt
-        T = x.shape[0]
-        if not self.act_int8 and os.environ.get("LLMK_FUSE_NORM", "1") != "0":
-            fused = gemv_add_rmsnorm(x, m, h, weight, self.cfg.rms_eps, x_lanes=xl, lanes=self._lanes(T, *mats))
-            if fused is not None:
-                return fused
-        return self._norm(T, mats, self._gemv(x, xl, m), weight, self.cfg.rms_eps, residual=h)
-
-    def _mlp(self, x, layer, xl=None, h=None, nxt=None):
-        """gate/up, silu(g) * u, down -> the down projection, or with ``nxt`` the next norm's (x, xl) (_project)."""
+    def _mlp(self, x, layer, xl=None):
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
         i8 = self.act_int8
         if len(layer.gate_up) == 1:
@@ -214,18 +199,13 @@ class Model:
         F = gu.shape[1] // 2
         if i8 and gu.shape[0] <= I8_MAX_M.get(layer.down.format, 0):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
-            delta = silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
-            if nxt is None:
-                return delta
-            return self._norm(gu.shape[0], nxt[0], delta, nxt[1], self.cfg.rms_eps, residual=h)
+            return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
         # exact mode keeps the separate product: silu_mul_gemv's m1 path measured 28.7 us against 26.7 for the two
         # steps (q4_k 4096 x 14336, H100, file 20261122-204954); the engine's q4_k batch 1 ran 246.9 tok/s with it
         # there, 261.9 without in an earlier run on another machine (file 20261122-192031)
         if self._lanes(gu.shape[0], layer.down):
-            a, al = silu_mul(gu, lanes=True)
-        else:
-            a, al = silu_mul(gu), None
-        return self._project(a, al, layer.down, h, nxt)
+            return gemv_lanes(*silu_mul(gu, lanes=True), layer.down)
+        return gemv(silu_mul(gu), layer.down, act_int8=i8)
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``."""
@@ -233,9 +213,9 @@ class Model:
         T = inp.ids.shape[0]
         h = embedding(inp.ids, self.tok_embd, dtype=self.dtype)  # the residual stream
         delta = None
-        first = self.layers[0]
-        x, xl = self._norm(T, first.qkv, h, first.attn_norm, cfg.rms_eps)
         for li, layer in enumerate(self.layers):
+            x, xl = self._norm(T, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
+                               residual=h if delta is not None else None)
             qkv = self._qkv(x, layer, xl)
             q = rope_store(qkv, inp.positions, inp.slots, self.inv_freq, k_caches[li], v_caches[li],
                            n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, neox=cfg.rope_style == "neox",
@@ -245,13 +225,9 @@ class Model:
             o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
                                 inp.max_q, causal=True, plan=plan, validate=False,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
-            x, xl = self._project(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, h,
-                                  (layer.gate_up, layer.ffn_norm))
-            if li + 1 < len(self.layers):  # the down projection with the next layer's attention norm
-                nxt = self.layers[li + 1]
-                x, xl = self._mlp(x, layer, xl, h, (nxt.qkv, nxt.attn_norm))
-            else:
-                delta = self._mlp(x, layer, xl)
+            delta = gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8)
+            x, xl = self._norm(T, layer.gate_up, delta, layer.ffn_norm, cfg.rms_eps, residual=h)
+            delta = self._mlp(x, layer, xl)
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)

@@ -218,14 +218,12 @@ def _q4k_scales(w1, w2, w3, c):
 
 @triton.jit
 def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_ys, stride_ym, row_bytes,
-                   scale_stride, nblocks, blocks_per_split, split, x2_off, WU, NRES, NW, NX, NXL, DONE, stride_nr,
-                   stride_nx, stride_nxl, norm_eps,
+                   scale_stride, nblocks, blocks_per_split, split, x2_off, WU,
                    FMT: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, U: tl.constexpr, P: tl.constexpr,
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
                    SILU: tl.constexpr, KT: tl.constexpr = 1, H: tl.constexpr = 1, EVEN: tl.constexpr = True,
-                   PDL: tl.constexpr = False, XP: tl.constexpr = False, GLU: tl.constexpr = False,
-                   NORM: tl.constexpr = False, NLANES: tl.constexpr = False, NBLOCK: tl.constexpr = 1):
+                   PDL: tl.constexpr = False, XP: tl.constexpr = False, GLU: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -261,13 +259,7 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     both sums end in one thread; a program makes BLOCK_N // 2 outputs.
 
     PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let the next one
-    launch after their loop.
-
-    NORM (the engine's residual add and RMSNorm after a projection, one K split or FIXUP): every program counts
-    itself in DONE (zero on entry) after its stores, and the last one adds each row of Y (in Y's dtype) to the
-    residual stream NRES in place and writes rmsnorm(NRES[m]) * NW to NX (and with NLANES a copy in lane order to
-    NXL), as add_rmsnorm_row; NBLOCK = next power of 2 >= N. This replaces the separate add_rmsnorm kernel and its
-    launch; its one program runs after every other has finished."""
+    launch after their loop."""
     ROWS_G: tl.constexpr = ROWS_T // KT  # distinct rows per rep
     BLOCK_N: tl.constexpr = ROWS_G * R
     STEP: tl.constexpr = NB * KT  # blocks per step
@@ -439,16 +431,6 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
         _store_rows(_row_sums(acc0, ROWS_G, KT, R), _row_sums(acc1, ROWS_G, KT, R), _row_sums(acc2, ROWS_G, KT, R),
                     _row_sums(acc3, ROWS_G, KT, R), rows2, Y, PART, COUNT, M, N, m0, pid_m, pid_k, split, stride_ys,
                     stride_ym, ROWS_G, R, MR, FIXUP)
-    if NORM:
-        # as _store_rows' arrival: the barrier orders every warp's stores before the count (release), and the
-        # last program to count sees all of Y (acquire)
-        tl.debug_barrier()
-        total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(DONE, 1, sem="acq_rel") == total - 1:
-            for m in range(M):
-                add_rmsnorm_row(Y + m * stride_ym, NRES + m * stride_nr, NW, NX + m * stride_nx, NXL + m * stride_nxl,
-                                N, norm_eps, True, NLANES, NBLOCK, True)
-            tl.atomic_xchg(DONE, 0)
 
 
 @triton.jit
@@ -530,31 +512,6 @@ def lane_pos(k):
     p = (r // 32) % 2
     a = (r // 8) % 4
     return k - r + ((p * 4 + a) * 8 + kt) * 32 + c * 8 + r % 8
-
-
-@triton.jit
-def add_rmsnorm_row(X, R, W, Y, YL, H, eps, HAS_RES: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
-                    X_OTHER_SMS: tl.constexpr = False):
-    """One row of the engine's residual add + RMSNorm: with HAS_RES, h = R + X rounded to R's dtype and stored back
-    to R (else h = X); Y = (h * rstd rounded to Y's dtype) * W, rstd = 1 / sqrt(mean(h^2) + eps) in float32; with
-    LANES also Y in lane order (lane_pos) to YL. X_OTHER_SMS: X was just written by other programs of the same
-    kernel, so it is read past L1 (.cg)."""
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    if X_OTHER_SMS:
-        x = tl.load(X + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(X + cols, mask=mask, other=0.0)
-    if HAS_RES:  # residual stream h = r + x, kept in the activation dtype (as the reference models do)
-        x = (tl.load(R + cols, mask=mask, other=0.0) + x).to(R.dtype.element_ty)
-        tl.store(R + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
-    tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    if LANES:  # a second copy in the q4_k GEMV's lane order
-        tl.store(YL + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -656,7 +613,7 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
               rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False, up=None,
-              fast_silu: bool = True, norm=None):
+              fast_silu: bool = True):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages[, KT[, H[, waves]]]) with R rows per thread
@@ -669,12 +626,7 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     lanes_width(K)], see lane_order): q4_k with KT = 8, NB = 1, H = 1 only.
 
     With ``up`` (q4_k weights of the up projection, [N, K] like ``data``, 16-byte aligned) the kernel computes
-    silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N].
-
-    With ``norm`` = (residual [M, N], weight [N], eps, out [M, N], out_lanes [M, lanes_width(N)] or None, done) the
-    kernel's last program also runs the residual add and RMSNorm (NORM in gemv_m1_kernel; ``done``: a zeroed int32
-    counter); it needs its split-K partials summed in the kernel (a counter buffer when K is split), else it raises
-    ValueError. y is then [1, M, N] (the projection, in x's dtype)."""
+    silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N]."""
     import torch
 
     from .ops import split_k
@@ -714,11 +666,6 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     split, per_split = split_k(programs_n * grid_m, nblocks, nb * kt, sms, waves)
     even = per_split % (nb * kt) == 0 and nblocks % (nb * kt) == 0
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
-    if norm is not None:
-        if up is not None or (split > 1 and counters is None):
-            raise ValueError("norm needs one output per row in the kernel: no GLU, and a counter buffer when K is "
-                             f"split ({split} splits)")
-        n_res, n_w, n_eps, n_out, n_lanes, n_done = norm
     w8 = data.view(torch.uint8)
     # MLX 4-bit reads x as int32 words (pairs); other formats pass x itself in that slot (unused)
     xw = x.view(torch.int32) if fid == 13 and bits == 4 else x
@@ -730,12 +677,8 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         x.stride(0), y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks,
         per_split, split, _x2_offset(x, x2, 2 if fid == 13 and bits == 4 else 1),
         up.view(torch.uint8) if up is not None else w8,
-        *((n_res, n_w, n_out, n_lanes if n_lanes is not None else n_out, n_done, n_res.stride(0), n_out.stride(0),
-           n_lanes.stride(0) if n_lanes is not None else 0, float(n_eps)) if norm is not None
-          else (y, y, y, y, y, 0, 0, 0, 0.0)),
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
         UNPACK=unpack, FIXUP=counters is not None, SILU=silu, KT=kt, H=h, EVEN=even, PDL=pdl, XP=x_perm,
-        GLU=up is not None, NORM=norm is not None, NLANES=norm is not None and norm[4] is not None,
-        NBLOCK=triton.next_power_of_2(N) if norm is not None else 1,
+        GLU=up is not None,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y
