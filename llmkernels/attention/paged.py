@@ -34,7 +34,8 @@ def _check_fp8_words(name, cache):
 # PDL of the Gluon decode kernel (paged_decode_ws_kernel's PDL: 0 off, 1 wait, 2 wait and let the next launch) and
 # of combine_kernel after it. H100, graph-timed back-to-back calls, page 16 (bench/NOTES.md, session 29): B=1
 # L=32768 bf16 52.3 -> 51.4 us, fp8 32.4 -> 31.3 with both (1, True); unsplit shapes unchanged; mode 2 lost
-# (B=4 L=600 10.3 -> 13.7 us with the combine waiting); combine's PDL alone lost 3-5 us in session 28
+# (B=4 L=600 bf16, combine waiting: 9.0 us with mode 1, 13.7 with mode 2); combine's PDL alone lost 3-5 us in
+# session 28
 WS_PDL = 1
 COMBINE_PDL = True
 
