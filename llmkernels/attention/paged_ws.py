@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .._pdl import pdl_options
 from ._gluon import _SIG_DTYPES, LN2, row_descriptor, smem_layout, tile_desc_type
@@ -615,10 +616,9 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         mbarrier.init(kv_empty.index(i), count=2)  # K's reader and V's reader each free the slot once
     dtype16: gl.constexpr = gl.float16 if FP8 else dtype
     if PDL > 0:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gdc_wait()
     if PDL > 1:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gdc_launch_dependents()
     p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
     if FP8:
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [3, GP, HEAD_DIM], Q_LAYOUT)
