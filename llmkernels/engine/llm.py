@@ -58,9 +58,10 @@ class LLM:
         cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
         num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
             max_model_len). A fixed count makes eager and graph steps compute attention identically.
-        act_int8: round the activations of the q4_0 / q8_0 projections to int8 per block of 32 and use integer dot
-            products (gemv's act_int8, as llama.cpp does): faster decode, slightly different logits. Other formats
-            (q4_k included: its exact kernel is faster) compute exactly.
+        act_int8: round the activations of the q4_0 / q8_0 / q4_k projections to int8 per block of 32 at batch 1
+            and use integer dot products (gemv's act_int8, as llama.cpp does): faster decode, slightly different
+            logits. For q4_k the RMSNorm kernel writes the rounded activations. Other formats and batches compute
+            exactly.
 
     >>> llm = LLM("model.gguf")
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))

@@ -13,7 +13,8 @@ import os
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_lanes, lanes_apply, silu_mul_gemv
+from ..qgemv.int8 import i8_lanes_supports
+from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_i8_lanes, gemv_lanes, lanes_apply, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -175,11 +176,23 @@ class Model:
             return False
         return all(lanes_apply(T, self.dtype, m.data, m.format, m.shape[1], int(self.act_int8)) for m in mats)
 
+    def _i8(self, T: int, *mats) -> bool:
+        """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: with
+        act_int8, q4_k at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0 turns it off (then gemv rounds x in a
+        launch of its own; for A/B runs)."""
+        if not self.act_int8 or T != 1 or os.environ.get("LLMK_I8NORM", "1") == "0":
+            return False
+        return all(m.format == "q4_k" and i8_lanes_supports(m.data, m.format, m.shape[1]) for m in mats)
+
     def _gemv(self, x, xl, m):
+        if isinstance(xl, tuple):  # (q, ds): x rounded to int8 in i8 lane order
+            return gemv_i8_lanes(*xl, m, x.dtype)
         return gemv_lanes(x, xl, m) if xl is not None else gemv(x, m, act_int8=self.act_int8)
 
     def _norm(self, T, mats, *args, **kw):
-        """add_rmsnorm, -> (x, x in lane order or None)."""
+        """add_rmsnorm, -> (x, x in lane order, or (q, ds) of x rounded to int8 in i8 lane order, or None)."""
+        if self._i8(T, *mats):
+            return add_rmsnorm(*args, **kw, i8=True)
         if self._lanes(T, *mats):
             return add_rmsnorm(*args, **kw, lanes=True)
         return add_rmsnorm(*args, **kw), None

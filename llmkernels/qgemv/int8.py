@@ -23,13 +23,20 @@ Measured on an H100 (bench/NOTES.md, session 9): 5-20% faster than the exact ker
 (ops.I8_MAX_M routes accordingly); the access pattern, not the arithmetic, now limits it. Since session 14 the exact
 q4_k kernel with lane-order activations is faster on every Llama-3-8B shape, so gemv no longer routes q4_k here
 (the kernel stays, tested through launch_i8).
+
+Session 30 added gemv_i8_lanes_kernel for q4_k at M = 1: the m1 kernel's thread layout (a warp takes 8 consecutive
+super-blocks of one row, lane (kt, c) chunk c of block kt: 1152 contiguous bytes per row and load) with the dp4a
+arithmetic of this file, 1.6 SASS instructions per weight against m1's 4.2. Its activations come in "i8 lane order"
+(i8_lane_base), so that each load of a warp covers 512 contiguous bytes. On an H100 it streams 2.5-3.0 TB/s on the
+large Llama-3-8B shapes, 1.2-1.3x faster than the exact lane-order kernel (bench/NOTES.md, session 30); gemv routes
+q4_k at M = 1 with act_int8 to it.
 """
 import torch
 import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
-from .m1 import _split_words, _store_rows, split_outputs
+from .m1 import _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
 from .words import _block_codes, _scalars
 
 # format -> (FMT id, bytes per block or super-block, blocks per step)
@@ -258,45 +265,173 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
 
 
 @triton.jit
+def i8_lane_base(b, h):
+    """Where activation 32 b + 16 h (half h of block of 32 b) lies in i8 lane order, the layout
+    gemv_i8_lanes_kernel reads; the next 15 follow it. Each group of 2048 activations (one step: 8 blocks of 256)
+    stays in place as a whole; within it, element kt * 256 + c * 64 + p * 32 + j (block kt, chunk c, plane p,
+    position j) goes to (2 p + j // 16) * 512 + (4 kt + c) * 16 + j % 16. A lane (kt, c) then reads its chunk's 64
+    activations as four 16-byte pieces a = 0..3, and the 32 lanes' piece a lies in one 512-byte run."""
+    r = b % 64  # block of 32 within its group of 2048: kt = r // 8, c = (r % 8) // 2, p = r % 2
+    return (b - r) * 32 + ((r % 2) * 2 + h) * 512 + ((r // 8) * 4 + (r % 8) // 2) * 16
+
+
+@triton.jit
+def quantize_blocks(x):
+    """Round x [NB, 2, 16] (float32, NB blocks of 32 as two halves) to int8 per block: (q as float32, d, s) with
+    d = absmax / 127, q = round(x / d) half away from zero (0 where the block is all zero) and s = d * sum q. The
+    engine's fused RMSNorm uses the same function, so its int8 activations are those of quantize_act."""
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)),
+                   0.0)
+    v = x * inv[:, None, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    return q, d, d * tl.sum(tl.sum(q, axis=2), axis=1)
+
+
+@triton.jit
 def quantize_act_kernel(X, X2, Q, DS, K, stride_x, stride_x2, stride_q, stride_ds, NBLK: tl.constexpr,
-                        SILU: tl.constexpr, PDL: tl.constexpr = False):
+                        SILU: tl.constexpr, LANES: tl.constexpr = False, PDL: tl.constexpr = False):
     """Row pid(0), blocks pid(1) * NBLK ..: q = round(x / d) half away from zero with d = absmax / 127, and
-    (d, d * sum q) per block of 32. SILU: x is silu(X) * X2, formed in float32."""
+    (d, d * sum q) per block of 32. SILU: x is silu(X) * X2, formed in float32. LANES: q in i8 lane order (16
+    consecutive codes stay together, so the stores remain 16-byte vectors)."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1) * NBLK + tl.arange(0, NBLK)
     ok = b < K // 32
-    offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(X + row * stride_x + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    b3 = b[:, None, None]
+    h3 = tl.arange(0, 2)[None, :, None]
+    j3 = tl.arange(0, 16)[None, None, :]
+    offs = b3 * 32 + h3 * 16 + j3
+    ok3 = ok[:, None, None]
+    x = tl.load(X + row * stride_x + offs, mask=ok3, other=0.0).to(tl.float32)
     if SILU:
-        u = tl.load(X2 + row * stride_x2 + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        u = tl.load(X2 + row * stride_x2 + offs, mask=ok3, other=0.0).to(tl.float32)
         x = x / (1.0 + tl.exp(-x)) * u
-    amax = tl.max(tl.abs(x), axis=1)
-    d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 0.0)
-    v = x * inv[:, None]
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    tl.store(Q + row * stride_q + offs, q.to(tl.int8), mask=ok[:, None])
-    s = d * tl.sum(q, axis=1)
+    q, d, s = quantize_blocks(x)
+    tl.store(Q + row * stride_q + (i8_lane_base(b3, h3) + j3 if LANES else offs), q.to(tl.int8), mask=ok3)
     tl.store(DS + row * stride_ds + b * 2, d, mask=ok)
     tl.store(DS + row * stride_ds + b * 2 + 1, s, mask=ok)
 
 
-def quantize_act(x: torch.Tensor, x2: torch.Tensor | None = None):
+def quantize_act(x: torch.Tensor, x2: torch.Tensor | None = None, lanes: bool = False):
     """(q int8 [M, K], ds float32 [M, K / 32, 2]) for x [M, K] (or silu(x) * x2) with K % 32 == 0 and the last
-    dim contiguous (see the module docstring)."""
+    dim contiguous (see the module docstring). ``lanes``: q in i8 lane order, [M, m1.lanes_width(K)] (the tail past
+    K is never written nor read)."""
     from .._runtime import empty
 
     M, K = x.shape
-    q = empty(M, K, dtype=torch.int8, device=x.device)
+    q = empty(M, lanes_width(K) if lanes else K, dtype=torch.int8, device=x.device)
     ds = empty(M, K // 32, 2, dtype=torch.float32, device=x.device)
     nblk = 32
     pdl = pdl_supported(x.device)
     quantize_act_kernel[(M, triton.cdiv(K // 32, nblk))](
         x, x2 if x2 is not None else x, q, ds, K, x.stride(0), x2.stride(0) if x2 is not None else 0, q.stride(0),
-        ds.stride(0), NBLK=nblk, SILU=x2 is not None, PDL=pdl, num_warps=4, **pdl_options(pdl))
+        ds.stride(0), NBLK=nblk, SILU=x2 is not None, LANES=lanes, PDL=pdl, num_warps=4, **pdl_options(pdl))
     return q, ds
+
+
+@triton.jit
+def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, nblocks, blocks_per_split, split,
+                         R: tl.constexpr, WARPS: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
+                         EVEN: tl.constexpr, PDL: tl.constexpr = False):
+    """y[n] (+)= sum over this program's K split of x' . w[n] for q4_k weights and one activation row x', given as
+    int8 words XQ in i8 lane order (i8_lane_base) and per-block (d, s) in XS, for BLOCK_N = WARPS * R rows.
+
+    Thread t of the program: warp g = t // 32, lane (kt, c) = ((t // 4) % 8, t % 4). A step covers 8 super-blocks:
+    lane (kt, c) takes chunk c (32 code bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones) of block
+    kt of rows g, g + WARPS, ... (R of them), so a warp reads 8 whole consecutive blocks of each of its rows. The
+    code words are masked in place (low nibbles q, high nibbles 16 q) and multiplied with the int8 activations by
+    dp4a into one int32 sum per sub-block; then, with the block's d, dmin and 6-bit (scale, min),
+    sum_j w_j x'_j = d sc0 dx0 S_lo + d sc1 dx1 S_hi / 16 - dmin (mn0 s0 + mn1 s1).
+
+    Splits are whole steps (blocks_per_split a multiple of 8), so each starts on a lane-order group. Unless EVEN
+    (every block of every step exists), blocks past the split's end load as zeros (d = dmin = 0, codes 0). Rows past
+    N read row N - 1, never stored. The sums are stored by m1._store_rows (FIXUP: split-K partials summed in the
+    kernel). PDL: wait first, let the next kernel launch after the loop."""
+    T: tl.constexpr = 32 * WARPS
+    BLOCK_N: tl.constexpr = WARPS * R
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pdl_wait(PDL)
+    t = tl.arange(0, T)[:, None]  # [T, 1]
+    kt = (t // 4) % 8
+    c = t % 4
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, R)[None, :] * WARPS + t // 32, N - 1).to(tl.int64)  # [T, R]
+    kb_start = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
+    base = rows * row_words + (kb_start + kt) * 36  # a block is 36 words: d|dmin, 3 words of scales, 32 of codes
+    a2 = tl.arange(0, 2)[None, None, :, None]
+    w4 = tl.arange(0, 4)[None, None, None, :]
+    # 8 code words as two 16-byte vectors [T, R, 2, 4]; the header as one [T, R, 4]
+    w_ptrs = W32 + (base + 4 + c * 8)[:, :, None, None] + a2 * 4 + w4
+    h_ptrs = W32 + base[:, :, None] + tl.arange(0, 4)[None, None, :]
+    # activations with the row axis of size 1 (shared by the R rows): the low plane's words [T, 1, 2, 4] (pieces
+    # a = 0, 1; the high plane's 256 words further), (d, s) of sub-blocks 2c and 2c + 1 [T, 1, 4]
+    x_ptrs = XQ + (kb_start // 8) * 512 + a2 * 128 + ((kt * 4 + c) * 4)[:, :, None, None] + w4
+    s_ptrs = XS + (((kb_start + kt) * 8 + 2 * c) * 2)[:, :, None] + tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([T, R], dtype=tl.float32)
+    for kb in range(kb_start, kb_end, 8):
+        if EVEN:
+            cw = _scalars(tl.load(w_ptrs), T, R, 8, 3)
+            hw = _scalars(tl.load(h_ptrs), T, R, 4, 2)
+            xl = _scalars(tl.load(x_ptrs), T, 1, 8, 3)
+            xh = _scalars(tl.load(x_ptrs + 256), T, 1, 8, 3)
+            dsv = _scalars(tl.load(s_ptrs), T, 1, 4, 2)
+        else:
+            ok = kb + kt < kb_end  # [T, 1]
+            cw = _scalars(tl.load(w_ptrs, mask=ok[:, :, None, None], other=0), T, R, 8, 3)
+            hw = _scalars(tl.load(h_ptrs, mask=ok[:, :, None], other=0), T, R, 4, 2)
+            xl = _scalars(tl.load(x_ptrs, mask=ok[:, :, None, None], other=0), T, 1, 8, 3)
+            xh = _scalars(tl.load(x_ptrs + 256, mask=ok[:, :, None, None], other=0), T, 1, 8, 3)
+            dsv = _scalars(tl.load(s_ptrs, mask=ok[:, :, None], other=0.0), T, 1, 4, 2)
+        zero = cw[0] * 0
+        s_lo = _dp4a(cw[0] & _LO, xl[0], zero, True, UNPACK)
+        s_hi = _dp4a(cw[0] & _HI, xh[0], zero, True, UNPACK)
+        for i in tl.static_range(1, 8):
+            s_lo = _dp4a(cw[i] & _LO, xl[i], s_lo, True, UNPACK)
+            s_hi = _dp4a(cw[i] & _HI, xh[i], s_hi, True, UNPACK)
+        d, dmin = _split_words(hw[0], tl.float16)
+        sc0, mn0, sc1, mn1 = _q4k_scales(hw[1], hw[2], hw[3], c)
+        acc += d * (sc0 * dsv[0] * s_lo.to(tl.float32) + sc1 * (dsv[2] * 0.0625) * s_hi.to(tl.float32)) \
+            - dmin * (mn0 * dsv[1] + mn1 * dsv[3])
+        w_ptrs += 8 * 36
+        h_ptrs += 8 * 36
+        x_ptrs += 512
+        s_ptrs += 128
+    pdl_trigger(PDL)
+    s = tl.sum(tl.reshape(acc, [WARPS, 32, R]), axis=1)  # [WARPS, R]: row g + r * WARPS
+    rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * WARPS + tl.arange(0, WARPS)[:, None]
+    _store_rows(s, s, s, s, rows2, Y, PART, COUNT, 1, N, 0, 0, pid_k, split, stride_ys, 0, WARPS, R, 1, FIXUP)
+
+
+def i8_lanes_supports(data, fmt: str, K: int) -> bool:
+    """Whether gemv_i8_lanes_kernel can read these weights: q4_k, K a multiple of 256, contiguous 16-byte aligned
+    data (its loads are 16-byte vectors)."""
+    return fmt == "q4_k" and K % 256 == 0 and data.data_ptr() % 16 == 0 and data.is_contiguous()
+
+
+def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, out_dtype, fixup: bool = True,
+                    pdl: bool = False):
+    """Run gemv_i8_lanes_kernel for one activation row (xq [1, lanes_width(K)] int8 in i8 lane order, ds
+    [1, K / 32, 2]) and q4_k weights; returns y [split, 1, N] like m1.launch_m1 (y [1, 1, N] in out_dtype when the
+    kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages): R rows per thread, K split
+    until the grid has ``waves`` programs per SM."""
+    from .ops import split_k
+
+    reps, warps, waves, stages = config
+    nblocks = K // 256
+    block_n = warps * reps
+    programs_n = triton.cdiv(N, block_n)
+    split, per_split = split_k(programs_n, nblocks, 8, sms, waves)
+    y, part, counters = split_outputs(1, out_dtype, xq.device, N, split, programs_n, fixup)
+    gemv_i8_lanes_kernel[(programs_n, split)](
+        xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, N,
+        y.stride(0), data.shape[-1] * data.element_size() // 4, nblocks, per_split, split, R=reps, WARPS=warps,
+        UNPACK=2 if asm else 1, FIXUP=counters is not None, EVEN=nblocks % 8 == 0, PDL=pdl, num_warps=warps,
+        num_stages=stages, **pdl_options(pdl))
+    return y
 
 
 def i8_layout(fmt: str):

@@ -93,7 +93,13 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1,
 # 20261124-013452, us exact / int8 at M = 2: q4_0 9.8 / 10.2, 10.8 / 12.7, 20.5 / 28.0, 20.7 / 28.4, 126.8 / 158.6;
 # q8_0 12.9 / 12.0, 15.2 / 15.8, 33.3 / 33.3, 31.7 / 34.8, 210.2 / 256.1); at M = 1 int8 still wins on 4 of 5 shapes
 # for q8_0 and 3 of 5 for q4_0 (q4_0 7.9 / 10.0 / 22.0 / 22.6 / 113.1 against exact 9.6 / 10.5 / 20.0 / 20.1 / 123.9)
-I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 0}
+# q4_k is back at M = 1 since session 30 with its own kernel (int8.gemv_i8_lanes_kernel: m1's lanes along K with
+# dp4a), which beats the exact lane kernel on every Llama-3-8B shape (H100, us, .lab/i8l_gpu.py: 5.6 / 7.2 / 13.0 /
+# 14.8 / 97.8 / 23.9 against 5.8 / 8.7 / 16.3 / 16.1 / 128.9 / 29.5 on 4096x4096, 6144x4096, 14336x4096, 4096x14336,
+# 128256x4096, 28672x4096; activations given: the rounding kernel, a launch of its own, took 3.8-4.1 us alone in
+# the same graphs, so the engine rounds them in its RMSNorm kernel instead)
+I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1}
+I8_LANES_DEFAULT = (1, 4, 2, 1)  # (R, warps, waves, stages) of the q4_k int8 lane kernel when the table has none
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
 # an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
@@ -235,11 +241,28 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
     return out
 
 
-def _launch_i8(x, x2, data, fmt, N, K):
-    """gemv with x (or silu(x) * x2) rounded to int8 per block of 32, through int8.py's kernel."""
-    from .int8 import launch_i8, quantize_act
+def _launch_i8_lanes(xq, ds, data, N, K, out_dtype):
+    """q4_k, one activation row rounded to int8 in i8 lane order (xq, ds): int8.py's lane kernel."""
+    from .int8 import launch_i8_lanes
 
     interp = interpreter_mode()
+    if interp:
+        config = (1, 1, 1, 1) if N < 128 else (2, 4, 1, 1)
+    else:
+        config = tuple(lookup("gemv", gpu_name(), "i8lanes/q4_k") or I8_LANES_DEFAULT)
+    y = launch_i8_lanes(xq, ds, data, N, K, config, num_sms(xq.device), not interp, out_dtype,
+                        pdl=pdl_supported(xq.device))
+    return _finish(y, out_dtype)
+
+
+def _launch_i8(x, x2, data, fmt, N, K):
+    """gemv with x (or silu(x) * x2) rounded to int8 per block of 32, through int8.py's kernels."""
+    from .int8 import i8_lanes_supports, launch_i8, quantize_act
+
+    interp = interpreter_mode()
+    if x.shape[0] == 1 and i8_lanes_supports(data, fmt, K):
+        xq, ds = quantize_act(x, x2, lanes=True)
+        return _launch_i8_lanes(xq, ds, data, N, K, x.dtype)
     xq, ds = quantize_act(x, x2)
     if interp:
         config = (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
@@ -493,9 +516,9 @@ def gemv(x: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.
         x: [M, K] (or [..., K]) fp16/bf16 (fp32 accepted), last dim contiguous.
         qt: QuantizedTensor [N, K] in any GGUF format or MLX affine.
         act_int8: allow rounding x to int8 per block of 32 (scale absmax / 127, like llama.cpp's q8_1
-            activations) for integer dot products, where that measured faster: q4_0 and q8_0 at M = 1, with
+            activations) for integer dot products, where that measured faster: q4_0, q8_0 and q4_k at M = 1, with
             fp16/bf16 x and K a multiple of 256. The rounding costs about 1/254 of each block's absmax per element.
-            Other cases (q4_k included) compute exactly as without it.
+            Other cases compute exactly as without it.
     Returns [M, N] (or [..., N]) in x's dtype. Fastest for M <= 16 (one launch, tiles reused across rows); up to
     M = 64 it launches M-blocks of 16 (q4_k and MLX 4-bit from M = 3, q4_0 and q8_0 from M = 1: all rows in one
     tensor-core program); beyond, it dequantizes once and calls cuBLAS. f16/bf16 weights with x of the same dtype
@@ -532,6 +555,46 @@ def gemv_lanes(x: torch.Tensor, x_lanes: torch.Tensor, qt: QuantizedTensor) -> t
     check_device(x=x, x_lanes=x_lanes, qt_data=qt.data)
     y = call_op(_gemv_op, _gemv_impl, x2, x_lanes, *_qt_args(qt)[:3], None, None, None, *_qt_args(qt)[3:], 3, 0)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _gemv_i8_impl(xq: torch.Tensor, ds: torch.Tensor, data: torch.Tensor, N: int, K: int,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    return _launch_i8_lanes(xq, ds, data, N, K, out_dtype)
+
+
+_gemv_i8_op = torch.library.custom_op("llmkernels::quant_gemv_i8_lanes", mutates_args=())(_gemv_i8_impl)
+
+
+@_gemv_i8_op.register_fake
+def _(xq, ds, data, N, K, out_dtype):
+    return xq.new_empty(1, N, dtype=out_dtype)
+
+
+def gemv_i8_lanes(xq: torch.Tensor, ds: torch.Tensor, qt: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """gemv(x, qt, act_int8=True) for a caller that has x already rounded to int8 in i8 lane order: (xq, ds) =
+    int8.quantize_act(x, lanes=True), or written so by the kernel that produced x (the engine's RMSNorm). q4_k (K a
+    multiple of 256, 16-byte aligned data), one activation row.
+
+    xq: int8 [1, m1.lanes_width(K)]; ds: float32 [1, K / 32, 2] (scale d, d * sum q per block of 32). Returns
+    [1, N] in ``out_dtype`` (fp16/bf16/fp32).
+    """
+    from .int8 import i8_lanes_supports
+    from .m1 import lanes_width
+
+    _check_qt("qt", qt)
+    N, K = qt.shape
+    if not i8_lanes_supports(qt.data, qt.format, K):
+        raise ValueError(f"gemv_i8_lanes needs q4_k weights with K a multiple of 256 and contiguous 16-byte aligned "
+                         f"data, got {qt.format} [{N}, {K}]")
+    check_tensor("xq", xq, dtypes=(torch.int8,), last_dim_contiguous=True)
+    check_tensor("ds", ds, dtypes=(torch.float32,))
+    if tuple(xq.shape) != (1, lanes_width(K)) or tuple(ds.shape) != (1, K // 32, 2) or not ds.is_contiguous():
+        raise ValueError(f"xq must be [1, {lanes_width(K)}] and ds a contiguous [1, {K // 32}, 2] for K = {K}, got "
+                         f"{tuple(xq.shape)} and {tuple(ds.shape)}")
+    if out_dtype not in X_DTYPES:
+        raise TypeError(f"out_dtype must be one of {X_DTYPES}, got {out_dtype}")
+    check_device(xq=xq, ds=ds, qt_data=qt.data)
+    return call_op(_gemv_i8_op, _gemv_i8_impl, xq, ds, qt.data, N, K, out_dtype)
 
 
 def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.Tensor:

@@ -3,7 +3,7 @@
 References compute in float64 by default; never use a fast kernel as the oracle for another.
 """
 from .attention import attention_ref, flash_attn_varlen_ref, paged_attention_ref, gather_pages
-from .gemv import gemv_ref, silu_mul_gemv_ref, embedding_ref, lane_positions
+from .gemv import gemv_ref, silu_mul_gemv_ref, embedding_ref, i8_lane_positions, lane_positions
 from .tolerances import TOLERANCES, tolerance, assert_close, poison
 
 __all__ = ["attention_ref", "flash_attn_varlen_ref", "paged_attention_ref", "gather_pages", "gemv_ref",

@@ -37,3 +37,14 @@ def lane_positions(K: int) -> torch.Tensor:
     pos = torch.empty(W, dtype=torch.long)
     pos[natural_at] = torch.arange(W)
     return pos[:K]
+
+
+def i8_lane_positions(K: int) -> torch.Tensor:
+    """Where each activation k < K lies in the int8 q4_k GEMV's i8 lane order (qgemv.int8.i8_lane_base), built by
+    reshaping: a group of 2048 is (block kt, chunk c, plane p, half h, byte b) in natural order, (p, h, kt, c, b) in
+    i8 lane order."""
+    W = -(-K // 2048) * 2048
+    natural_at = torch.arange(W).view(W // 2048, 8, 4, 2, 2, 16).permute(0, 3, 4, 1, 2, 5).reshape(-1)
+    pos = torch.empty(W, dtype=torch.long)
+    pos[natural_at] = torch.arange(W)
+    return pos[:K]

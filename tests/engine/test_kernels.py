@@ -7,7 +7,8 @@ import torch
 from llmkernels.engine.config import ModelConfig, llama3_rope_factors, rope_inv_freq
 from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 from llmkernels.engine.scheduler import PageAllocator, Scheduler, Sequence
-from llmkernels.testing import lane_positions
+from llmkernels.qgemv.int8 import quantize_act
+from llmkernels.testing import i8_lane_positions, lane_positions
 from llmkernels.testing.tolerances import assert_close
 
 
@@ -30,6 +31,26 @@ def test_add_rmsnorm(H, device):
     # with lanes: also y in the q4_k GEMV's lane order, the same values
     y, yl = add_rmsnorm(x, w, 1e-5, lanes=True)
     assert yl.shape == (5, 2048) and torch.equal(yl[:, lane_positions(H).to(device)], y)
+
+
+@pytest.mark.parametrize("H", [96, 4096])
+def test_add_rmsnorm_i8(H, device):
+    """i8=True: y as without it (to rounding: the sum of squares runs over another tile shape), and y rounded to
+    int8 exactly as qgemv.int8.quantize_act(y, lanes=True) rounds it (codes in i8 lane order, scales per block)."""
+    x = torch.randn(1, H, dtype=torch.float16, device=device)
+    r = torch.randn(1, H, dtype=torch.float16, device=device)
+    w = torch.randn(H, device=device)
+    r2 = r.clone()
+    y0 = add_rmsnorm(x, w, 1e-5, residual=r2)
+    y, (q, ds) = add_rmsnorm(x, w, 1e-5, residual=r, i8=True)
+    assert torch.equal(r, r2)
+    assert_close(y, y0, torch.float16)
+    q_want, ds_want = quantize_act(y, lanes=True)
+    assert q.shape == (1, -(-H // 2048) * 2048) and ds.shape == (1, H // 32, 2)
+    pos = i8_lane_positions(H).to(device)
+    assert torch.equal(q[:, pos], q_want[:, pos]) and torch.equal(ds, ds_want)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        add_rmsnorm(torch.randn(1, 100, device=device), torch.ones(100, device=device), 1e-5, i8=True)
 
 
 def test_silu_mul(device):

@@ -6,9 +6,9 @@ import torch
 
 import llmkernels as lk
 from llmkernels._checks import interpreter_mode
-from llmkernels.qgemv.int8 import i8_layout, i8_supports, launch_i8, quantize_act
-from llmkernels.qgemv.ops import _finish
-from llmkernels.testing import assert_close, gemv_ref
+from llmkernels.qgemv.int8 import i8_layout, i8_lanes_supports, i8_supports, launch_i8, launch_i8_lanes, quantize_act
+from llmkernels.qgemv.ops import _finish, gemv_i8_lanes
+from llmkernels.testing import assert_close, gemv_ref, i8_lane_positions
 
 
 def _dequant_act(q, ds):
@@ -42,6 +42,16 @@ def test_quantize_act(dtype, device):
     assert q.dtype == torch.int8 and q.shape == (M, K) and ds.shape == (M, K // 32, 2)
     _check_rounding(x, q, ds)
     assert (q[1, 32:64] == 0).all() and (ds[1, 1] == 0).all()
+
+
+@pytest.mark.parametrize("K", [4096, 1120])
+def test_quantize_act_lanes(K, device):
+    """lanes=True: the same codes and scales, the codes at their i8 lane-order places (checked against a reshape)."""
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=device) * 2
+    q, ds = quantize_act(x)
+    ql, dsl = quantize_act(x, lanes=True)
+    assert ql.shape == (1, -(-K // 2048) * 2048) and torch.equal(dsl, ds)
+    assert torch.equal(ql[:, i8_lane_positions(K).to(device)], q)
 
 
 def test_quantize_act_silu(device):
@@ -88,7 +98,46 @@ def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, config, dev
     _run(fmt, 45, 512, M, config, 8, device, dtype, fixup=fixup, rows_per_program=rows_per_program)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("N,K,config,sms,fixup,dtype", [
+    (37, 256, (1, 1, 1, 1), 4, True, torch.float16),    # one block: lanes kt >= 1 masked, rows past N
+    (77, 2304, (2, 2, 1, 1), 4, True, torch.bfloat16),  # 9 blocks: a split of 8 and a ragged one of 1
+    (40, 4096, (1, 1, 1, 1), 64, False, torch.float16),  # whole steps, K split in two, partials summed outside
+    (130, 1792, (2, 1, 2, 1), 3, True, torch.float32),  # 7 blocks (one ragged step), two rows per thread
+    (9, 6144, (1, 2, 4, 1), 16, True, torch.float16),   # three steps, split three ways, most rows past N
+])
+def test_i8_lanes_kernel(N, K, config, sms, fixup, dtype, device):
+    """The q4_k int8 lane kernel against x' @ dequantize(W).T in float64 (x' the rounded activations)."""
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    assert i8_lanes_supports(qt.data, "q4_k", K)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    q, ds = quantize_act(x)
+    ql, dsl = quantize_act(x, lanes=True)
+    y = _finish(launch_i8_lanes(ql, dsl, qt.data, N, K, config, sms, not interpreter_mode(), dtype, fixup=fixup),
+                dtype)
+    ref = gemv_ref(_dequant_act(q, ds), qt)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+    assert y.shape == (1, N) and y.dtype == dtype
+    assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_gemv_i8_lanes_op(device):
+    """ops.gemv_i8_lanes (activations rounded by the caller) is gemv(act_int8=True); bad operands raise."""
+    N, K = 24, 512
+    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    ql, dsl = quantize_act(x, lanes=True)
+    assert torch.equal(gemv_i8_lanes(ql, dsl, qt, torch.float16), lk.gemv(x, qt, act_int8=True))
+    with pytest.raises(ValueError, match="xq must be"):
+        gemv_i8_lanes(ql[:, :K], dsl, qt, torch.float16)
+    with pytest.raises(TypeError, match="xq"):
+        gemv_i8_lanes(ql.to(torch.int32), dsl, qt, torch.float16)
+    with pytest.raises(ValueError, match="q4_k"):
+        gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K) * 0.05, "q8_0").to(device), torch.float16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        gemv_i8_lanes(ql, dsl, qt, torch.int8)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
 def test_gemv_act_int8(fmt, device):
     """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T) up to the format's M limit, exact
     beyond it; silu_mul_gemv rounds silu(g) * u."""

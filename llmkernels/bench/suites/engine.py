@@ -101,6 +101,7 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
 def cases(ctx):
     fmts = ["q4_k", "q8_0", "bf16"] if not ctx.quick else ["q4_k"]
     out = [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
-    if not ctx.quick:  # activations rounded to int8 (LLM(act_int8=True)); q4_k computes exactly with it since session 14
+    if not ctx.quick:  # activations rounded to int8 at batch 1 (LLM(act_int8=True)): q4_k since session 30
+        out.append(("engine q4_k act_int8", _format_case(ctx, "q4_k", True)))
         out.append(("engine q8_0 act_int8", _format_case(ctx, "q8_0", True)))
     return out
