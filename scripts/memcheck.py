@@ -136,6 +136,27 @@ def m1_cases(dev="cuda"):
                              qt)
 
 
+def i8_lanes_cases(dev="cuda"):
+    """The q4_k int8 lane kernel (int8.gemv_i8_lanes_kernel) and its producers: one block (lanes past it masked),
+    ragged last steps, K splits summed in the kernel or after it, rows past N; the rounding kernel and the fused
+    RMSNorm writing i8 lane order on partial groups."""
+    from llmkernels.engine.kernels import add_rmsnorm
+    from llmkernels.qgemv.int8 import launch_i8_lanes, quantize_act
+
+    for K in (256, 1792, 2304, 4096):
+        qt = lk.quantize(torch.randn(37, K, device=dev), "q4_k")
+        q, ds = quantize_act(torch.randn(1, K, device=dev, dtype=torch.bfloat16), lanes=True)
+        for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 1, 1), 132), ((1, 4, 2, 1), 7), ((2, 4, 4, 1), 1)):
+            for fixup in (True, False):
+                launch_i8_lanes(q, ds, qt.data, 37, K, config, sms, True, torch.float16, fixup=fixup, pdl=True)
+        lk.gemv(torch.randn(1, K, device=dev, dtype=torch.float16), qt, act_int8=True)
+        lk.silu_mul_gemv(torch.randn(1, K, device=dev, dtype=torch.bfloat16),
+                         torch.randn(1, K, device=dev, dtype=torch.bfloat16), qt, act_int8=True)
+    quantize_act(torch.randn(2, 1120, device=dev, dtype=torch.float16), lanes=True)
+    x = torch.randn(3, 1056, device=dev, dtype=torch.bfloat16)
+    add_rmsnorm(x, torch.randn(1056, device=dev), 1e-5, residual=torch.randn_like(x), i8=True)
+
+
 def tc_cases(dev="cuda"):
     """The tensor-core kernel (tc.py): rows past the tile, uneven K splits, both activation dtypes; q4_k, q5_k, q6_k,
     q4_0, q8_0 and MLX 4-bit at each group size; partials summed by the split-K sum kernel (ops._finish) where the
@@ -275,6 +296,7 @@ def main():
                  torch.randn(3, 1120, device=dev, dtype=torch.float16))
     lk.gemv(torch.randn(2, 768, device=dev, dtype=torch.float16), lk.quantize(torch.randn(37, 768, device=dev),
                                                                                "q4_k"), act_int8=True)
+    i8_lanes_cases(dev)
     tc_cases(dev)
     # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ...qgemv import gate_up_silu, gemv, silu_mul_gemv
+from ...qgemv.int8 import quantize_act
 from ...qgemv.m1 import lane_order
-from ...qgemv.ops import gemv_lanes
+from ...qgemv.ops import gemv_i8_lanes, gemv_lanes
 from ...testing.random_weights import random_qtensor
 from ..anchors import make_int4pack
 from ..harness import Row, copies_for, time_graph_ms
@@ -14,13 +15,16 @@ from ..harness import Row, copies_for, time_graph_ms
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 FORMATS = [("q4_0", {}), ("q4_k", {}), ("q5_k", {}), ("q6_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64)),
            ("f16", {}),
-           # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py);
-           # not q4_k, which computes exactly with it since its exact kernel became the faster one (ops.I8_MAX_M)
-           ("q4_0", dict(act_int8=True)), ("q8_0", dict(act_int8=True)),
+           # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py;
+           # M = 1 only, see ops.I8_MAX_M: larger M computes exactly)
+           ("q4_0", dict(act_int8=True)), ("q8_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)),
            # ops.gemv_lanes at M = 1: x handed over in lane order as well, as the engine's RMSNorm and SiLU kernels
            # write it (the copy into lane order is not timed: there it costs a second store in a kernel that runs
            # anyway)
-           ("q4_k", dict(lanes=True))]
+           ("q4_k", dict(lanes=True)),
+           # ops.gemv_i8_lanes at M = 1: x handed over rounded to int8 in i8 lane order, as the engine's RMSNorm
+           # writes it with act_int8 (the rounding is not timed)
+           ("q4_k", dict(act_int8=True, lanes=True))]
 MS = [1, 2, 4, 8, 16]
 
 
@@ -55,7 +59,10 @@ def _shape_case(ctx, N, K, formats, ms):
                 + (" lanes" if lanes else "")
             for M in ms if not lanes else [1]:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                if lanes:
+                if lanes and i8:
+                    xq, ds = quantize_act(x, lanes=True)
+                    t = time_graph_ms([lambda qt=qt: gemv_i8_lanes(xq, ds, qt, x.dtype) for qt in qts])
+                elif lanes:
                     xl = lane_order(x)
                     t = time_graph_ms([lambda qt=qt: gemv_lanes(x, xl, qt) for qt in qts])
                 else:
