@@ -26,10 +26,10 @@ q4_k kernel with lane-order activations is faster on every Llama-3-8B shape, so 
 
 Session 30 added gemv_i8_lanes_kernel for q4_k at M = 1: the m1 kernel's thread layout (a warp takes 8 consecutive
 super-blocks of one row, lane (kt, c) chunk c of block kt: 1152 contiguous bytes per row and load) with the dp4a
-arithmetic of this file, 1.6 SASS instructions per weight against m1's 4.2. Its activations come in "i8 lane order"
-(i8_lane_base), so that each load of a warp covers 512 contiguous bytes. On an H100 it streams 2.5-3.0 TB/s on the
-large Llama-3-8B shapes, 1.2-1.3x faster than the exact lane-order kernel (bench/NOTES.md, session 30); gemv routes
-q4_k at M = 1 with act_int8 to it.
+arithmetic of this file, 1.67 SASS instructions per weight against m1's 4.2 (32 registers). Its activations come in
+"i8 lane order" (i8_lane_base), so that each load of a warp covers 512 contiguous bytes. On an H100 (bench file
+20261124-102320, activations given) it streams 1.70 / 2.00 / 2.55 / 2.26 / 3.01 TB/s on the Llama-3-8B shapes
+4096x4096 ... 128256x4096, 1.07-1.22x the exact lane-order kernel; gemv routes q4_k at M = 1 with act_int8 to it.
 """
 import torch
 import triton

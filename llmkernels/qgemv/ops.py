@@ -94,10 +94,10 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1,
 # q8_0 12.9 / 12.0, 15.2 / 15.8, 33.3 / 33.3, 31.7 / 34.8, 210.2 / 256.1); at M = 1 int8 still wins on 4 of 5 shapes
 # for q8_0 and 3 of 5 for q4_0 (q4_0 7.9 / 10.0 / 22.0 / 22.6 / 113.1 against exact 9.6 / 10.5 / 20.0 / 20.1 / 123.9)
 # q4_k is back at M = 1 since session 30 with its own kernel (int8.gemv_i8_lanes_kernel: m1's lanes along K with
-# dp4a), which beats the exact lane kernel on every Llama-3-8B shape (H100, us, .lab/i8l_gpu.py: 5.6 / 7.2 / 13.0 /
-# 14.8 / 97.8 / 23.9 against 5.8 / 8.7 / 16.3 / 16.1 / 128.9 / 29.5 on 4096x4096, 6144x4096, 14336x4096, 4096x14336,
-# 128256x4096, 28672x4096; activations given: the rounding kernel, a launch of its own, took 3.8-4.1 us alone in
-# the same graphs, so the engine rounds them in its RMSNorm kernel instead)
+# dp4a), which beats the exact lane kernel on every Llama-3-8B shape (H100, bench file 20261124-102320, fp16 x, us on
+# 4096x4096, 6144x4096, 14336x4096, 4096x14336, 128256x4096: activations given 5.6 / 7.1 / 13.0 / 14.6 / 98.3, with
+# gemv's own rounding launch 6.6 / 8.1 / 14.4 / 14.8 / 99.4, exact lane kernel 6.0 / 8.5 / 15.9 / 15.7 / 115.1);
+# the engine rounds them in its RMSNorm kernel (add_rmsnorm i8: 427 against 418-421 tok/s with gemv's launches)
 I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1}
 I8_LANES_DEFAULT = (1, 4, 2, 1)  # (R, warps, waves, stages) of the q4_k int8 lane kernel when the table has none
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
