@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     g.add_argument("--device", default=None, help="cuda (default when present) or cpu (Triton interpreter)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-cuda-graphs", action="store_true")
+    g.add_argument("--act-int8", action="store_true",
+                   help="round q4_0/q8_0/q4_k activations to int8 at batch 1 (faster decode, other logits)")
     g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end")
     c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint to GGUF")
     c.add_argument("model_dir")
@@ -63,7 +65,7 @@ def _generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
-              max_num_seqs=max(1, len(args.prompt)))
+              max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8)
     t0 = time.perf_counter()
     if len(args.prompt) == 1:
         print(args.prompt[0], end="", flush=True)

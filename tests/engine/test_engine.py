@@ -198,6 +198,27 @@ def test_cli_generate(model_files, capsys):
     assert capsys.readouterr().out == PROMPTS[0] + want + "\n"
 
 
+def test_cli_generate_act_int8(model_files, capsys, monkeypatch):
+    """--act-int8 reaches the engine (the LLM the CLI builds is recorded) and generates what LLM(act_int8=True) does."""
+    import llmkernels.engine
+    from llmkernels.__main__ import main
+
+    made = []
+
+    class Recording(LLM):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    _, path, _ = model_files("llama", "q4_k")
+    llm = LLM(path, progress=False, act_int8=True)
+    want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].text
+    monkeypatch.setattr(llmkernels.engine, "LLM", Recording)
+    assert main(["generate", path, "--prompt", PROMPTS[0], "--max-tokens", "3", "--ignore-eos", "--act-int8"]) == 0
+    assert capsys.readouterr().out == PROMPTS[0] + want + "\n"
+    assert len(made) == 1 and made[0].model.act_int8
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,fmt", [("llama", "f16"), ("qwen2", "q8_0"), ("qwen3", "q4_k"), ("mistral", "f32")])
 def test_gpu_larger_models(model_files, arch, fmt):
