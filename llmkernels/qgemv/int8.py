@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
-from .m1 import _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
+from .m1 import _load, _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
 from .words import _block_codes, _scalars
 
 # format -> (FMT id, bytes per block or super-block, blocks per step)
@@ -373,19 +373,12 @@ def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, n
     s_ptrs = XS + (((kb_start + kt) * 8 + 2 * c) * 2)[:, :, None] + tl.arange(0, 4)[None, None, :]
     acc = tl.zeros([T, R], dtype=tl.float32)
     for kb in range(kb_start, kb_end, 8):
-        if EVEN:
-            cw = _scalars(tl.load(w_ptrs), T, R, 8, 3)
-            hw = _scalars(tl.load(h_ptrs), T, R, 4, 2)
-            xl = _scalars(tl.load(x_ptrs), T, 1, 8, 3)
-            xh = _scalars(tl.load(x_ptrs + 256), T, 1, 8, 3)
-            dsv = _scalars(tl.load(s_ptrs), T, 1, 4, 2)
-        else:
-            ok = kb + kt < kb_end  # [T, 1]
-            cw = _scalars(tl.load(w_ptrs, mask=ok[:, :, None, None], other=0), T, R, 8, 3)
-            hw = _scalars(tl.load(h_ptrs, mask=ok[:, :, None], other=0), T, R, 4, 2)
-            xl = _scalars(tl.load(x_ptrs, mask=ok[:, :, None, None], other=0), T, 1, 8, 3)
-            xh = _scalars(tl.load(x_ptrs + 256, mask=ok[:, :, None, None], other=0), T, 1, 8, 3)
-            dsv = _scalars(tl.load(s_ptrs, mask=ok[:, :, None], other=0.0), T, 1, 4, 2)
+        ok = kb + kt < kb_end  # [T, 1]; used only unless EVEN
+        cw = _scalars(_load(w_ptrs, ok[:, :, None, None], not EVEN), T, R, 8, 3)
+        hw = _scalars(_load(h_ptrs, ok[:, :, None], not EVEN), T, R, 4, 2)
+        xl = _scalars(_load(x_ptrs, ok[:, :, None, None], not EVEN), T, 1, 8, 3)
+        xh = _scalars(_load(x_ptrs + 256, ok[:, :, None, None], not EVEN), T, 1, 8, 3)
+        dsv = _scalars(_load(s_ptrs, ok[:, :, None], not EVEN), T, 1, 4, 2)
         zero = cw[0] * 0
         s_lo = _dp4a(cw[0] & _LO, xl[0], zero, True, UNPACK)
         s_hi = _dp4a(cw[0] & _HI, xh[0], zero, True, UNPACK)

@@ -28,23 +28,25 @@ def embedding_ref(ids, qt, dtype=torch.float64):
     return _dense(qt, dtype).to(ids.device)[ids.long()]
 
 
+def _group_order(K: int, dims, perm) -> torch.Tensor:
+    """Where each activation k < K lies when every group of 2048 is viewed as ``dims`` in natural order and stored
+    with its axes permuted by ``perm``."""
+    W = -(-K // 2048) * 2048
+    natural_at = torch.arange(W).view(W // 2048, *dims).permute(0, *(p + 1 for p in perm)).reshape(-1)
+    pos = torch.empty(W, dtype=torch.long)
+    pos[natural_at] = torch.arange(W)
+    return pos[:K]
+
+
 def lane_positions(K: int) -> torch.Tensor:
     """Where each activation k < K lies in the q4_k GEMV's lane order (qgemv.m1.lane_pos), built by reshaping: a
     group of 2048 is (block kt, chunk c, plane p, load a, element v) in natural order, (p, a, kt, c, v) in lane
     order."""
-    W = -(-K // 2048) * 2048
-    natural_at = torch.arange(W).view(W // 2048, 8, 4, 2, 4, 8).permute(0, 3, 4, 1, 2, 5).reshape(-1)
-    pos = torch.empty(W, dtype=torch.long)
-    pos[natural_at] = torch.arange(W)
-    return pos[:K]
+    return _group_order(K, (8, 4, 2, 4, 8), (2, 3, 0, 1, 4))
 
 
 def i8_lane_positions(K: int) -> torch.Tensor:
     """Where each activation k < K lies in the int8 q4_k GEMV's i8 lane order (qgemv.int8.i8_lane_base), built by
     reshaping: a group of 2048 is (block kt, chunk c, plane p, half h, byte b) in natural order, (p, h, kt, c, b) in
     i8 lane order."""
-    W = -(-K // 2048) * 2048
-    natural_at = torch.arange(W).view(W // 2048, 8, 4, 2, 2, 16).permute(0, 3, 4, 1, 2, 5).reshape(-1)
-    pos = torch.empty(W, dtype=torch.long)
-    pos[natural_at] = torch.arange(W)
-    return pos[:K]
+    return _group_order(K, (8, 4, 2, 2, 16), (2, 3, 0, 1, 4))
