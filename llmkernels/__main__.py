@@ -24,12 +24,14 @@ def main(argv=None) -> int:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--act-int8", action="store_true",
-                   help="round q4_0/q8_0/q4_k activations to int8 at batch 1 (faster decode, other logits)")
+                   help="round q4_0/q8_0/q4_k/q6_k activations to int8 at batch 1 (faster decode, other "
+                   "logits)")
     g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end")
     c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint to GGUF")
     c.add_argument("model_dir")
     c.add_argument("out")
-    c.add_argument("--format", default="f16", help="GGUF format of the weight matrices (default f16)")
+    c.add_argument("--format", default="f16",
+                   help="GGUF format of the weight matrices (default f16), or q4_k_m (llama.cpp's Q4_K_M mix)")
     c.add_argument("--output-format", default=None, help="format of the output matrix (default: --format)")
     args = p.parse_args(argv)
     import llmkernels  # noqa: F401  (selects the interpreter before triton loads when there is no GPU)

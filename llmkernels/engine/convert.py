@@ -144,6 +144,29 @@ def tokenizer_metadata(model_dir: str, vocab_size: int, config: dict) -> dict:
     return meta
 
 
+# llama.cpp's mixes by name -> their base format; the rest of each mix is in mix_format
+MIXES = {"q4_k_m": "q4_k"}
+
+
+def more_bits(layer: int, n_layers: int) -> bool:
+    """The layers whose attn_v and ffn_down llama.cpp's Q4_K_M keeps in q6_k: the first and last eighth and every
+    third layer between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def mix_format(fmt: str, gname: str, n_layers: int) -> str:
+    """The format of GGUF tensor ``gname`` under ``fmt``: a GGUF format itself, or for the mix q4_k_m q6_k for
+    output.weight and for attn_v / ffn_down in the more_bits layers, q4_k elsewhere (llama.cpp's Q4_K_M for llama
+    models)."""
+    if fmt not in MIXES:
+        return fmt
+    parts = gname.split(".")
+    if gname == "output.weight" or (len(parts) > 3 and parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down")
+                                    and more_bits(int(parts[1]), n_layers)):
+        return "q6_k"
+    return MIXES[fmt]
+
+
 def _pick_format(fmt: str, K: int) -> str:
     """``fmt`` if K is a multiple of its block size, else q8_0, else f16 (as llama.cpp falls back)."""
     for f in (fmt, "q8_0", "f16"):
@@ -156,15 +179,18 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
                        progress: bool = True) -> str:
     """Convert a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) to GGUF.
 
-    format: GGUF format of the 2-D weights (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k ... q6_k); a matrix whose
-    row length is not a multiple of the format's block falls back to q8_0, then f16. output_format: the format of
-    the output (lm head) matrix, default ``format``. Norms and biases stay f32. Returns ``out_path``.
+    format: GGUF format of the 2-D weights (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k ... q6_k), or the mix
+    q4_k_m (llama.cpp's Q4_K_M: q6_k for the output matrix and for attn_v and ffn_down in about half of the layers,
+    q4_k elsewhere; mix_format); a matrix whose row length is not a multiple of the format's block falls back to
+    q8_0, then f16. output_format: the format of the output (lm head) matrix, default ``format``'s. Norms and
+    biases stay f32. Returns ``out_path``.
     """
-    if format not in GGUF_FORMATS:
-        raise ValueError(f"format must be a GGUF format {tuple(GGUF_FORMATS)}, got {format!r}")
+    if format not in GGUF_FORMATS and format not in MIXES:
+        raise ValueError(f"format must be a GGUF format {tuple(GGUF_FORMATS)} or a mix {tuple(MIXES)}, got "
+                         f"{format!r}")
     output_format = output_format or format
-    if output_format not in GGUF_FORMATS:
-        raise ValueError(f"output_format must be a GGUF format, got {output_format!r}")
+    if output_format not in GGUF_FORMATS and output_format not in MIXES:
+        raise ValueError(f"output_format must be a GGUF format or a mix, got {output_format!r}")
     model_dir = os.fspath(model_dir)
     config = _load_json(os.path.join(model_dir, "config.json"))
     archs = config.get("architectures") or []
@@ -232,6 +258,7 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
             tensors[gname] = w.contiguous()
         else:
             fmt = output_format if gname == "output.weight" else format
+            fmt = mix_format(fmt, gname, int(config["num_hidden_layers"]))
             tensors[gname] = quantize(w.contiguous(), _pick_format(fmt, w.shape[-1]))
     if bar is not None:
         bar.close()

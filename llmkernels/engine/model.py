@@ -42,7 +42,7 @@ class StepInputs:
 class Layer:
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    qkv: list  # one fused QuantizedTensor, or [q, k, v] when their formats differ
+    qkv: list  # q, k, v with neighbours of one format stacked: [qkv], or [qk, v] (a Q4_K_M file's q6_k attn_v), ...
     wo: QuantizedTensor
     gate_up: list  # [gate and up stacked], or [gate, up] when their formats differ
     down: QuantizedTensor
@@ -61,6 +61,18 @@ def cat_rows(qts: list) -> QuantizedTensor | None:
     n = sum(q.shape[0] for q in qts)
     return QuantizedTensor(a.format, (n, *a.shape[1:]), cat([q.data for q in qts]), cat([q.scales for q in qts]),
                            cat([q.biases for q in qts]), a.bits, a.group_size)
+
+
+def stack_runs(qts: list) -> list:
+    """qts with each run of neighbours of one format stacked (cat_rows): one GEMV launch per run."""
+    out = [qts[0]]
+    for q in qts[1:]:
+        both = cat_rows([out[-1], q])
+        if both is None:
+            out.append(q)
+        else:
+            out[-1] = both
+    return out
 
 
 def _vector(qt, device) -> torch.Tensor:
@@ -99,17 +111,11 @@ class Model:
         self.layers = []
         for i in it(range(cfg.n_layers), desc="loading layers", unit="layer"):
             p = f"blk.{i}."
-            q, k, v = (mat(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v"))
-            fused = cat_rows([q, k, v])
             layer = Layer(attn_norm=_vector(tensors[p + "attn_norm.weight"], self.device),
                           ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device),
-                          qkv=[fused] if fused is not None else [q, k, v], wo=mat(p + "attn_output.weight"),
-                          gate_up=[], down=mat(p + "ffn_down.weight"))
-            del q, k, v, fused
-            gate, up = mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")
-            fused = cat_rows([gate, up])
-            layer.gate_up = [fused] if fused is not None else [gate, up]
-            del gate, up, fused
+                          qkv=stack_runs([mat(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")]),
+                          wo=mat(p + "attn_output.weight"), gate_up=[], down=mat(p + "ffn_down.weight"))
+            layer.gate_up = stack_runs([mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")])
             if cfg.qkv_bias:
                 layer.qkv_bias = torch.cat([_vector(tensors[p + n + ".bias"], self.device)
                                             for n in ("attn_q", "attn_k", "attn_v")])
@@ -178,11 +184,11 @@ class Model:
 
     def _i8(self, T: int, *mats) -> bool:
         """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: with
-        act_int8, q4_k at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0 turns it off (then gemv rounds x in a
-        launch of its own; for A/B runs)."""
+        act_int8, q4_k and q6_k (K a multiple of 2048) at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0 turns it
+        off (then gemv rounds x in a launch of its own; for A/B runs)."""
         if not self.act_int8 or T != 1 or os.environ.get("LLMK_I8NORM", "1") == "0":
             return False
-        return all(m.format == "q4_k" and i8_lanes_supports(m.data, m.format, m.shape[1]) for m in mats)
+        return all(i8_lanes_supports(m.data, m.format, m.shape[1]) for m in mats)
 
     def _gemv(self, x, xl, m):
         if isinstance(xl, tuple):  # (q, ds): x rounded to int8 in i8 lane order

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from .m1 import _load, _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
-from .words import _block_codes, _scalars
+from .words import _block_codes, _funnel, _scalars
 
 # format -> (FMT id, bytes per block or super-block, blocks per step)
 I8_FORMATS = {"q4_0": (3, 18, 8), "q8_0": (7, 34, 8), "q4_k": (10, 144, 1)}
@@ -399,31 +399,179 @@ def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, n
     _store_rows(s, s, s, s, rows2, Y, PART, COUNT, 1, N, 0, 0, pid_k, split, stride_ys, 0, WARPS, R, 1, FIXUP)
 
 
+# q6_k codes of a word of low nibbles ($2) and the qh word pair ($3, $4) shifted right by $5 (bits 2 j of each byte
+# down to bit 0, and for an odd block the half-word realignment): q = those bits & 0x33333333, then
+# lo = (nibbles & 0x0F0F0F0F) | (q << 4 & 0xF0F0F0F0) and hi = (nibbles >> 4 & 0x0F0F0F0F) | (q & 0xF0F0F0F0), each
+# one LOP3 ((a & c) | (b & ~c): LUT 0xE4). Written out because the compiler merges the masks into two per plane.
+_ASM_Q6_CODES = tl.constexpr(
+    "{ .reg .b32 q, t; shf.r.wrap.b32 q, $3, $4, $5; and.b32 q, q, 0x33333333; shl.b32 t, q, 4; "
+    "lop3.b32 $0, $2, t, 0x0F0F0F0F, 0xE4; shr.b32 t, $2, 4; lop3.b32 $1, t, q, 0x0F0F0F0F, 0xE4; }")
+
+
+@triton.jit
+def _q6_codes(ql, h0, h1, sh, UNPACK: tl.constexpr):
+    """(low-plane codes, high-plane codes) of q6_k, 4 bytes each (values 0..63), from a word of ql and the qh word
+    pair (h0, h1) whose 64 bits shifted right by sh hold the 2-bit fields at bits 0-1 (low plane) and 4-5 (high)."""
+    if UNPACK == 2:
+        return tl.inline_asm_elementwise(_ASM_Q6_CODES, "=r,=r,r,r,r,r", [ql, h0, h1, sh],
+                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        v = (h1.to(tl.int64) << 32) | (h0.to(tl.int64) & 0xFFFFFFFF)
+        q = (v >> sh.to(tl.int64)).to(tl.int32) & 0x33333333
+        return (ql & _LO) | ((q << 4) & 0x30303030), ((ql >> 4) & _LO) | (q & 0x30303030)
+
+
+@triton.jit
+def _vec_words(ptrs, NV: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """NV consecutive 16-byte vectors from 16-byte aligned int32 pointers [A, B, 4], as a tuple of 4 NV words [A, B]."""
+    w = ()
+    for v in tl.static_range(NV):
+        w = w + _scalars(tl.load(ptrs + 4 * v), A, B, 4, 2)
+    return w
+
+
+@triton.jit
+def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblocks, blocks_per_split, split,
+                      R: tl.constexpr, WARPS: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """y[n] (+)= sum over this program's K split of x' . w[n] for q6_k weights and one activation row x' in i8 lane
+    order (i8_lane_base), like gemv_i8_lanes_kernel, for BLOCK_N = 8 WARPS R rows.
+
+    q6_k blocks are 210 bytes (ql[128] low nibbles, qh[64] two high bits each, 16 int8 scales, fp16 d), so a block
+    starts 2 (kb % 8) bytes past a 16-byte boundary when rows are 16-byte aligned (K a multiple of 2048). Thread t:
+    row t // 4 (of each of R row sets), part (n, j) = ((t // 2) % 2, t % 2), which takes chunk cc = 2 n + j of every
+    block: ql bytes 32 cc .. 32 cc + 31 (low nibbles: weights 128 n + 32 j + l, high nibbles + 64) and qh bytes
+    128 + 32 n + l (bits 2 j, 2 j + 1 for the low nibbles, 2 j + 4, 2 j + 5 for the high ones). A step is 8 blocks
+    (1680 bytes of each row), unrolled, so block b's misalignment 2 b is a constant: the thread loads the aligned
+    16-byte vectors around its 32 ql and 32 qh bytes and shifts them into place (ql: one byte permute per word for
+    odd b; qh: the funnel shift that also brings bits 2 j down). Codes c = nibble + 16 h (0..63) go through dp4a with
+    the int8 activations into one int32 sum per 16-weight scale group; with w = d sc (c - 32),
+    sum_g w x' = d dx (sc0 S0 + sc1 S1 - 32 (sc0 - sc1) X0) - 32 d sc1 s per 32-block (X0: sum q over its first
+    half, s = dx sum q from ds). The 4 parts of a row are summed at the end; rows past N read row N - 1, never
+    stored. Splits are whole steps, so every loaded byte exists."""
+    T: tl.constexpr = 32 * WARPS
+    LPR: tl.constexpr = 8 * WARPS  # rows per row set
+    BLOCK_N: tl.constexpr = LPR * R
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pdl_wait(PDL)
+    t = tl.arange(0, T)[:, None]  # [T, 1]
+    n = (t // 2) % 2
+    j = t % 2
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, R)[None, :] * LPR + t // 4, N - 1).to(tl.int64)  # [T, R]
+    kb_start = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
+    first = rows * row_bytes + kb_start * 210  # the split's first byte in each row: 16-byte aligned
+    w4 = tl.arange(0, 4)[None, None, :]
+    row_w = tl.multiple_of(first // 4, [4, 4])
+    # 16-byte vectors holding block 0's ql chunk (from word 8 cc) and qh bytes (from word 32 + 8 n); block b's are
+    # 13 b vectors (52 words) further
+    ql_ptrs = W32 + (row_w + 8 * (2 * n + j))[:, :, None] + w4
+    qh_ptrs = W32 + (row_w + 32 + 8 * n)[:, :, None] + w4
+    # scale pairs as int16 (2-byte aligned): bytes 192 + 8 n + 2 j (low nibbles' groups), + 4 (high nibbles'); d
+    sc_ptrs = W32.to(tl.pointer_type(tl.int16), bitcast=True) + first // 2 + 96 + 4 * n + j
+    d_ptrs = W32.to(tl.pointer_type(tl.int16), bitcast=True) + first // 2 + 104
+    # activations [T, 1, 4] (shared by the R rows): 32-block 4 n + j of block b (its halves 128 words apart), the
+    # high nibbles' block 4 n + j + 2 4 words on; (d, s) pairs [T, 1, 2]
+    x_ptrs = XQ + (kb_start // 8) * 512 + (2 * j * 128 + 8 * n)[:, :, None] + w4
+    s_ptrs = XS + ((kb_start * 8 + 4 * n + j) * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
+    sh_even = 2 * j  # qh bits 2 j down to bit 0
+    sh_odd = 16 + 2 * j  # and the half-word shift of an odd block
+    ones = tl.full([T, 1], 0x01010101, tl.int32)
+    acc = tl.zeros([T, R], dtype=tl.float32)
+    for kb in range(kb_start, kb_end, 8):
+        for b in tl.static_range(8):
+            # block b's bytes start at word b // 2 (+ half a word for odd b) of its aligned vectors: 2 for block 0
+            lw = _vec_words(ql_ptrs + 52 * b, 2 if b == 0 else 3, T, R)
+            hw = _vec_words(qh_ptrs + 52 * b, 2 if b == 0 else 3, T, R)
+            xl0 = _scalars(tl.load(x_ptrs + 16 * b), T, 1, 4, 2)
+            xl1 = _scalars(tl.load(x_ptrs + 16 * b + 128), T, 1, 4, 2)
+            xh0 = _scalars(tl.load(x_ptrs + 16 * b + 4), T, 1, 4, 2)
+            xh1 = _scalars(tl.load(x_ptrs + 16 * b + 132), T, 1, 4, 2)
+            dl, sl = _scalars(tl.load(s_ptrs + 16 * b), T, 1, 2, 1)
+            dh, s_h = _scalars(tl.load(s_ptrs + 16 * b + 4), T, 1, 2, 1)
+            scl = tl.load(sc_ptrs + 105 * b).to(tl.int32)  # sign-extended: low byte sc0, (>> 8) sc1
+            sch = tl.load(sc_ptrs + 105 * b + 2).to(tl.int32)
+            d = tl.load(d_ptrs + 105 * b).to(tl.float16, bitcast=True).to(tl.float32)
+            sh = sh_odd if b % 2 == 1 else sh_even
+            zero = scl * 0
+            s_lo0 = zero
+            s_lo1 = zero
+            s_hi0 = zero
+            s_hi1 = zero
+            for i in tl.static_range(8):
+                if b % 2 == 1:
+                    ql = _funnel(lw[b // 2 + i], lw[b // 2 + i + 1], UNPACK)
+                else:
+                    ql = lw[b // 2 + i]
+                if b > 0 or i < 7:
+                    lo, hi = _q6_codes(ql, hw[b // 2 + i], hw[b // 2 + i + 1], sh, UNPACK)
+                else:  # block 0's last word: the bits shifted in from above are masked off anyway
+                    lo, hi = _q6_codes(ql, hw[i], hw[i], sh, UNPACK)
+                if i < 4:
+                    s_lo0 = _dp4a(lo, xl0[i], s_lo0, True, UNPACK)
+                    s_hi0 = _dp4a(hi, xh0[i], s_hi0, True, UNPACK)
+                else:
+                    s_lo1 = _dp4a(lo, xl1[i - 4], s_lo1, True, UNPACK)
+                    s_hi1 = _dp4a(hi, xh1[i - 4], s_hi1, True, UNPACK)
+            x_lo = _dp4a(ones, xl0[0], ones * 0, True, UNPACK)
+            x_hi = _dp4a(ones, xh0[0], ones * 0, True, UNPACK)
+            for i in tl.static_range(1, 4):
+                x_lo = _dp4a(ones, xl0[i], x_lo, True, UNPACK)
+                x_hi = _dp4a(ones, xh0[i], x_hi, True, UNPACK)
+            a0 = (scl << 24) >> 24
+            a1 = scl >> 8
+            b0 = (sch << 24) >> 24
+            b1 = sch >> 8
+            v_lo = a0 * s_lo0 + a1 * s_lo1 - 32 * (a0 - a1) * x_lo
+            v_hi = b0 * s_hi0 + b1 * s_hi1 - 32 * (b0 - b1) * x_hi
+            acc += d * (dl * v_lo.to(tl.float32) + dh * v_hi.to(tl.float32)
+                        - 32.0 * (a1.to(tl.float32) * sl + b1.to(tl.float32) * s_h))
+        ql_ptrs += 420  # 8 blocks: 1680 bytes
+        qh_ptrs += 420
+        sc_ptrs += 840
+        d_ptrs += 840
+        x_ptrs += 512
+        s_ptrs += 128
+    pdl_trigger(PDL)
+    s = tl.sum(tl.reshape(acc, [LPR, 4, R]), axis=1)  # [LPR, R]: row rr + r * LPR
+    rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * LPR + tl.arange(0, LPR)[:, None]
+    _store_rows(s, s, s, s, rows2, Y, PART, COUNT, 1, N, 0, 0, pid_k, split, stride_ys, 0, LPR, R, 1, FIXUP)
+
+
 def i8_lanes_supports(data, fmt: str, K: int) -> bool:
-    """Whether gemv_i8_lanes_kernel can read these weights: q4_k, K a multiple of 256, contiguous 16-byte aligned
-    data (its loads are 16-byte vectors)."""
-    return fmt == "q4_k" and K % 256 == 0 and data.data_ptr() % 16 == 0 and data.is_contiguous()
+    """Whether the int8 lane kernels can read these weights: q4_k with K a multiple of 256 (gemv_i8_lanes_kernel) or
+    q6_k with K a multiple of 2048 (gemv_i8_q6_kernel: rows and steps 16-byte aligned), contiguous 16-byte aligned
+    data (their loads are 16-byte vectors)."""
+    if fmt not in ("q4_k", "q6_k") or K % (256 if fmt == "q4_k" else 2048):
+        return False
+    return data.data_ptr() % 16 == 0 and data.is_contiguous()
 
 
 def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, out_dtype, fixup: bool = True,
-                    pdl: bool = False):
-    """Run gemv_i8_lanes_kernel for one activation row (xq [1, lanes_width(K)] int8 in i8 lane order, ds
-    [1, K / 32, 2]) and q4_k weights; returns y [split, 1, N] like m1.launch_m1 (y [1, 1, N] in out_dtype when the
-    kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages): R rows per thread, K split
-    until the grid has ``waves`` programs per SM."""
+                    pdl: bool = False, fmt: str = "q4_k"):
+    """Run gemv_i8_lanes_kernel (q4_k) or gemv_i8_q6_kernel (``fmt`` q6_k) for one activation row (xq [1,
+    lanes_width(K)] int8 in i8 lane order, ds [1, K / 32, 2]); returns y [split, 1, N] like m1.launch_m1 (y [1, 1, N]
+    in out_dtype when the kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages): R rows
+    per thread (per 32 threads for q4_k, per 8 for q6_k), K split until the grid has ``waves`` programs per SM."""
     from .ops import split_k
 
     reps, warps, waves, stages = config
     nblocks = K // 256
-    block_n = warps * reps
+    block_n = warps * reps * (8 if fmt == "q6_k" else 1)
     programs_n = triton.cdiv(N, block_n)
     split, per_split = split_k(programs_n, nblocks, 8, sms, waves)
     y, part, counters = split_outputs(1, out_dtype, xq.device, N, split, programs_n, fixup)
-    gemv_i8_lanes_kernel[(programs_n, split)](
-        xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, N,
-        y.stride(0), data.shape[-1] * data.element_size() // 4, nblocks, per_split, split, R=reps, WARPS=warps,
-        UNPACK=2 if asm else 1, FIXUP=counters is not None, EVEN=nblocks % 8 == 0, PDL=pdl, num_warps=warps,
-        num_stages=stages, **pdl_options(pdl))
+    args = (xq.view(torch.int32), ds, data.view(torch.int32), y, part, counters if counters is not None else y, N,
+            y.stride(0))
+    row_bytes = data.shape[-1] * data.element_size()
+    common = dict(R=reps, WARPS=warps, UNPACK=2 if asm else 1, FIXUP=counters is not None, PDL=pdl, num_warps=warps,
+                  num_stages=stages, **pdl_options(pdl))
+    if fmt == "q6_k":
+        gemv_i8_q6_kernel[(programs_n, split)](*args, row_bytes, nblocks, per_split, split, **common)
+    else:
+        gemv_i8_lanes_kernel[(programs_n, split)](*args, row_bytes // 4, nblocks, per_split, split,
+                                                  EVEN=nblocks % 8 == 0, **common)
     return y
 
 

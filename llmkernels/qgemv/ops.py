@@ -98,8 +98,10 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1,
 # 4096x4096, 6144x4096, 14336x4096, 4096x14336, 128256x4096: activations given 5.6 / 7.1 / 13.0 / 14.6 / 98.3, with
 # gemv's own rounding launch 6.6 / 8.1 / 14.4 / 14.8 / 99.4, exact lane kernel 6.0 / 8.5 / 15.9 / 15.7 / 115.1);
 # the engine rounds them in its RMSNorm kernel (add_rmsnorm i8: 427 against 418-421 tok/s with gemv's launches)
-I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1}
-I8_LANES_DEFAULT = (1, 4, 2, 1)  # (R, warps, waves, stages) of the q4_k int8 lane kernel when the table has none
+# q6_k at M = 1 since session 31 (int8.gemv_i8_q6_kernel, K a multiple of 2048): see I8_LANES_DEFAULTS
+I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1, "q6_k": 1}
+# (R, warps, waves, stages) of the int8 lane kernels when the table has no "i8lanes/<format>" entry
+I8_LANES_DEFAULTS = {"q4_k": (1, 4, 2, 1), "q6_k": (1, 4, 2, 1)}
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
 # an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
@@ -241,17 +243,18 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
     return out
 
 
-def _launch_i8_lanes(xq, ds, data, N, K, out_dtype):
-    """q4_k, one activation row rounded to int8 in i8 lane order (xq, ds): int8.py's lane kernel."""
+def _launch_i8_lanes(xq, ds, data, N, K, out_dtype, fmt="q4_k"):
+    """q4_k or q6_k, one activation row rounded to int8 in i8 lane order (xq, ds): int8.py's lane kernels."""
     from .int8 import launch_i8_lanes
 
     interp = interpreter_mode()
-    if interp:
-        config = (1, 1, 1, 1) if N < 128 else (2, 4, 1, 1)
+    if interp:  # q6_k programs take 8 rows per warp and R
+        small = N < (64 if fmt == "q6_k" else 128)
+        config = (1, 1, 1, 1) if small else ((1, 2, 1, 1) if fmt == "q6_k" else (2, 4, 1, 1))
     else:
-        config = tuple(lookup("gemv", gpu_name(), "i8lanes/q4_k") or I8_LANES_DEFAULT)
+        config = tuple(lookup("gemv", gpu_name(), f"i8lanes/{fmt}") or I8_LANES_DEFAULTS[fmt])
     y = launch_i8_lanes(xq, ds, data, N, K, config, num_sms(xq.device), not interp, out_dtype,
-                        pdl=pdl_supported(xq.device))
+                        pdl=pdl_supported(xq.device), fmt=fmt)
     return _finish(y, out_dtype)
 
 
@@ -262,7 +265,7 @@ def _launch_i8(x, x2, data, fmt, N, K):
     interp = interpreter_mode()
     if x.shape[0] == 1 and i8_lanes_supports(data, fmt, K):
         xq, ds = quantize_act(x, x2, lanes=True)
-        return _launch_i8_lanes(xq, ds, data, N, K, x.dtype)
+        return _launch_i8_lanes(xq, ds, data, N, K, x.dtype, fmt)
     xq, ds = quantize_act(x, x2)
     if interp:
         config = (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
@@ -332,9 +335,9 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
         if y is not None:
             return y
     if act == 1 and mode != 2 and M <= I8_MAX_M.get(fmt, 0) and x.dtype != torch.float32:
-        from .int8 import i8_supports
+        from .int8 import i8_lanes_supports, i8_supports
 
-        if i8_supports(data, fmt, K):
+        if i8_supports(data, fmt, K) or (M == 1 and i8_lanes_supports(data, fmt, K)):
             return _launch_i8(x, x2 if mode == 1 else None, data, fmt, N, K)
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, family = _layout(fmt, K, row_bytes, group_size)
@@ -558,22 +561,22 @@ def gemv_lanes(x: torch.Tensor, x_lanes: torch.Tensor, qt: QuantizedTensor) -> t
 
 
 def _gemv_i8_impl(xq: torch.Tensor, ds: torch.Tensor, data: torch.Tensor, N: int, K: int,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    return _launch_i8_lanes(xq, ds, data, N, K, out_dtype)
+                  out_dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    return _launch_i8_lanes(xq, ds, data, N, K, out_dtype, fmt)
 
 
 _gemv_i8_op = torch.library.custom_op("llmkernels::quant_gemv_i8_lanes", mutates_args=())(_gemv_i8_impl)
 
 
 @_gemv_i8_op.register_fake
-def _(xq, ds, data, N, K, out_dtype):
+def _(xq, ds, data, N, K, out_dtype, fmt):
     return xq.new_empty(1, N, dtype=out_dtype)
 
 
 def gemv_i8_lanes(xq: torch.Tensor, ds: torch.Tensor, qt: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
     """gemv(x, qt, act_int8=True) for a caller that has x already rounded to int8 in i8 lane order: (xq, ds) =
     int8.quantize_act(x, lanes=True), or written so by the kernel that produced x (the engine's RMSNorm). q4_k (K a
-    multiple of 256, 16-byte aligned data), one activation row.
+    multiple of 256) or q6_k (K a multiple of 2048), 16-byte aligned contiguous data, one activation row.
 
     xq: int8 [1, m1.lanes_width(K)]; ds: float32 [1, K / 32, 2] (scale d, d * sum q per block of 32). Returns
     [1, N] in ``out_dtype`` (fp16/bf16/fp32).
@@ -584,8 +587,8 @@ def gemv_i8_lanes(xq: torch.Tensor, ds: torch.Tensor, qt: QuantizedTensor, out_d
     _check_qt("qt", qt)
     N, K = qt.shape
     if not i8_lanes_supports(qt.data, qt.format, K):
-        raise ValueError(f"gemv_i8_lanes needs q4_k weights with K a multiple of 256 and contiguous 16-byte aligned "
-                         f"data, got {qt.format} [{N}, {K}]")
+        raise ValueError(f"gemv_i8_lanes needs q4_k weights with K a multiple of 256 or q6_k with K a multiple of "
+                         f"2048, contiguous and 16-byte aligned, got {qt.format} [{N}, {K}]")
     check_tensor("xq", xq, dtypes=(torch.int8,), last_dim_contiguous=True)
     check_tensor("ds", ds, dtypes=(torch.float32,))
     if tuple(xq.shape) != (1, lanes_width(K)) or tuple(ds.shape) != (1, K // 32, 2) or not ds.is_contiguous():
@@ -594,7 +597,7 @@ def gemv_i8_lanes(xq: torch.Tensor, ds: torch.Tensor, qt: QuantizedTensor, out_d
     if out_dtype not in X_DTYPES:
         raise TypeError(f"out_dtype must be one of {X_DTYPES}, got {out_dtype}")
     check_device(xq=xq, ds=ds, qt_data=qt.data)
-    return call_op(_gemv_i8_op, _gemv_i8_impl, xq, ds, qt.data, N, K, out_dtype)
+    return call_op(_gemv_i8_op, _gemv_i8_impl, xq, ds, qt.data, N, K, out_dtype, qt.format)
 
 
 def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, qt: QuantizedTensor, act_int8: bool = False) -> torch.Tensor:

@@ -120,6 +120,28 @@ def test_i8_lanes_kernel(N, K, config, sms, fixup, dtype, device):
     assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("N,K,config,sms,fixup,dtype", [
+    (37, 2048, (1, 1, 1, 1), 4, True, torch.float16),    # one step, rows past N (8 per warp and R)
+    (70, 4096, (2, 1, 2, 1), 8, True, torch.bfloat16),   # two row sets per thread, K split in two
+    (9, 6144, (1, 2, 4, 1), 16, False, torch.float32),   # three steps split three ways, partials summed outside
+])
+def test_i8_q6_kernel(N, K, config, sms, fixup, dtype, device):
+    """The q6_k int8 kernel (210-byte blocks shifted into place) against x' @ dequantize(W).T in float64."""
+    w = torch.randn(N, K) * 0.05
+    w[:, :256] *= 40  # one super-block with large weights: scales near +-127 stress the integer sums
+    qt = lk.quantize(w, "q6_k").to(device)
+    assert i8_lanes_supports(qt.data, "q6_k", K) and not i8_lanes_supports(qt.data, "q6_k", K - 256)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    q, ds = quantize_act(x)
+    ql, dsl = quantize_act(x, lanes=True)
+    y = _finish(launch_i8_lanes(ql, dsl, qt.data, N, K, config, sms, not interpreter_mode(), dtype, fixup=fixup,
+                                fmt="q6_k"), dtype)
+    ref = gemv_ref(_dequant_act(q, ds), qt)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+    assert y.shape == (1, N) and y.dtype == dtype
+    assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 def test_gemv_i8_lanes_op(device):
     """ops.gemv_i8_lanes (activations rounded by the caller) is gemv(act_int8=True); bad operands raise."""
     N, K = 24, 512
@@ -135,15 +157,22 @@ def test_gemv_i8_lanes_op(device):
         gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K) * 0.05, "q8_0").to(device), torch.float16)
     with pytest.raises(TypeError, match="out_dtype"):
         gemv_i8_lanes(ql, dsl, qt, torch.int8)
+    with pytest.raises(ValueError, match="q6_k with K a multiple of 2048"):  # q6_k rows must be 16-byte aligned
+        gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K) * 0.05, "q6_k").to(device), torch.float16)
+    K = 2048
+    qt6 = lk.quantize(torch.randn(N, K) * 0.05, "q6_k").to(device)
+    x = torch.randn(1, K, dtype=torch.float16, device=device)
+    ql, dsl = quantize_act(x, lanes=True)
+    assert torch.equal(gemv_i8_lanes(ql, dsl, qt6, torch.float16), lk.gemv(x, qt6, act_int8=True))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q6_k"])
 def test_gemv_act_int8(fmt, device):
     """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T) up to the format's M limit, exact
     beyond it; silu_mul_gemv rounds silu(g) * u."""
     from llmkernels.qgemv.ops import I8_MAX_M
 
-    N, K = 40, 512
+    N, K = 40, 2048 if fmt == "q6_k" else 512
     qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
     M = I8_MAX_M[fmt]
     x = torch.randn(M + 1, K, dtype=torch.float16, device=device)
@@ -178,5 +207,9 @@ def test_gemv_act_int8_fallbacks(device):
     ref = gemv_ref(xs, qt_short)
     assert_close(lk.gemv(xs, qt_short, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(),
                  rtol=4e-3)
+    qt6 = lk.quantize(torch.randn(24, 1024) * 0.05, "q6_k").to(device)  # K not a multiple of 2048
+    x6 = torch.randn(1, 1024, dtype=torch.float16, device=device)
+    ref = gemv_ref(x6, qt6)
+    assert_close(lk.gemv(x6, qt6, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
     with pytest.raises(TypeError, match="act_int8"):
         lk.gemv(x, qt5, act_int8=1)
