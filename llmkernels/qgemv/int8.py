@@ -422,6 +422,17 @@ def _q6_codes(ql, h0, h1, sh, UNPACK: tl.constexpr):
 
 
 @triton.jit
+def _shr64(lo, hi, s, UNPACK: tl.constexpr):
+    """The low word of the 64-bit (hi:lo) shifted right by s (0..31): a funnel shift, one SHF on the GPU."""
+    if UNPACK == 2:
+        return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, s], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        v = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+        return (v >> s.to(tl.int64)).to(tl.int32)
+
+
+@triton.jit
 def _vec_words(ptrs, NV: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
     """NV consecutive 16-byte vectors from 16-byte aligned int32 pointers [A, B, 4], as a tuple of 4 NV words [A, B]."""
     w = ()
@@ -432,82 +443,107 @@ def _vec_words(ptrs, NV: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
 
 @triton.jit
 def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblocks, blocks_per_split, split,
-                      R: tl.constexpr, WARPS: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      R: tl.constexpr, WARPS: tl.constexpr, KT: tl.constexpr, UNPACK: tl.constexpr,
+                      FIXUP: tl.constexpr, PDL: tl.constexpr = False):
     """y[n] (+)= sum over this program's K split of x' . w[n] for q6_k weights and one activation row x' in i8 lane
-    order (i8_lane_base), like gemv_i8_lanes_kernel, for BLOCK_N = 8 WARPS R rows.
+    order (i8_lane_base), like gemv_i8_lanes_kernel, for BLOCK_N = WARPS (8 / KT) R rows.
 
-    q6_k blocks are 210 bytes (ql[128] low nibbles, qh[64] two high bits each, 16 int8 scales, fp16 d), so a block
-    starts 2 (kb % 8) bytes past a 16-byte boundary when rows are 16-byte aligned (K a multiple of 2048). Thread t:
-    row t // 4 (of each of R row sets), part (n, j) = ((t // 2) % 2, t % 2), which takes chunk cc = 2 n + j of every
-    block: ql bytes 32 cc .. 32 cc + 31 (low nibbles: weights 128 n + 32 j + l, high nibbles + 64) and qh bytes
-    128 + 32 n + l (bits 2 j, 2 j + 1 for the low nibbles, 2 j + 4, 2 j + 5 for the high ones). A step is 8 blocks
-    (1680 bytes of each row), unrolled, so block b's misalignment 2 b is a constant: the thread loads the aligned
-    16-byte vectors around its 32 ql and 32 qh bytes and shifts them into place (ql: one byte permute per word for
-    odd b; qh: the funnel shift that also brings bits 2 j down). Codes c = nibble + 16 h (0..63) go through dp4a with
-    the int8 activations into one int32 sum per 16-weight scale group; with w = d sc (c - 32),
-    sum_g w x' = d dx (sc0 S0 + sc1 S1 - 32 (sc0 - sc1) X0) - 32 d sc1 s per 32-block (X0: sum q over its first
-    half, s = dx sum q from ds). The 4 parts of a row are summed at the end; rows past N read row N - 1, never
-    stored. Splits are whole steps, so every loaded byte exists."""
+    q6_k blocks are 210 bytes (ql[128] low nibbles, qh[64] two high bits each, 16 int8 scales, fp16 d): with rows
+    16-byte aligned (K a multiple of 2048) block b of a step of 8 starts 2 b bytes past a 16-byte boundary. Thread t:
+    part (n, j) = ((t // 2) % 2, t % 2), lane along K kt = (t // 4) % KT, row t // (4 KT) (of each of R row sets).
+    Part (n, j) is chunk cc = 2 n + j of a block: ql bytes 32 cc .. 32 cc + 31 (low nibbles: weights 128 n + 32 j + l,
+    high nibbles + 64) and qh bytes 128 + 32 n + l (bits 2 j, 2 j + 1 for the low nibbles, 2 j + 4, 2 j + 5 for the
+    high ones). The thread takes blocks b = KT p + kt of each step, p = 0 .. 8 / KT - 1 unrolled, so the shift of
+    block b's bytes within its aligned 16-byte vectors is 4 p + 2 kt bytes (KT 2) or 8 p + 2 kt (KT 4): words p or
+    2 p (static), for KT 4 one more word where kt >= 2 (a select per word), then half a word where b is odd (a funnel
+    shift; for qh the same shift also brings bits 2 j down). KT 1 has every shift static. More KT means more warps
+    for the same rows (lanes along K, as in gemv_i8_lanes_kernel) at the cost of those shifts.
+    Codes c = nibble + 16 h (0..63) go through dp4a with the int8 activations into one int32 sum per 16-weight scale
+    group; with w = d sc (c - 32), sum_g w x' = d dx (sc0 S0 + sc1 S1 - 32 (sc0 - sc1) X0) - 32 d sc1 s per 32-block
+    (X0: sum q over its first half, s = dx sum q from ds). The 4 KT threads of a row are summed at the end; rows
+    past N read row N - 1, never stored. Splits are whole steps, so every loaded byte exists."""
     T: tl.constexpr = 32 * WARPS
-    LPR: tl.constexpr = 8 * WARPS  # rows per row set
+    LPR: tl.constexpr = T // (4 * KT)  # rows per row set
     BLOCK_N: tl.constexpr = LPR * R
+    NP: tl.constexpr = 8 // KT
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pdl_wait(PDL)
     t = tl.arange(0, T)[:, None]  # [T, 1]
     n = (t // 2) % 2
     j = t % 2
-    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, R)[None, :] * LPR + t // 4, N - 1).to(tl.int64)  # [T, R]
+    kt = (t // 4) % KT
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, R)[None, :] * LPR + t // (4 * KT), N - 1).to(tl.int64)
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
     first = rows * row_bytes + kb_start * 210  # the split's first byte in each row: 16-byte aligned
     w4 = tl.arange(0, 4)[None, None, :]
-    row_w = tl.multiple_of(first // 4, [4, 4])
-    # 16-byte vectors holding block 0's ql chunk (from word 8 cc) and qh bytes (from word 32 + 8 n); block b's are
+    row_w = tl.multiple_of(first // 4 + 52 * kt, [4, 4])
+    # 16-byte vectors holding block kt's ql chunk (from word 8 cc) and qh bytes (from word 32 + 8 n); block b's are
     # 13 b vectors (52 words) further
     ql_ptrs = W32 + (row_w + 8 * (2 * n + j))[:, :, None] + w4
     qh_ptrs = W32 + (row_w + 32 + 8 * n)[:, :, None] + w4
     # scale pairs as int16 (2-byte aligned): bytes 192 + 8 n + 2 j (low nibbles' groups), + 4 (high nibbles'); d
-    sc_ptrs = W32.to(tl.pointer_type(tl.int16), bitcast=True) + first // 2 + 96 + 4 * n + j
-    d_ptrs = W32.to(tl.pointer_type(tl.int16), bitcast=True) + first // 2 + 104
+    sc_ptrs = W32.to(tl.pointer_type(tl.int16), bitcast=True) + first // 2 + 105 * kt + 96 + 4 * n + j
+    d_ptrs = W32.to(tl.pointer_type(tl.int16), bitcast=True) + first // 2 + 105 * kt + 104
     # activations [T, 1, 4] (shared by the R rows): 32-block 4 n + j of block b (its halves 128 words apart), the
     # high nibbles' block 4 n + j + 2 4 words on; (d, s) pairs [T, 1, 2]
-    x_ptrs = XQ + (kb_start // 8) * 512 + (2 * j * 128 + 8 * n)[:, :, None] + w4
-    s_ptrs = XS + ((kb_start * 8 + 4 * n + j) * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
-    sh_even = 2 * j  # qh bits 2 j down to bit 0
-    sh_odd = 16 + 2 * j  # and the half-word shift of an odd block
+    x_ptrs = XQ + (kb_start // 8) * 512 + (2 * j * 128 + 8 * n + 16 * kt)[:, :, None] + w4
+    s_ptrs = XS + ((kb_start * 8 + 8 * kt + 4 * n + j) * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
+    half = (kt % 2) * 16  # KT 2 and 4: the half-word shift of an odd block (b and kt have one parity)
+    far = (kt // 2) > 0  # KT 4: one more word
     ones = tl.full([T, 1], 0x01010101, tl.int32)
     acc = tl.zeros([T, R], dtype=tl.float32)
     for kb in range(kb_start, kb_end, 8):
-        for b in tl.static_range(8):
-            # block b's bytes start at word b // 2 (+ half a word for odd b) of its aligned vectors: 2 for block 0
-            lw = _vec_words(ql_ptrs + 52 * b, 2 if b == 0 else 3, T, R)
-            hw = _vec_words(qh_ptrs + 52 * b, 2 if b == 0 else 3, T, R)
-            xl0 = _scalars(tl.load(x_ptrs + 16 * b), T, 1, 4, 2)
-            xl1 = _scalars(tl.load(x_ptrs + 16 * b + 128), T, 1, 4, 2)
-            xh0 = _scalars(tl.load(x_ptrs + 16 * b + 4), T, 1, 4, 2)
-            xh1 = _scalars(tl.load(x_ptrs + 16 * b + 132), T, 1, 4, 2)
-            dl, sl = _scalars(tl.load(s_ptrs + 16 * b), T, 1, 2, 1)
-            dh, s_h = _scalars(tl.load(s_ptrs + 16 * b + 4), T, 1, 2, 1)
-            scl = tl.load(sc_ptrs + 105 * b).to(tl.int32)  # sign-extended: low byte sc0, (>> 8) sc1
-            sch = tl.load(sc_ptrs + 105 * b + 2).to(tl.int32)
-            d = tl.load(d_ptrs + 105 * b).to(tl.float16, bitcast=True).to(tl.float32)
-            sh = sh_odd if b % 2 == 1 else sh_even
+        for p in tl.static_range(NP):
+            # the block's bytes start at word WB (+ 1 where far, KT 4) (+ half a word for an odd block), in 3 aligned
+            # vectors (2 for block 0 of KT 1)
+            # (WB = (KT p) // 2 written out: a constexpr cannot be assigned in an unrolled loop)
+            lw = _vec_words(ql_ptrs + 52 * KT * p, 2 if KT * p + KT == 1 else 3, T, R)
+            hw = _vec_words(qh_ptrs + 52 * KT * p, 2 if KT * p + KT == 1 else 3, T, R)
+            if KT == 4:
+                la = ()
+                ha = ()
+                for i in tl.static_range(9):
+                    la = la + (tl.where(far, lw[(KT * p) // 2 + i + 1], lw[(KT * p) // 2 + i]), )
+                    ha = ha + (tl.where(far, hw[(KT * p) // 2 + i + 1], hw[(KT * p) // 2 + i]), )
+            else:
+                la = ()
+                ha = ()
+                for i in tl.static_range(9):
+                    if KT * p + KT > 1 or i < 8:
+                        la = la + (lw[(KT * p) // 2 + i], )
+                        ha = ha + (hw[(KT * p) // 2 + i], )
+                    else:  # KT 1, block 0: its last qh word has no successor; bits shifted in are masked off
+                        la = la + (lw[7], )
+                        ha = ha + (hw[7], )
+            xl0 = _scalars(tl.load(x_ptrs + 16 * KT * p), T, 1, 4, 2)
+            xl1 = _scalars(tl.load(x_ptrs + 16 * KT * p + 128), T, 1, 4, 2)
+            xh0 = _scalars(tl.load(x_ptrs + 16 * KT * p + 4), T, 1, 4, 2)
+            xh1 = _scalars(tl.load(x_ptrs + 16 * KT * p + 132), T, 1, 4, 2)
+            dl, sl = _scalars(tl.load(s_ptrs + 16 * KT * p), T, 1, 2, 1)
+            dh, s_h = _scalars(tl.load(s_ptrs + 16 * KT * p + 4), T, 1, 2, 1)
+            scl = tl.load(sc_ptrs + 105 * KT * p).to(tl.int32)  # sign-extended: low byte sc0, (>> 8) sc1
+            sch = tl.load(sc_ptrs + 105 * KT * p + 2).to(tl.int32)
+            d = tl.load(d_ptrs + 105 * KT * p).to(tl.float16, bitcast=True).to(tl.float32)
+            if KT == 1:
+                hs = 16 * (p % 2)
+            else:
+                hs = half
+            sh = hs + 2 * j  # qh: the half-word shift and bits 2 j down to bit 0
             zero = scl * 0
             s_lo0 = zero
             s_lo1 = zero
             s_hi0 = zero
             s_hi1 = zero
             for i in tl.static_range(8):
-                if b % 2 == 1:
-                    ql = _funnel(lw[b // 2 + i], lw[b // 2 + i + 1], UNPACK)
+                if KT == 1 and p % 2 == 0:
+                    ql = la[i]
+                elif KT == 1:
+                    ql = _funnel(la[i], la[i + 1], UNPACK)
                 else:
-                    ql = lw[b // 2 + i]
-                if b > 0 or i < 7:
-                    lo, hi = _q6_codes(ql, hw[b // 2 + i], hw[b // 2 + i + 1], sh, UNPACK)
-                else:  # block 0's last word: the bits shifted in from above are masked off anyway
-                    lo, hi = _q6_codes(ql, hw[i], hw[i], sh, UNPACK)
+                    ql = _shr64(la[i], la[i + 1], hs, UNPACK)
+                lo, hi = _q6_codes(ql, ha[i], ha[i + 1], sh, UNPACK)
                 if i < 4:
                     s_lo0 = _dp4a(lo, xl0[i], s_lo0, True, UNPACK)
                     s_hi0 = _dp4a(hi, xh0[i], s_hi0, True, UNPACK)
@@ -534,7 +570,7 @@ def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblo
         x_ptrs += 512
         s_ptrs += 128
     pdl_trigger(PDL)
-    s = tl.sum(tl.reshape(acc, [LPR, 4, R]), axis=1)  # [LPR, R]: row rr + r * LPR
+    s = tl.sum(tl.reshape(acc, [LPR, 4 * KT, R]), axis=1)  # [LPR, R]: row rr + r * LPR
     rows2 = pid_n * BLOCK_N + tl.arange(0, R)[None, :] * LPR + tl.arange(0, LPR)[:, None]
     _store_rows(s, s, s, s, rows2, Y, PART, COUNT, 1, N, 0, 0, pid_k, split, stride_ys, 0, LPR, R, 1, FIXUP)
 
@@ -552,13 +588,15 @@ def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, o
                     pdl: bool = False, fmt: str = "q4_k"):
     """Run gemv_i8_lanes_kernel (q4_k) or gemv_i8_q6_kernel (``fmt`` q6_k) for one activation row (xq [1,
     lanes_width(K)] int8 in i8 lane order, ds [1, K / 32, 2]); returns y [split, 1, N] like m1.launch_m1 (y [1, 1, N]
-    in out_dtype when the kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages): R rows
-    per thread (per 32 threads for q4_k, per 8 for q6_k), K split until the grid has ``waves`` programs per SM."""
+    in out_dtype when the kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages[, KT]): R
+    rows per thread (q4_k: per warp; q6_k: per 4 KT threads, KT lanes along K, default 1), K split until the grid
+    has ``waves`` programs per SM."""
     from .ops import split_k
 
-    reps, warps, waves, stages = config
+    reps, warps, waves, stages = config[:4]
+    kt = config[4] if len(config) > 4 else 1  # q6_k: lanes along K
     nblocks = K // 256
-    block_n = warps * reps * (8 if fmt == "q6_k" else 1)
+    block_n = warps * reps * (8 // kt if fmt == "q6_k" else 1)
     programs_n = triton.cdiv(N, block_n)
     split, per_split = split_k(programs_n, nblocks, 8, sms, waves)
     y, part, counters = split_outputs(1, out_dtype, xq.device, N, split, programs_n, fixup)
@@ -568,7 +606,9 @@ def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, o
     common = dict(R=reps, WARPS=warps, UNPACK=2 if asm else 1, FIXUP=counters is not None, PDL=pdl, num_warps=warps,
                   num_stages=stages, **pdl_options(pdl))
     if fmt == "q6_k":
-        gemv_i8_q6_kernel[(programs_n, split)](*args, row_bytes, nblocks, per_split, split, **common)
+        if kt not in (1, 2, 4):
+            raise ValueError(f"config: q6_k takes 1, 2 or 4 lanes along K, got {tuple(config)}")
+        gemv_i8_q6_kernel[(programs_n, split)](*args, row_bytes, nblocks, per_split, split, KT=kt, **common)
     else:
         gemv_i8_lanes_kernel[(programs_n, split)](*args, row_bytes // 4, nblocks, per_split, split,
                                                   EVEN=nblocks % 8 == 0, **common)
