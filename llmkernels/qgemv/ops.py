@@ -100,8 +100,15 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1,
 # the engine rounds them in its RMSNorm kernel (add_rmsnorm i8: 427 against 418-421 tok/s with gemv's launches)
 # q6_k at M = 1 since session 31 (int8.gemv_i8_q6_kernel, K a multiple of 2048): see I8_LANES_DEFAULTS
 I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1, "q6_k": 1}
-# (R, warps, waves, stages) of the int8 lane kernels when the table has no "i8lanes/<format>" entry
-I8_LANES_DEFAULTS = {"q4_k": (1, 4, 2, 1), "q6_k": (1, 4, 2, 1)}
+# (R, warps, waves, stages[, KT]) of the int8 lane kernels when the table has no "i8lanes/<key>" entry; q6_k with
+# K >= I8_Q6_LONG_K takes "q6_k/long". H100, bf16 x, activations given, us on 1024x4096 / 4096x4096 / 6144x4096 /
+# 14336x4096 / 4096x14336 / 128256x4096 (.lab/q6_lab.py, session 31): exact gemv (tc.py) 6.90 / 11.08 / 14.03 /
+# 28.30 / 26.65 / 189.3; KT 1 (1, 4, 2, 1, 1) 9.34 / 13.34 / 16.48 / 24.90 / 31.93 / 167.7 (8 static blocks per
+# thread: too few warps); KT 2 (1, 4, 2, 1, 2) 6.67 / 9.40 / 11.60 / 22.01 / 28.08 / 168.5; KT 4 (1, 4, 2, 1, 4)
+# 5.48 / 8.31 / 10.59 / 22.35 / 25.40 / 154.2, with waves 4 5.50 / 9.31 / 10.64 / 22.42 / 24.09 / 154.1 (a second K
+# split pays on the long row only)
+I8_LANES_DEFAULTS = {"q4_k": (1, 4, 2, 1), "q6_k": (1, 4, 2, 1, 4), "q6_k/long": (1, 4, 4, 1, 4)}
+I8_Q6_LONG_K = 8192
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
 # an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
@@ -248,11 +255,15 @@ def _launch_i8_lanes(xq, ds, data, N, K, out_dtype, fmt="q4_k"):
     from .int8 import launch_i8_lanes
 
     interp = interpreter_mode()
-    if interp:  # q6_k programs take 8 rows per warp and R
+    key = "q6_k/long" if fmt == "q6_k" and K >= I8_Q6_LONG_K else fmt
+    if interp:  # q6_k programs take 8 / KT rows per warp and R
         small = N < (64 if fmt == "q6_k" else 128)
-        config = (1, 1, 1, 1) if small else ((1, 2, 1, 1) if fmt == "q6_k" else (2, 4, 1, 1))
+        if fmt == "q6_k":
+            config = (1, 1, 1, 1, 2) if small else (1, 4, 1, 1, 4)
+        else:
+            config = (1, 1, 1, 1) if small else (2, 4, 1, 1)
     else:
-        config = tuple(lookup("gemv", gpu_name(), f"i8lanes/{fmt}") or I8_LANES_DEFAULTS[fmt])
+        config = tuple(lookup("gemv", gpu_name(), f"i8lanes/{key}") or I8_LANES_DEFAULTS[key])
     y = launch_i8_lanes(xq, ds, data, N, K, config, num_sms(xq.device), not interp, out_dtype,
                         pdl=pdl_supported(xq.device), fmt=fmt)
     return _finish(y, out_dtype)

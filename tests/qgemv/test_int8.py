@@ -121,9 +121,10 @@ def test_i8_lanes_kernel(N, K, config, sms, fixup, dtype, device):
 
 
 @pytest.mark.parametrize("N,K,config,sms,fixup,dtype", [
-    (37, 2048, (1, 1, 1, 1), 4, True, torch.float16),    # one step, rows past N (8 per warp and R)
-    (70, 4096, (2, 1, 2, 1), 8, True, torch.bfloat16),   # two row sets per thread, K split in two
-    (9, 6144, (1, 2, 4, 1), 16, False, torch.float32),   # three steps split three ways, partials summed outside
+    (37, 2048, (1, 1, 1, 1), 4, True, torch.float16),     # KT 1: 8 static blocks per thread, rows past N
+    (70, 4096, (2, 1, 2, 1, 2), 8, True, torch.bfloat16),  # KT 2, two row sets per thread, K split in two
+    (9, 6144, (1, 2, 4, 1, 4), 16, False, torch.float32),  # KT 4: three steps split three ways, partials outside
+    (21, 2048, (2, 1, 1, 1, 4), 2, True, torch.float16),   # KT 4, two row sets, one split
 ])
 def test_i8_q6_kernel(N, K, config, sms, fixup, dtype, device):
     """The q6_k int8 kernel (210-byte blocks shifted into place) against x' @ dequantize(W).T in float64."""
