@@ -34,7 +34,7 @@ arithmetic of this file, 1.67 SASS instructions per weight against m1's 4.2 (32 
 Session 31 added gemv_i8_q6_kernel for q6_k at M = 1 (K a multiple of 2048, so rows and steps of 8 blocks are
 16-byte aligned) on the same i8 lane-order activations, so one rounding serves a layer's q4_k and q6_k projections
 (llama.cpp's Q4_K_M files mix them). On an H100 (bench file 20261124-130815, activations given) 8.3 / 10.5 / 22.0 /
-23.9 / 155.6 us on 4096x4096 ... 128256x4096, 1.09-1.31x less time than the exact tensor-core kernel.
+23.9 / 155.6 us on 4096x4096 ... 128256x4096, 1.09-1.32x less time than the exact tensor-core kernel.
 """
 import torch
 import triton
