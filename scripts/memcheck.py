@@ -155,11 +155,11 @@ def i8_lanes_cases(dev="cuda"):
     quantize_act(torch.randn(2, 1120, device=dev, dtype=torch.float16), lanes=True)
     x = torch.randn(3, 1056, device=dev, dtype=torch.bfloat16)
     add_rmsnorm(x, torch.randn(1056, device=dev), 1e-5, residual=torch.randn_like(x), i8=True)
-    # q6_k (int8.gemv_i8_q6_kernel): 1 to 3 steps, KT 1 / 2 / 4, rows past N, K splits in and after the kernel
+    # q6_k (int8.gemv_i8_q6_kernel): 1 to 3 steps, KT 2 / 4, rows past N, K splits in and after the kernel
     for K in (2048, 6144):
         qt = lk.quantize(torch.randn(37, K, device=dev), "q6_k")
         q, ds = quantize_act(torch.randn(1, K, device=dev, dtype=torch.bfloat16), lanes=True)
-        for config, sms in (((1, 1, 1, 1, 1), 4), ((2, 2, 1, 1, 2), 132), ((1, 4, 2, 1, 4), 7),
+        for config, sms in (((1, 1, 1, 1, 2), 4), ((2, 2, 1, 1, 2), 132), ((1, 4, 2, 1, 4), 7),
                             ((2, 4, 4, 1, 4), 1), ((1, 1, 4, 1, 4), 132)):
             for fixup in (True, False):
                 launch_i8_lanes(q, ds, qt.data, 37, K, config, sms, True, torch.float16, fixup=fixup, pdl=True,

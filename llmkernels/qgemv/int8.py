@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from .m1 import _load, _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
-from .words import _block_codes, _funnel, _scalars
+from .words import _block_codes, _scalars
 
 # format -> (FMT id, bytes per block or super-block, blocks per step)
 I8_FORMATS = {"q4_0": (3, 18, 8), "q8_0": (7, 34, 8), "q4_k": (10, 144, 1)}
@@ -421,8 +421,7 @@ def _q6_codes(ql, h0, h1, sh, UNPACK: tl.constexpr):
         return tl.inline_asm_elementwise(_ASM_Q6_CODES, "=r,=r,r,r,r,r", [ql, h0, h1, sh],
                                          dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     else:
-        v = (h1.to(tl.int64) << 32) | (h0.to(tl.int64) & 0xFFFFFFFF)
-        q = (v >> sh.to(tl.int64)).to(tl.int32) & 0x33333333
+        q = _shr64(h0, h1, sh, UNPACK) & 0x33333333
         return (ql & _LO) | ((q << 4) & 0x30303030), ((ql >> 4) & _LO) | (q & 0x30303030)
 
 
@@ -461,8 +460,9 @@ def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblo
     high ones). The thread takes blocks b = KT p + kt of each step, p = 0 .. 8 / KT - 1 unrolled, so the shift of
     block b's bytes within its aligned 16-byte vectors is 4 p + 2 kt bytes (KT 2) or 8 p + 2 kt (KT 4): words p or
     2 p (static), for KT 4 one more word where kt >= 2 (a select per word), then half a word where b is odd (a funnel
-    shift; for qh the same shift also brings bits 2 j down). KT 1 has every shift static. More KT means more warps
-    for the same rows (lanes along K, as in gemv_i8_lanes_kernel) at the cost of those shifts.
+    shift; for qh the same shift also brings bits 2 j down). KT 4 means more warps for the same rows (lanes along
+    K, as in gemv_i8_lanes_kernel) at the cost of the selects. (KT 1, a thread walking all 8 blocks with static
+    shifts, measured slower on every shape: too few warps; bench/NOTES.md, session 31.)
     Codes c = nibble + 16 h (0..63) go through dp4a with the int8 activations into one int32 sum per 16-weight scale
     group; with w = d sc (c - 32), sum_g w x' = d dx (sc0 S0 + sc1 S1 - 32 (sc0 - sc1) X0) - 32 d sc1 s per 32-block
     (X0: sum q over its first half, s = dx sum q from ds). The 4 KT threads of a row are summed at the end; rows
@@ -501,27 +501,19 @@ def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblo
     acc = tl.zeros([T, R], dtype=tl.float32)
     for kb in range(kb_start, kb_end, 8):
         for p in tl.static_range(NP):
-            # the block's bytes start at word WB (+ 1 where far, KT 4) (+ half a word for an odd block), in 3 aligned
-            # vectors (2 for block 0 of KT 1)
-            # (WB = (KT p) // 2 written out: a constexpr cannot be assigned in an unrolled loop)
-            lw = _vec_words(ql_ptrs + 52 * KT * p, 2 if KT * p + KT == 1 else 3, T, R)
-            hw = _vec_words(qh_ptrs + 52 * KT * p, 2 if KT * p + KT == 1 else 3, T, R)
-            if KT == 4:
-                la = ()
-                ha = ()
-                for i in tl.static_range(9):
+            # the block's bytes start at word (KT p) // 2 (+ 1 where far, KT 4) (+ half a word for an odd block) of
+            # its 3 aligned vectors
+            lw = _vec_words(ql_ptrs + 52 * KT * p, 3, T, R)
+            hw = _vec_words(qh_ptrs + 52 * KT * p, 3, T, R)
+            la = ()
+            ha = ()
+            for i in tl.static_range(9):
+                if KT == 4:
                     la = la + (tl.where(far, lw[(KT * p) // 2 + i + 1], lw[(KT * p) // 2 + i]), )
                     ha = ha + (tl.where(far, hw[(KT * p) // 2 + i + 1], hw[(KT * p) // 2 + i]), )
-            else:
-                la = ()
-                ha = ()
-                for i in tl.static_range(9):
-                    if KT * p + KT > 1 or i < 8:
-                        la = la + (lw[(KT * p) // 2 + i], )
-                        ha = ha + (hw[(KT * p) // 2 + i], )
-                    else:  # KT 1, block 0: its last qh word has no successor; bits shifted in are masked off
-                        la = la + (lw[7], )
-                        ha = ha + (hw[7], )
+                else:
+                    la = la + (lw[(KT * p) // 2 + i], )
+                    ha = ha + (hw[(KT * p) // 2 + i], )
             xl0 = _scalars(tl.load(x_ptrs + 16 * KT * p), T, 1, 4, 2)
             xl1 = _scalars(tl.load(x_ptrs + 16 * KT * p + 128), T, 1, 4, 2)
             xh0 = _scalars(tl.load(x_ptrs + 16 * KT * p + 4), T, 1, 4, 2)
@@ -531,23 +523,14 @@ def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblo
             scl = tl.load(sc_ptrs + 105 * KT * p).to(tl.int32)  # sign-extended: low byte sc0, (>> 8) sc1
             sch = tl.load(sc_ptrs + 105 * KT * p + 2).to(tl.int32)
             d = tl.load(d_ptrs + 105 * KT * p).to(tl.float16, bitcast=True).to(tl.float32)
-            if KT == 1:
-                hs = 16 * (p % 2)
-            else:
-                hs = half
-            sh = hs + 2 * j  # qh: the half-word shift and bits 2 j down to bit 0
+            sh = half + 2 * j  # qh: the half-word shift and bits 2 j down to bit 0
             zero = scl * 0
             s_lo0 = zero
             s_lo1 = zero
             s_hi0 = zero
             s_hi1 = zero
             for i in tl.static_range(8):
-                if KT == 1 and p % 2 == 0:
-                    ql = la[i]
-                elif KT == 1:
-                    ql = _funnel(la[i], la[i + 1], UNPACK)
-                else:
-                    ql = _shr64(la[i], la[i + 1], hs, UNPACK)
+                ql = _shr64(la[i], la[i + 1], half, UNPACK)
                 lo, hi = _q6_codes(ql, ha[i], ha[i + 1], sh, UNPACK)
                 if i < 4:
                     s_lo0 = _dp4a(lo, xl0[i], s_lo0, True, UNPACK)
@@ -594,12 +577,13 @@ def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, o
     """Run gemv_i8_lanes_kernel (q4_k) or gemv_i8_q6_kernel (``fmt`` q6_k) for one activation row (xq [1,
     lanes_width(K)] int8 in i8 lane order, ds [1, K / 32, 2]); returns y [split, 1, N] like m1.launch_m1 (y [1, 1, N]
     in out_dtype when the kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages[, KT]): R
-    rows per thread (q4_k: per warp; q6_k: per 4 KT threads, KT lanes along K, default 1), K split until the grid
+    rows per thread (q4_k: per warp; q6_k: per 4 KT threads, KT = 2 or 4 lanes along K,
+    default 4), K split until the grid
     has ``waves`` programs per SM."""
     from .ops import split_k
 
     reps, warps, waves, stages = config[:4]
-    kt = config[4] if len(config) > 4 else 1  # q6_k: lanes along K
+    kt = config[4] if len(config) > 4 else 4  # q6_k: lanes along K
     nblocks = K // 256
     block_n = warps * reps * (8 // kt if fmt == "q6_k" else 1)
     programs_n = triton.cdiv(N, block_n)
@@ -611,8 +595,8 @@ def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, o
     common = dict(R=reps, WARPS=warps, UNPACK=2 if asm else 1, FIXUP=counters is not None, PDL=pdl, num_warps=warps,
                   num_stages=stages, **pdl_options(pdl))
     if fmt == "q6_k":
-        if kt not in (1, 2, 4):
-            raise ValueError(f"config: q6_k takes 1, 2 or 4 lanes along K, got {tuple(config)}")
+        if kt not in (2, 4):
+            raise ValueError(f"config: q6_k takes 2 or 4 lanes along K, got {tuple(config)}")
         gemv_i8_q6_kernel[(programs_n, split)](*args, row_bytes, nblocks, per_split, split, KT=kt, **common)
     else:
         gemv_i8_lanes_kernel[(programs_n, split)](*args, row_bytes // 4, nblocks, per_split, split,

@@ -121,7 +121,7 @@ def test_i8_lanes_kernel(N, K, config, sms, fixup, dtype, device):
 
 
 @pytest.mark.parametrize("N,K,config,sms,fixup,dtype", [
-    (37, 2048, (1, 1, 1, 1), 4, True, torch.float16),     # KT 1: 8 static blocks per thread, rows past N
+    (37, 2048, (1, 1, 1, 1), 4, True, torch.float16),     # KT 4 by default, one step, rows past N
     (70, 4096, (2, 1, 2, 1, 2), 8, True, torch.bfloat16),  # KT 2, two row sets per thread, K split in two
     (9, 6144, (1, 2, 4, 1, 4), 16, False, torch.float32),  # KT 4: three steps split three ways, partials outside
     (21, 2048, (2, 1, 1, 1, 4), 2, True, torch.float16),   # KT 4, two row sets, one split
@@ -132,6 +132,9 @@ def test_i8_q6_kernel(N, K, config, sms, fixup, dtype, device):
     w[:, :256] *= 40  # one super-block with large weights: scales near +-127 stress the integer sums
     qt = lk.quantize(w, "q6_k").to(device)
     assert i8_lanes_supports(qt.data, "q6_k", K) and not i8_lanes_supports(qt.data, "q6_k", K - 256)
+    with pytest.raises(ValueError, match="2 or 4 lanes along K"):
+        launch_i8_lanes(*quantize_act(torch.randn(1, K, dtype=torch.float16, device=device), lanes=True), qt.data, N, K,
+                        (1, 1, 1, 1, 1), sms, not interpreter_mode(), dtype, fmt="q6_k")
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     q, ds = quantize_act(x)
     ql, dsl = quantize_act(x, lanes=True)
