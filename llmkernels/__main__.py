@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     c.add_argument("model_dir")
     c.add_argument("out")
     c.add_argument("--format", default="f16",
-                   help="GGUF format of the weight matrices (default f16), or q4_k_m (llama.cpp's Q4_K_M mix)")
+                   help="GGUF format of the weight matrices (default f16), or q4_k_m / q5_k_m (llama.cpp's "
+                        "Q4_K_M / Q5_K_M mixes)")
     c.add_argument("--output-format", default=None, help="format of the output matrix (default: --format)")
     args = p.parse_args(argv)
     import llmkernels  # noqa: F401  (selects the interpreter before triton loads when there is no GPU)

@@ -137,21 +137,23 @@ def m1_cases(dev="cuda"):
 
 
 def i8_lanes_cases(dev="cuda"):
-    """The q4_k and q6_k int8 lane kernels (int8.gemv_i8_lanes_kernel, gemv_i8_q6_kernel) and their producers: one
-    block (lanes past it masked), ragged last steps, K splits summed in the kernel or after it, rows past N; the
-    rounding kernel and the fused RMSNorm writing i8 lane order on partial groups."""
+    """The q4_k, q5_k and q6_k int8 lane kernels (int8.gemv_i8_lanes_kernel, gemv_i8_q6_kernel) and their
+    producers: one block (lanes past it masked), ragged last steps, K splits summed in the kernel or after it, rows
+    past N; the rounding kernel and the fused RMSNorm writing i8 lane order on partial groups."""
     from llmkernels.engine.kernels import add_rmsnorm
     from llmkernels.qgemv.int8 import launch_i8_lanes, quantize_act
 
-    for K in (256, 1792, 2304, 4096):
-        qt = lk.quantize(torch.randn(37, K, device=dev), "q4_k")
-        q, ds = quantize_act(torch.randn(1, K, device=dev, dtype=torch.bfloat16), lanes=True)
-        for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 1, 1), 132), ((1, 4, 2, 1), 7), ((2, 4, 4, 1), 1)):
-            for fixup in (True, False):
-                launch_i8_lanes(q, ds, qt.data, 37, K, config, sms, True, torch.float16, fixup=fixup, pdl=True)
-        lk.gemv(torch.randn(1, K, device=dev, dtype=torch.float16), qt, act_int8=True)
-        lk.silu_mul_gemv(torch.randn(1, K, device=dev, dtype=torch.bfloat16),
-                         torch.randn(1, K, device=dev, dtype=torch.bfloat16), qt, act_int8=True)
+    for fmt in ("q4_k", "q5_k"):
+        for K in (256, 1792, 2304, 4096):
+            qt = lk.quantize(torch.randn(37, K, device=dev), fmt)
+            q, ds = quantize_act(torch.randn(1, K, device=dev, dtype=torch.bfloat16), lanes=True)
+            for config, sms in (((1, 1, 1, 1), 4), ((2, 2, 1, 1), 132), ((1, 4, 2, 1), 7), ((2, 4, 4, 1), 1)):
+                for fixup in (True, False):
+                    launch_i8_lanes(q, ds, qt.data, 37, K, config, sms, True, torch.float16, fixup=fixup, pdl=True,
+                                    fmt=fmt)
+            lk.gemv(torch.randn(1, K, device=dev, dtype=torch.float16), qt, act_int8=True)
+            lk.silu_mul_gemv(torch.randn(1, K, device=dev, dtype=torch.bfloat16),
+                             torch.randn(1, K, device=dev, dtype=torch.bfloat16), qt, act_int8=True)
     quantize_act(torch.randn(2, 1120, device=dev, dtype=torch.float16), lanes=True)
     x = torch.randn(3, 1056, device=dev, dtype=torch.bfloat16)
     add_rmsnorm(x, torch.randn(1056, device=dev), 1e-5, residual=torch.randn_like(x), i8=True)

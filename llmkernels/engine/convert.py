@@ -145,19 +145,19 @@ def tokenizer_metadata(model_dir: str, vocab_size: int, config: dict) -> dict:
 
 
 # llama.cpp's mixes by name -> their base format; the rest of each mix is in mix_format
-MIXES = {"q4_k_m": "q4_k"}
+MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}
 
 
 def more_bits(layer: int, n_layers: int) -> bool:
-    """The layers whose attn_v and ffn_down llama.cpp's Q4_K_M keeps in q6_k: the first and last eighth and every
-    third layer between."""
+    """The layers whose attn_v and ffn_down llama.cpp's Q4_K_M and Q5_K_M keep in q6_k: the first and last eighth and
+    every third layer between."""
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
 def mix_format(fmt: str, gname: str, n_layers: int) -> str:
-    """The format of GGUF tensor ``gname`` under ``fmt``: a GGUF format itself, or for the mix q4_k_m q6_k for
-    output.weight and for attn_v / ffn_down in the more_bits layers, q4_k elsewhere (llama.cpp's Q4_K_M for llama
-    models)."""
+    """The format of GGUF tensor ``gname`` under ``fmt``: a GGUF format itself, or for the mixes q4_k_m and q5_k_m
+    q6_k for output.weight and for attn_v / ffn_down in the more_bits layers, the base format (q4_k, q5_k) elsewhere
+    (llama.cpp's Q4_K_M and Q5_K_M for llama models)."""
     if fmt not in MIXES:
         return fmt
     parts = gname.split(".")
@@ -180,10 +180,10 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
     """Convert a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) to GGUF.
 
     format: GGUF format of the 2-D weights (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k ... q6_k), or the mix
-    q4_k_m (llama.cpp's Q4_K_M: q6_k for the output matrix and for attn_v and ffn_down in about half of the layers,
-    q4_k elsewhere; mix_format); a matrix whose row length is not a multiple of the format's block falls back to
-    q8_0, then f16. output_format: the format of the output (lm head) matrix, default ``format``'s. Norms and
-    biases stay f32. Returns ``out_path``.
+    q4_k_m or q5_k_m (llama.cpp's Q4_K_M / Q5_K_M: q6_k for the output matrix and for attn_v and ffn_down in about
+    half of the layers, q4_k / q5_k elsewhere; mix_format); a matrix whose row length is not a multiple of the
+    format's block falls back to q8_0, then f16. output_format: the format of the output (lm head) matrix, default
+    ``format``'s. Norms and biases stay f32. Returns ``out_path``.
     """
     if format not in GGUF_FORMATS and format not in MIXES:
         raise ValueError(f"format must be a GGUF format {tuple(GGUF_FORMATS)} or a mix {tuple(MIXES)}, got "

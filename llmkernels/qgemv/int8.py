@@ -340,9 +340,10 @@ def quantize_act(x: torch.Tensor, x2: torch.Tensor | None = None, lanes: bool = 
 @triton.jit
 def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, nblocks, blocks_per_split, split,
                          R: tl.constexpr, WARPS: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
-                         EVEN: tl.constexpr, PDL: tl.constexpr = False):
-    """y[n] (+)= sum over this program's K split of x' . w[n] for q4_k weights and one activation row x', given as
-    int8 words XQ in i8 lane order (i8_lane_base) and per-block (d, s) in XS, for BLOCK_N = WARPS * R rows.
+                         EVEN: tl.constexpr, Q5: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y[n] (+)= sum over this program's K split of x' . w[n] for q4_k (or with Q5, q5_k) weights and one activation
+    row x', given as int8 words XQ in i8 lane order (i8_lane_base) and per-block (d, s) in XS, for BLOCK_N = WARPS * R
+    rows.
 
     Thread t of the program: warp g = t // 32, lane (kt, c) = ((t // 4) % 8, t % 4). A step covers 8 super-blocks:
     lane (kt, c) takes chunk c (32 code bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones) of block
@@ -351,6 +352,11 @@ def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, n
     dp4a into one int32 sum per sub-block; then, with the block's d, dmin and 6-bit (scale, min),
     sum_j w_j x'_j = d sc0 dx0 S_lo + d sc1 dx1 S_hi / 16 - dmin (mn0 s0 + mn1 s1).
 
+    q5_k (Q5): 176-byte blocks (44 words: header, qh[32] in words 4-11, then q4_k's 128 code bytes), 16-byte aligned
+    like q4_k's. The fifth bit of the lane's weights l (low plane) and 32 + l (high) is bit 2c (2c + 1) of qh[l], so
+    each lane also loads all 32 qh bytes and masks them in place with 0x01010101 << 2c (0x02020202 << 2c); one more
+    dp4a per plane and word sums them with the activations as H_lo 4^c (H_hi 2 4^c), which the float epilogue adds
+    as 16 H_lo and 256 H_hi / 16: 8 integer instructions per 8 weights against q4_k's 4.
     Splits are whole steps (blocks_per_split a multiple of 8), so each starts on a lane-order group. Unless EVEN
     (every block of every step exists), blocks past the split's end load as zeros (d = dmin = 0, codes 0). Rows past
     N read row N - 1, never stored. The sums are stored by m1._store_rows (FIXUP: split-K partials summed in the
@@ -366,11 +372,16 @@ def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, n
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, R)[None, :] * WARPS + t // 32, N - 1).to(tl.int64)  # [T, R]
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
-    base = rows * row_words + (kb_start + kt) * 36  # a block is 36 words: d|dmin, 3 words of scales, 32 of codes
+    BW: tl.constexpr = 44 if Q5 else 36  # words per block: d|dmin, 3 words of scales, (q5_k: 8 of qh,) 32 of codes
+    base = rows * row_words + (kb_start + kt) * BW
     a2 = tl.arange(0, 2)[None, None, :, None]
     w4 = tl.arange(0, 4)[None, None, None, :]
-    # 8 code words as two 16-byte vectors [T, R, 2, 4]; the header as one [T, R, 4]
-    w_ptrs = W32 + (base + 4 + c * 8)[:, :, None, None] + a2 * 4 + w4
+    # 8 code words as two 16-byte vectors [T, R, 2, 4] (q5_k: the 8 qh words too); the header as one [T, R, 4]
+    w_ptrs = W32 + (base + BW - 32 + c * 8)[:, :, None, None] + a2 * 4 + w4
+    qh_ptrs = W32 + (base + 4)[:, :, None, None] + a2 * 4 + w4
+    m_lo = 0x01010101 << (2 * c)  # q5_k: the lane's fifth bits in place, [T, 1]
+    m_hi = m_lo << 1
+    f_lo = 16.0 / (1 << (2 * c)).to(tl.float32)  # and their weight 16 / 4^c
     h_ptrs = W32 + base[:, :, None] + tl.arange(0, 4)[None, None, :]
     # activations with the row axis of size 1 (shared by the R rows): the low plane's words [T, 1, 2, 4] (pieces
     # a = 0, 1; the high plane's 256 words further), (d, s) of sub-blocks 2c and 2c + 1 [T, 1, 4]
@@ -390,12 +401,23 @@ def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, n
         for i in tl.static_range(1, 8):
             s_lo = _dp4a(cw[i] & _LO, xl[i], s_lo, True, UNPACK)
             s_hi = _dp4a(cw[i] & _HI, xh[i], s_hi, True, UNPACK)
+        v_lo = s_lo.to(tl.float32)
+        v_hi = s_hi.to(tl.float32)
+        if Q5:
+            qw = _scalars(_load(qh_ptrs, ok[:, :, None, None], not EVEN), T, R, 8, 3)
+            h_lo = _dp4a(qw[0] & m_lo, xl[0], zero, True, UNPACK)
+            h_hi = _dp4a(qw[0] & m_hi, xh[0], zero, True, UNPACK)
+            for i in tl.static_range(1, 8):
+                h_lo = _dp4a(qw[i] & m_lo, xl[i], h_lo, True, UNPACK)
+                h_hi = _dp4a(qw[i] & m_hi, xh[i], h_hi, True, UNPACK)
+            v_lo += f_lo * h_lo.to(tl.float32)
+            v_hi += (8.0 * f_lo) * h_hi.to(tl.float32)
         d, dmin = _split_words(hw[0], tl.float16)
         sc0, mn0, sc1, mn1 = _q4k_scales(hw[1], hw[2], hw[3], c)
-        acc += d * (sc0 * dsv[0] * s_lo.to(tl.float32) + sc1 * (dsv[2] * 0.0625) * s_hi.to(tl.float32)) \
-            - dmin * (mn0 * dsv[1] + mn1 * dsv[3])
-        w_ptrs += 8 * 36
-        h_ptrs += 8 * 36
+        acc += d * (sc0 * dsv[0] * v_lo + sc1 * (dsv[2] * 0.0625) * v_hi) - dmin * (mn0 * dsv[1] + mn1 * dsv[3])
+        w_ptrs += 8 * BW
+        h_ptrs += 8 * BW
+        qh_ptrs += 8 * BW
         x_ptrs += 512
         s_ptrs += 128
     pdl_trigger(PDL)
@@ -564,22 +586,21 @@ def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblo
 
 
 def i8_lanes_supports(data, fmt: str, K: int) -> bool:
-    """Whether the int8 lane kernels can read these weights: q4_k with K a multiple of 256 (gemv_i8_lanes_kernel) or
-    q6_k with K a multiple of 2048 (gemv_i8_q6_kernel: rows and steps 16-byte aligned), contiguous 16-byte aligned
-    data (their loads are 16-byte vectors)."""
-    if fmt not in ("q4_k", "q6_k") or K % (256 if fmt == "q4_k" else 2048):
+    """Whether the int8 lane kernels can read these weights: q4_k or q5_k with K a multiple of 256
+    (gemv_i8_lanes_kernel) or q6_k with K a multiple of 2048 (gemv_i8_q6_kernel: rows and steps 16-byte aligned),
+    contiguous 16-byte aligned data (their loads are 16-byte vectors)."""
+    if fmt not in ("q4_k", "q5_k", "q6_k") or K % (2048 if fmt == "q6_k" else 256):
         return False
     return data.data_ptr() % 16 == 0 and data.is_contiguous()
 
 
 def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, out_dtype, fixup: bool = True,
                     pdl: bool = False, fmt: str = "q4_k"):
-    """Run gemv_i8_lanes_kernel (q4_k) or gemv_i8_q6_kernel (``fmt`` q6_k) for one activation row (xq [1,
+    """Run gemv_i8_lanes_kernel (``fmt`` q4_k or q5_k) or gemv_i8_q6_kernel (q6_k) for one activation row (xq [1,
     lanes_width(K)] int8 in i8 lane order, ds [1, K / 32, 2]); returns y [split, 1, N] like m1.launch_m1 (y [1, 1, N]
     in out_dtype when the kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages[, KT]): R
-    rows per thread (q4_k: per warp; q6_k: per 4 KT threads, KT = 2 or 4 lanes along K,
-    default 4), K split until the grid
-    has ``waves`` programs per SM."""
+    rows per thread (q4_k, q5_k: per warp; q6_k: per 4 KT threads, KT = 2 or 4 lanes along K, default 4), K split
+    until the grid has ``waves`` programs per SM."""
     from .ops import split_k
 
     reps, warps, waves, stages = config[:4]
@@ -600,7 +621,7 @@ def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, o
         gemv_i8_q6_kernel[(programs_n, split)](*args, row_bytes, nblocks, per_split, split, KT=kt, **common)
     else:
         gemv_i8_lanes_kernel[(programs_n, split)](*args, row_bytes // 4, nblocks, per_split, split,
-                                                  EVEN=nblocks % 8 == 0, **common)
+                                                  EVEN=nblocks % 8 == 0, Q5=fmt == "q5_k", **common)
     return y
 
 

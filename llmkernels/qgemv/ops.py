@@ -98,8 +98,9 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1,
 # 4096x4096, 6144x4096, 14336x4096, 4096x14336, 128256x4096: activations given 5.6 / 7.1 / 13.0 / 14.6 / 98.3, with
 # gemv's own rounding launch 6.6 / 8.1 / 14.4 / 14.8 / 99.4, exact lane kernel 6.0 / 8.5 / 15.9 / 15.7 / 115.1);
 # the engine rounds them in its RMSNorm kernel (add_rmsnorm i8: 427 against 418-421 tok/s with gemv's launches)
-# q6_k at M = 1 since session 31 (int8.gemv_i8_q6_kernel, K a multiple of 2048): see I8_LANES_DEFAULTS
-I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1, "q6_k": 1}
+# q6_k at M = 1 since session 31 (int8.gemv_i8_q6_kernel, K a multiple of 2048): see I8_LANES_DEFAULTS; q5_k at
+# M = 1 since session 32 (gemv_i8_lanes_kernel with its fifth bits)
+I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1}
 # (R, warps, waves, stages[, KT]) of the int8 lane kernels when the table has no "i8lanes/<key>" entry; q6_k with
 # K >= I8_Q6_LONG_K takes "q6_k/long". H100, bf16 x, activations given, us on 1024x4096 / 4096x4096 / 6144x4096 /
 # 14336x4096 / 4096x14336 / 128256x4096 (.lab/q6_lab.py, session 31): exact gemv (tc.py) 6.90 / 11.08 / 14.03 /
@@ -107,7 +108,13 @@ I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1, "q6_k": 1}
 # thread: too few warps); KT 2 (1, 4, 2, 1, 2) 6.67 / 9.40 / 11.60 / 22.01 / 28.08 / 168.5; KT 4 (1, 4, 2, 1, 4)
 # 5.48 / 8.31 / 10.59 / 22.35 / 25.40 / 154.2, with waves 4 5.50 / 9.31 / 10.64 / 22.42 / 24.09 / 154.1 (a second K
 # split pays on the long row only)
-I8_LANES_DEFAULTS = {"q4_k": (1, 4, 2, 1), "q6_k": (1, 4, 2, 1, 4), "q6_k/long": (1, 4, 4, 1, 4)}
+# q5_k (.lab/q5_lab.py, session 32, same setting), us on 1024x4096 / 4096x4096 / 6144x4096 / 14336x4096 /
+# 28672x4096 / 4096x14336 / 128256x4096: exact gemv (m1) 5.10 / 8.62 / 11.16 / 23.45 / 41.71 / 24.05 / 164.1;
+# (1, 4, 2, 1) 4.71 / 6.05 / 8.25 / 16.05 / 29.66 / 20.34 / 121.1; (1, 4, 1, 1) 3.28 / 6.06 / 8.26 / 16.04 / 29.78 /
+# 20.11 / 120.4 (the short matrix unsplit); (1, 2, 2, 1) 3.33 / 6.81 / 8.81 / 15.92 / 29.16 / 21.25 / 118.6; R 2
+# lost on every shape but 4096x14336 (19.1-19.2)
+I8_LANES_DEFAULTS = {"q4_k": (1, 4, 2, 1), "q5_k": (1, 4, 1, 1), "q6_k": (1, 4, 2, 1, 4),
+                     "q6_k/long": (1, 4, 4, 1, 4)}
 I8_Q6_LONG_K = 8192
 # q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
@@ -251,7 +258,7 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
 
 
 def _launch_i8_lanes(xq, ds, data, N, K, out_dtype, fmt="q4_k"):
-    """q4_k or q6_k, one activation row rounded to int8 in i8 lane order (xq, ds): int8.py's lane kernels."""
+    """q4_k, q5_k or q6_k, one activation row rounded to int8 in i8 lane order (xq, ds): int8.py's lane kernels."""
     from .int8 import launch_i8_lanes
 
     interp = interpreter_mode()
@@ -586,8 +593,8 @@ def _(xq, ds, data, N, K, out_dtype, fmt):
 
 def gemv_i8_lanes(xq: torch.Tensor, ds: torch.Tensor, qt: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
     """gemv(x, qt, act_int8=True) for a caller that has x already rounded to int8 in i8 lane order: (xq, ds) =
-    int8.quantize_act(x, lanes=True), or written so by the kernel that produced x (the engine's RMSNorm). q4_k (K a
-    multiple of 256) or q6_k (K a multiple of 2048), 16-byte aligned contiguous data, one activation row.
+    int8.quantize_act(x, lanes=True), or written so by the kernel that produced x (the engine's RMSNorm). q4_k or
+    q5_k (K a multiple of 256) or q6_k (K a multiple of 2048), 16-byte aligned contiguous data, one activation row.
 
     xq: int8 [1, m1.lanes_width(K)]; ds: float32 [1, K / 32, 2] (scale d, d * sum q per block of 32). Returns
     [1, N] in ``out_dtype`` (fp16/bf16/fp32).
@@ -598,8 +605,8 @@ def gemv_i8_lanes(xq: torch.Tensor, ds: torch.Tensor, qt: QuantizedTensor, out_d
     _check_qt("qt", qt)
     N, K = qt.shape
     if not i8_lanes_supports(qt.data, qt.format, K):
-        raise ValueError(f"gemv_i8_lanes needs q4_k weights with K a multiple of 256 or q6_k with K a multiple of "
-                         f"2048, contiguous and 16-byte aligned, got {qt.format} [{N}, {K}]")
+        raise ValueError(f"gemv_i8_lanes needs q4_k or q5_k weights with K a multiple of 256 or q6_k with K a "
+                         f"multiple of 2048, contiguous and 16-byte aligned, got {qt.format} [{N}, {K}]")
     check_tensor("xq", xq, dtypes=(torch.int8,), last_dim_contiguous=True)
     check_tensor("ds", ds, dtypes=(torch.float32,))
     if tuple(xq.shape) != (1, lanes_width(K)) or tuple(ds.shape) != (1, K // 32, 2) or not ds.is_contiguous():

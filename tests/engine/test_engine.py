@@ -84,23 +84,27 @@ def test_more_bits_layers():
     assert mix_format("q4_k_m", "blk.6.attn_q.weight", 32) == "q4_k"
     assert mix_format("q4_k_m", "token_embd.weight", 32) == "q4_k"
     assert mix_format("q8_0", "output.weight", 32) == "q8_0"
+    assert mix_format("q5_k_m", "blk.31.attn_v.weight", 32) == "q6_k"  # Q5_K_M: the same rule over q5_k
+    assert mix_format("q5_k_m", "blk.30.ffn_gate.weight", 32) == mix_format("q5_k_m", "blk.8.attn_v.weight", 32) \
+        == "q5_k"
 
 
-def test_q4_k_m_file(model_files):
-    """A q4_k_m conversion holds llama.cpp's mix; the engine stacks the q4_k attn_q and attn_k of a layer whose
-    attn_v is q6_k into one matrix, and its logits match transformers on the same weights, exactly and with
-    act_int8 (q6_k at K = 256 then computes exactly, q4_k rounds)."""
+@pytest.mark.parametrize("mix,base", [("q4_k_m", "q4_k"), ("q5_k_m", "q5_k")])
+def test_k_m_file(model_files, mix, base):
+    """A q4_k_m (q5_k_m) conversion holds llama.cpp's mix; the engine stacks the q4_k (q5_k) attn_q and attn_k of a
+    layer whose attn_v is q6_k into one matrix, and its logits match transformers on the same weights, exactly and
+    with act_int8 (q6_k at K = 256 then computes exactly, q4_k and q5_k round)."""
     from llmkernels import read_gguf
 
-    d, path, hf = model_files("llama", "q4_k_m")
+    d, path, hf = model_files("llama", mix)
     f = read_gguf(path)
     fmts = {n: qt.format for n, qt in f.items() if hasattr(qt, "format")}
-    assert fmts["output.weight"] == "q6_k" and fmts["token_embd.weight"] == "q4_k"
-    assert [fmts[f"blk.{i}.attn_v.weight"] for i in range(2)] == ["q4_k", "q6_k"]  # more_bits(1, 2)
-    assert [fmts[f"blk.{i}.ffn_down.weight"] for i in range(2)] == ["q4_k", "q6_k"]
-    assert fmts["blk.1.attn_q.weight"] == fmts["blk.1.ffn_gate.weight"] == "q4_k"
+    assert fmts["output.weight"] == "q6_k" and fmts["token_embd.weight"] == base
+    assert [fmts[f"blk.{i}.attn_v.weight"] for i in range(2)] == [base, "q6_k"]  # more_bits(1, 2)
+    assert [fmts[f"blk.{i}.ffn_down.weight"] for i in range(2)] == [base, "q6_k"]
+    assert fmts["blk.1.attn_q.weight"] == fmts["blk.1.ffn_gate.weight"] == base
     llm = LLM(path, progress=False, max_num_batched_tokens=64)
-    assert [[m.format for m in L.qkv] for L in llm.model.layers] == [["q4_k"], ["q4_k", "q6_k"]]
+    assert [[m.format for m in L.qkv] for L in llm.model.layers] == [[base], [base, "q6_k"]]
     assert llm.model.layers[1].qkv[0].shape[0] == (llm.cfg.n_heads + llm.cfg.n_kv_heads) * llm.cfg.head_dim
     check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[1]))
     i8 = LLM(path, progress=False, max_num_batched_tokens=64, act_int8=True)
@@ -275,20 +279,21 @@ def test_gpu_larger_models(model_files, arch, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q4_k_m"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q4_k_m", "q5_k_m"])
 def test_gpu_act_int8_graphs(model_files, fmt):
-    """act_int8 on a q8_0, q4_k or q4_k_m model (decode steps take the int8 kernels; q4_k's FFN width 2560 is 10
-    blocks, a ragged last step; q4_k_m at widths 2048 and 4096, so its q6_k matrices take the q6_k int8 kernel,
-    with the RMSNorm's rounding shared by the q4_k and q6_k projections): the same tokens eagerly and through CUDA
-    graphs, one-token logits near transformers'."""
+    """act_int8 on a q8_0, q4_k, q4_k_m or q5_k_m model (decode steps take the int8 kernels; q4_k's FFN width 2560
+    is 10 blocks, a ragged last step; the mixes at widths 2048 and 4096, so their q6_k matrices take the q6_k int8
+    kernel, with the RMSNorm's rounding shared by the q4_k / q5_k and q6_k projections): the same tokens eagerly
+    and through CUDA graphs, one-token logits near transformers'."""
     kw = dict(layers=4, hidden=1024, ffn=2560, heads=8, kv_heads=2, head_dim=128, vocab=1024)
-    if fmt == "q4_k_m":
+    mix = fmt in ("q4_k_m", "q5_k_m")
+    if mix:
         kw.update(hidden=2048, ffn=4096, heads=16, kv_heads=4)
     d, path, hf = model_files("llama", fmt, **kw)
     eager = LLM(path, progress=False, cuda_graphs=False, max_num_batched_tokens=64, num_splits=2, act_int8=True)
     same = hf_logits(hf_model_from_state_dict(d, gguf_to_hf_state_dict(path)), [17])
     assert rel_err(eager.logits([17]).cpu(), same) < 2 * ACT_TOL[eager.dtype]
-    if fmt == "q4_k_m":  # layers 2 and 3 hold q6_k (more_bits): all projections round in the RMSNorm
+    if mix:  # layers 2 and 3 hold q6_k (more_bits): all projections round in the RMSNorm
         assert [len(L.qkv) for L in eager.model.layers] == [1, 1, 2, 2]
         assert all(eager.model._i8(1, *L.qkv) and eager.model._i8(1, *L.gate_up) for L in eager.model.layers)
         a = eager.logits([17]).cpu()

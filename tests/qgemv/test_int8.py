@@ -105,15 +105,18 @@ def test_i8_rows_per_program(fmt, M, rows_per_program, fixup, dtype, config, dev
     (130, 1792, (2, 1, 2, 1), 3, True, torch.float32),  # 7 blocks (one ragged step), two rows per thread
     (9, 6144, (1, 2, 4, 1), 16, True, torch.float16),   # three steps, split three ways, most rows past N
 ])
-def test_i8_lanes_kernel(N, K, config, sms, fixup, dtype, device):
-    """The q4_k int8 lane kernel against x' @ dequantize(W).T in float64 (x' the rounded activations)."""
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
-    assert i8_lanes_supports(qt.data, "q4_k", K)
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_i8_lanes_kernel(fmt, N, K, config, sms, fixup, dtype, device):
+    """The q4_k / q5_k int8 lane kernel against x' @ dequantize(W).T in float64 (x' the rounded activations)."""
+    w = torch.randn(N, K) * 0.05
+    w[:, -256:] *= 40  # one super-block with large weights and scales
+    qt = lk.quantize(w, fmt).to(device)
+    assert i8_lanes_supports(qt.data, fmt, K) and not i8_lanes_supports(qt.data, fmt, K - 32)
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     q, ds = quantize_act(x)
     ql, dsl = quantize_act(x, lanes=True)
-    y = _finish(launch_i8_lanes(ql, dsl, qt.data, N, K, config, sms, not interpreter_mode(), dtype, fixup=fixup),
-                dtype)
+    y = _finish(launch_i8_lanes(ql, dsl, qt.data, N, K, config, sms, not interpreter_mode(), dtype, fixup=fixup,
+                                fmt=fmt), dtype)
     ref = gemv_ref(_dequant_act(q, ds), qt)
     tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
     assert y.shape == (1, N) and y.dtype == dtype
@@ -168,9 +171,11 @@ def test_gemv_i8_lanes_op(device):
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     ql, dsl = quantize_act(x, lanes=True)
     assert torch.equal(gemv_i8_lanes(ql, dsl, qt6, torch.float16), lk.gemv(x, qt6, act_int8=True))
+    qt5 = lk.quantize(torch.randn(N, K) * 0.05, "q5_k").to(device)
+    assert torch.equal(gemv_i8_lanes(ql, dsl, qt5, torch.float16), lk.gemv(x, qt5, act_int8=True))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k"])
 def test_gemv_act_int8(fmt, device):
     """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T) up to the format's M limit, exact
     beyond it; silu_mul_gemv rounds silu(g) * u."""
@@ -201,7 +206,7 @@ def test_gemv_act_int8(fmt, device):
 def test_gemv_act_int8_fallbacks(device):
     """Formats and shapes without an int8 kernel compute exactly; a non-bool act_int8 is a TypeError."""
     K = 256
-    x = torch.randn(2, K, dtype=torch.float16, device=device)
+    x = torch.randn(2, K, dtype=torch.float16, device=device)  # q5_k at M = 2: exact (ops.I8_MAX_M)
     qt5 = lk.quantize(torch.randn(24, K) * 0.05, "q5_k").to(device)
     ref = gemv_ref(x, qt5)
     assert_close(lk.gemv(x, qt5, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)

@@ -1,11 +1,11 @@
 """Suite ``engine``: end-to-end decode of a synthetic Llama-3-8B-shaped model (random weights built on the GPU).
 
 Batch-1 decode tokens/s after a 512-token prompt, and decode throughput with 16 and 64 such requests, for q4_k,
-q8_0 and bf16 weights, and q4_k_m: the mix of llama.cpp's Q4_K_M files (q6_k for the output matrix and for attn_v and
-ffn_down in half of the layers, q4_k elsewhere), what users of published Q4_K_M files run. The bound is the
-measured read bandwidth divided by the weight bytes one decode step must read (every matrix once plus one embedding
-row); ``roofline_pct`` is the percent of it. KV-cache reads are left out of the bound (about 0.2% of the weight bytes
-per sequence at these lengths with q4_k).
+q8_0 and bf16 weights, and q4_k_m / q5_k_m: the mixes of llama.cpp's Q4_K_M / Q5_K_M files (q6_k for the output
+matrix and for attn_v and ffn_down in half of the layers, q4_k / q5_k elsewhere), what users of published files run.
+The bound is the measured read bandwidth divided by the weight bytes one decode step must read (every matrix once
+plus one embedding row); ``roofline_pct`` is the percent of it. KV-cache reads are left out of the bound (about
+0.2% of the weight bytes per sequence at these lengths with q4_k).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def llama3_8b_config(layers: int = 32) -> ModelConfig:
 
 
 def synthetic_model(fmt: str, cfg: ModelConfig) -> Model:
-    """Random weights in ``fmt`` (or the q4_k_m mix) with the GGUF names of a llama model, created on the GPU."""
+    """Random weights in ``fmt`` (or a mix such as q4_k_m) with the GGUF names of a llama model, created on the GPU."""
     H, D = cfg.hidden, cfg.head_dim
     shapes = {"attn_q": (cfg.n_heads * D, H), "attn_k": (cfg.n_kv_heads * D, H), "attn_v": (cfg.n_kv_heads * D, H),
               "attn_output": (H, cfg.n_heads * D), "ffn_gate": (cfg.ffn, H), "ffn_up": (cfg.ffn, H),
@@ -106,10 +106,10 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
 
 
 def cases(ctx):
-    fmts = ["q4_k", "q8_0", "bf16", "q4_k_m"] if not ctx.quick else ["q4_k"]
+    fmts = ["q4_k", "q8_0", "bf16", "q4_k_m", "q5_k_m"] if not ctx.quick else ["q4_k"]
     out = [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
     if not ctx.quick:  # activations rounded to int8 at batch 1 (LLM(act_int8=True)): q4_k since session 30, q6_k
-        # (so all of q4_k_m) since session 31
-        for f in ("q4_k", "q8_0", "q4_k_m"):
+        # (so all of q4_k_m) since session 31, q5_k (all of q5_k_m) since session 32
+        for f in ("q4_k", "q8_0", "q4_k_m", "q5_k_m"):
             out.append((f"engine {f} act_int8", _format_case(ctx, f, True)))
     return out

@@ -18,14 +18,15 @@ FORMATS = [("q4_0", {}), ("q4_k", {}), ("q5_k", {}), ("q6_k", {}), ("q8_0", {}),
            # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py;
            # M = 1 only, see ops.I8_MAX_M: larger M computes exactly)
            ("q4_0", dict(act_int8=True)), ("q8_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)),
-           ("q6_k", dict(act_int8=True)),
+           ("q5_k", dict(act_int8=True)), ("q6_k", dict(act_int8=True)),
            # ops.gemv_lanes at M = 1: x handed over in lane order as well, as the engine's RMSNorm and SiLU kernels
            # write it (the copy into lane order is not timed: there it costs a second store in a kernel that runs
            # anyway)
            ("q4_k", dict(lanes=True)),
            # ops.gemv_i8_lanes at M = 1: x handed over rounded to int8 in i8 lane order, as the engine's RMSNorm
            # writes it with act_int8 (the rounding is not timed)
-           ("q4_k", dict(act_int8=True, lanes=True)), ("q6_k", dict(act_int8=True, lanes=True))]
+           ("q4_k", dict(act_int8=True, lanes=True)), ("q5_k", dict(act_int8=True, lanes=True)),
+           ("q6_k", dict(act_int8=True, lanes=True))]
 MS = [1, 2, 4, 8, 16]
 
 
