@@ -84,6 +84,12 @@ def tc_first_m(name: str, N: int, K: int, silu: bool = False):
 # 17.5 / 15.5, 32.5 / 30.8, 36.6 / 29.3, 219.6 / 194.2 (session 26)
 TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1, 4, 0, 128),
                "q6_k": (64, 4, 1, 4, 0, 128)}
+# the register cap (a config's sixth field) applies up to this M only: with 32 or 64 activation rows per program it
+# spills. H100, bf16, us on 6144x4096 / 28672x4096 / 4096x14336, (64, 4, 1, 4) capped at 128 / uncapped (session
+# 32, .lab/tc_m64_lab.py): q5_k M = 16 13.2 / 14.7, 49.4 / 55.8, 26.1 / 34.6; M = 32 22.7 / 17.7, 85.4 / 64.3, 45.4
+# / 39.7; M = 64 59.9 / 25.0, 220.4 / 104.0, 108.4 / 52.6; q6_k M = 32 18.9 / 21.3, 73.2 / 72.1, 34.6 / 43.4; M = 64
+# 51.0 / 27.3, 187.6 / 111.2, 96.3 / 58.4 (engine q5_k_m batch 64 ran 3769 tok/s with the cap, q4_k_m 6229)
+TC_CAP_MAX_M = {"q5_k": 16, "q6_k": 32}
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
@@ -382,6 +388,8 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 config = tuple((M == 1 and lookup("gemv", gpu, f"tc/{name}/m1"))
                                or (mode == 1 and lookup("gemv", gpu, f"tc/{name}/silu"))
                                or lookup("gemv", gpu, f"tc/{name}") or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
+                if len(config) > 5 and M > TC_CAP_MAX_M.get(name, MID_M):
+                    config = config[:5]  # no register cap
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt,
                           x2=x2 if mode == 1 else None)
             return _finish(y, out_dtype)

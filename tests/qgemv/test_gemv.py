@@ -166,6 +166,31 @@ def test_gemv_gpu(fmt, kw, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
+def test_tc_register_cap_gpu(fmt, device, monkeypatch):
+    """The tensor-core kernel's register cap holds up to ops.TC_CAP_MAX_M rows only (it spills beyond); the results
+    stay right either way."""
+    from llmkernels.qgemv import ops, tc
+
+    seen = []
+    real = tc.launch_tc
+
+    def spy(x, data, N, K, config, *a, **kw):
+        seen.append((x.shape[0], tuple(config)))
+        return real(x, data, N, K, config, *a, **kw)
+
+    monkeypatch.setattr(tc, "launch_tc", spy)
+    qt = weights(fmt, {}, 2048, 4096, device)
+    for M in (16, 32, 48, 64):
+        x = torch.randn(M, 4096, dtype=torch.bfloat16, device=device)
+        rel_close(lk.gemv(x, qt), gemv_ref(x, qt), torch.bfloat16)
+    assert [M for M, _ in seen] == [16, 32, 48, 64]
+    for M, config in seen:
+        capped = len(config) > 5 and config[5] > 0
+        assert capped == (M <= ops.TC_CAP_MAX_M[fmt]), (M, config)
+
+
+@pytest.mark.gpu
 def test_wide_n_and_fused_gpu(device):
     N, K = GPU_SHAPES[3]
     qt = weights("q6_k", {}, N, K, device)
