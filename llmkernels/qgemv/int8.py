@@ -1,5 +1,5 @@
-"""GEMV with the activations rounded to int8: integer dot products (dp4a) on the stored codes, for q4_0, q8_0 and
-q4_k at small M. The result is x' @ dequantize(W).T with x' = x rounded to int8 per block of 32 (scale = absmax / 127,
+"""GEMV with the activations rounded to int8: integer dot products (dp4a) on the stored codes, for q4_0, q8_0, q4_k,
+q5_k and q6_k at small M. The result is x' @ dequantize(W).T with x' = x rounded to int8 per block of 32 (scale = absmax / 127,
 round half away from zero), like llama.cpp's q8_1 activations; it is opt-in (``gemv(..., act_int8=True)``) because
 it is not x @ dequantize(W).T to fp16 rounding (the activation rounding adds about 1/254 of each block's absmax).
 
@@ -35,6 +35,10 @@ Session 31 added gemv_i8_q6_kernel for q6_k at M = 1 (K a multiple of 2048, so r
 16-byte aligned) on the same i8 lane-order activations, so one rounding serves a layer's q4_k and q6_k projections
 (llama.cpp's Q4_K_M files mix them). On an H100 (bench file 20261124-130815, activations given) 8.3 / 10.5 / 22.0 /
 23.9 / 155.6 us on 4096x4096 ... 128256x4096, 1.09-1.32x less time than the exact tensor-core kernel.
+
+Session 32 extended gemv_i8_lanes_kernel to q5_k (Q5: the fifth bits masked in place and summed by two more dp4a
+per word): on an H100 (bench file 20261124-145843, activations given) 6.2 / 8.5 / 16.1 / 20.2 / 120.4 us on the same
+shapes, 1.17-1.44x less time than the exact m1 kernel (8.6 / 11.2 / 23.2 / 23.7 / 157.2).
 """
 import torch
 import triton
