@@ -184,8 +184,8 @@ class Model:
 
     def _i8(self, T: int, *mats) -> bool:
         """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: with
-        act_int8, q4_k, q5_k and q6_k (K a multiple of 2048) at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0 turns it
-        off (then gemv rounds x in a launch of its own; for A/B runs)."""
+        act_int8, q4_k, q5_k and q6_k (K a multiple of 2048) at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0
+        turns it off (then gemv rounds x in a launch of its own; for A/B runs)."""
         if not self.act_int8 or T != 1 or os.environ.get("LLMK_I8NORM", "1") == "0":
             return False
         return all(i8_lanes_supports(m.data, m.format, m.shape[1]) for m in mats)

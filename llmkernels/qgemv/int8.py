@@ -1,7 +1,8 @@
 """GEMV with the activations rounded to int8: integer dot products (dp4a) on the stored codes, for q4_0, q8_0, q4_k,
-q5_k and q6_k at small M. The result is x' @ dequantize(W).T with x' = x rounded to int8 per block of 32 (scale = absmax / 127,
-round half away from zero), like llama.cpp's q8_1 activations; it is opt-in (``gemv(..., act_int8=True)``) because
-it is not x @ dequantize(W).T to fp16 rounding (the activation rounding adds about 1/254 of each block's absmax).
+q5_k and q6_k at small M. The result is x' @ dequantize(W).T with x' = x rounded to int8 per block of 32 (scale =
+absmax / 127, round half away from zero), like llama.cpp's q8_1 activations; it is opt-in (``gemv(...,
+act_int8=True)``) because it is not x @ dequantize(W).T to fp16 rounding (the activation rounding adds about 1/254 of
+each block's absmax).
 
 Why: the exact batch-1 kernels of session 9 (m1.py and the since removed words kernel) turned each code into a float
 and multiplied it with x, 4 to 5 instructions per weight, which kept them near the SMs' issue limit before the memory
@@ -361,6 +362,7 @@ def gemv_i8_lanes_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_words, n
     each lane also loads all 32 qh bytes and masks them in place with 0x01010101 << 2c (0x02020202 << 2c); one more
     dp4a per plane and word sums them with the activations as H_lo 4^c (H_hi 2 4^c), which the float epilogue adds
     as 16 H_lo and 256 H_hi / 16: 8 integer instructions per 8 weights against q4_k's 4.
+
     Splits are whole steps (blocks_per_split a multiple of 8), so each starts on a lane-order group. Unless EVEN
     (every block of every step exists), blocks past the split's end load as zeros (d = dmin = 0, codes 0). Rows past
     N read row N - 1, never stored. The sums are stored by m1._store_rows (FIXUP: split-K partials summed in the
