@@ -176,7 +176,7 @@ def tc_cases(dev="cuda"):
     q4_0, q8_0 and MLX 4-bit at each group size; partials summed by the split-K sum kernel (ops._finish) where the
     grid exceeds its waves."""
     from llmkernels.qgemv.ops import _finish
-    from llmkernels.qgemv.tc import launch_tc
+    from llmkernels.qgemv.tc import launch_tc, tc_order
 
     for fmt in ("q4_k", "q4_0", "q8_0"):
         qt = lk.quantize(torch.randn(77, 768, device=dev), fmt)
@@ -205,6 +205,16 @@ def tc_cases(dev="cuda"):
                                (1, (64, 4, 1, 4), 132)):
             launch_tc(torch.randn(M, 768, device=dev, dtype=torch.bfloat16), qt.data, 77, 768, config, sms, 2,
                       qt.scales, qt.biases, gs)
+    # x in k order by TMA (XT): 32- and 64-row programs with padding rows, two program rows in M, splits
+    for fmt, K in (("q4_k", 768), ("q5_k", 768), ("q6_k", 2048), ("q4_0", 768), ("q8_0", 768), ("mlx", 768)):
+        kw = dict(bits=4, group_size=64) if fmt == "mlx" else {}
+        qt = lk.quantize(torch.randn(77, K, device=dev), fmt, **kw)
+        args = dict(scales=qt.scales, biases=qt.biases, group_size=qt.group_size or 0, fmt=fmt)
+        for M, config, sms in ((17, (64, 4, 1, 4), 7), (40, (128, 4, 1, 2), 132), (70, (64, 4, 1, 2), 5),
+                               (64, (64, 8, 1, 4), 1)):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            _finish(launch_tc(x, qt.data, 77, K, config, sms, 2, xt=tc_order(x, fmt), **args), x.dtype)
+        lk.gemv(torch.randn(33, K, device=dev, dtype=torch.float16), qt)
 
 
 def main():

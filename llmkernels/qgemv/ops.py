@@ -90,6 +90,12 @@ TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1,
 # / 39.7; M = 64 59.9 / 25.0, 220.4 / 104.0, 108.4 / 52.6; q6_k M = 32 18.9 / 21.3, 73.2 / 72.1, 34.6 / 43.4; M = 64
 # 51.0 / 27.3, 187.6 / 111.2, 96.3 / 58.4 (engine q5_k_m batch 64 ran 3769 tok/s with the cap, q4_k_m 6229)
 TC_CAP_MAX_M = {"q5_k": 16, "q6_k": 32}
+# From TC_XT_MIN_M rows on, gemv hands the tensor-core kernel x in its k order (tc.tc_order, one small launch) and the
+# kernel reads each step's x tile by TMA straight into shared memory instead of loading and permuting it in registers:
+# every program re-reads x each step, so from 32 rows on x's traffic outweighs the weights' (bench/NOTES.md, session
+# 32). TC_XT switches it off (A/B labs).
+TC_XT = True
+TC_XT_MIN_M = 17
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
@@ -390,8 +396,16 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                                or lookup("gemv", gpu, f"tc/{name}") or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
                 if len(config) > 5 and M > TC_CAP_MAX_M.get(name, MID_M):
                     config = config[:5]  # no register cap
+            xt = None
+            if TC_XT and mode == 0 and M >= TC_XT_MIN_M and K % 256 == 0:
+                from .tc import tc_order
+
+                xt = tc_order(x, fmt)
+                if not interp:
+                    m_pad = 32 if M <= 32 else 64
+                    config = tuple(lookup("gemv", gpu_name(), f"tc/{name}/xt{m_pad}") or config)
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt,
-                          x2=x2 if mode == 1 else None)
+                          x2=x2 if mode == 1 else None, xt=xt)
             return _finish(y, out_dtype)
     if m1_fmt and M <= M1_MAX_M[fmt] and mode != 2:  # scales factored out of the products (m1.py)
         from .m1 import launch_m1, m1_supports

@@ -361,7 +361,8 @@ def _deq_q6(cw, qh, sh, s_lo, s_hi, DT: tl.constexpr, UNPACK: tl.constexpr):
 def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym,
                    row_bytes, scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
                    BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
-                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False, PDL: tl.constexpr = False):
+                   SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False, PDL: tl.constexpr = False, XD=None,
+                   XT: tl.constexpr = False):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
@@ -372,7 +373,9 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     float32 partials to PART [split, M, N] and count their arrivals in COUNT (zero on entry); the last to arrive sums
     them in split order (what ops._finish's kernel computes) into Y [M, N] and resets its counter, which saves that
     kernel's launch. PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let
-    the next one launch after their loop."""
+    the next one launch after their loop. XT: x comes already in the format's k order (tc_order) through the TMA
+    descriptor XD of blocks [M_PAD, 256], straight into shared memory as the dot's B operand (no SILU): no register
+    round trip and no permute for the tile that every program re-reads each step."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -498,22 +501,27 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             w = tl.reshape(tl.join(w_lo, w_hi), (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p
             w_ptrs += STEP
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))  # [a h g] x [half lhl p t ll]
-        xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        if SILU:
-            xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
-                           SILU).to(DT)
-            x2_ptrs += 256
-        if FMT == 10 or FMT == 11:
-            # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
-            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
-        elif FMT == 12:  # chunk t = 2 h6 + c, byte 16 half + 2 lhl + ll, nibble p: weight 128 h6 + 64 p + 32 c + ..
-            xt = tl.reshape(tl.permute(tl.reshape(xn, (2, 2, 2, 2, 8, 2, M_PAD)), (3, 4, 1, 0, 2, 5, 6)), (256, M_PAD))
-        elif FMT == 3:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
-            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (1, 3, 2, 0, 4, 5)), (256, M_PAD))
-        elif FMT == 7:  # byte 4 bj + 2 p + ll of block 2t + blk: weight 64 t + 32 blk + 4 bj + 2 p + ll
-            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 3, 0, 4, 5)), (256, M_PAD))
-        else:  # MLX, nibbles LSB-first: weight 64 t + 32 half + 4 lhl + 2 ll + p
-            xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 4, 0, 3, 5)), (256, M_PAD))
+        if XT:  # in k order already: [M_PAD, 256] by TMA (rows past M zero-filled), transposed as a view
+            xt = XD.load([pid_m * M_PAD, kb * 256]).T
+        else:
+            # the natural tile permuted to the k order (TC_PERMS holds the same permutations for tc_order)
+            xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if SILU:
+                xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
+                               SILU).to(DT)
+                x2_ptrs += 256
+            if FMT == 10 or FMT == 11:
+                # byte 16 half + 2 lhl + ll of chunk t, nibble p: weight 64 t + 32 p + 16 half + 2 lhl + ll
+                xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (2, 3, 1, 0, 4, 5)), (256, M_PAD))
+            elif FMT == 12:  # chunk t = 2 h6 + c, byte 16 half + 2 lhl + ll, nibble p: weight 128 h6 + 64 p + 32 c
+                xt = tl.reshape(tl.permute(tl.reshape(xn, (2, 2, 2, 2, 8, 2, M_PAD)), (3, 4, 1, 0, 2, 5, 6)),
+                                (256, M_PAD))
+            elif FMT == 3:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
+                xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (1, 3, 2, 0, 4, 5)), (256, M_PAD))
+            elif FMT == 7:  # byte 4 bj + 2 p + ll of block 2t + blk: weight 64 t + 32 blk + 4 bj + 2 p + ll
+                xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 3, 0, 4, 5)), (256, M_PAD))
+            else:  # MLX, nibbles LSB-first: weight 64 t + 32 half + 4 lhl + 2 ll + p
+                xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 4, 0, 3, 5)), (256, M_PAD))
         acc = tl.dot(w, xt, acc)
         x_ptrs += 256
     pdl_trigger(PDL)
@@ -557,8 +565,55 @@ def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
 TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kernel's FMT
 
 
+def _perm(shape, order):
+    import torch
+
+    return torch.arange(256, dtype=torch.int32).reshape(shape).permute(order).reshape(256)
+
+
+# FMT -> int32 [256]: position r of a step in the kernel's k order holds natural column TC_PERMS[FMT][r] (the
+# permutes of gemv_tc_kernel's x tile without their M axis)
+TC_PERMS = {10: _perm((4, 2, 2, 8, 2), (2, 3, 1, 0, 4)), 11: _perm((4, 2, 2, 8, 2), (2, 3, 1, 0, 4)),
+            12: _perm((2, 2, 2, 2, 8, 2), (3, 4, 1, 0, 2, 5)), 3: _perm((4, 2, 2, 8, 2), (1, 3, 2, 0, 4)),
+            7: _perm((4, 2, 8, 2, 2), (1, 2, 3, 0, 4)), 13: _perm((4, 2, 8, 2, 2), (1, 2, 4, 0, 3))}
+
+
+@triton.jit
+def tc_order_kernel(X, P, Y, nsteps, stride_x, stride_y, NB: tl.constexpr, PDL: tl.constexpr = False):
+    """Y[m, 256 s + r] = X[m, 256 s + P[r]] for row pid(0) and steps pid(1) * NB ..: x in the tensor-core kernel's
+    k order (its XT input)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * NB + tl.arange(0, NB)[:, None]
+    r = tl.arange(0, 256)[None, :]
+    ok = (s < nsteps) & (r >= 0)
+    v = tl.load(X + row * stride_x + s * 256 + tl.load(P + r), mask=ok)
+    tl.store(Y + row * stride_y + s * 256 + r, v, mask=ok)
+
+
+def tc_order(x, fmt: str):
+    """x [M, K] (K a multiple of 256, last dim contiguous) in the k order of gemv_tc_kernel for ``fmt`` (a key of
+    TC_FORMATS): a new contiguous [M, K] tensor, for launch_tc's ``xt``."""
+    from .._runtime import empty
+
+    M, K = x.shape
+    key = (TC_FORMATS[fmt], x.device)
+    if key not in _PERMS_ON:
+        _PERMS_ON[key] = TC_PERMS[key[0]].to(x.device)
+    y = empty(M, K, dtype=x.dtype, device=x.device)
+    nb = 4
+    pdl = pdl_supported(x.device)
+    tc_order_kernel[(M, triton.cdiv(K // 256, nb))](x, _PERMS_ON[key], y, K // 256, x.stride(0), y.stride(0), NB=nb,
+                                                     PDL=pdl, num_warps=4, **pdl_options(pdl))
+    return y
+
+
+_PERMS_ON = {}  # (FMT, device) -> TC_PERMS[FMT] there
+
+
 def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=None, biases=None, group_size: int = 0,
-              fmt: str = "q4_k", x2=None, fixup: bool = True, pdl=None):
+              fmt: str = "q4_k", x2=None, fixup: bool = True, pdl=None, xt=None):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
     MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (m1.split_outputs)
@@ -570,7 +625,8 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     computing this one (157 registers instead of 128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on
     some shapes and loses at M = 8; bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 ->
     127 with no spill, a fourth program per SM; bench/NOTES.md session 26). ``pdl`` (default: pdl_supported) launches
-    it with programmatic dependent launch."""
+    it with programmatic dependent launch. ``xt``: x already in the kernel's k order (tc_order(x, fmt)), read through
+    a TMA descriptor (the kernel's XT; not with x2)."""
     import torch
 
     from .m1 import split_outputs
@@ -596,11 +652,19 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     w8 = data.view(torch.uint8)
     mlx = scales is not None
     pdl = pdl_supported(x.device) if pdl is None else pdl
+    xd = None
+    if xt is not None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if x2 is not None or xt.shape != x.shape or xt.dtype != x.dtype or not xt.is_contiguous():
+            raise ValueError("launch_tc: xt must be tc_order(x, fmt), and not with x2")
+        xd = TensorDescriptor.from_tensor(xt, [m_pad, 256])
     gemv_tc_kernel[(programs_n, split, grid_m)](
         x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, part,
         counters if counters is not None else y, M, N, K, x.stride(0),
         x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes, scales.stride(0) if mlx else 0,
         nblocks, per_split, FMT=TC_FORMATS["mlx" if mlx else fmt], GS=group_size if mlx else 256, BLOCK_N=block_n,
         M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
-        FIXUP=counters is not None, PDL=pdl, num_warps=warps, num_stages=stages, **maxnreg, **pdl_options(pdl))
+        FIXUP=counters is not None, PDL=pdl, XD=xd, XT=xd is not None, num_warps=warps, num_stages=stages, **maxnreg,
+        **pdl_options(pdl))
     return y

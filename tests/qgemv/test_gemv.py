@@ -160,7 +160,7 @@ GPU_SHAPES = [(4096, 4096), (1000, 14336), (129, 2048), (32768 + 64, 1024)]
 def test_gemv_gpu(fmt, kw, dtype, device):
     for N, K in GPU_SHAPES[:2] if fmt in ("q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mlx") else GPU_SHAPES[2:3]:
         qt = weights(fmt, kw, N, K, device)
-        for M in (1, 2, 7, 16, 33):
+        for M in (1, 2, 7, 16, 33, 64):
             x = torch.randn(M, K, dtype=dtype, device=device)
             rel_close(lk.gemv(x, qt), gemv_ref(x, qt), dtype)
 

@@ -158,6 +158,57 @@ def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     assert calls[-1] == (2, 256) and len(calls) == 7
 
 
+@pytest.mark.parametrize("fmt,M,config,sms", [
+    ("q4_k", 17, (16, 4, 1, 2), 4),   # 32 rows per program (15 padding, zero-filled by TMA), K split
+    ("q5_k", 40, (32, 4, 1, 2), 2),   # 64 rows per program
+    ("q6_k", 33, (16, 4, 1, 2), 1),   # 64 rows, no split
+    ("q4_0", 70, (16, 4, 1, 2), 3),   # two program rows in M (64 + 6)
+    ("q8_0", 20, (16, 4, 1, 2), 4),
+    ("mlx", 32, (16, 4, 1, 2), 2),
+])
+def test_tc_x_in_k_order(fmt, M, config, sms, device):
+    """tc_order puts each step's 256 columns in the kernel's k order (TC_PERMS); the kernel reading it by TMA (XT)
+    gives the same result as loading and permuting x itself, bit for bit, and matches the float64 reference."""
+    from llmkernels.qgemv.tc import TC_FORMATS, TC_PERMS, tc_order
+
+    N, K = 45, 2048
+    kw = dict(bits=4, group_size=64) if fmt == "mlx" else {}
+    qt = lk.quantize(torch.randn(N, K) * torch.logspace(-3, 0, N)[:, None], fmt, **kw).to(device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    xt = tc_order(x, fmt)
+    perm = TC_PERMS[TC_FORMATS[fmt]].long().to(device)
+    assert sorted(perm.tolist()) == list(range(256))
+    assert torch.equal(xt, x.view(M, K // 256, 256)[:, :, perm].reshape(M, K))
+    args = dict(scales=qt.scales, biases=qt.biases, group_size=qt.group_size or 0, fmt=fmt)
+    unpack = 1 if interpreter_mode() else 2
+    a = _finish(launch_tc(x, qt.data, N, K, config, sms, unpack, **args), x.dtype)
+    b = _finish(launch_tc(x, qt.data, N, K, config, sms, unpack, xt=xt, **args), x.dtype)
+    assert torch.equal(a, b)
+    _check(b, x, qt, torch.float16)
+    with pytest.raises(ValueError, match="xt"):
+        launch_tc(x, qt.data, N, K, config, sms, unpack, xt=xt[:, :256], **args)
+
+
+def test_gemv_hands_x_in_k_order(device, monkeypatch):
+    """gemv gives the tensor-core kernel x in k order from ops.TC_XT_MIN_M rows on (plain gemv only, not
+    silu_mul_gemv), and not with TC_XT off."""
+    from llmkernels.qgemv import ops, tc
+
+    calls = []
+    real = tc.launch_tc
+    monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((a[0].shape[0], k.get("xt") is not None))
+                        or real(*a, **k))
+    qt = lk.quantize(torch.randn(40, 512) * 0.05, "q4_k").to(device)
+    for M in (16, 17, 64):
+        x = torch.randn(M, 512, dtype=torch.float16, device=device)
+        _check(lk.gemv(x, qt), x, qt, torch.float16)
+    lk.silu_mul_gemv(torch.randn(20, 512, dtype=torch.float16, device=device),
+                     torch.randn(20, 512, dtype=torch.float16, device=device), qt)
+    monkeypatch.setattr(ops, "TC_XT", False)
+    lk.gemv(torch.randn(30, 512, dtype=torch.float16, device=device), qt)
+    assert calls == [(16, False), (17, True), (64, True), (20, False), (30, False)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tc_kernel_gpu(dtype, device):
