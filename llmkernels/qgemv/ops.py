@@ -93,9 +93,14 @@ TC_CAP_MAX_M = {"q5_k": 16, "q6_k": 32}
 # From TC_XT_MIN_M rows on, gemv hands the tensor-core kernel x in its k order (tc.tc_order, one small launch) and the
 # kernel reads each step's x tile by TMA straight into shared memory instead of loading and permuting it in registers:
 # every program re-reads x each step, so from 32 rows on x's traffic outweighs the weights' (bench/NOTES.md, session
-# 32). TC_XT switches it off (A/B labs).
+# 32). TC_XT switches it off (A/B labs). Its K split keeps the grid within the waves (split_k's fit: partials summed
+# in the kernel), with TC_XT_WAVES programs per SM by rows per program, unless the table has "tc/<format>/xt<rows>";
+# q8_0 (128-row tiles of 8 warps) lost with it at 64 rows (H100, bf16, us, without / with, .lab/xt_lab.py: 25.3 /
+# 28.6 on 4096x4096, 60.6 / 68.0 on 4096x14336, 372.4 / 463.7 on 128256x4096) and keeps the register path there.
 TC_XT = True
 TC_XT_MIN_M = 17
+TC_XT_WAVES = {32: 4, 64: 2}
+TC_XT_NOT_64 = ("q8_0",)
 # with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
 # exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
 # beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
@@ -232,12 +237,13 @@ def _m1_config(name: str, M: int, N: int, small: bool = False) -> tuple:
     return cfg
 
 
-def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2) -> tuple[int, int]:
+def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2, fit: bool = False) -> tuple[int, int]:
     """(split, blocks per split) for a grid of ``programs`` output tiles over ``nblocks`` K blocks taken ``nb`` per
-    step: K is split until the grid has about ``waves`` programs per SM (never below one step per split)."""
+    step: K is split until the grid has about ``waves`` programs per SM (never below one step per split); with
+    ``fit``, at most that many (so a kernel that sums its own partials can)."""
     split = 1
     if programs < waves * sms:
-        split = max(1, min(triton.cdiv(waves * sms, programs), nblocks // nb))
+        split = max(1, min((waves * sms) // programs if fit else triton.cdiv(waves * sms, programs), nblocks // nb))
     per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
     return triton.cdiv(nblocks, per_split), per_split
 
@@ -397,13 +403,15 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 if len(config) > 5 and M > TC_CAP_MAX_M.get(name, MID_M):
                     config = config[:5]  # no register cap
             xt = None
-            if TC_XT and mode == 0 and M >= TC_XT_MIN_M and K % 256 == 0:
+            m_pad = 32 if M <= 32 else 64
+            if TC_XT and mode == 0 and M >= TC_XT_MIN_M and K % 256 == 0 and not (
+                    m_pad == 64 and name in TC_XT_NOT_64):
                 from .tc import tc_order
 
                 xt = tc_order(x, fmt)
                 if not interp:
-                    m_pad = 32 if M <= 32 else 64
-                    config = tuple(lookup("gemv", gpu_name(), f"tc/{name}/xt{m_pad}") or config)
+                    config = tuple(lookup("gemv", gpu_name(), f"tc/{name}/xt{m_pad}")
+                                   or config[:3] + (TC_XT_WAVES[m_pad],) + config[4:])
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt,
                           x2=x2 if mode == 1 else None, xt=xt)
             return _finish(y, out_dtype)

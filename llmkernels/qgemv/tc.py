@@ -626,7 +626,8 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     some shapes and loses at M = 8; bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 ->
     127 with no spill, a fourth program per SM; bench/NOTES.md session 26). ``pdl`` (default: pdl_supported) launches
     it with programmatic dependent launch. ``xt``: x already in the kernel's k order (tc_order(x, fmt)), read through
-    a TMA descriptor (the kernel's XT; not with x2)."""
+    a TMA descriptor (the kernel's XT; not with x2); K is then split only as far as the grid stays within ``waves``
+    programs per SM, so that the kernel sums its own partials (bench/NOTES.md, session 32)."""
     import torch
 
     from .m1 import split_outputs
@@ -642,7 +643,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     nblocks = K // 256
     programs_n = triton.cdiv(N, block_n)
     grid_m = triton.cdiv(M, m_pad)
-    split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves)
+    split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves, fit=xt is not None)
     # the kernel sums its own partials only when the whole grid fits in the ``waves`` programs per SM: each program
     # then waits for its arrival atomic once, not once per wave (H100, fp16, us, separate sum kernel / fixup, session
     # 26, .lab/ab_fixup.py: q4_k M = 8 on 4096 x 4096 (512 programs for 528 slots) 10.7 / 9.8, 4096 x 14336 (512)

@@ -191,7 +191,7 @@ def test_tc_x_in_k_order(fmt, M, config, sms, device):
 
 def test_gemv_hands_x_in_k_order(device, monkeypatch):
     """gemv gives the tensor-core kernel x in k order from ops.TC_XT_MIN_M rows on (plain gemv only, not
-    silu_mul_gemv), and not with TC_XT off."""
+    silu_mul_gemv; q8_0 up to 32 rows), and not with TC_XT off."""
     from llmkernels.qgemv import ops, tc
 
     calls = []
@@ -204,9 +204,13 @@ def test_gemv_hands_x_in_k_order(device, monkeypatch):
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     lk.silu_mul_gemv(torch.randn(20, 512, dtype=torch.float16, device=device),
                      torch.randn(20, 512, dtype=torch.float16, device=device), qt)
+    q8 = lk.quantize(torch.randn(40, 512) * 0.05, "q8_0").to(device)  # ops.TC_XT_NOT_64: up to 32 rows only
+    for M in (32, 33):
+        x = torch.randn(M, 512, dtype=torch.float16, device=device)
+        _check(lk.gemv(x, q8), x, q8, torch.float16)
     monkeypatch.setattr(ops, "TC_XT", False)
     lk.gemv(torch.randn(30, 512, dtype=torch.float16, device=device), qt)
-    assert calls == [(16, False), (17, True), (64, True), (20, False), (30, False)]
+    assert calls == [(16, False), (17, True), (64, True), (20, False), (32, True), (33, False), (30, False)]
 
 
 @pytest.mark.gpu
