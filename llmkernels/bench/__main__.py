@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 import traceback
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
         except Exception:  # one broken case must not hide the others' figures
             failures += 1
             print(f"\n[{suite}] {case} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        gc.collect()  # a case's objects in reference cycles (an LLM with its graphs) go now, not at some later case
         torch.cuda.empty_cache()
     print(format_table(rows))
     path = write_results(rows, ctx, args.out, suites)

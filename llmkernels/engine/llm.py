@@ -8,6 +8,7 @@ sequences replay CUDA graphs captured per batch size; everything else runs eager
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 
 import torch
@@ -115,6 +116,9 @@ class LLM:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if auto:
             if on_gpu:
+                # what an earlier LLM left for the cyclic garbage collector or the caching allocator counts as free
+                gc.collect()
+                torch.cuda.empty_cache()
                 free, _total = torch.cuda.mem_get_info(self.device)
                 reserve = 2 * 2**30 + 4 * max_num_batched_tokens * (cfg.ffn + cfg.vocab_size) * 2
                 num_pages = int(max(0, free * gpu_memory_utilization - reserve) // per_page)
