@@ -35,6 +35,10 @@ once per word (_qh_bits). q6_k (210-byte blocks: 128 bytes of low nibbles, 64 of
 chunk t = 2 h6 + c as 32 low-nibble bytes at the q4_k codes' offsets (low nibble weight 128 h6 + 32 c + b, high
 + 64) with qh bytes 128 + 32 h6 + b (bits 2c, 2c + 1 and 4 + 2c, 5 + 2c); its blocks start 2 (kb % 8) bytes past a
 16-byte boundary, so the lane loads aligned vectors and shifts them into place (_shift_words).
+From 17 activation rows on (ops.TC_XT_MIN_M) gemv hands x over already in this k order (tc_order, one small launch)
+and the kernel (XT) reads each step's [M_PAD, 256] x tile through a TMA descriptor straight into shared memory: every
+program re-reads x every step, and from 32 rows that traffic, loaded and permuted in registers, outweighed the
+weights' (q4_k 28672x4096 at M = 64: 86.4 -> 48.4 us on an H100; bench/NOTES.md, session 32).
 Loads go straight to registers (num_stages 1): letting Triton's pipeliner stage the codes in shared memory measured
 2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle), and loading
 the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 programs per SM instead of 4).
