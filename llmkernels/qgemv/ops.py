@@ -388,7 +388,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
     first = tc_first_m(fmt if fmt != "mlx" else f"mlx{bits}", N, K, mode == 1) if mode != 2 else None
     if first is not None and first <= M <= MID_M:
         # tensor cores (tc.py): all M rows in one program (16, 32 or 64 of them), each weight read once
-        from .tc import launch_tc, tc_supports
+        from .tc import launch_tc, tc_order, tc_rows, tc_supports
 
         if tc_supports(x, data, fmt, bits, group_size, K, scales, biases):
             interp = interpreter_mode()
@@ -403,15 +403,13 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
                 if len(config) > 5 and M > TC_CAP_MAX_M.get(name, MID_M):
                     config = config[:5]  # no register cap
             xt = None
-            m_pad = 32 if M <= 32 else 64
+            rows = tc_rows(M)
             if TC_XT and mode == 0 and M >= TC_XT_MIN_M and K % 256 == 0 and not (
-                    m_pad == 64 and name in TC_XT_NOT_64):
-                from .tc import tc_order
-
+                    rows == 64 and name in TC_XT_NOT_64):
                 xt = tc_order(x, fmt)
-                if not interp:
-                    config = tuple(lookup("gemv", gpu_name(), f"tc/{name}/xt{m_pad}")
-                                   or config[:3] + (TC_XT_WAVES[m_pad],) + config[4:])
+                if xt is not None and not interp:
+                    config = tuple(lookup("gemv", gpu_name(), f"tc/{name}/xt{rows}")
+                                   or config[:3] + (TC_XT_WAVES[rows],) + config[4:])
             y = launch_tc(x, data, N, K, config, sms, 1 if interp else 2, scales, biases, group_size, fmt=fmt,
                           x2=x2 if mode == 1 else None, xt=xt)
             return _finish(y, out_dtype)

@@ -596,14 +596,25 @@ def tc_order_kernel(X, P, Y, nsteps, stride_x, stride_y, NB: tl.constexpr, PDL: 
     tl.store(Y + row * stride_y + s * 256 + r, v, mask=ok)
 
 
+def tc_rows(M: int) -> int:
+    """Activation rows per program of gemv_tc_kernel (M_PAD, the dot's N) for M rows: 16, 32 or 64."""
+    return 16 if M <= 16 else (32 if M <= 32 else 64)
+
+
 def tc_order(x, fmt: str):
     """x [M, K] (K a multiple of 256, last dim contiguous) in the k order of gemv_tc_kernel for ``fmt`` (a key of
-    TC_FORMATS): a new contiguous [M, K] tensor, for launch_tc's ``xt``."""
+    TC_FORMATS): a new contiguous [M, K] tensor, for launch_tc's ``xt``. None during CUDA-graph capture before the
+    first call on that device: the permutation table would be copied into the graph's private pool (callers then
+    take the register path)."""
+    import torch
+
     from .._runtime import empty
 
     M, K = x.shape
     key = (TC_FORMATS[fmt], x.device)
     if key not in _PERMS_ON:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
         _PERMS_ON[key] = TC_PERMS[key[0]].to(x.device)
     y = empty(M, K, dtype=x.dtype, device=x.device)
     nb = 4
@@ -642,7 +653,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     maxnreg = {"maxnreg": int(config[5])} if len(config) > 5 and config[5] else {}
     M = x.shape[0]
     # the activation rows are the dot's N: 16, 32 or 64 of them per program, so up to M = 64 each weight is read once
-    m_pad = 16 if M <= 16 else (32 if M <= 32 else 64)
+    m_pad = tc_rows(M)
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // 256
     programs_n = triton.cdiv(N, block_n)
