@@ -8,7 +8,6 @@ combine, rounding, norm, silu-rounding); norms that reduce over the row between 
 stand-in that reads the layer's 640-token bf16 KV cache (2.6 MB, 64 or 640 programs); a kernel before the QKV
 projection that asks L2 for that KV cache. Percentages are of the engine bench's bound at 3.117 TB/s (its measured
 read bandwidth in session 32's runs). Usage on an H100: ``PYTHONPATH=. python scripts/ideal_step.py``."""
-import sys
 import time
 
 import torch
