@@ -18,8 +18,9 @@ import llmkernels.attention.paged_kernel as pk
 import llmkernels.attention.paged_ws as pw
 from llmkernels.attention import paged_attention, plan_paged_attention
 from llmkernels.bench.harness import copies_for, time_graph_ms
+from llmkernels.bench.suites.decode import D, HKV, HQ
+from llmkernels.bench.suites.decode import _cache as bench_cache  # the bench's caches: random page table
 
-HQ, HKV, D = 32, 8, 128
 
 
 class _NoLaunch:
@@ -36,12 +37,7 @@ def calls(B, L, kv_dtype):
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     elem = 1 if kv_dtype != torch.bfloat16 else 2
-    caches = []
-    for _ in range(copies_for(2 * B * L * HKV * D * elem, most=4)):
-        npg = B * L // 16
-        k = torch.randn(npg, 16, HKV, D, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
-        v = torch.randn(npg, 16, HKV, D, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
-        caches.append((k, v, torch.randperm(npg, device="cuda").to(torch.int32).view(B, -1)))
+    caches = [bench_cache(B, L, 16, kv_dtype) for _ in range(copies_for(2 * B * L * HKV * D * elem, most=4))]
     sc = dict(k_scale=1.0, v_scale=1.0) if kv_dtype != torch.bfloat16 else {}
     return [lambda c=c: paged_attention(q, c[0], c[1], c[2], sl, cu, 1, plan=plan, out=out, validate=False, **sc)
             for c in caches]

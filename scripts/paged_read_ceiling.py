@@ -16,6 +16,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from llmkernels._runtime import num_sms
 from llmkernels.attention._gluon import row_descriptor
 from llmkernels.bench.harness import time_graph_ms, copies_for, measure_read_bandwidth
 
@@ -55,7 +56,7 @@ def _issue(i, desc_k, desc_v, k_smem, v_smem, ready, PT, pid, P, T, pps, L, S,
 
 
 @gluon.jit
-def read_kernel(desc_k, desc_v, PT, OUT, n_units, T, pps, L, S, MODE: gl.constexpr, NCOPY: gl.constexpr,
+def read_kernel(desc_k, desc_v, PT, n_units, T, pps, L, S, MODE: gl.constexpr, NCOPY: gl.constexpr,
                 STAGES: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr):
     dtype: gl.constexpr = desc_k.dtype
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, NCOPY * 16, D], desc_k.layout)
@@ -79,14 +80,14 @@ def read_kernel(desc_k, desc_v, PT, OUT, n_units, T, pps, L, S, MODE: gl.constex
         mbarrier.invalidate(ready.index(j))
 
 
-def case(B, L, dtype, mode, stages, splits, programs=132):
+def case(B, L, dtype, mode, stages, splits):
     pps = L // 16
     ncopy = 8 if mode == 1 else 4
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_bytes = 2 * B * L * HKV * D * elem
     n = copies_for(kv_bytes, most=4)
     fns = []
-    keep = []
+    keep = []  # the caches behind the descriptors stay alive until timed
     for _ in range(n):
         if mode == 2:
             k = torch.randn(B * HKV * L, D, device="cuda", dtype=torch.bfloat16).to(dtype)
@@ -99,17 +100,16 @@ def case(B, L, dtype, mode, stages, splits, programs=132):
             dk = row_descriptor(k.view(B * pps * 16, HKV, D), [B * pps * 16, HKV * D], HKV * D, 16)
             dv = row_descriptor(v.view(B * pps * 16, HKV, D), [B * pps * 16, HKV * D], HKV * D, 16)
         pt = torch.randperm(B * pps, device="cuda").to(torch.int32)
-        out = torch.empty(1, device="cuda")
         if mode == 1:
             n_units = B * splits
             T = pps // splits
         else:
             n_units = B * HKV * splits
             T = pps // ncopy // splits
-        keep.append((k, v, pt, out))
-        grid = (min(programs, n_units),)
-        fns.append(lambda dk=dk, dv=dv, pt=pt, out=out, n_units=n_units, T=T, grid=grid:
-                   read_kernel[grid](dk, dv, pt, out, n_units, T, pps, L, splits, MODE=mode, NCOPY=ncopy,
+        keep.append((k, v, pt))
+        grid = (min(num_sms(), n_units),)  # one program per SM, as paged_ws
+        fns.append(lambda dk=dk, dv=dv, pt=pt, n_units=n_units, T=T, grid=grid:
+                   read_kernel[grid](dk, dv, pt, n_units, T, pps, L, splits, MODE=mode, NCOPY=ncopy,
                                      STAGES=stages, HKV=HKV, D=D, num_warps=4))
     ms = time_graph_ms(fns)
     return ms * 1e3, kv_bytes / (ms * 1e-3) / 1e12
