@@ -3,9 +3,15 @@
 On a machine with no CUDA device, importing llmkernels (before triton) selects Triton's interpreter, so the kernels
 run on CPU tensors: slow, for tests and study.
 """
+import os as _os
+
 from ._runtime import configure as _configure
 
 _configure()
+if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from ._interpreter import fix_bf16_dot as _fix_bf16_dot
+
+    _fix_bf16_dot()  # the interpreter multiplies bf16 bit patterns as integers otherwise
 
 from .attention import (PagedAttentionPlan, flash_attn, flash_attn_varlen, paged_attention,  # noqa: E402
                         plan_paged_attention)

@@ -41,6 +41,27 @@ def gpu_name(device=None) -> str:
     return "cpu-interpreter"
 
 
+_CAPABILITY: dict = {}
+
+
+def capability(device=None):
+    """(major, minor) compute capability of a CUDA device (cached); None for CPU tensors under the interpreter."""
+    import torch
+
+    if not torch.cuda.is_available() or (device is not None and getattr(device, "type", "cuda") != "cuda"):
+        return None
+    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
+def has_tma(device=None) -> bool:
+    """Whether kernels on ``device`` may read through TMA tensor descriptors: sm_90 or newer, or the interpreter."""
+    cap = capability(device)
+    return cap is None or cap[0] >= 9
+
+
 POISON_OUTPUTS = False  # tests set this: buffers from empty() start as NaN, so elements a kernel never writes show
 
 

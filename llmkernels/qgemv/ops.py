@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .._checks import call_op, check_device, check_tensor, interpreter_mode
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
-from .._runtime import empty, gpu_name, num_sms
+from .._runtime import empty, gpu_name, has_tma, num_sms
 from ..quant.formats import GGUF_FORMATS
 from ..quant.tensor import QuantizedTensor
 from ..tuning import lookup
@@ -405,7 +405,7 @@ def _launch_gemv(x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K
             xt = None
             rows = tc_rows(M)
             if TC_XT and mode == 0 and M >= TC_XT_MIN_M and K % 256 == 0 and not (
-                    rows == 64 and name in TC_XT_NOT_64):
+                    rows == 64 and name in TC_XT_NOT_64) and has_tma(x.device):
                 xt = tc_order(x, fmt)
                 if xt is not None and not interp:
                     config = tuple(lookup("gemv", gpu_name(), f"tc/{name}/xt{rows}")

@@ -1,9 +1,10 @@
-"""Regenerate the tuned tables on this GPU:
-``python -m llmkernels.tuning.tune [prefill] [decode] [decode_few] [gemv] [gemv_m1] [gemv_lanes] [gemv_i8]``.
+"""Tune the kernels for the GPU at hand: ``python -m llmkernels tune [suites]``.
 
 For each key of a table (what stays fixed across steps: dtype, head dim, page-size class, format, M class) the
 candidates are timed on representative shapes and the fastest is written to ``<table>.json`` under this GPU's
-name. Shapes never become part of a key, so a new sequence length never re-tunes or recompiles.
+name, in the user's tuning folder (``llmkernels.tuning.user_dir()``), which later runs read before the shipped
+tables. Shapes never become part of a key, so a new sequence length never re-tunes or recompiles. Maintainers
+regenerate a shipped family section with ``--out llmkernels/tuning --section sm90``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import OVERRIDES, _DIR, load_table
+from . import OVERRIDES, clear_cache, user_dir
 
 
 def _best(table, key, candidates, workloads):
@@ -354,31 +355,48 @@ TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "decode_few
           "gemv_i8": ("gemv", tune_gemv_i8)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmkernels.tuning.tune", description=__doc__)
-    p.add_argument("tables", nargs="*", default=["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes",
-                                                   "gemv_i8"])
-    p.add_argument("--out", default=str(_DIR), help="folder for the JSON tables (default: the package's)")
-    args = p.parse_args(argv)
-    unknown = [t for t in args.tables if t not in TUNERS]
+SUITES = ["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes", "gemv_i8"]
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="python -m llmkernels tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suites", nargs="*", metavar="SUITE", default=list(SUITES),
+                   help=f"what to tune (default: all): {', '.join(SUITES)}")
+    p.add_argument("--out", default=None,
+                   help="folder for the JSON tables (default: the user tuning folder, $LLMKERNELS_TUNING_DIR or "
+                        "~/.cache/llmkernels/tuning)")
+    p.add_argument("--section", default=None,
+                   help="table section to write (default: this GPU's exact name; e.g. sm90 for a family entry)")
+    return p
+
+
+def run(args) -> int:
+    unknown = [t for t in args.suites if t not in TUNERS]
     if unknown:
-        p.error(f"unknown table {unknown[0]!r}: expected some of {', '.join(TUNERS)}")
+        raise ValueError(f"unknown tuning suite {unknown[0]!r}: expected some of {', '.join(SUITES)}")
     if not torch.cuda.is_available():
-        print("tuning needs a CUDA GPU", file=sys.stderr)
-        return 2
+        raise RuntimeError("tuning needs a CUDA GPU, and torch sees none")
     gpu = torch.cuda.get_device_name()
-    for name in args.tables:
+    section = args.section or gpu
+    out = Path(args.out) if args.out else user_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.suites:
         t0 = time.time()
         table, fn = TUNERS[name] if isinstance(TUNERS[name], tuple) else (name, TUNERS[name])
         print(f"tuning {name} on {gpu}", flush=True)
         entries = fn(gpu)
-        path = Path(args.out) / f"{table}.json"
+        path = out / f"{table}.json"
         doc = json.loads(path.read_text()) if path.exists() else {}
-        doc.setdefault(gpu, {}).update(entries)
+        doc.setdefault(section, {}).update(entries)
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        load_table.cache_clear()
-        print(f"wrote {path} ({len(entries)} entries, {time.time() - t0:.0f} s)", flush=True)
+        clear_cache()
+        print(f"wrote {path} [{section}] ({len(entries)} entries, {time.time() - t0:.0f} s)", flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

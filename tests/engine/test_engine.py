@@ -49,6 +49,14 @@ def test_logits_match_transformers(model_files, arch, fmt):
     check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[1]))
 
 
+def test_bf16_logits(model_files):
+    """bf16 activations, also on the CPU (the interpreter's bf16 dot is patched by the library)."""
+    d, path, hf = model_files("llama", "q8_0")
+    llm = LLM(path, dtype=torch.bfloat16, progress=False, max_num_batched_tokens=64)
+    assert llm.dtype == torch.bfloat16
+    check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[0]))
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_act_int8_logits(model_files, fmt):
     """LLM(act_int8=True): the projections take int8-rounded activations at batch 1 (q4_k: rounded by the RMSNorm

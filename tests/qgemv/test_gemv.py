@@ -124,8 +124,6 @@ def test_mid_and_large_m_paths(device):
 def test_dense_weights_in_x_dtype(fmt, dtype, device):
     """f16/bf16 weights stored in x's dtype go to torch's matmul from M = 2 (the kernel at M = 1, for f32, and for
     silu_mul_gemv): every path right."""
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        pytest.skip("bf16 activations are tested on the GPU (the interpreter's bf16 is unreliable)")
     qt = weights(fmt, {}, 23, 96, device)
     for M in (1, 2, 17, 40):
         x = torch.randn(M, 96, dtype=dtype, device=device)
