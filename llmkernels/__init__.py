@@ -8,6 +8,10 @@ import os as _os
 from ._runtime import configure as _configure
 
 _configure()
+if _os.environ.get("LLMKERNELS_ANY_TRITON", "0") == "0":
+    from .supported import require_supported_triton as _require_supported_triton
+
+    _require_supported_triton()
 if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     from ._interpreter import fix_bf16_dot as _fix_bf16_dot
 

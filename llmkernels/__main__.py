@@ -1,40 +1,82 @@
-"""Command line: ``python -m llmkernels demo`` | ``formats`` | ``generate MODEL.gguf --prompt ...`` |
-``convert HF_DIR OUT.gguf --format q4_k``."""
+"""Command line: ``python -m llmkernels {demo,formats,info,tune,generate,convert}`` (also installed as ``llmkernels``).
+
+Errors print one line on stderr and exit with status 2; ``--debug`` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .engine.convert import MIXES
+from .quant.formats import GGUF_FORMATS
+
+FORMATS = tuple(GGUF_FORMATS)
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llmkernels", description="llmkernels command line",
+                                formatter_class=_Formatter)
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub.add_parser("demo", help="run every kernel once against its reference (timed on a GPU)",
+                   formatter_class=_Formatter)
+    sub.add_parser("formats", help="print the quantized formats with their block layouts", formatter_class=_Formatter)
+    sub.add_parser("info", help="print the GPU, the tuned-table entries in use and why, versions, kernel paths",
+                   formatter_class=_Formatter)
+    from .tuning.tune import build_parser as tune_parser
+
+    tune_parser(sub.add_parser("tune", help="tune the kernels for this GPU into the user tuning folder",
+                               formatter_class=_Formatter))
+    g = sub.add_parser("generate", help="generate text with a GGUF model (llama, mistral, qwen2, qwen3)",
+                       formatter_class=_Formatter)
+    g.add_argument("model", help="path to a .gguf file")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat the flag for a batch)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="where to run (default: cuda when a GPU is visible, else cpu through Triton's interpreter)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + generation (default: the model's context length, at most 8192)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--act-int8", action="store_true",
+                   help="round activations to int8 at batch 1 for the q4_0/q8_0/q4_k/q5_k/q6_k projections (faster "
+                        "decode, slightly different logits)")
+    g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end (stderr)")
+    c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint to GGUF",
+                       formatter_class=_Formatter)
+    c.add_argument("model_dir", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    c.add_argument("out", help="path of the .gguf file to write")
+    c.add_argument("--format", default="f16", choices=FORMATS + tuple(MIXES),
+                   help="format of the weight matrices; q4_k_m / q5_k_m are llama.cpp's Q4_K_M / Q5_K_M mixes")
+    c.add_argument("--output-format", default=None, choices=FORMATS + tuple(MIXES),
+                   help="format of the output (lm head) matrix (default: --format)")
+    return p
+
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmkernels", description="llmkernels command line")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="run every kernel once against its reference (timed on a GPU)")
-    sub.add_parser("formats", help="print the quantized formats with their block layouts")
-    g = sub.add_parser("generate", help="generate text with a GGUF model (llama, mistral, qwen2, qwen3)")
-    g.add_argument("model", help="path to a .gguf file")
-    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--device", default=None, help="cuda (default when present) or cpu (Triton interpreter)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-cuda-graphs", action="store_true")
-    g.add_argument("--act-int8", action="store_true",
-                   help="round q4_0/q8_0/q4_k/q6_k activations to int8 at batch 1 (faster decode, other "
-                   "logits)")
-    g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end")
-    c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint to GGUF")
-    c.add_argument("model_dir")
-    c.add_argument("out")
-    c.add_argument("--format", default="f16",
-                   help="GGUF format of the weight matrices (default f16), or q4_k_m / q5_k_m (llama.cpp's "
-                        "Q4_K_M / Q5_K_M mixes)")
-    c.add_argument("--output-format", default=None, help="format of the output matrix (default: --format)")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001  (the CLI's boundary: one line, not a traceback)
+        if args.debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: {type(e).__name__}: {msg}" if msg else f"error: {type(e).__name__}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     import llmkernels  # noqa: F401  (selects the interpreter before triton loads when there is no GPU)
 
     if args.cmd == "demo":
@@ -46,27 +88,43 @@ def main(argv=None) -> int:
 
         print(format_table())
         return 0
+    if args.cmd == "info":
+        from .info import info_lines
+
+        print("\n".join(info_lines()))
+        return 0
+    if args.cmd == "tune":
+        from .tuning.tune import run
+
+        return run(args)
     if args.cmd == "generate":
         return _generate(args)
     if args.cmd == "convert":
+        import os
+
         from .engine.convert import convert_hf_to_gguf
 
+        if not os.path.isdir(args.model_dir):
+            raise FileNotFoundError(f"model_dir {args.model_dir!r} is not a folder")
         print(convert_hf_to_gguf(args.model_dir, args.out, args.format, output_format=args.output_format))
         return 0
     return 2
 
 
 def _generate(args) -> int:
+    import os
     import time
+
+    import torch
 
     from .engine import LLM, SamplingParams
 
-    try:
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    except (TypeError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not os.path.isfile(args.model):
+        raise FileNotFoundError(f"model {args.model!r} is not a file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
               max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8)
     t0 = time.perf_counter()

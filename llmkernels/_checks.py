@@ -78,8 +78,9 @@ def _validated_state(t: torch.Tensor, total):
 
 
 def check_cu_seqlens(name: str, t, batch: int | None = None, total: int | None = None,
-                     validate_values: bool = True) -> torch.Tensor:
-    """int32 [batch+1] prefix sums: starts at 0, non-decreasing, ends at ``total``.
+                     validate_values: bool = True, max_len: tuple[str, int] | None = None) -> torch.Tensor:
+    """int32 [batch+1] prefix sums: starts at 0, non-decreasing, ends at ``total``; with ``max_len`` = (argument
+    name, value), no sequence longer than value (a smaller max_seqlen would leave rows unwritten).
 
     The value checks copy the tensor to the host (a sync) the first time a tensor is seen, and again only after it
     was written in place."""
@@ -89,7 +90,7 @@ def check_cu_seqlens(name: str, t, batch: int | None = None, total: int | None =
     if batch is not None and t.shape[0] != batch + 1:
         raise ValueError(f"{name} must have shape ({batch + 1},) (batch+1), got {tuple(t.shape)}")
     if validate_values and not _capturing():
-        state = _validated_state(t, total)
+        state = _validated_state(t, (total, max_len))
         seen = _VALIDATED.get(id(t))
         if state is not None and seen is not None and seen[0]() is t and seen[1:] == state:
             return t
@@ -100,6 +101,11 @@ def check_cu_seqlens(name: str, t, batch: int | None = None, total: int | None =
             raise ValueError(f"{name} must be non-decreasing, got {v.tolist()[:16]}")
         if total is not None and int(v[-1]) != total:
             raise ValueError(f"{name}[-1] must equal the number of tokens {total}, got {int(v[-1])}")
+        if max_len is not None:
+            longest = int((v[1:] - v[:-1]).max())
+            if longest > max_len[1]:
+                raise ValueError(f"{max_len[0]} is {max_len[1]} but {name} holds a sequence of {longest} tokens: it "
+                                 f"must be at least the longest length")
         if state is not None:
             if len(_VALIDATED) >= 1024:  # dead entries are few in practice; bound the table anyway
                 _VALIDATED.clear()

@@ -50,3 +50,22 @@ def test_cu_seqlens_checked_again_after_in_place_writes(monkeypatch):
                 check_cu_seqlens("cu", cu2)
     assert len(copies) == 4
     assert checks._VALIDATED
+
+
+def test_max_seqlen_smaller_than_a_sequence_is_refused():
+    """A max_seqlen below the longest sequence would leave output rows unwritten: refused, naming both."""
+    import llmkernels as lk
+
+    from .attention.paged_helpers import build
+
+    q, k, v = (torch.randn(30, 2, 64, dtype=torch.float16) for _ in range(3))
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q is 19 but cu_seqlens_q holds a sequence of 20"):
+        lk.flash_attn_varlen(q, k, v, cu, cu, 19, 20)
+    with pytest.raises(ValueError, match="max_seqlen_k is 5 but cu_seqlens_k"):
+        lk.flash_attn_varlen(q, k, v, cu, cu, 20, 5)
+    qp, kc, vc, pt, sl, cuq = build([1, 4], [9, 12], 4, 2, 2, 64)
+    with pytest.raises(ValueError, match="max_seqlen_q is 3 but cu_seqlens_q holds a sequence of 4 queries"):
+        lk.paged_attention(qp, kc, vc, pt, sl, cuq, 3)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative int"):
+        lk.paged_attention(qp, kc, vc, pt, sl, cuq, 4.0)

@@ -41,3 +41,52 @@ def test_bench_without_gpu_says_so():
         pytest.skip("has a GPU")
     r = subprocess.run([sys.executable, "-m", "llmkernels.bench", "decode"], capture_output=True, text=True)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "llmkernels", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "/no/such/model.gguf", "--prompt", "hi"], "is not a file"),
+    (["generate", __file__, "--prompt", "hi"], "GGUF"),
+    (["convert", "/no/such/dir", "/tmp/out.gguf"], "is not a folder"),
+    (["convert", "/", "/tmp/out.gguf"], "config.json"),
+])
+def test_cli_errors_are_one_line(args, words):
+    r = _cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("--debug", *args)  # the traceback on request
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_cli_device_cuda_without_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    r = _cli("generate", __file__, "--prompt", "hi", "--device", "cuda")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no CUDA GPU" in r.stderr
+
+
+def test_cli_bad_choice_and_help():
+    r = _cli("convert", "a", "b", "--format", "q9_9")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = _cli("generate", "--help")
+    assert r.returncode == 0 and "default: 64" in r.stdout and "--max-model-len" in r.stdout
+
+
+def test_info_and_tune_without_gpu():
+    import torch
+
+    r = _cli("info")
+    assert r.returncode == 0 and "torch" in r.stdout and "triton" in r.stdout and "kernel paths" in r.stdout
+    if not torch.cuda.is_available():
+        assert "interpreter" in r.stdout
+        r = _cli("tune", "prefill")
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+    r = _cli("tune", "nosuchsuite")
+    assert r.returncode == 2 and "nosuchsuite" in r.stderr

@@ -206,7 +206,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, lse, write_l
     return None
 
 
-def _validate_pages(page_table, seq_lens, cu_seqlens_q, num_pages, page_size, total_q):
+def _validate_pages(page_table, seq_lens, cu_seqlens_q, num_pages, page_size, total_q, max_seqlen_q):
     """Checks that cost a device sync (skipped inside CUDA-graph capture and torch.compile)."""
     max_pages = page_table.shape[1]
     lens = seq_lens.long()
@@ -220,6 +220,9 @@ def _validate_pages(page_table, seq_lens, cu_seqlens_q, num_pages, page_size, to
     if bool((q_lens > lens).any()) or bool((q_lens < 0).any()):
         b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
         raise ValueError(f"sequence {b}: q_len {int(q_lens[b])} must be in [0, seq_lens[{b}] = {int(lens[b])}]")
+    if q_lens.numel() and int(q_lens.max()) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q is {max_seqlen_q} but cu_seqlens_q holds a sequence of {int(q_lens.max())} "
+                         "queries: it must be at least the longest q_len")
     used = torch.arange(max_pages, device=page_table.device)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
     bad = used & ((page_table < 0) | (page_table >= num_pages))
     if bool(bad.any()):
@@ -268,6 +271,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
         raise ValueError(f"page_table must have {batch} rows (one per sequence), got shape {tuple(page_table.shape)}")
     check_device(q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
                  custom_mask=custom_mask)
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
     fp8 = k_cache.dtype in FP8_DTYPES
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError(f"k_scale and v_scale are required with an fp8 cache ({k_cache.dtype})")
@@ -282,7 +287,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, max
     left, right = _check_window(window_size)
     _check_softcap(softcap)
     if validate and not _capturing():
-        _validate_pages(page_table, seq_lens, cu_seqlens_q, k_cache.shape[0], k_cache.shape[1], q.shape[0])
+        _validate_pages(page_table, seq_lens, cu_seqlens_q, k_cache.shape[0], k_cache.shape[1], q.shape[0],
+                        max_seqlen_q)
     if plan is None:
         plan = plan_paged_attention(cu_seqlens_q, seq_lens, k_cache.shape[1], Hq, Hkv, D, q_dtype=q.dtype,
                                     kv_dtype=k_cache.dtype, num_splits=num_splits, device=q.device)

@@ -269,12 +269,13 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
         raise ValueError(f"k must be [total_k, num_kv_heads, head_dim], got shape {tuple(k.shape)}")
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0])
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=cu_seqlens_q.shape[0] - 1, total=k.shape[0])
-    check_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
             raise TypeError(f"{name} must be a non-negative int, got {val!r}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], max_len=("max_seqlen_q", max_seqlen_q))
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=cu_seqlens_q.shape[0] - 1, total=k.shape[0],
+                     max_len=("max_seqlen_k", max_seqlen_k))
+    check_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     left, right = _check_window(window_size)
     _check_softcap(softcap)
     out, lse = output_buffers(q, out, return_lse, torch.bfloat16 if fp8 else None)

@@ -6,6 +6,9 @@ import math
 
 import torch
 
+from ..attention.plan import PAGED_HEAD_DIMS
+from ..attention.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
+
 # GGUF architecture -> how its tensors are laid out. "interleaved" RoPE rotates pairs (2i, 2i+1): llama.cpp's
 # converter permutes the rows of Q and K of llama-style checkpoints into that order. Qwen models keep the
 # Hugging Face layout and rotate (i, i + D/2) ("neox").
@@ -15,6 +18,10 @@ ARCHITECTURES = {
     "qwen2": dict(rope="neox", qkv_bias=True, qk_norm=False),
     "qwen3": dict(rope="neox", qkv_bias=False, qk_norm=True),
 }
+
+
+# head dims that both the prefill and the paged attention kernels take (the engine runs both)
+ENGINE_HEAD_DIMS = tuple(d for d in PAGED_HEAD_DIMS if d in PREFILL_HEAD_DIMS)
 
 
 class ModelConfigError(ValueError):
@@ -106,6 +113,9 @@ class ModelConfig:
         )
         if cfg.n_heads % cfg.n_kv_heads:
             raise ModelConfigError(f"head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}")
+        if cfg.head_dim not in ENGINE_HEAD_DIMS:
+            raise ModelConfigError(f"{arch}: head dim {cfg.head_dim} (attention.key_length) is not supported by the "
+                                   f"attention kernels; supported: {', '.join(map(str, ENGINE_HEAD_DIMS))}")
         return cfg
 
 

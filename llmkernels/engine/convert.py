@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
@@ -241,6 +242,7 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
 
         bar = tqdm(total=len(names), desc="converting", unit="tensor")
     tensors = dict(extra)
+    fallbacks = []  # matrices whose row length the asked format's block does not divide
     for name, w in _iter_safetensors(model_dir):
         if bar is not None:
             bar.update(1)
@@ -259,9 +261,17 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
         else:
             fmt = output_format if gname == "output.weight" else format
             fmt = mix_format(fmt, gname, int(config["num_hidden_layers"]))
-            tensors[gname] = quantize(w.contiguous(), _pick_format(fmt, w.shape[-1]))
+            used = _pick_format(fmt, w.shape[-1])
+            if used != fmt:
+                fallbacks.append(f"{gname} [{w.shape[0]}, {w.shape[-1]}]: {fmt} -> {used} (row length "
+                                 f"{w.shape[-1]} is not a multiple of {fmt}'s block of {GGUF_FORMATS[fmt].block_size})")
+            tensors[gname] = quantize(w.contiguous(), used)
     if bar is not None:
         bar.close()
+    if fallbacks:
+        print(f"convert: {len(fallbacks)} matrices fell back to another format:", file=sys.stderr)
+        for line in fallbacks:
+            print(f"  {line}", file=sys.stderr)
     if config.get("tie_word_embeddings") and "output.weight" in tensors:
         del tensors["output.weight"]
     types = {}

@@ -364,3 +364,26 @@ def test_look_ahead_keeps_outputs(model_files, monkeypatch):
     assert base[:4] == ahead[:4]
     assert base[1][1] == base[0][:3]  # the stop token ended the second request
     assert base[4] == 0 and ahead[4] > 5
+
+
+def test_unsupported_head_dim_fails_at_load(model_files):
+    """A head dim the attention kernels do not take raises ModelConfigError when the model loads, naming it."""
+    from llmkernels.engine import ModelConfigError
+
+    _, path, _ = model_files("llama", "f32", hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128)
+    with pytest.raises(ModelConfigError, match="head dim 16"):
+        LLM(path, progress=False)
+
+
+def test_convert_reports_fallbacks(tmp_path, capsys):
+    """q4_k on matrices whose row length is not a multiple of 256: the fallback to q8_0 is printed per tensor."""
+    from llmkernels import read_gguf
+    from llmkernels.engine import convert_hf_to_gguf
+    from llmkernels.testing.tiny_models import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "llama", hidden=128, ffn=320, heads=2, kv_heads=1, head_dim=64, vocab=384)
+    out = convert_hf_to_gguf(str(tmp_path), str(tmp_path / "m.gguf"), "q4_k", progress=False)
+    err = capsys.readouterr().err
+    assert "fell back" in err and "blk.0.ffn_down.weight [128, 320]: q4_k -> q8_0" in err
+    assert "blk.0.attn_q.weight" in err  # K = 128 too
+    assert read_gguf(out)["blk.0.ffn_down.weight"].format == "q8_0"

@@ -1,0 +1,69 @@
+"""``python -m llmkernels info``: what this machine runs and why (GPU, tuned-table entries, versions, kernel paths)."""
+from __future__ import annotations
+
+import platform
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001  (not installed, or installed without metadata)
+        return "not installed"
+
+
+def kernel_paths(capability, gluon: bool) -> list[str]:
+    """Which kernel families this GPU (capability, or None for the interpreter) and Triton enable."""
+    from .supported import check_triton_version
+
+    lines = []
+    if capability is None:
+        lines.append("  Triton interpreter on the CPU (no CUDA device): every kernel runs, slowly; bf16 dots and "
+                     "arithmetic are widened to fp32 by llmkernels' interpreter fix")
+        return lines
+    sm90 = capability == (9, 0)
+    note = check_triton_version()
+    lines.append(f"  Gluon warp-specialized prefill and persistent paged decode (sm_90): "
+                 f"{'enabled' if sm90 and gluon else 'off: ' + ('needs sm_90' if not sm90 else 'this Triton has no Gluon Hopper API')}")
+    lines.append(f"  TMA loads (prefill K/V tiles, GEMV activations from 17 rows): "
+                 f"{'enabled' if capability[0] >= 9 else 'off (needs sm_90+)'}")
+    lines.append(f"  programmatic dependent launch: {'enabled' if capability[0] >= 9 else 'off (needs sm_90+)'}")
+    lines.append("  Triton kernels for prefill, paged attention and every GEMV format: enabled")
+    if note:
+        lines.append(f"  note: {note}")
+    return lines
+
+
+def info_lines() -> list[str]:
+    import torch
+
+    from . import __version__
+    from ._checks import interpreter_mode
+    from .tuning import describe, family_of, user_dir
+
+    lines = [f"llmkernels {__version__}"]
+    lines.append(f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}, "
+                 f"numpy {_version('numpy')}, gguf {_version('gguf')}")
+    cuda = torch.cuda.is_available() and not interpreter_mode()
+    if cuda:
+        name = torch.cuda.get_device_name()
+        cap = torch.cuda.get_device_capability()
+        props = torch.cuda.get_device_properties(0)
+        family = family_of(cap)
+        lines.append(f"GPU: {name} (sm_{cap[0]}{cap[1]}, {props.multi_processor_count} SMs, "
+                     f"{props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+        lines.append(f"tuned tables (search order: user folder {user_dir()}, exact GPU \"{name}\", family "
+                     f"\"{family}\", \"default\"):")
+        lines += describe(name, family)
+        from .attention.prefill import _gluon_hopper
+
+        gluon = cap == (9, 0) and _gluon_hopper(torch.cuda.current_device())
+        lines.append("kernel paths:")
+        lines += kernel_paths(cap, gluon)
+    else:
+        lines.append("GPU: none visible to torch")
+        lines.append("tuned tables: not used (the interpreter runs small fixed tiles)")
+        lines.append("kernel paths:")
+        lines += kernel_paths(None, False)
+    return lines
