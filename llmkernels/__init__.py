@@ -13,9 +13,9 @@ if _os.environ.get("LLMKERNELS_ANY_TRITON", "0") == "0":
 
     _require_supported_triton()
 if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    from ._interpreter import fix_bf16_dot as _fix_bf16_dot
+    from ._interpreter import fix_interpreter as _fix_interpreter
 
-    _fix_bf16_dot()  # the interpreter multiplies bf16 bit patterns as integers otherwise
+    _fix_interpreter()  # the interpreter multiplies bf16 bit patterns as integers otherwise
 
 from .attention import (PagedAttentionPlan, flash_attn, flash_attn_varlen, paged_attention,  # noqa: E402
                         plan_paged_attention)

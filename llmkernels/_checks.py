@@ -55,9 +55,9 @@ def check_device(**tensors) -> torch.device:
         raise ValueError(f"{first_name} is on {dev}: kernels need CUDA tensors "
                          "(or TRITON_INTERPRET=1 to run them on the CPU through Triton's interpreter)")
     if interpreter_mode() and any(t.dtype == torch.bfloat16 for _, t in items):
-        from ._interpreter import fix_bf16_dot
+        from ._interpreter import fix_interpreter
 
-        if not fix_bf16_dot():
+        if not fix_interpreter():
             name = next(n for n, t in items if t.dtype == torch.bfloat16)
             raise TypeError(f"{name} is bfloat16, which this Triton's interpreter cannot multiply correctly; use "
                             "float16 or float32 on the CPU, or a CUDA GPU")

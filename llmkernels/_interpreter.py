@@ -2,9 +2,12 @@
 
 The interpreter stores bfloat16 tensors as their uint16 bit patterns, and its ``tl.dot`` and float arithmetic
 (add, multiply, exp, fma, clamp, ...) compute on those integers (Triton 3.2 through 3.6 at least), so bf16 kernels
-return values around 1e8 with no error. ``fix_bf16_dot`` makes the interpreter widen bf16 operands to float32 (exact)
+return values around 1e8 with no error. ``fix_interpreter`` makes the interpreter widen bf16 operands to float32 (exact)
 first, as the tensor cores do for dots, and round float results back to bf16 (to nearest even), as compiled bf16
-arithmetic does. It is idempotent and only touches the interpreter's builder, never compiled kernels.
+arithmetic does. Comparisons give int1 results (bool data) whatever their operands' dtype: Triton 3.9's interpreter
+labels them with the left operand's dtype and widens them to it, so a mask such as ``(rows < N) & (m < M)`` became
+int32 and its loads failed ("mask has unsupported dtype"). The fixes are idempotent and only touch the interpreter's
+builder, never compiled kernels.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def _bf16_to_f32(handle, tl, TensorHandle, np):
 _COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")
 
 
-def fix_bf16_dot() -> bool:
+def fix_interpreter() -> bool:
     """Make the interpreter right for bfloat16 dots and arithmetic. Returns False when there is nothing to patch
     (a Triton without an interpreter builder of the known shape), in which case the public ops refuse bf16 tensors
     under the interpreter (``_checks.check_device``)."""
@@ -59,7 +62,15 @@ def fix_bf16_dot() -> bool:
 
     op_name = lambda args: getattr(args[-1], "__name__", "")  # noqa: E731  (binary/unary ops pass the ufunc last)
     builder.create_dot = wrap(builder.create_dot, lambda args: False)  # accumulates in d's dtype (fp32)
-    builder.binary_op = wrap(builder.binary_op, lambda args: is_bf16(args[0]) and op_name(args) not in _COMPARISONS)
+    arithmetic = wrap(builder.binary_op, lambda args: is_bf16(args[0]))
+
+    def binary_op(self, lhs, rhs, op):
+        if op_name((op,)) in _COMPARISONS:  # a comparison gives int1 (bool), whatever its operands' dtype
+            lhs, rhs = widen(lhs), widen(rhs)
+            return TensorHandle(np.asarray(op(lhs.data, rhs.data), dtype=np.bool_), tl.int1)
+        return arithmetic(self, lhs, rhs, op)
+
+    builder.binary_op = binary_op
     builder.unary_op = wrap(builder.unary_op, lambda args: is_bf16(args[0]))
     builder.create_fma = wrap(builder.create_fma, lambda args: is_bf16(args[2]))
     builder.create_clampf = wrap(builder.create_clampf, lambda args: is_bf16(args[0]))
