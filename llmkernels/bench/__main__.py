@@ -2,6 +2,7 @@
 
     python -m llmkernels.bench                 # every suite
     python -m llmkernels.bench prefill decode  # some suites
+    python -m llmkernels.bench llamacpp --llama-cpp DIR   # our engine and llama.cpp on one GGUF
     python -m llmkernels.bench --plot bench/results/FILE.json
 """
 from __future__ import annotations
@@ -21,6 +22,9 @@ def main(argv=None) -> int:
     p.add_argument("suites", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
     p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.add_argument("--llama-cpp", metavar="DIR", default=None,
+                   help="folder of a llama.cpp build (llama-bench, llama-batched-bench) for the llamacpp suite's "
+                        "peer rows (default: $LLMK_LLAMA_CPP)")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="draw a PNG chart of a results file and exit")
     args = p.parse_args(argv)
 
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
     suites = args.suites or list(SUITES)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     ctx = Context(read_bw_TBps=measure_read_bandwidth(), copy_bw_TBps=measure_copy_bandwidth(),
-                  matmul_TFLOPs=measure_matmul_tflops(), quick=args.quick)
+                  matmul_TFLOPs=measure_matmul_tflops(), quick=args.quick, llama_cpp=args.llama_cpp)
     print(f"measured: read {ctx.read_bw_TBps:.3f} TB/s, copy (read+write) {ctx.copy_bw_TBps:.3f} TB/s, "
           f"bf16 matmul {ctx.matmul_TFLOPs:.1f} TFLOP/s", flush=True)
     cases = []

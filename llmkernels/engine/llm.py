@@ -54,7 +54,8 @@ class LLM:
         num_pages: cache pages; default: as many as ``gpu_memory_utilization`` leaves room for, at most what
             ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
         max_model_len: longest prompt + generation (default: the model's context length, at most 8192).
-        max_num_seqs, max_num_batched_tokens: the scheduler's sequence and per-step token budgets.
+        max_num_seqs, max_num_batched_tokens: the scheduler's sequence and per-step token budgets (2048 tokens per
+            step: a 512-token prompt prefills in one step; bench/NOTES.md, engine prefill budgets).
         kv_cache_dtype: None (= dtype) or torch.float8_e4m3fn / torch.float8_e5m2 (scales 1.0).
         cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
         num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
@@ -70,7 +71,7 @@ class LLM:
     """
 
     def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_pages: int | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_dtype=None, cuda_graphs: bool = True, max_graph_batch: int = 64,
                  gpu_memory_utilization: float = 0.9, num_splits: int = 0, progress: bool = True,
                  act_int8: bool = False, _model: Model | None = None,

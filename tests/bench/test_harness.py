@@ -50,3 +50,29 @@ def test_plot(tmp_path):
         pytest.skip("no results committed")
     png = plot(RESULTS[-1], tmp_path / "chart.png")
     assert png.stat().st_size > 1000
+
+
+def test_llama_cpp_output_parsing(tmp_path):
+    """The llamacpp suite reads llama-bench's JSON and llama-batched-bench's JSONL (stand-in programs here)."""
+    import os
+    import stat
+
+    from llmkernels.bench.suites.llamacpp import llama_batched_bench, llama_bench
+
+    bench = ('[{"n_prompt": 512, "n_gen": 0, "avg_ts": 9400.5}, {"n_prompt": 4096, "n_gen": 0, "avg_ts": 10100.0},'
+             ' {"n_prompt": 0, "n_gen": 128, "avg_ts": 270.25}]')
+    lines = "\n".join('{"pp": 512, "tg": 128, "pl": %d, "speed_tg": %.1f, "speed_pp": 1.0}' % (b, 100.0 * b)
+                      for b in (1, 16, 64))
+    for name, text in (("llama-bench", "ggml_cuda_init: found 1 CUDA devices\n" + bench),
+                       ("llama-batched-bench", "main: n_kv_max = 40960\n" + lines)):
+        p = tmp_path / name
+        p.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\n")
+        p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    assert llama_bench(str(tmp_path), "m.gguf") == {"pp512": 9400.5, "pp4096": 10100.0, "tg128": 270.25}
+    assert llama_batched_bench(str(tmp_path), "m.gguf") == {1: 100.0, 16: 1600.0, 64: 6400.0}
+    (tmp_path / "llama-bench").write_text("#!/bin/sh\necho 'error: unable to load model' >&2\nexit 1\n")
+    import pytest
+
+    with pytest.raises(RuntimeError, match="exited 1: error: unable to load model"):
+        llama_bench(str(tmp_path), "m.gguf")
+    assert os.path.exists(tmp_path / "llama-batched-bench")

@@ -5,4 +5,5 @@ SUITES = {
     "decode": "llmkernels.bench.suites.decode",
     "gemv": "llmkernels.bench.suites.gemv",
     "engine": "llmkernels.bench.suites.engine",
+    "llamacpp": "llmkernels.bench.suites.llamacpp",
 }

@@ -1,6 +1,8 @@
-"""Suite ``engine``: end-to-end decode of a synthetic Llama-3-8B-shaped model (random weights built on the GPU).
+"""Suite ``engine``: end-to-end decode and prefill of a synthetic Llama-3-8B-shaped model (random weights built on the
+GPU).
 
-Batch-1 decode tokens/s after a 512-token prompt, and decode throughput with 16 and 64 such requests, for q4_k,
+Prefill throughput (prompt tokens / time to first token of one 512- or 4096-token request), batch-1 decode tokens/s
+after a 512-token prompt, and decode throughput with 16 and 64 such requests, for q4_k,
 q8_0 and bf16 weights, and q4_k_m / q5_k_m: the mixes of llama.cpp's Q4_K_M / Q5_K_M files (q6_k for the output
 matrix and for attn_v and ffn_down in half of the layers, q4_k / q5_k elsewhere), what users of published files run.
 The bound is the measured read bandwidth divided by the weight bytes one decode step must read (every matrix once
@@ -19,6 +21,7 @@ from ...testing.random_weights import random_qtensor
 from ..harness import Row
 
 PROMPT, GEN = 512, 128
+PREFILL_LENGTHS = (512, 4096)
 
 
 def llama3_8b_config(layers: int = 32) -> ModelConfig:
@@ -27,16 +30,16 @@ def llama3_8b_config(layers: int = 32) -> ModelConfig:
                        context_length=8192, eos_ids=())
 
 
-def synthetic_model(fmt: str, cfg: ModelConfig) -> Model:
-    """Random weights in ``fmt`` (or a mix such as q4_k_m) with the GGUF names of a llama model, created on the GPU."""
+def synthetic_tensors(fmt: str, cfg: ModelConfig, device="cuda") -> dict:
+    """Random weights in ``fmt`` (or a mix such as q4_k_m) under the GGUF names of a llama model."""
     H, D = cfg.hidden, cfg.head_dim
     shapes = {"attn_q": (cfg.n_heads * D, H), "attn_k": (cfg.n_kv_heads * D, H), "attn_v": (cfg.n_kv_heads * D, H),
               "attn_output": (H, cfg.n_heads * D), "ffn_gate": (cfg.ffn, H), "ffn_up": (cfg.ffn, H),
               "ffn_down": (H, cfg.ffn)}
-    ones = torch.ones(H, device="cuda")
+    ones = torch.ones(H, device=device)
 
     def rand(name, n, k):
-        return random_qtensor(mix_format(fmt, name, cfg.n_layers), n, k, "cuda", scale=0.02)
+        return random_qtensor(mix_format(fmt, name, cfg.n_layers), n, k, device, scale=0.02)
 
     t = {"token_embd.weight": rand("token_embd.weight", cfg.vocab_size, H),
          "output.weight": rand("output.weight", cfg.vocab_size, H), "output_norm.weight": ones}
@@ -45,8 +48,12 @@ def synthetic_model(fmt: str, cfg: ModelConfig) -> Model:
             t[f"blk.{i}.{name}.weight"] = rand(f"blk.{i}.{name}.weight", n, k)
         t[f"blk.{i}.attn_norm.weight"] = ones
         t[f"blk.{i}.ffn_norm.weight"] = ones
-    model = Model(cfg, t, "cuda", torch.bfloat16)
-    return model
+    return t
+
+
+def synthetic_model(fmt: str, cfg: ModelConfig) -> Model:
+    """The model of ``synthetic_tensors``, built on the GPU."""
+    return Model(cfg, synthetic_tensors(fmt, cfg), "cuda", torch.bfloat16)
 
 
 def _decode_rate(llm: LLM, batch: int) -> tuple[float, float, int]:
@@ -74,12 +81,40 @@ def _decode_rate(llm: LLM, batch: int) -> tuple[float, float, int]:
     return made / (t2 - t1), t2 - t0, steps
 
 
+def time_to_first_token(llm: LLM, n: int, seed: int = 0) -> float:
+    """Seconds from adding one ``n``-token request to its first sampled token (prefill chunks included)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = llm.add_request(torch.randint(0, llm.cfg.vocab_size, (n,), generator=g).tolist(),
+                          SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while not seq.out_ids:
+        llm.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    while llm.scheduler.has_work():
+        llm.step()
+    return dt
+
+
+def prefill_rows(llm: LLM, label: str, suite: str = "engine", anchors: dict | None = None) -> list:
+    """Prompt tokens/s of one request of each PREFILL_LENGTHS (the median of 3 after a warm-up)."""
+    rows = []
+    for n in PREFILL_LENGTHS:
+        time_to_first_token(llm, n)
+        dt = sorted(time_to_first_token(llm, n, seed=i) for i in range(3))[1]
+        row = Row(suite, f"llama3-8b {label} prefill {n} (time to first token)", "tokens/s", n / dt, None,
+                  dict((anchors or {}).get(n, {})))
+        row.note = f"time to first token {dt * 1e3:.1f} ms, budget {llm.scheduler.max_tokens} tokens/step"
+        rows.append(row)
+    return rows
+
+
 def _format_case(ctx, fmt: str, act_int8: bool = False):
     def run():
         cfg = llama3_8b_config()
         model = synthetic_model(fmt, cfg)
-        llm = LLM.from_model(model, max_num_seqs=64, max_model_len=PROMPT + GEN + 16, max_num_batched_tokens=2048,
-                             act_int8=act_int8)
+        llm = LLM.from_model(model, max_num_seqs=64, max_model_len=max(PREFILL_LENGTHS) + 16, act_int8=act_int8)
         llm.capture_graphs([1, 16, 64] if not ctx.quick else [1])
         bytes_per_token = model.decode_bytes_per_token()
         bound = ctx.read_bw_TBps * 1e12 / bytes_per_token
@@ -100,7 +135,25 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
                         f"(prefill included), {steps} decode steps, graph replays {llm.stats.graph_steps}, preemptions "
                         f"{llm.scheduler.num_preemptions}")
             rows.append(row)
+        if not act_int8:
+            rows += prefill_rows(llm, fmt)
         del llm, model
+        return rows
+    return run
+
+
+def _budget_case(ctx, fmt: str = "q4_k_m"):
+    """Prefill throughput of one 512- and one 4096-token prompt under several per-step token budgets: the
+    measurement behind LLM's default max_num_batched_tokens."""
+    def run():
+        model = synthetic_model(fmt, llama3_8b_config())
+        rows = []
+        for budget in (512, 1024, 2048, 4096):
+            llm = LLM.from_model(model, max_num_seqs=4, max_model_len=max(PREFILL_LENGTHS) + 16,
+                                 max_num_batched_tokens=budget, cuda_graphs=False)
+            for row in prefill_rows(llm, f"{fmt} budget{budget}"):
+                rows.append(row)
+            del llm
         return rows
     return run
 
@@ -108,8 +161,9 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
 def cases(ctx):
     fmts = ["q4_k", "q8_0", "bf16", "q4_k_m", "q5_k_m"] if not ctx.quick else ["q4_k"]
     out = [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
-    if not ctx.quick:  # activations rounded to int8 at batch 1 (LLM(act_int8=True)): q4_k since session 30, q6_k
-        # (so all of q4_k_m) since session 31, q5_k (all of q5_k_m) since session 32
+    if not ctx.quick:
+        out.append(("engine q4_k_m token budgets", _budget_case(ctx)))
+    if not ctx.quick:  # activations rounded to int8 at batch 1 (LLM(act_int8=True))
         for f in ("q4_k", "q8_0", "q4_k_m", "q5_k_m"):
             out.append((f"engine {f} act_int8", _format_case(ctx, f, True)))
     return out
