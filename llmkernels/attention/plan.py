@@ -271,7 +271,7 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
 
     ``few``: the batch has so few (tile, KV head) programs that at most half the SMs would be busy without split-KV
     (batch-1 decode). Its splits hold few keys each, and short key tiles measured faster there: H100, B=1, GQA 32/8,
-    bf16, page 16, caches read from DRAM (scripts/paged_lab.py --cold), BLOCK_N 16 against 32 at the splits each
+    bf16, page 16, caches read from DRAM (bench/lab/paged_lab.py --cold), BLOCK_N 16 against 32 at the splits each
     chose: L=532 7.7 against 9.5 us, L=4096 14.8 against 22.9, L=32768 57.2 against 69.4. The table's key gets the
     suffix "/few" (decode_few in tuning/tune.py); without such an entry the general one applies."""
     if interpreter_mode():

@@ -4,6 +4,7 @@
     python -m llmkernels.bench prefill decode  # some suites
     python -m llmkernels.bench llamacpp --llama-cpp DIR   # our engine and llama.cpp on one GGUF
     python -m llmkernels.bench --plot bench/results/FILE.json
+    python -m llmkernels.bench --report        # bench/RESULTS.md from the committed files
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def main(argv=None) -> int:
                    help="folder of a llama.cpp build (llama-bench, llama-batched-bench) for the llamacpp suite's "
                         "peer rows (default: $LLMK_LLAMA_CPP)")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="draw a PNG chart of a results file and exit")
+    p.add_argument("--report", action="store_true",
+                   help="write bench/RESULTS.md from the newest results file of each GPU and suite, and exit")
     args = p.parse_args(argv)
 
     from .harness import Context, format_table, measure_copy_bandwidth, measure_matmul_tflops, \
@@ -33,6 +36,11 @@ def main(argv=None) -> int:
 
     if args.plot:
         print(plot(args.plot))
+        return 0
+    if args.report:
+        from .report import write_report
+
+        print(write_report(args.out, "bench/RESULTS.md"))
         return 0
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:

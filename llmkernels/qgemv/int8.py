@@ -163,7 +163,7 @@ def gemv_i8_kernel(XQ, XS, W32, Y, PART, COUNT, M, N, stride_xq, stride_xs, stri
     8 lanes with 16 bytes each along a group's 128 bytes instead of one thread per group) and lets the compiler move
     them to one thread per group through shared memory. PREFETCH = 1 loads the next step's weights before this
     step's arithmetic (twice the weight registers). Both pay off where the grid has many steps per program: on an
-    H100 (scripts/i8_lab.py, bench/NOTES.md) 128256 x 4096 went from 132-134 to 112-117 us for q4_0 and from 245
+    H100 (bench/lab/i8_lab.py, bench/NOTES.md) 128256 x 4096 went from 132-134 to 112-117 us for q4_0 and from 245
     to 197-198 us for q8_0, while the 9-33 MB matrices stayed within +-10%."""
     LPR: tl.constexpr = ROWS_T // GP  # rows per rep
     BLOCK_N: tl.constexpr = LPR * R

@@ -28,14 +28,14 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # the generic kernel wins (26.1 / 31.0 ... 637.6 / 850.8): its 210-byte blocks give the m1 kernel 2-byte loads.
 # the m1 kernel (up to 4 activation rows per program) up to this M: for q4_k that now covers silu_mul_gemv and the
 # GLU (plain gemv takes the tensor-core kernel from TC_FIRST_M, below), MLX 4-bit against the planes kernel (faster at
-# M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (scripts/gemv_lab.py
+# M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (bench/lab/gemv_lab.py
 # --m-curve)
 M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # The tensor-core kernel (tc.py) per format: gemv takes it from TC_FIRST_M rows up to MID_M, and from
 # TC_FIRST_M_LARGE on long or wide matrices (K >= TC_LONG_K or N >= TC_WIDE_N); silu_mul_gemv from TC_FIRST_M, past
 # M1_MAX_M for the formats of TC_SILU_M1 (the m1 kernel forms silu(g) * u in its loads up to there). The evidence
 # (H100, us on the five Llama-3-8B shapes 4096x4096 / 6144x4096 / 14336x4096 / 4096x14336 / 128256x4096, the kernel
-# replaced / tc, scripts/tc_lab.py unless named):
+# replaced / tc, bench/lab/tc_lab.py unless named):
 # - q4_k M = 2 (m1 / tc, session 27, fp16, PDL on both): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7. M = 4
 #   (session 16, bf16): 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 / 157.2. M = 1 stays on the m1 and
 #   lane kernels (session 27, .lab/x1_lab.py): 7.3 / 8.3, 9.2 / 10.1, 17.3 / 19.5, 17.1 / 18.9, 116.8 / 128.1.
@@ -137,7 +137,7 @@ I8_Q6_LONG_K = 8192
 # order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
 # an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
 # against 18.5; 14336 x 4096: fp16 17.2 against 17.6, bf16 17.9 against 17.7; 6144 x 4096 loses 0.6-1.3 us;
-# scripts/lanes_lab.py, bench/NOTES.md session 14)
+# bench/NOTES.md, bench/NOTES.md session 14)
 LANES_MIN_WEIGHTS = 1 << 25
 LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 # fused silu_mul_gemv, q4_k, M = 1, matrices of LANES_MIN_WEIGHTS or more: twice the rows per thread and lanes split
@@ -306,7 +306,7 @@ def _launch_i8(x, x2, data, fmt, N, K):
     if interp:
         config = (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
     else:
-        # three size classes (tuning.tune gemv_i8, scripts/i8_lab.py: on an H100 the best config of one class loses
+        # three size classes (tuning.tune gemv_i8, bench/lab/i8_lab.py: on an H100 the best config of one class loses
         # up to 1.4x on another)
         size = "wide" if N >= 32768 else ("large" if N * K > 32 * 2**20 else "small")
         config = tuple(lookup("gemv", gpu_name(), f"i8/{fmt}/{size}") or (1, 4, 4, 3))

@@ -68,7 +68,7 @@ def tune_prefill(gpu):
             inputs.append((q, k, v, cu, max(lens)))
         # (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE, TMA). FOLD_SCALE picks the unmasked loop with the scale
         # folded into the exponent (1) or the generic one (0); TMA loads that loop's K/V tiles through tensor
-        # descriptors. In scripts/prefill_lab.py TMA ran D=256 6% faster and D=64/128 4-10% slower at equal tiles
+        # descriptors. In bench/lab/prefill_lab.py TMA ran D=256 6% faster and D=64/128 4-10% slower at equal tiles
         if D <= 128:
             cands = [(128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 3, 1, 1),
                      (128, 128, 8, 2, 1), (64, 64, 4, 3, 1), (64, 128, 4, 3, 1), (128, 64, 4, 3, 1)]
@@ -127,7 +127,7 @@ def tune_decode(gpu):
     out = {}
     Hq, Hkv, D = 32, 8, 128
     # (BLOCK_N, warps, stages). The page-table load before each K/V load takes pipeline stages: a loop gets
-    # (stages - 1) // 2 K/V buffers, so 5 stages means 2 buffers (scripts/paged_lab.py; 7 and 9 measured no faster)
+    # (stages - 1) // 2 K/V buffers, so 5 stages means 2 buffers (bench/lab/paged_lab.py; 7 and 9 measured no faster)
     cands = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 5), (128, 4, 2),
              (16, 4, 4), (64, 4, 5), (128, 4, 5)]
     for kv in (torch.bfloat16, torch.float8_e4m3fn):

@@ -76,3 +76,16 @@ def test_llama_cpp_output_parsing(tmp_path):
     with pytest.raises(RuntimeError, match="exited 1: error: unable to load model"):
         llama_bench(str(tmp_path), "m.gguf")
     assert os.path.exists(tmp_path / "llama-batched-bench")
+
+
+def test_report_from_committed_results(tmp_path):
+    """bench/RESULTS.md is generated from the committed files: every GPU and suite, newest file of each."""
+    import pathlib
+
+    from llmkernels.bench.report import render, write_report
+
+    results = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
+    text = render(results)
+    assert "## NVIDIA H200" in text and "### decode" in text and "sdpa_cudnn (ratio)" in text
+    out = write_report(results, tmp_path / "RESULTS.md")
+    assert out.read_text() == text

@@ -122,7 +122,7 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
         for batch in ([1, 16, 64] if not ctx.quick else [1]):
             # warm-up at every batch size: the first run at a new batch size decodes at 22.3 ms/step instead of
             # 9.0 (q4_k, batch 16, H100) even with every decode step replayed from a captured graph; what costs the
-            # ~1.7 s outside the graphs is not identified (bench/NOTES.md, scripts/engine_batches.py)
+            # ~1.7 s outside the graphs is not identified (bench/NOTES.md, bench/lab/engine_batches.py)
             _decode_rate(llm, batch)
             rate, wall, steps = _decode_rate(llm, batch)
             per_seq = rate / batch

@@ -1,7 +1,7 @@
 """Small-M GEMV on the tensor cores (qgemv/tc.py: q4_k, q5_k, q6_k, q4_0, q8_0, MLX 4-bit) against gemv without
 it, on the GPU.
 
-    python scripts/tc_lab.py [--fmt q4_k|q5_k|q6_k|q4_0|q8_0|mlx4] [--configs BLOCK_N/warps/stages/waves,...]
+    python bench/lab/tc_lab.py [--fmt q4_k|q5_k|q6_k|q4_0|q8_0|mlx4] [--configs BLOCK_N/warps/stages/waves,...]
                              [--m 1,8,16] [--dtypes fp16,bf16] [--shapes NxK,...]
 
 A config may add /prefetch/maxnreg (tc.launch_tc).

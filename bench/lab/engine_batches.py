@@ -1,6 +1,6 @@
 """One synthetic Llama-3-8B-shaped model decoding several batches in turn, in one process (the engine bench's model).
 
-    python scripts/engine_batches.py [q4_k|q8_0|bf16] [1,1,16,16,64,...]
+    python bench/lab/engine_batches.py [q4_k|q8_0|bf16] [1,1,16,16,64,...]
 
 For each batch size in the list: decode tokens/s after the prompts are prefilled, ms per step, graph replays and
 preemptions. Shows what a first run at a batch size costs against later ones (the bench warms up each size).

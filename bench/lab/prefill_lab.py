@@ -1,8 +1,8 @@
 """Prefill attention experiments on the GPU: (BLOCK_M, BLOCK_N, warps, stages, FOLD_SCALE, TMA) per tuning key.
 
-    python scripts/prefill_lab.py [--keys 128/full,128/causal] [--configs 128/64/8/3/1,...] [--budget SECONDS]
+    python bench/lab/prefill_lab.py [--keys 128/full,128/causal] [--configs 128/64/8/3/1,...] [--budget SECONDS]
     ncu --clock-control none -k regex:flash_fwd --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis python scripts/prefill_lab.py --eager --keys 128/full
+        --section MemoryWorkloadAnalysis python bench/lab/prefill_lab.py --eager --keys 128/full
 
 Each candidate is checked once against the float64 reference (a ragged bf16 batch, causal and not), then timed at
 the prefill suite's shapes for its key, next to SDPA cuDNN on the same inputs. Prints TFLOP/s and the ratio to

@@ -1,6 +1,6 @@
 """Decode paged-attention experiments on the GPU: (BLOCK_N, warps, stages) and split counts per bench shape.
 
-    python scripts/paged_lab.py [--kv bf16,fp8] [--pages 1,16,64] [--budget SECONDS]
+    python bench/lab/paged_lab.py [--kv bf16,fp8] [--pages 1,16,64] [--budget SECONDS]
 
 Each candidate config is checked once against the float64 reference (a small batch with ragged lengths), then timed
 by CUDA-graph replay at the decode suite's shapes (GQA 32/8, D=128) with the split count the planner picks, and
@@ -117,7 +117,7 @@ def main():
     p.add_argument("--configs", default="", help="only these configs, e.g. 32/4/5,64/4/5 (BLOCK_N/warps/stages)")
     p.add_argument("--shapes", default="", help="only these shapes, e.g. 1x32768,16x4096")
     p.add_argument("--eager", action="store_true", help="run each (config, shape) 3 times without graphs or timing "
-                   "(for ncu: ncu --kernel-name regex:paged_attn ... python scripts/paged_lab.py --eager ...)")
+                   "(for ncu: ncu --kernel-name regex:paged_attn ... python bench/lab/paged_lab.py --eager ...)")
     args = p.parse_args()
     if args.eager:
         return _eager(args)

@@ -7,7 +7,7 @@ Variants: how many small kernels per layer (the engine's act_int8 step has 7: no
 combine, rounding, norm, silu-rounding); norms that reduce over the row between their load and store; an attention
 stand-in that reads the layer's 640-token bf16 KV cache (2.6 MB, 64 or 640 programs); a kernel before the QKV
 projection that asks L2 for that KV cache. Percentages are of the engine bench's bound at 3.117 TB/s (its measured
-read bandwidth in session 32's runs). Usage on an H100: ``PYTHONPATH=. python scripts/ideal_step.py``."""
+read bandwidth in session 32's runs). Usage on an H100: ``PYTHONPATH=. python bench/lab/ideal_step.py``."""
 import time
 
 import torch

@@ -1,6 +1,6 @@
 """GEMV with int8 activations (qgemv/int8.py) on the GPU: configs of the dp4a kernel against the exact gemv.
 
-    python scripts/i8_lab.py [formats] [R/GP/warps/stages/waves[/coal/prefetch],...] [--m-curve]
+    python bench/lab/i8_lab.py [formats] [R/GP/warps/stages/waves[/coal/prefetch],...] [--m-curve]
 
 At the Llama-3-8B shapes, for M = 1: the exact gemv (current routing), gemv(act_int8=True) (activation rounding
 plus the kernel), and the kernel alone on pre-rounded activations for each config (R row sets per thread, GP

@@ -1,7 +1,7 @@
 """Batch-1 GEMV experiments on the GPU: the m1 kernel (scales factored out) against the planes kernel.
 
-    python scripts/gemv_lab.py [out_dir] [formats] [unpack/R/NB/warps/stages/waves[/KT],...]
-    python scripts/gemv_lab.py --m-curve [formats] [R/NB/warps/stages/rows_per_program[/KT/H/waves],...]
+    python bench/lab/gemv_lab.py [out_dir] [formats] [unpack/R/NB/warps/stages/waves[/KT],...]
+    python bench/lab/gemv_lab.py --m-curve [formats] [R/NB/warps/stages/rows_per_program[/KT/H/waves],...]
 
 Formats: q4_k, q4_0, q8_0, mlx4g64 (MLX bits and group size). At Llama-3-8B shapes: checks each candidate config
 against x @ dequantize(W).T, times it by CUDA-graph replay over enough weight copies to overflow L2, prints effective

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: kernel times of CUDA-graph decode steps of a synthetic Llama-3-8B-shaped model.
 
-    python scripts/profile_decode.py [fmt] [batch] [layers]     # e.g. q4_k 1 32
+    python tools/profile_decode.py [fmt] [batch] [layers]     # e.g. q4_k 1 32
 """
 import sys
 

@@ -1,4 +1,4 @@
-"""Every kernel once on small odd shapes, for ``compute-sanitizer --tool memcheck python scripts/memcheck.py``.
+"""Every kernel once on small odd shapes, for ``compute-sanitizer --tool memcheck python tools/memcheck.py``.
 
 Shapes are chosen to hit the edges: lengths not multiple of any block, page size 1 and 3, groups of 7, empty
 sequences, K-quant and MLX 3-bit rows, M = 1 and 7, split-K and split-KV.

@@ -9,7 +9,7 @@ and waits for them, no attention. Three orders of the same bytes, the same [16, 
 Graph-timed over L2-overflowing copies; % of the read bandwidth measured in the same run. With ``attn``, each shape
 also runs the bench's decode case (paged_attention through a plan, and SDPA cuDNN on contiguous bf16 K/V).
 
-    PYTHONPATH=. python scripts/paged_read_ceiling.py [attn]
+    PYTHONPATH=. python bench/lab/paged_read_ceiling.py [attn]
 """
 import sys
 import torch
