@@ -15,7 +15,7 @@ def _version(module: str) -> str:
 
 def kernel_paths(capability, gluon: bool) -> list[str]:
     """Which kernel families this GPU (capability, or None for the interpreter) and Triton enable."""
-    from .supported import check_triton_version
+    from .supported import GLUON_RANGE, check_triton_version
 
     lines = []
     if capability is None:
@@ -24,8 +24,14 @@ def kernel_paths(capability, gluon: bool) -> list[str]:
         return lines
     sm90 = capability == (9, 0)
     note = check_triton_version()
-    lines.append(f"  Gluon warp-specialized prefill and persistent paged decode (sm_90): "
-                 f"{'enabled' if sm90 and gluon else 'off: ' + ('needs sm_90' if not sm90 else 'this Triton has no Gluon Hopper API')}")
+    if sm90 and gluon:
+        state = "enabled"
+    elif not sm90:
+        state = "off (needs sm_90): the portable Triton kernels run instead"
+    else:
+        state = (f"off: this Triton's Gluon API is not the one they are written against (Triton "
+                 f"{GLUON_RANGE[0][0]}.{GLUON_RANGE[0][1]}); the portable Triton kernels run instead")
+    lines.append(f"  Gluon warp-specialized prefill and persistent paged decode (sm_90): {state}")
     lines.append(f"  TMA loads (prefill K/V tiles, GEMV activations from 17 rows): "
                  f"{'enabled' if capability[0] >= 9 else 'off (needs sm_90+)'}")
     lines.append(f"  programmatic dependent launch: {'enabled' if capability[0] >= 9 else 'off (needs sm_90+)'}")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 # [lowest, first excluded): versions whose interpreter and compiler the test suite passes on
 TRITON_RANGE = ((3, 6), (3, 10))
+# versions whose Gluon API the warp-specialized sm_90 kernels (prefill_ws, paged_ws) are written against; other
+# versions run the portable Triton kernels there (Triton 3.9 changed gl.warp_specialize's signature)
+GLUON_RANGE = ((3, 6), (3, 7))
 TESTED_GPU = {"torch": "2.11", "triton": "3.6"}
 TESTED_CPU = {"torch": "2.13", "triton": ("3.6", "3.9")}
 
@@ -43,6 +46,18 @@ def check_triton_version(version: str | None = None) -> str | None:
         return (f"Triton {version} is outside the supported range >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]} "
                 f"(pip install 'triton>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}')")
     return None
+
+
+def gluon_supported(version: str | None = None) -> bool:
+    """Whether this Triton has the Gluon Hopper API the sm_90 kernels are written against."""
+    version = version or triton_version()
+    if version is None or not GLUON_RANGE[0] <= _parse(version)[:2] < GLUON_RANGE[1]:
+        return False
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def require_supported_triton() -> None:

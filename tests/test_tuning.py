@@ -73,3 +73,9 @@ def test_supported_triton_range():
     for bad in ("3.5.1", "3.10.0", "4.0.0"):
         msg = check_triton_version(bad)
         assert msg and bad in msg and ">=3.6,<3.10" in msg
+
+
+def test_gluon_kernels_only_on_their_triton_api():
+    from llmkernels.supported import gluon_supported
+
+    assert not gluon_supported("3.9.0") and not gluon_supported("3.5.0")

@@ -9,6 +9,7 @@ import triton
 
 from .._checks import call_op, check_cu_seqlens, check_device, check_tensor, interpreter_mode
 from .._runtime import gpu_name
+from ..supported import gluon_supported
 from ..tuning import OVERRIDES, lookup
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
@@ -50,7 +51,7 @@ def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int
 def _gluon_hopper(device_index: int) -> bool:
     """True on an sm_90 GPU with a Triton that has Gluon's Hopper API (the Gluon kernel's wgmma, TMA and
     setmaxnreg are sm_90 code)."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
+    if torch.cuda.get_device_capability(device_index) != (9, 0) or not gluon_supported():
         return False
     try:
         from . import prefill_ws  # noqa: F401

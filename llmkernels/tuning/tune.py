@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..supported import gluon_supported
 from . import OVERRIDES, clear_cache, user_dir
 
 
@@ -82,7 +83,7 @@ def tune_prefill(gpu):
             best = _best("prefill", key, cands, fns)
             out[key] = best
             out[key.replace("bfloat16", "float16")] = best
-            if torch.cuda.get_device_capability() == (9, 0):
+            if torch.cuda.get_device_capability() == (9, 0) and gluon_supported():
                 # the warp-specialized Gluon kernel (attention/prefill_ws.py), (BLOCK_N, STAGES), against the
                 # Triton kernel's best config just found ([0, 0] keeps the Triton kernel); at D=256 two K/V stages
                 # of 64 keys fill 197 KB of shared memory with Q

@@ -12,7 +12,11 @@ def sm90_compile_text(call: str, key: str = "ttgir") -> str:
     """Run ``k = <call>`` in a subprocess without the interpreter (under TRITON_INTERPRET=1 Gluon functions are
     interpreted and cannot be compiled; llmkernels would turn it on where there is no GPU) -> the text of
     ``k.asm[key]`` ("ptx", or "ttgir": the IR after Triton's optimization passes)."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from llmkernels.supported import GLUON_RANGE, gluon_supported
+
+    if not gluon_supported():
+        pytest.skip(f"the Gluon kernels are written against Triton {GLUON_RANGE[0]}'s Gluon API (this Triton runs "
+                    "the portable kernels instead)")
     code = (f"import sys, triton; from llmkernels.attention import prefill_ws, paged_ws; k = {call}; "
             f"sys.stdout.write(k.asm[{key!r}])")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -31,8 +35,12 @@ def sm90_compile_report(call: str, checks: dict) -> dict:
 
 
 def need_sm90():
+    from llmkernels.supported import gluon_supported
+
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are sm_90 code")
+    if not gluon_supported():
+        pytest.skip("this Triton's Gluon API is not the one the kernels are written against")
 
 
 def spy(monkeypatch, module, name):
