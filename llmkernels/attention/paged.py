@@ -47,8 +47,8 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     sizes it gathers by rows, a layout the gather cannot read). ``mixed``: a mixed batch's decodes (the Triton
     kernel runs beside them: fp8 keeps the smaller ring)."""
     from .paged_kernel import combine_kernel
-    from .paged_ws import fp8_ring, gather_caches, launch_decode_ws, page_descriptors
-    from .plan import tma_pages
+    from .paged_ws import gather_caches, launch_decode_ws, page_descriptors
+    from .schedule import fp8_ring, tma_pages
 
     gather = not tma_pages(k_cache.shape[1])  # other page sizes: rows gathered with cp.async
     descs = gather_caches(k_cache, v_cache) if gather else page_descriptors(k_cache, v_cache, 64)

@@ -17,6 +17,7 @@ from .._checks import check_positive_int, check_tensor, interpreter_mode
 from .._runtime import gpu_name, num_sms
 from ..kv_cache import FP8_DTYPES
 from ..tuning import lookup
+from .schedule import balanced_table_size, balanced_tables, fp8_ring, tma_pages
 
 PAGED_HEAD_DIMS = (64, 96, 128, 256)
 LONG_ROWS = 64  # rows (query tokens x group) of a long tile
@@ -27,7 +28,7 @@ MIN_KEYS_SHORT = 32  # the least keys per split for short contexts (one or two K
 # call (descriptors, Gluon launch) is about 100 us more than the Triton kernel's, as for prefill
 WS_DECODE_MIN_BYTES = 1 << 25
 WS_MIN_KEYS_PER_SPLIT = 256
-# num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (paged_ws.balanced_tables) when the units
+# num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (schedule.balanced_tables) when the units
 # (sequence, kv head, split) dealt round-robin leave the busiest SM more than BALANCE_MIN_SKEW times the mean work.
 # H100, GQA 32/8, bf16, page 16 (.lab, graph-timed, us, units / balanced): ragged B=8 1 x 32768 + 7 x 1024 keys 216 /
 # 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 337 / 295; but
@@ -104,7 +105,7 @@ class PagedAttentionPlan:
     short_q_max: int = 1
     ws_decode: bool = False  # the persistent Gluon decode kernel (paged_ws.py) where the call allows it
     ws_maxnreg: int = 0  # its register cap (0: none), set for mixed batches (see _beside_config)
-    # its balanced split (num_splits=0): the int32 table of paged_ws.balanced_tables and float32 slots
+    # its balanced split (num_splits=0): the int32 table of schedule.balanced_tables and float32 slots
     # [2 * SMs, Hq, D] / [2 * SMs, Hq] for the pieces of (sequence, kv head) units that straddle programs
     balanced: list | None = None
 
@@ -133,7 +134,6 @@ class PagedAttentionPlan:
                          f"it cannot read)")
             if self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and self.variant != "mixed" \
                     and not self.balanced and tma_pages(self.page_size):
-                from .paged_ws import fp8_ring
 
                 units = self.launches[0].capacity * self.num_kv_heads * self.num_splits
                 sms = num_sms(self.device)
@@ -260,8 +260,7 @@ def _units_load(tile_k_lens, num_kv_heads, num_splits, programs, block_n=64):
 
 
 def _fill_balanced(buf, tile_k_lens, num_kv_heads, programs, capacity):
-    """Refill the balanced split's table (paged_ws.balanced_tables) in ``buf``."""
-    from .paged_ws import balanced_tables
+    """Refill the balanced split's table (schedule.balanced_tables) in ``buf``."""
 
     buf.copy_(torch.from_numpy(balanced_tables(tile_k_lens, num_kv_heads, programs, capacity)), non_blocking=True)
 
@@ -287,12 +286,6 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
     if head_dim > 128:
         return 32, 4, 2
     return (64, 4, 3) if name == "short" else (64, 4, 2)
-
-
-def tma_pages(page_size: int) -> bool:
-    """Whether the Gluon decode kernel copies whole pages with TMA (else it gathers rows with cp.async: GATHER in
-    paged_ws.py)."""
-    return page_size in (8, 16, 32) or page_size % 64 == 0
 
 
 def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype) -> bool:
@@ -443,7 +436,6 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
     if ws and balance:
         # the Gluon kernel's balanced split: every SM gets the same number of key tiles (no idle SMs in a last,
         # partial wave of units); fixed split counts keep the units (batch-invariant)
-        from .paged_ws import balanced_table_size
 
         cap = plan.launches[0].capacity
         plan.balanced = [torch.zeros(balanced_table_size(cap, num_kv_heads, sms), dtype=torch.int32, device=device),

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
+from .common import split_k
 from .m1 import _load, _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
 from .words import _block_codes, _scalars
 
@@ -607,7 +608,6 @@ def launch_i8_lanes(xq, ds, data, N: int, K: int, config, sms: int, asm: bool, o
     in out_dtype when the kernel sums its split-K partials). ``config`` is (R, num_warps, waves, num_stages[, KT]): R
     rows per thread (q4_k, q5_k: per warp; q6_k: per 4 KT threads, KT = 2 or 4 lanes along K, default 4), K split
     until the grid has ``waves`` programs per SM."""
-    from .ops import split_k
 
     reps, warps, waves, stages = config[:4]
     kt = config[4] if len(config) > 4 else 4  # q6_k: lanes along K
@@ -655,7 +655,6 @@ def launch_i8(xq, ds, data, fmt: str, N: int, K: int, config, sms: int, asm: boo
     (R, GP, num_warps, num_stages[, COAL, PREFETCH]): R row sets per thread, up to GP consecutive groups of a row
     across threads (the largest power of two <= GP that divides the row's group count); COAL and PREFETCH (0 or 1,
     default 0) as in gemv_i8_kernel."""
-    from .ops import split_k
 
     reps, gp_max, warps, stages = config[:4]
     coal, prefetch = (config[4], config[5]) if len(config) > 4 else (0, 0)

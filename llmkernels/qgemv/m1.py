@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_trigger, pdl_wait
+from .common import split_k
 from .planes import _small_int_to_f32
 
 
@@ -629,7 +630,6 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N]."""
     import torch
 
-    from .ops import split_k
 
     reps, nb, warps, stages = config[:4]
     kt = config[4] if len(config) > 4 else 1  # lanes along K (consecutive blocks of a row)

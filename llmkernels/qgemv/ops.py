@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from .._checks import call_op, check_device, check_tensor, interpreter_mode
-from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
+from .._pdl import pdl_supported
 from .._runtime import empty, gpu_name, has_tma, num_sms
 from ..quant.formats import GGUF_FORMATS
 from ..quant.tensor import QuantizedTensor
 from ..tuning import lookup
+from .common import _finish, _views, split_k  # noqa: F401  (split_k: part of ops' interface)
 
 FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q8_0": 7, "q2_k": 8,
               "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "mlx": 13}
@@ -207,16 +207,6 @@ def _planes_config(fmt: str, M: int, nb_default: int, bits: int, N: int = 0):
     return (32 if M == 1 else 64), nb_default, 4, 3
 
 
-def _views(data: torch.Tensor):
-    """Byte view, fp16 view and int8 view of one weight buffer (same memory)."""
-    w8 = data.view(torch.uint8) if data.dtype != torch.uint8 else data
-    if w8.shape[-1] % 2 == 0:
-        w16 = w8.view(torch.float16)
-    else:  # only f32/bf16/f16-free layouts can be odd; the fp16 view is then unused
-        w16 = w8
-    return w8, w16, w8.view(torch.int8)
-
-
 def m1_key(name: str, M: int) -> str:
     """The tuned-table key of the m1 kernel's config for format ``name`` ('q4_k', 'mlx4', 'mlx8') at M rows: one per
     M class, since M = 1, 2 and 3-4 (run as 4 rows per program) favour different tiles."""
@@ -235,44 +225,6 @@ def _m1_config(name: str, M: int, N: int, small: bool = False) -> tuple:
     if name == "q6_k" and (len(cfg) < 6 or cfg[5] < 2):
         cfg = cfg[:4] + (cfg[4] if len(cfg) > 4 else 1, 2) + cfg[6:]
     return cfg
-
-
-def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2, fit: bool = False) -> tuple[int, int]:
-    """(split, blocks per split) for a grid of ``programs`` output tiles over ``nblocks`` K blocks taken ``nb`` per
-    step: K is split until the grid has about ``waves`` programs per SM (never below one step per split); with
-    ``fit``, at most that many (so a kernel that sums its own partials can)."""
-    split = 1
-    if programs < waves * sms:
-        split = max(1, min((waves * sms) // programs if fit else triton.cdiv(waves * sms, programs), nblocks // nb))
-    per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
-    return triton.cdiv(nblocks, per_split), per_split
-
-
-@triton.jit
-def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """y = sum over splits of the float32 partials P [SPLIT, n], cast to y's dtype: one pass, one launch (with PDL
-    its launch overlaps the GEMV's last programs, see _pdl.py)."""
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(P + s * n + offs, mask=mask, other=0.0)
-    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
-
-
-def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
-    """The [M, N] result of a launch that wrote ``y`` [split, M, N] (float32 partials when split > 1)."""
-    split, M, N = y.shape
-    if split == 1:
-        return y[0]
-    out = empty(M, N, dtype=out_dtype, device=y.device)
-    BLOCK = 1024
-    pdl = pdl_supported(y.device)
-    _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK, PDL=pdl,
-                                                     **pdl_options(pdl))
-    return out
 
 
 def _launch_i8_lanes(xq, ds, data, N, K, out_dtype, fmt="q4_k"):

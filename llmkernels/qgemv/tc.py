@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
+from .common import split_k
 from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
@@ -646,7 +647,6 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     import torch
 
     from .m1 import split_outputs
-    from .ops import split_k
 
     block_n, warps, stages, waves = config[:4]
     prefetch = bool(config[4]) if len(config) > 4 else False

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from .formats import GGUF_FORMATS
+from .kquants import KQUANT_ENCODERS
+from .scales import signed_absmax, unpack_scales6, unpack_scales_q3k
 
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -39,51 +41,6 @@ def _qh32(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     qh = blocks[:, offset:offset + 4].to(torch.int64)
     word = qh[:, 0] | (qh[:, 1] << 8) | (qh[:, 2] << 16) | (qh[:, 3] << 24)
     return ((word[:, None] >> torch.arange(32, device=blocks.device)) & 1).to(torch.int32)
-
-
-def unpack_scales6(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q4_k/q5_k 12-byte scales -> (sc, m) int32 [n, 8] of 6 bits each.
-
-    Bytes 0-3 hold sc[0..3] (low 6 bits) and the top 2 bits of sc[4..7]; bytes 4-7 the same for m;
-    bytes 8-11 hold the low 4 bits of sc[4..7] (low nibble) and m[4..7] (high nibble).
-    """
-    s = s.to(torch.int32).reshape(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
-    sc = torch.cat([d & 63, (md & 0xF) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
-
-
-def pack_scales6(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``unpack_scales6``: int [n, 8] 6-bit values -> uint8 [n, 12]."""
-    sc, mn = sc.to(torch.int32), mn.to(torch.int32)
-    out = torch.zeros(sc.shape[0], 12, dtype=torch.int32, device=sc.device)
-    out[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    out[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
-    out[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
-    return out.to(torch.uint8)
-
-
-def unpack_scales_q3k(s: torch.Tensor) -> torch.Tensor:
-    """q3_k 12-byte scales -> int32 [n, 16] in -32..31.
-
-    Scale j's low 4 bits: byte j%8, nibble j//8; its top 2 bits: byte 8 + j%4, bits 2*(j//4).
-    """
-    s = s.to(torch.int32)
-    low = torch.cat([s[:, :8] & 0xF, s[:, :8] >> 4], dim=-1)
-    high = torch.cat([(s[:, 8:12] >> (2 * i)) & 3 for i in range(4)], dim=-1)
-    return (low | (high << 4)) - 32
-
-
-def pack_scales_q3k(l: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``unpack_scales_q3k``: int [n, 16] in 0..63 (offset by 32) -> uint8 [n, 12]."""
-    l = l.to(torch.int32)
-    out = torch.zeros(l.shape[0], 12, dtype=torch.int32, device=l.device)
-    out[:, :8] = (l[:, :8] & 0xF) | ((l[:, 8:] & 0xF) << 4)
-    hi = l >> 4
-    for i in range(4):
-        out[:, 8:12] |= hi[:, 4 * i:4 * i + 4] << (2 * i)
-    return out.to(torch.uint8)
 
 
 # --- dequantizers: uint8 [n, block_bytes] -> float32 [n, block_size] ------------------------------------------------
@@ -207,11 +164,6 @@ def _inv(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
 
 
-def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
-    """The element with the largest magnitude (first one on ties), keeping its sign: [n, 1]."""
-    return torch.gather(x, 1, x.abs().argmax(dim=1, keepdim=True))
-
-
 def _q_f32(x):
     return x.contiguous().view(torch.uint8)
 
@@ -229,7 +181,7 @@ def _q_bf16(x):
 
 
 def _q_q4_0(x):
-    d = _signed_absmax(x) / -8
+    d = signed_absmax(x) / -8
     q = torch.trunc(x * _inv(d) + 8.5).clamp(0, 15)
     return torch.cat([_f16_bytes(d), _pack_nibbles(q)], dim=1)
 
@@ -242,7 +194,7 @@ def _q_q4_1(x):
 
 
 def _q_q5_0(x):
-    d = _signed_absmax(x) / -16
+    d = signed_absmax(x) / -16
     q = torch.trunc(x * _inv(d) + 16.5).clamp(0, 31).to(torch.int32)
     return torch.cat([_f16_bytes(d), _pack_qh32(q), _pack_nibbles(q)], dim=1)
 
@@ -276,8 +228,6 @@ def quantize_blocks(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt in QUANTIZERS:
         out = QUANTIZERS[fmt](x)
     else:
-        from .kquants import KQUANT_ENCODERS
-
         out = KQUANT_ENCODERS[fmt](x)
     assert out.shape[1] == GGUF_FORMATS[fmt].block_bytes, (fmt, out.shape)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .gguf_codec import _signed_absmax, pack_scales6, pack_scales_q3k, unpack_scales6, unpack_scales_q3k
+from .scales import pack_scales6, pack_scales_q3k, signed_absmax, unpack_scales6, unpack_scales_q3k
 
 
 def _fit_affine(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool):
@@ -66,7 +66,7 @@ def _fit_affine(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad
 
 def _fit_symmetric_grid(x, nmax: int):
     """q6_k's sub-block fit: x ~ scale * L, L in -nmax..nmax-1, weights x^2, 19 trial scales. -> (scale, L + nmax)."""
-    mx = _signed_absmax(x).squeeze(1)
+    mx = signed_absmax(x).squeeze(1)
     tiny = mx.abs() < 1e-30
     safe = torch.where(tiny, torch.ones_like(mx), mx)
     w = x * x
@@ -94,7 +94,7 @@ def _fit_symmetric_grid(x, nmax: int):
 
 def _fit_symmetric_descent(x, nmax: int):
     """q3_k's sub-block fit: start at nmax / absmax, then coordinate descent on sum x^2 (x - scale L)^2."""
-    mx = _signed_absmax(x).squeeze(1)
+    mx = signed_absmax(x).squeeze(1)
     tiny = mx.abs() < 1e-30
     safe = torch.where(tiny, torch.ones_like(mx), mx)
     w = x * x
@@ -203,7 +203,7 @@ def encode_q3_k(x):
     xs = x.reshape(n * 16, 16)
     scales, L = _fit_symmetric_descent(xs, 4)
     scales, L = scales.reshape(n, 16), L.reshape(n, 16, 16)
-    max_scale = _signed_absmax(scales).squeeze(1)
+    max_scale = signed_absmax(scales).squeeze(1)
     nz = max_scale != 0
     iscale = torch.where(nz, -32.0 / torch.where(nz, max_scale, torch.ones_like(max_scale)),
                          torch.zeros_like(max_scale))
@@ -225,7 +225,7 @@ def encode_q6_k(x):
     xs = x.reshape(n * 16, 16)
     scales, L = _fit_symmetric_grid(xs, 32)
     scales, L = scales.reshape(n, 16), L.reshape(n, 16, 16)
-    max_scale = _signed_absmax(scales).squeeze(1)
+    max_scale = signed_absmax(scales).squeeze(1)
     nz = max_scale.abs() >= 1e-15
     iscale = torch.where(nz, -128.0 / torch.where(nz, max_scale, torch.ones_like(max_scale)),
                          torch.zeros_like(max_scale))
@@ -255,7 +255,7 @@ def absmax_baseline(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     The yardstick the K-quant encoders are measured against: same bits per weight for the values, no search.
     """
     xs = x.reshape(-1, group)
-    amax = _signed_absmax(xs)
+    amax = signed_absmax(xs)
     half = 1 << (bits - 1)
     d = amax / -half
     q = torch.round(xs * torch.where(d == 0, torch.zeros_like(d), 1.0 / d)).clamp(-half, half - 1)

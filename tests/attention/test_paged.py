@@ -275,7 +275,7 @@ def _spy_ws(monkeypatch):
 
 
 def test_balanced_tables_cover_every_key_tile_once():
-    from llmkernels.attention.paged_ws import balanced_table_size, balanced_tables
+    from llmkernels.attention.schedule import balanced_table_size, balanced_tables
 
     rng = np.random.default_rng(0)
     for lens, hkv, programs, cap in ([[1], 8, 132, 1], [[4097, 1, 65, 64], 2, 7, 6], [rng.integers(1, 5000, 40), 8,
@@ -432,7 +432,7 @@ def test_ws_decode_fp8_gpu(case, kv_dtype, device, monkeypatch):
     assert len(launches) == 2, "the calls did not take the Gluon kernel"
     assert launches[-1] == bool(p.balanced)
     if not p.balanced and plan_mod.tma_pages(ps):  # the ring the call chose (TMA pages), in the plan's words
-        from llmkernels.attention.paged_ws import fp8_ring
+        from llmkernels.attention.schedule import fp8_ring
 
         units = p.launches[0].capacity * Hkv * p.num_splits
         assert f"a ring of {fp8_ring(units, torch.cuda.get_device_properties(device).multi_processor_count)} TMA" \
@@ -494,7 +494,7 @@ def test_ws_plan_takes_fp8_caches(monkeypatch):
 
 
 def test_fp8_ring_deepens_only_for_several_units_per_program():
-    from llmkernels.attention.paged_ws import FP8_STAGES, FP8_STAGES_MULTI, fp8_ring
+    from llmkernels.attention.schedule import FP8_STAGES, FP8_STAGES_MULTI, fp8_ring
 
     assert FP8_STAGES_MULTI > FP8_STAGES
     assert fp8_ring(128, 132) == fp8_ring(132, 132) == FP8_STAGES  # e.g. B=1 x 8 heads x 16 splits, B=16 x 8

@@ -1,0 +1,58 @@
+"""Helpers shared by the GEMV kernels' launchers: how K is split over the grid, how split partials are summed into
+the output, and the byte / fp16 / int8 views of one weight buffer."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
+from .._runtime import empty
+
+
+def _views(data: torch.Tensor):
+    """Byte view, fp16 view and int8 view of one weight buffer (same memory)."""
+    w8 = data.view(torch.uint8) if data.dtype != torch.uint8 else data
+    if w8.shape[-1] % 2 == 0:
+        w16 = w8.view(torch.float16)
+    else:  # only f32/bf16/f16-free layouts can be odd; the fp16 view is then unused
+        w16 = w8
+    return w8, w16, w8.view(torch.int8)
+
+
+def split_k(programs: int, nblocks: int, nb: int, sms: int, waves: int = 2, fit: bool = False) -> tuple[int, int]:
+    """(split, blocks per split) for a grid of ``programs`` output tiles over ``nblocks`` K blocks taken ``nb`` per
+    step: K is split until the grid has about ``waves`` programs per SM (never below one step per split); with
+    ``fit``, at most that many (so a kernel that sums its own partials can)."""
+    split = 1
+    if programs < waves * sms:
+        split = max(1, min((waves * sms) // programs if fit else triton.cdiv(waves * sms, programs), nblocks // nb))
+    per_split = triton.cdiv(triton.cdiv(nblocks, split), nb) * nb
+    return triton.cdiv(nblocks, per_split), per_split
+
+
+@triton.jit
+def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """y = sum over splits of the float32 partials P [SPLIT, n], cast to y's dtype: one pass, one launch (with PDL
+    its launch overlaps the GEMV's last programs, see _pdl.py)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(P + s * n + offs, mask=mask, other=0.0)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
+    """The [M, N] result of a launch that wrote ``y`` [split, M, N] (float32 partials when split > 1)."""
+    split, M, N = y.shape
+    if split == 1:
+        return y[0]
+    out = empty(M, N, dtype=out_dtype, device=y.device)
+    BLOCK = 1024
+    pdl = pdl_supported(y.device)
+    _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK, PDL=pdl,
+                                                     **pdl_options(pdl))
+    return out
