@@ -8,7 +8,7 @@ The contract, for every kernel launched with ``launch_pdl=True``:
 - ``pdl_trigger`` (called after the wait) lets the next kernel start early. Called before the wait it would let a
   chain of waiting kernels pile up on the GPU. Long kernels call it after their main loop: called right after the
   wait, the next GEMV's programs took their SM slots early and a Llama-3-8B layer's four q4_k GEMVs ran 17% slower
-  on an H100 (88.8 us against 75.7 without PDL and 73.3 with the late trigger; bench/NOTES.md, session 12).
+  on an H100 (88.8 us against 75.7 without PDL and 73.3 with the late trigger; bench/NOTES.md).
 A kernel that is launched without the flag starts after the previous one finishes, as usual; calling
 ``pdl_wait``/``pdl_trigger`` in it does nothing. The interpreter has no PDL: the flags are off there.
 """

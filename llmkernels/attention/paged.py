@@ -32,10 +32,7 @@ def _check_fp8_words(name, cache):
 
 
 # PDL of the Gluon decode kernel (paged_decode_ws_kernel's PDL: 0 off, 1 wait, 2 wait and let the next launch) and
-# of combine_kernel after it. H100, graph-timed back-to-back calls, page 16 (bench/NOTES.md, session 29): B=1
-# L=32768 bf16 52.3 -> 51.4 us, fp8 32.4 -> 31.3 with both (1, True); unsplit shapes unchanged; mode 2 lost
-# (B=4 L=600 bf16, combine waiting: 9.0 us with mode 1, 13.7 with mode 2); combine's PDL alone lost 3-5 us in
-# session 28
+# of combine_kernel after it: mode 1 with combine's PDL measured fastest at batch 1 (bench/NOTES.md)
 WS_PDL = 1
 COMBINE_PDL = True
 
@@ -150,7 +147,7 @@ def _launch_triton(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out,
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else q
     # PDL: wait for the previous kernel (1); with split-KV over few programs (batch-1 decode), also let the next
     # kernel (combine_kernel) launch once the key loops are done (2). At B=16 (fp8, page 1, back-to-back calls) 2
-    # took 79.8 us against 62.5 (session 12)
+    # took 79.8 us against 62.5 (bench/NOTES.md)
     pdl = 0
     if pdl_supported(q.device):
         pdl = 2 if split and 2 * max(configs[5::6]) * Hkv <= num_sms(q.device) else 1

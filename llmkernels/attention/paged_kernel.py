@@ -229,7 +229,7 @@ def combine_kernel(PO, PLSE, O, LSE, SINKS, stride_ps, stride_pt, stride_ph, str
     splits in one load. A second launch, not a merge by the last split program: on an H100 (GQA 32/8, bf16, page
     16, graph-timed) batch 1 at 541 keys over 17 splits took 9.5 us this way against 15.5 with that merge (two
     serial L2 round trips per split) and 15.0 with a vectorized one; the Llama-3-8B q4_k engine ran batch 1 at 358
-    against 332 tokens/s (bench/NOTES.md, session 21). PDL: waits for the attention kernel, lets the next launch."""
+    against 332 tokens/s (bench/NOTES.md). PDL: waits for the attention kernel, lets the next launch."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     t = tl.program_id(0).to(tl.int64)

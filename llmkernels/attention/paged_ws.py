@@ -483,7 +483,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
         u0 = gl.program_id(0)
         # loaded ahead: the next unit's q, its length and query token, the sequence id two units ahead. At one unit
         # per program boundary a dependent chain of three loads (unit -> sequence -> length, query token -> q) cost
-        # about 2 us per 16-tile unit with an fp8 cache (bench/NOTES.md, session 28). The loader and the converter
+        # about 2 us per 16-tile unit with an fp8 cache (bench/NOTES.md). The loader and the converter
         # keep their own loads: the same look-ahead measured slightly slower in the loader and no faster in the
         # converter, where it also met a Triton 3.6 miscompile (a loop-carried value used only as an inner loop's
         # bound is dropped: the converter counted every unit's tiles with the first unit's length and hung on
@@ -681,7 +681,7 @@ def gather_caches(k_cache, v_cache):
     return k_cache, v_cache
 
 
-STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100 .lab, B=16 L=4096: 3 are 8% slower)
+STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
                      balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0):

@@ -30,14 +30,14 @@ WS_DECODE_MIN_BYTES = 1 << 25
 WS_MIN_KEYS_PER_SPLIT = 256
 # num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (schedule.balanced_tables) when the units
 # (sequence, kv head, split) dealt round-robin leave the busiest SM more than BALANCE_MIN_SKEW times the mean work.
-# H100, GQA 32/8, bf16, page 16 (.lab, graph-timed, us, units / balanced): ragged B=8 1 x 32768 + 7 x 1024 keys 216 /
+# H100, GQA 32/8, bf16, page 16 (graph-timed, us, units / balanced; bench/NOTES.md): ragged B=8 1 x 32768 + 7 x 1024 keys 216 /
 # 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 337 / 295; but
 # where every unit is cut, even batches lose: B=1 L=32768 55 / 64, B=4 L=8192 55 / 60, B=64 L=1024 97 / 106
 BALANCED_SPLIT = True
 BALANCE_MIN_SKEW = 1.25
 # mixed batches (decode sequences with one query each, plus long tiles): the decode part on the Gluon kernel and the
 # long tiles on the Triton kernel, launched on two streams so that the long tiles' arithmetic overlaps the decode
-# part's streaming (bench/NOTES.md, session 24)
+# part's streaming (bench/NOTES.md)
 MIXED_WS = True
 
 
@@ -49,7 +49,7 @@ def _beside_config(kv_dtype):
     16-bit Gluon kernel (8 warps at 255 registers) takes the whole register file and the two ran in turn. Capped at
     128 its consumer still gets 232 (setmaxnreg) and a 128-row Triton program (4 warps) fits beside it. The fp8
     kernel's converter partition (12 warps) leaves no room at any cap that keeps 232 for the consumer, so there the
-    two share the GPU by SMs. H100, GQA 32/8, D 128, page 16 (.lab/mixed_sweep2.py, graph-timed, us; both kernels
+    two share the GPU by SMs. H100, GQA 32/8, D 128, page 16 (graph-timed, us; bench/NOTES.md; both kernels
     in turn on the Triton kernel / 64-row tiles (64, 4, 3) with the 16-bit kernel capped at 152 / 128-row tiles
     (32, 4, 3) capped at 128):
 
@@ -293,7 +293,7 @@ def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group,
     sequence, a cache of q's dtype or fp8, any page size (8/16/32 or a multiple of 64 copied by pages with TMA, the
     others gathered by rows with cp.async), head dim 64 or 128, group <= 64,
     and enough K/V bytes to hide its host cost (fp8 caches included: since its consumer reads K as fp8, it beat the
-    Triton kernel at every decode-suite shape, see bench/NOTES.md session 23)."""
+    Triton kernel at every decode-suite shape, see bench/NOTES.md)."""
     if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128) or group > 64:
         return False
     if kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:

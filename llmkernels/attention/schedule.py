@@ -13,7 +13,7 @@ def tma_pages(page_size: int) -> bool:
 FP8_STAGES = 4  # fp8 caches: the TMA ring; STAGES16 fp16 slots of widened tiles follow it
 FP8_STAGES16 = 4
 # the fp8 TMA ring of decode batches whose programs take several units each. H100, GQA 32/8, D 128, page 16
-# (.lab/fp8_lab.py, us, 4 / 6 slots): B=64 L=1024 56.1 / 55.0, B=64 L=8192 377.1 / 368.6, B=128 L=2048 198.6 /
+# (bench/NOTES.md; us, 4 / 6 slots): B=64 L=1024 56.1 / 55.0, B=64 L=8192 377.1 / 368.6, B=128 L=2048 198.6 /
 # 195.6, but one unit per program loses: B=1 L=32768 (16 splits) 32.4 / 33.3, B=16 L=4096 52.8 / 54.1
 FP8_STAGES_MULTI = 6
 
@@ -24,7 +24,7 @@ def fp8_ring(units: int, programs: int) -> int:
 
 
 # a range boundary moves onto a unit boundary within this fraction of a share (see balanced_tables). H100, GQA 32/8,
-# page 16 (.lab, us, snap 0.5 / 0.1): ragged B=8 1 x 32768 + 7 x 1024 keys 75 / 70, B=48 random 64..8192 312 / 295
+# page 16 (bench/NOTES.md; us, snap 0.5 / 0.1): ragged B=8 1 x 32768 + 7 x 1024 keys 75 / 70, B=48 random 64..8192 312 / 295
 SNAP = 0.1
 
 

@@ -79,7 +79,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         BLOCK = max(32, triton.next_power_of_2(H))
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,
         # engine q4_k batch 1, H = 4096, tok/s with 4 / 8 / 16 warps: exact 363.3 / 369.4 / 371.0, act_int8 428.5 /
-        # 427.4 / 432.8; .lab/normw_ab.py, session 30)
+        # 427.4 / 432.8; bench/NOTES.md)
         _add_rmsnorm_kernel[(T,)](x, r, weight, y, yl, ds, x.stride(0), r.stride(0), y.stride(0), yl.stride(0),
                                   ds.stride(0), H, eps, HAS_RES=residual is not None, LANES=lanes, I8=i8,
                                   BLOCK=BLOCK, PDL=pdl, num_warps=min(16, max(4, BLOCK // 256)),

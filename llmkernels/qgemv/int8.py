@@ -4,11 +4,10 @@ absmax / 127, round half away from zero), like llama.cpp's q8_1 activations; it 
 act_int8=True)``) because it is not x @ dequantize(W).T to fp16 rounding (the activation rounding adds about 1/254 of
 each block's absmax).
 
-Why: the exact batch-1 kernels of session 9 (m1.py and the since removed words kernel) turned each code into a float
-and multiplied it with x, 4 to 5 instructions per weight, which kept them near the SMs' issue limit before the memory
-limit. With int8 activations one ``dp4a``
-multiplies 4 codes by 4 activations and sums them into an int32: q4_0's 8 nibbles of a word take two LOP3 (mask the
-low nibbles, mask the high ones in place: bytes 16 q) and two dp4a, under 1 instruction per weight in all.
+Why: exact batch-1 kernels turn each code into a float and multiply it with x, 4 to 5 instructions per weight, which
+keeps them near the SMs' issue limit before the memory limit. With int8 activations one ``dp4a`` multiplies 4 codes by
+4 activations and sums them into an int32: q4_0's 8 nibbles of a word take two LOP3 (mask the low nibbles, mask the
+high ones in place: bytes 16 q) and two dp4a, under 1 instruction per weight in all.
 
 Layout of the quantized activations (``quantize_act``): q int8 [M, K] (read as int32 words, 8 per block) and
 ds float32 [M, K / 32, 2] with (d, s) per block: d = absmax / 127 and s = d * sum(q), so that
@@ -20,26 +19,12 @@ of a row, loaded by one thread as NV + 1 vectors of VW int32 words and split int
 words from two neighbours with one byte permute each. GP threads take consecutive groups of one row, so a warp's
 loads cover contiguous bytes (see gemv_i8_kernel).
 
-Measured on an H100 (bench/NOTES.md, session 9): 5-20% faster than the exact kernels at M = 1 and 2, slower beyond
-(ops.I8_MAX_M routes accordingly); the access pattern, not the arithmetic, now limits it. Since session 14 the exact
-q4_k kernel with lane-order activations is faster on every Llama-3-8B shape, so gemv no longer routes q4_k here
-(the kernel stays, tested through launch_i8).
-
-Session 30 added gemv_i8_lanes_kernel for q4_k at M = 1: the m1 kernel's thread layout (a warp takes 8 consecutive
-super-blocks of one row, lane (kt, c) chunk c of block kt: 1152 contiguous bytes per row and load) with the dp4a
-arithmetic of this file, 1.67 SASS instructions per weight against m1's 4.2 (32 registers). Its activations come in
-"i8 lane order" (i8_lane_base), so that each load of a warp covers 512 contiguous bytes. On an H100 (bench file
-20261124-102320, activations given) it streams 1.70 / 2.00 / 2.55 / 2.26 / 3.01 TB/s on the Llama-3-8B shapes
-4096x4096 ... 128256x4096, 1.07-1.22x the exact lane-order kernel; gemv routes q4_k at M = 1 with act_int8 to it.
-
-Session 31 added gemv_i8_q6_kernel for q6_k at M = 1 (K a multiple of 2048, so rows and steps of 8 blocks are
-16-byte aligned) on the same i8 lane-order activations, so one rounding serves a layer's q4_k and q6_k projections
-(llama.cpp's Q4_K_M files mix them). On an H100 (bench file 20261124-130815, activations given) 8.3 / 10.5 / 22.0 /
-23.9 / 155.6 us on 4096x4096 ... 128256x4096, 1.09-1.32x less time than the exact tensor-core kernel.
-
-Session 32 extended gemv_i8_lanes_kernel to q5_k (Q5: the fifth bits masked in place and summed by two more dp4a
-per word): on an H100 (bench file 20261124-145843, activations given) 6.2 / 8.5 / 16.1 / 20.2 / 120.4 us on the same
-shapes, 1.17-1.44x less time than the exact m1 kernel (8.6 / 11.2 / 23.2 / 23.7 / 157.2).
+Kernels: gemv_i8_kernel (q4_0, q8_0, q4_k; M up to ops.I8_MAX_M); gemv_i8_lanes_kernel for q4_k and q5_k at M = 1 (the
+m1 kernel's thread layout, a warp on 8 consecutive super-blocks of one row, with this file's dp4a arithmetic; q5_k's
+fifth bits masked in place and summed by two more dp4a per word); gemv_i8_q6_kernel for q6_k at M = 1 (K a multiple
+of 2048, so rows and steps of 8 blocks are 16-byte aligned). The lane kernels take activations in "i8 lane order"
+(i8_lane_base), so each load of a warp covers 512 contiguous bytes, and one rounding serves a layer's q4_k, q5_k and
+q6_k projections. Where each is faster than the exact kernels: bench/NOTES.md (GEMV routing).
 """
 import torch
 import triton
@@ -491,7 +476,7 @@ def gemv_i8_q6_kernel(XQ, XS, W32, Y, PART, COUNT, N, stride_ys, row_bytes, nblo
     2 p (static), for KT 4 one more word where kt >= 2 (a select per word), then half a word where b is odd (a funnel
     shift; for qh the same shift also brings bits 2 j down). KT 4 means more warps for the same rows (lanes along
     K, as in gemv_i8_lanes_kernel) at the cost of the selects. (KT 1, a thread walking all 8 blocks with static
-    shifts, measured slower on every shape: too few warps; bench/NOTES.md, session 31.)
+    shifts, measured slower on every shape: too few warps; bench/NOTES.md.)
     Codes c = nibble + 16 h (0..63) go through dp4a with the int8 activations into one int32 sum per 16-weight scale
     group; with w = d sc (c - 32), sum_g w x' = d dx (sc0 S0 + sc1 S1 - 32 (sc0 - sc1) X0) - 32 d sc1 s per 32-block
     (X0: sum q over its first half, s = dx sum q from ds). The 4 KT threads of a row are summed at the end; rows

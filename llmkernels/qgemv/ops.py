@@ -20,36 +20,12 @@ MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + 
 # f16/bf16 weights with activations of the same dtype go to cuBLAS from M = 2 (f32 stays on the kernel, whose float32
 # products do not depend on torch's TF32 setting)
 DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-# q5_k (no tensor-core kernel) keeps the m1 kernel up to M = 8 (two grid rows of 4): H100, fp16, us, generic kernel
-# / m1 with 4 rows per program at M = 8 on 4096x4096, 6144x4096, 14336x4096, 4096x14336, 128256x4096, 28672x4096:
-# 29.9 / 21.8, 39.8 / 31.7, 84.6 / 73.3, 89.2 / 69.5, 675.3 / 607.0, 162.4 / 141.1 (session 24, gemv_lab --m-curve).
-# q6_k up to M = 4 (.lab/q6_curve.py, generic / m1 on the first five shapes): M = 1 18.1 / 14.2, 25.8 / 26.0, 48.8 /
-# 39.2, 53.3 / 47.2, 359.0 / 299.7; M = 4 26.4 / 17.2, 40.2 / 29.5, 86.4 / 55.1, 83.5 / 56.3, 638.6 / 429.7; at M = 8
-# the generic kernel wins (26.1 / 31.0 ... 637.6 / 850.8): its 210-byte blocks give the m1 kernel 2-byte loads.
-# the m1 kernel (up to 4 activation rows per program) up to this M: for q4_k that now covers silu_mul_gemv and the
-# GLU (plain gemv takes the tensor-core kernel from TC_FIRST_M, below), MLX 4-bit against the planes kernel (faster at
-# M = 2, slower at 3 and 4; MLX 8-bit takes the same limit without a measured comparison) (bench/lab/gemv_lab.py
-# --m-curve)
+# the m1 kernel (up to 4 activation rows per program) serves each format up to this M; q4_k's covers
+# silu_mul_gemv and the GLU, plain gemv takes the tensor cores earlier (bench/NOTES.md, GEMV routing)
 M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
-# The tensor-core kernel (tc.py) per format: gemv takes it from TC_FIRST_M rows up to MID_M, and from
-# TC_FIRST_M_LARGE on long or wide matrices (K >= TC_LONG_K or N >= TC_WIDE_N); silu_mul_gemv from TC_FIRST_M, past
-# M1_MAX_M for the formats of TC_SILU_M1 (the m1 kernel forms silu(g) * u in its loads up to there). The evidence
-# (H100, us on the five Llama-3-8B shapes 4096x4096 / 6144x4096 / 14336x4096 / 4096x14336 / 128256x4096, the kernel
-# replaced / tc, bench/lab/tc_lab.py unless named):
-# - q4_k M = 2 (m1 / tc, session 27, fp16, PDL on both): 8.6 / 8.5, 14.4 / 10.4, 25.1 / 20.4, 22.4 / 19.7. M = 4
-#   (session 16, bf16): 11.2 / 11.3, 19.4 / 12.8, 36.8 / 24.4, 34.2 / 24.3, 302.1 / 157.2. M = 1 stays on the m1 and
-#   lane kernels (session 27, .lab/x1_lab.py): 7.3 / 8.3, 9.2 / 10.1, 17.3 / 19.5, 17.1 / 18.9, 116.8 / 128.1.
-# - MLX 4-bit group 64 (K a multiple of 256), M = 2 (m1 / tc, session 27): fp16 9.3 / 8.4, 11.2 / 10.3, 21.8 / 19.9,
-#   21.5 / 19.6; bf16 10.3 / 8.5, 11.0 / 10.4, 22.2 / 20.1, 23.7 / 19.5. M = 1 (.lab/x1_lab.py, fp16): 7.5 / 8.1,
-#   9.2 / 10.3, 18.0 / 19.6, 23.1 / 19.2, 127.6 / 124.4, hence from M = 1 on long or wide matrices only.
-# - q4_0 / q8_0 (K a multiple of 256) from M = 1 (session 25, fp16): q4_0 M = 1 (the words kernel) 10.4 / 9.7, 12.2
-#   / 10.7, 23.0 / 20.2, 23.4 / 20.0, 178.0 / 124.3 (bf16 4096 x 4096: 10.0 / 10.1); M = 8 (planes) 22.2 / 10.2 ...
-#   558.9 / 129.8; q8_0 M = 1 (planes) 13.7 / 12.6, 17.1 / 15.0, 35.6 / 32.1, 42.9 / 30.9, 265.9 / 209.7.
-# - q6_k (K a multiple of 2048, so that rows are 16-byte aligned) from M = 1 (session 26, fp16, m1 / tc (64, 4, 1,
-#   4, 0, 128)): 13.9 / 12.5, 25.8 / 14.7, 39.5 / 28.8, 47.4 / 27.8, 328.3 / 186.3 (the m1 kernel gets 2-byte loads
-#   from 210-byte blocks; tc shifts aligned 16-byte vectors into place).
-# - q5_k (session 26, same): M = 2 10.7 / 11.7, 12.3 / 13.5, 25.9 / 28.9, 31.7 / 27.6, 197.8 / 182.8 (so M = 2 on
-#   long or wide matrices only); M = 3 12.2 / 11.6, 18.0 / 13.5, 37.5 / 29.1, 36.4 / 27.7, 310.0 / 183.3.
+# The tensor-core kernel (tc.py): gemv takes it from TC_FIRST_M rows up to MID_M, from TC_FIRST_M_LARGE on
+# long or wide matrices (K >= TC_LONG_K or N >= TC_WIDE_N); silu_mul_gemv from TC_FIRST_M, past M1_MAX_M
+# for the formats of TC_SILU_M1 (bench/NOTES.md, GEMV routing)
 TC_FIRST_M = {"q4_0": 1, "q8_0": 1, "q6_k": 1, "q4_k": 2, "mlx4": 2, "q5_k": 3}
 TC_FIRST_M_LARGE = {"mlx4": 1, "q5_k": 2}
 TC_LONG_K = 8192
@@ -69,83 +45,33 @@ def tc_first_m(name: str, N: int, K: int, silu: bool = False):
     if K >= TC_LONG_K or N >= TC_WIDE_N:
         first = min(first, TC_FIRST_M_LARGE.get(name, first))
     return first
-# (BLOCK_N, warps, stages, waves) without a table entry; the table's "tc/<format>/m1" serves M = 1,
-# "tc/<format>/silu" silu_mul_gemv from M = 2 (q8_0 loads one step ahead there: fp16, us, 4096 x 14336 and
-# 14336 x 4096 at M = 2 and 8, (128, 8, 1, 2) / (64, 4, 1, 4, 1): 40.1 / 34.0, 41.7 / 37.2, 41.2 / 34.2, 42.9 /
-# 37.2; the two-step path 35.6 / 36.4 / 37.5 / 38.6; session 25, .lab/silu_lab2.py), "tc/<format>" the rest (q8_0
-# fp16, us, (64, 4, 1, 4) / (128, 8, 1, 2): M = 1 12.6 / 12.8, 15.0 / 15.3, 32.0 / 33.2, 30.7 / 31.8, 209.0 / 210.9;
-# M = 8 14.4 / 13.0, 17.7 / 15.5, 33.1 / 34.5, 37.2 / 32.4, 228.9 / 213.1; session 25)
-# q4_0 at M = 1 loads one step ahead (the table's (64, 4, 1, 2, 1); fp16, us, (64, 4, 1, 4) without / (64, 4, 1, 2)
-# with: 9.7 / 8.4, 10.7 / 10.9, 20.2 / 20.9, 20.0 / 18.6, 125.0 / 116.1; q8_0 and M = 8 lost with it; session 25),
-# registers capped at 128 since session 26 (153 -> 127, no spill: 4 programs per SM; us without / with the cap: 8.5 /
-# 8.6, 10.8 / 10.8, 20.8 / 17.8, 18.5 / 18.4, 116.6 / 116.3; at M = 8 the cap lost 1-27%)
-# q5_k and q6_k cap registers at 128 (the sixth field): 4 programs per SM instead of 3 (q6_k 153 registers -> 127
-# with no spill, q5_k 148 -> 128 with 3 spill instructions); M = 8, us, without / with the cap: q6_k 14.4 / 12.9,
-# 17.5 / 15.5, 32.5 / 30.8, 36.6 / 29.3, 219.6 / 194.2 (session 26)
+# (BLOCK_N, warps, stages, waves[, load one step ahead, register cap]) without a table entry; the table's
+# "tc/<format>/m1" serves M = 1, "tc/<format>/silu" silu_mul_gemv, "tc/<format>" the rest
 TC_DEFAULTS = {"q4_0": (64, 4, 1, 4), "q8_0": (128, 8, 1, 2), "q5_k": (64, 4, 1, 4, 0, 128),
                "q6_k": (64, 4, 1, 4, 0, 128)}
-# the register cap (a config's sixth field) applies up to this M only: with 32 or 64 activation rows per program it
-# spills. H100, bf16, us on 6144x4096 / 28672x4096 / 4096x14336, (64, 4, 1, 4) capped at 128 / uncapped (session
-# 32, .lab/tc_m64_lab.py): q5_k M = 16 13.2 / 14.7, 49.4 / 55.8, 26.1 / 34.6; M = 32 22.7 / 17.7, 85.4 / 64.3, 45.4
-# / 39.7; M = 64 59.9 / 25.0, 220.4 / 104.0, 108.4 / 52.6; q6_k M = 32 18.9 / 21.3, 73.2 / 72.1, 34.6 / 43.4; M = 64
-# 51.0 / 27.3, 187.6 / 111.2, 96.3 / 58.4 (engine q5_k_m batch 64 ran 3769 tok/s with the cap, q4_k_m 6229)
+# the register cap (a config's sixth field) applies up to this M: with 32 or 64 rows per program it spills
 TC_CAP_MAX_M = {"q5_k": 16, "q6_k": 32}
-# From TC_XT_MIN_M rows on, gemv hands the tensor-core kernel x in its k order (tc.tc_order, one small launch) and the
-# kernel reads each step's x tile by TMA straight into shared memory instead of loading and permuting it in registers:
-# every program re-reads x each step, so from 32 rows on x's traffic outweighs the weights' (bench/NOTES.md, session
-# 32). TC_XT switches it off (A/B labs). Its K split keeps the grid within the waves (split_k's fit: partials summed
-# in the kernel), with TC_XT_WAVES programs per SM by rows per program, unless the table has "tc/<format>/xt<rows>";
-# q8_0 (128-row tiles of 8 warps) lost with it at 64 rows (H100, bf16, us, without / with, .lab/xt_lab.py: 25.3 /
-# 28.6 on 4096x4096, 60.6 / 68.0 on 4096x14336, 372.4 / 463.7 on 128256x4096) and keeps the register path there.
+# From TC_XT_MIN_M rows on, gemv hands the tensor-core kernel x in its k order (tc.tc_order) and the kernel
+# reads each step's x tile by TMA (sm_90+): from 32 rows on x's traffic outweighs the weights'. Its K split
+# keeps the grid within TC_XT_WAVES programs per SM; q8_0 keeps the register path at 64 rows (bench/NOTES.md)
 TC_XT = True
 TC_XT_MIN_M = 17
 TC_XT_WAVES = {32: 4, 64: 2}
 TC_XT_NOT_64 = ("q8_0",)
-# with act_int8: the integer dot-product kernel (int8.py) up to this M per format, where it measured faster than the
-# exact kernels on an H100 (bench file 20261122-164133: q4_0 and q8_0 up to M = 2, q4_k at M = 1; at M = 4 and
-# beyond it reads the weights once per two activation rows and loses up to 3x). q4_k had M = 1 until the exact m1
-# kernel with lane-order activations overtook it on every Llama-3-8B shape (bench file 20261123-014329: 7.3 / 9.1 /
-# 17.1 / 17.0 / 116.8 us exact against 8.3 / 10.5 / 20.3 / 21.7 / 121.3 with int8), so q4_k now computes exactly.
-# q4_0 and q8_0 had M = 2 until the exact tensor-core kernel (tc.py) overtook int8 there (bench file
-# 20261124-013452, us exact / int8 at M = 2: q4_0 9.8 / 10.2, 10.8 / 12.7, 20.5 / 28.0, 20.7 / 28.4, 126.8 / 158.6;
-# q8_0 12.9 / 12.0, 15.2 / 15.8, 33.3 / 33.3, 31.7 / 34.8, 210.2 / 256.1); at M = 1 int8 still wins on 4 of 5 shapes
-# for q8_0 and 3 of 5 for q4_0 (q4_0 7.9 / 10.0 / 22.0 / 22.6 / 113.1 against exact 9.6 / 10.5 / 20.0 / 20.1 / 123.9)
-# q4_k is back at M = 1 since session 30 with its own kernel (int8.gemv_i8_lanes_kernel: m1's lanes along K with
-# dp4a), which beats the exact lane kernel on every Llama-3-8B shape (H100, bench file 20261124-102320, fp16 x, us on
-# 4096x4096, 6144x4096, 14336x4096, 4096x14336, 128256x4096: activations given 5.6 / 7.1 / 13.0 / 14.6 / 98.3, with
-# gemv's own rounding launch 6.6 / 8.1 / 14.4 / 14.8 / 99.4, exact lane kernel 6.0 / 8.5 / 15.9 / 15.7 / 115.1);
-# the engine rounds them in its RMSNorm kernel (add_rmsnorm i8: 427 against 418-421 tok/s with gemv's launches)
-# q6_k at M = 1 since session 31 (int8.gemv_i8_q6_kernel, K a multiple of 2048): see I8_LANES_DEFAULTS; q5_k at
-# M = 1 since session 32 (gemv_i8_lanes_kernel with its fifth bits)
+# with act_int8: the integer dot-product kernels (int8.py) up to this M per format, where they beat the exact
+# kernels (bench/NOTES.md, GEMV routing); beyond it they read the weights once per two rows and lose
 I8_MAX_M = {"q4_0": 1, "q8_0": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1}
-# (R, warps, waves, stages[, KT]) of the int8 lane kernels when the table has no "i8lanes/<key>" entry; q6_k with
-# K >= I8_Q6_LONG_K takes "q6_k/long". H100, bf16 x, activations given, us on 1024x4096 / 4096x4096 / 6144x4096 /
-# 14336x4096 / 4096x14336 / 128256x4096 (.lab/q6_lab.py, session 31): exact gemv (tc.py) 6.90 / 11.08 / 14.03 /
-# 28.30 / 26.65 / 189.3; KT 1 (1, 4, 2, 1, 1) 9.34 / 13.34 / 16.48 / 24.90 / 31.93 / 167.7 (8 static blocks per
-# thread: too few warps); KT 2 (1, 4, 2, 1, 2) 6.67 / 9.40 / 11.60 / 22.01 / 28.08 / 168.5; KT 4 (1, 4, 2, 1, 4)
-# 5.48 / 8.31 / 10.59 / 22.35 / 25.40 / 154.2, with waves 4 5.50 / 9.31 / 10.64 / 22.42 / 24.09 / 154.1 (a second K
-# split pays on the long row only)
-# q5_k (.lab/q5_lab.py, session 32, same setting), us on 1024x4096 / 4096x4096 / 6144x4096 / 14336x4096 /
-# 28672x4096 / 4096x14336 / 128256x4096: exact gemv (m1) 5.10 / 8.62 / 11.16 / 23.45 / 41.71 / 24.05 / 164.1;
-# (1, 4, 2, 1) 4.71 / 6.05 / 8.25 / 16.05 / 29.66 / 20.34 / 121.1; (1, 4, 1, 1) 3.28 / 6.06 / 8.26 / 16.04 / 29.78 /
-# 20.11 / 120.4 (the short matrix unsplit); (1, 2, 2, 1) 3.33 / 6.81 / 8.81 / 15.92 / 29.16 / 21.25 / 118.6; R 2
-# lost on every shape but 4096x14336 (19.1-19.2)
+# (R, warps, waves, stages[, KT]) of the int8 lane kernels without an "i8lanes/<key>" table entry; q6_k
+# with K >= I8_Q6_LONG_K takes "q6_k/long" (a second K split pays on long rows only)
 I8_LANES_DEFAULTS = {"q4_k": (1, 4, 2, 1), "q5_k": (1, 4, 1, 1), "q6_k": (1, 4, 2, 1, 4),
                      "q6_k/long": (1, 4, 4, 1, 4)}
 I8_Q6_LONG_K = 8192
-# q4_k at M = 1 reads activations in lane order (m1.lane_order) through gemv_lanes; gemv itself copies x into lane
-# order first for matrices of at least this many weights: the copy is one more launch, about 1 us in a CUDA graph on
-# an H100, which the lane kernel pays back from 4096 x 14336 on (fp16 x: 17.0 against 18.4 us natural; bf16 18.2
-# against 18.5; 14336 x 4096: fp16 17.2 against 17.6, bf16 17.9 against 17.7; 6144 x 4096 loses 0.6-1.3 us;
-# bench/NOTES.md, bench/NOTES.md session 14)
+# q4_k at M = 1 reads activations in lane order (m1.lane_order); gemv copies x into lane order itself for
+# matrices of at least this many weights, where the lane kernel pays back the copy's launch
 LANES_MIN_WEIGHTS = 1 << 25
 LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
-# fused silu_mul_gemv, q4_k, M = 1, matrices of LANES_MIN_WEIGHTS or more: twice the rows per thread and lanes split
-# over half chunks, so fewer warps form each silu(gate) * up value (H100, 4096 x 14336, us with sigmoid through
-# tanh.approx: fp16 23.1 against 26.7 with m1/q4_k, bf16 23.7 against 24.4; on 4096 x 4096 it loses, 10.0 against
-# 9.5; session 17, .lab silu sweep). Table key "m1/q4_k/silu_large". Three programs per SM (K split until then):
-# 4096 x 14336 has only 128 programs of 32 rows, one wave; us, fp16, waves 1 / 2 / 3 / 4: 24.6 / 22.7 / 20.4 / 21.2,
-# 14336 x 4096 19.6 / 19.6 / 19.6 / 20.4 (session 27, .lab/silu_sweep.py; R 4 or 16, KT 8, 2 or 8 warps: slower)
+# fused silu_mul_gemv, q4_k, M = 1, large matrices: twice the rows per thread and lanes over half chunks,
+# three programs per SM (table key "m1/q4_k/silu_large"; not tuned, so not in the table)
 SILU_LARGE_DEFAULT = (8, 1, 4, 3, 4, 2, 3)  # (R, NB, warps, stages, KT, H, waves); not tuned, so not in the table
 
 

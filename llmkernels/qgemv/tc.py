@@ -38,7 +38,7 @@ chunk t = 2 h6 + c as 32 low-nibble bytes at the q4_k codes' offsets (low nibble
 From 17 activation rows on (ops.TC_XT_MIN_M) gemv hands x over already in this k order (tc_order, one small launch)
 and the kernel (XT) reads each step's [M_PAD, 256] x tile through a TMA descriptor straight into shared memory: every
 program re-reads x every step, and from 32 rows that traffic, loaded and permuted in registers, outweighed the
-weights' (q4_k 28672x4096 at M = 64: 86.4 -> 48.4 us on an H100; bench/NOTES.md, session 32).
+weights' (q4_k 28672x4096 at M = 64: 86.4 -> 48.4 us on an H100; bench/NOTES.md).
 Loads go straight to registers (num_stages 1): letting Triton's pipeliner stage the codes in shared memory measured
 2x slower (bank-conflicted reads of each thread's 64 contiguous bytes; ncu: L1 75% busy, MIO throttle), and loading
 the next step's codes and scales one step ahead 20-30% slower (163 registers: 3 programs per SM instead of 4).
@@ -494,10 +494,8 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
                 s_hi, z_hi = s_lo, z_lo
                 s_ptrs += 256 // GS
                 z_ptrs += 256 // GS
-            # (the scales before the codes' load: 656 SASS instructions against 768 with the load first, q4_k
-            # fp16; 144.3 against 154.7 us at M = 8 on 128256 x 4096, H100. The header as one 16-byte load per row
-            # instead of four 4-byte ones: q4_k M = 8 9.8 / 12.1 / 23.5 / 21.9 / 143.2 -> 9.4 / 11.3 / 21.8 / 20.7 /
-            # 134.2 us, q5_k 2-5% faster, session 26, .lab/ab_hv.py)
+            # (the scales load before the codes' and the header as one 16-byte load per row: fewer instructions,
+            # measured faster; bench/NOTES.md)
             if FMT == 11:
                 w_lo, w_hi = _deq_q4(tl.load(w_ptrs), s_lo, z_lo, s_hi, z_hi, DT, UNPACK, 5, tl.load(qh_ptrs), sh)
                 qh_ptrs += STEP
@@ -639,11 +637,11 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     ``waves`` programs per SM. With ``x2`` (like x) the activations are silu(x) * x2 (silu_mul_gemv), rounded to x's
     dtype as the two-step path rounds them. prefetch (q4_0 / q8_0 only) loads the next step's weights before
     computing this one (157 registers instead of 128 for q4_0: 3 programs per SM instead of 4, which pays at M = 1 on
-    some shapes and loses at M = 8; bench/NOTES.md session 25). maxnreg caps the registers per thread (q6_k: 153 ->
-    127 with no spill, a fourth program per SM; bench/NOTES.md session 26). ``pdl`` (default: pdl_supported) launches
+    some shapes and loses at M = 8; bench/NOTES.md). maxnreg caps the registers per thread (q6_k: 153 ->
+    127 with no spill, a fourth program per SM; bench/NOTES.md). ``pdl`` (default: pdl_supported) launches
     it with programmatic dependent launch. ``xt``: x already in the kernel's k order (tc_order(x, fmt)), read through
     a TMA descriptor (the kernel's XT; not with x2); K is then split only as far as the grid stays within ``waves``
-    programs per SM, so that the kernel sums its own partials (bench/NOTES.md, session 32)."""
+    programs per SM, so that the kernel sums its own partials (bench/NOTES.md)."""
     import torch
 
     from .m1 import split_outputs
@@ -660,9 +658,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     grid_m = triton.cdiv(M, m_pad)
     split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves, fit=xt is not None)
     # the kernel sums its own partials only when the whole grid fits in the ``waves`` programs per SM: each program
-    # then waits for its arrival atomic once, not once per wave (H100, fp16, us, separate sum kernel / fixup, session
-    # 26, .lab/ab_fixup.py: q4_k M = 8 on 4096 x 4096 (512 programs for 528 slots) 10.7 / 9.8, 4096 x 14336 (512)
-    # 22.5 / 21.7, 14336 x 4096 (672) 23.3 / 23.9, 6144 x 4096 (576) 11.9 / 11.9; the other formats alike)
+    # then waits for its arrival atomic once, not once per wave (bench/NOTES.md)
     fixup = fixup and programs_n * grid_m * split <= waves * sms
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)

@@ -7,8 +7,6 @@ aligned, and a kernel that loads them where they lie gets 2-byte loads. G consec
 blocks as vectors of int32 words, split them into single words in the registers (_scalars), and rebuild each block's
 code words from them (_block_codes): a block that starts in the middle of a word gets its code words from two
 neighbours (one byte permute each, _funnel), the next block's codes are word-aligned.
-
-(Session 25 removed the batch-1 GEMV kernel that lived here: the tensor-core kernel, tc.py, beat it from M = 1.)
 """
 import triton
 import triton.language as tl

@@ -164,7 +164,7 @@ TC_CANDS = [(64, 4, 1, 4), (64, 4, 1, 2), (128, 8, 1, 2), (128, 8, 1, 4), (128, 
 # q4_0 / q8_0 also try loading the next step's weights one step ahead (a fifth field, tc.launch_tc), also with
 # registers capped at 128 (a sixth field)
 TC_LEGACY_CANDS = TC_CANDS + [(64, 4, 1, 2, 1), (64, 4, 1, 4, 1), (128, 8, 1, 2, 1), (64, 4, 1, 2, 1, 128)]
-# q5_k / q6_k: also with registers capped at 128 (a sixth field: 4 programs per SM, bench/NOTES.md session 26)
+# q5_k / q6_k: also with registers capped at 128 (a sixth field: 4 programs per SM, bench/NOTES.md)
 TC_KQ_CANDS = [(64, 4, 1, 4, 0, 128), (64, 4, 1, 2, 0, 128), (128, 8, 1, 2, 0, 128), (64, 4, 1, 8, 0, 128),
                (64, 4, 1, 4), (128, 8, 1, 2)]
 # q4_0 and q8_0: gemv and silu_mul_gemv take the tensor-core kernel at every M (entries "tc/<format>/m1" for M = 1,
