@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="where to run (default: cuda when a GPU is visible, else cpu through Triton's interpreter)")
+    g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="triton: llmkernels' kernels (the interpreter on the CPU: slow); torch: a pure-torch forward "
+                        "(fast on the CPU); auto: triton on a GPU, torch on the CPU")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + generation (default: the model's context length, at most 8192)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
@@ -126,7 +129,7 @@ def _generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
-              max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8)
+              max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8, backend=args.backend)
     t0 = time.perf_counter()
     if len(args.prompt) == 1:
         print(args.prompt[0], end="", flush=True)

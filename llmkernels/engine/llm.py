@@ -18,6 +18,7 @@ from ..attention.plan import plan_paged_attention
 from ..quant.gguf_io import read_gguf
 from .config import ModelConfig
 from .model import Model, StepInputs
+from .torch_model import TorchModel
 from .sampler import SamplingParams, make_generator, sample_tokens
 from .scheduler import PageAllocator, Scheduler, Sequence, pages_for
 from .tokenizer import Tokenizer
@@ -60,6 +61,9 @@ class LLM:
         cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
         num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
             max_model_len). A fixed count makes eager and graph steps compute attention identically.
+        backend: "triton" runs the model on llmkernels' kernels (through Triton's interpreter on the CPU: slow, for
+            kernel tests); "torch" runs a pure-torch forward with the same weights and caches (fast on the CPU, for
+            tests, servers and tools on machines without a GPU); "auto" (default): triton on a GPU or with act_int8, else torch.
         act_int8: round the activations of the q4_0 / q8_0 / q4_k projections to int8 per block of 32 at batch 1
             and use integer dot products (gemv's act_int8, as llama.cpp does): faster decode, slightly different
             logits. For q4_k the RMSNorm kernel writes the rounded activations. Other formats and batches compute
@@ -74,7 +78,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_dtype=None, cuda_graphs: bool = True, max_graph_batch: int = 64,
                  gpu_memory_utilization: float = 0.9, num_splits: int = 0, progress: bool = True,
-                 act_int8: bool = False, _model: Model | None = None,
+                 act_int8: bool = False, backend: str = "auto", _model: Model | None = None,
                  _tokenizer=None):
         if device is None:
             device = "cpu" if interpreter_mode() or not torch.cuda.is_available() else "cuda"
@@ -83,6 +87,10 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float16)
         if dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        if backend == "auto":  # act_int8 is a kernel feature: it takes the kernels on the CPU too
+            backend = getattr(_model, "backend", None) or ("triton" if on_gpu or act_int8 is True else "torch")
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
@@ -97,10 +105,17 @@ class LLM:
                 from tqdm.auto import tqdm
 
                 progress_fn = tqdm
-            _model = Model(cfg, f, self.device, dtype, progress=progress_fn)
+            model_cls = TorchModel if backend == "torch" else Model
+            _model = model_cls(cfg, f, self.device, dtype, progress=progress_fn)
             _tokenizer = Tokenizer(f.metadata) if _tokenizer is None else _tokenizer
         if not isinstance(act_int8, bool):
             raise TypeError(f"act_int8 must be a bool, got {type(act_int8).__name__}")
+        self.backend = getattr(_model, "backend", "triton")
+        if backend != self.backend:
+            raise ValueError(f"backend {backend!r} was asked for a model built for {self.backend!r}")
+        if act_int8 and self.backend == "torch":
+            raise ValueError("act_int8=True needs backend='triton' (the int8 GEMV kernels); the torch backend "
+                             "computes exactly")
         self.model = _model
         self.model.act_int8 = act_int8
         self.tokenizer = _tokenizer
@@ -141,7 +156,7 @@ class LLM:
         self.graphs = {}
         self._ahead = None  # (batch, logits) of a step launched before the previous one's tokens were read
         self._tokens_host = None
-        self.use_graphs = bool(cuda_graphs and on_gpu)
+        self.use_graphs = bool(cuda_graphs and on_gpu and self.backend == "triton")
         self.max_graph_batch = min(max_graph_batch, max_num_seqs)
         if not isinstance(num_splits, int) or num_splits < 0:
             raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")

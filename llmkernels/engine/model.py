@@ -88,6 +88,8 @@ class Model:
     (anywhere; they are moved to ``device`` once) or, for norms and biases, float tensors.
     """
 
+    backend = "triton"  # the forward runs llmkernels' kernels (torch_model.TorchModel: plain torch)
+
     def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None):
         self.cfg = cfg
         self.device = torch.device(device)

@@ -42,17 +42,20 @@ def check_logits(llm, d, path, hf, ids):
     assert rel_err(ours, orig) < rel_err(same, orig) + tol
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("arch,fmt", CPU_CASES, ids=[f"{a}-{f}" for a, f in CPU_CASES])
-def test_logits_match_transformers(model_files, arch, fmt):
+def test_logits_match_transformers(model_files, arch, fmt, backend):
+    """The kernels (the interpreter on the CPU) and the pure-torch forward alike."""
     d, path, hf = model_files(arch, fmt)
-    llm = LLM(path, progress=False, max_num_batched_tokens=64)
+    llm = LLM(path, progress=False, max_num_batched_tokens=64, backend=backend)
+    assert llm.backend == backend
     check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[1]))
 
 
 def test_bf16_logits(model_files):
     """bf16 activations, also on the CPU (the interpreter's bf16 dot is patched by the library)."""
     d, path, hf = model_files("llama", "q8_0")
-    llm = LLM(path, dtype=torch.bfloat16, progress=False, max_num_batched_tokens=64)
+    llm = LLM(path, dtype=torch.bfloat16, progress=False, max_num_batched_tokens=64, backend="triton")
     assert llm.dtype == torch.bfloat16
     check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[0]))
 
@@ -64,7 +67,7 @@ def test_act_int8_logits(model_files, fmt):
     within twice the activation tolerance of transformers on the same weights. A two-token step computes exactly."""
     d, path, hf = model_files("llama", fmt)
     ids = [17]
-    exact = LLM(path, progress=False, max_num_batched_tokens=64)
+    exact = LLM(path, progress=False, max_num_batched_tokens=64, backend="triton")
     i8 = LLM(path, progress=False, max_num_batched_tokens=64, act_int8=True)
     a, b = exact.logits(ids).cpu(), i8.logits(ids).cpu()
     assert 0 < rel_err(b, a) < 2 * ACT_TOL[i8.dtype]  # the rounding compounds over the layers (2.1e-2 seen)
@@ -111,7 +114,7 @@ def test_k_m_file(model_files, mix, base):
     assert [fmts[f"blk.{i}.attn_v.weight"] for i in range(2)] == [base, "q6_k"]  # more_bits(1, 2)
     assert [fmts[f"blk.{i}.ffn_down.weight"] for i in range(2)] == [base, "q6_k"]
     assert fmts["blk.1.attn_q.weight"] == fmts["blk.1.ffn_gate.weight"] == base
-    llm = LLM(path, progress=False, max_num_batched_tokens=64)
+    llm = LLM(path, progress=False, max_num_batched_tokens=64, backend="triton")
     assert [[m.format for m in L.qkv] for L in llm.model.layers] == [[base], [base, "q6_k"]]
     assert llm.model.layers[1].qkv[0].shape[0] == (llm.cfg.n_heads + llm.cfg.n_kv_heads) * llm.cfg.head_dim
     check_logits(llm, d, path, hf, llm.tokenizer.encode(PROMPTS[1]))
@@ -127,7 +130,7 @@ def test_greedy_tokens_identical(model_files, arch, fmt):
     ref = hf if fmt == "f32" else hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
     # fp16 activations on both machines (the GPU default, bf16, leaves ~8x the logit error: 0.10 against a top-2
     # margin of 0.21 on an H100, too close to owe identical tokens)
-    llm = LLM(path, progress=False, dtype=torch.float16)
+    llm = LLM(path, progress=False, dtype=torch.float16, backend="triton")
     ids = llm.tokenizer.encode(PROMPTS[0])
     want = hf_greedy(ref, ids, 6)
     # identical tokens are owed only where the reference's top-2 margin exceeds twice our logit error there
@@ -387,3 +390,25 @@ def test_convert_reports_fallbacks(tmp_path, capsys):
     assert "fell back" in err and "blk.0.ffn_down.weight [128, 320]: q4_k -> q8_0" in err
     assert "blk.0.attn_q.weight" in err  # K = 128 too
     assert read_gguf(out)["blk.0.ffn_down.weight"].format == "q8_0"
+
+
+def test_backend_choice(model_files):
+    """backend="auto" takes the pure-torch forward on the CPU (the kernels with act_int8); bad values are refused."""
+    _, path, _ = model_files("llama", "q8_0")
+    if not torch.cuda.is_available():
+        assert LLM(path, progress=False).backend == "torch"
+        assert LLM(path, progress=False, act_int8=True).backend == "triton"
+    with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch', got 'cuda'"):
+        LLM(path, progress=False, backend="cuda")
+    with pytest.raises(ValueError, match="act_int8=True needs backend='triton'"):
+        LLM(path, progress=False, backend="torch", act_int8=True)
+
+
+def test_torch_backend_generates_as_the_kernels_do(model_files):
+    """Greedy tokens of the pure-torch forward equal the kernel path's (fp16, where both are near the reference)."""
+    _, path, _ = model_files("llama", "f32")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = LLM(path, progress=False).tokenizer.encode(PROMPTS[1])
+    outs = [LLM(path, progress=False, dtype=torch.float16, backend=b).generate([ids], params)[0].token_ids
+            for b in ("torch", "triton")]
+    assert outs[0] == outs[1]

@@ -1,0 +1,96 @@
+"""The model's forward pass in plain torch: the engine's fast path on machines without a GPU.
+
+Under Triton's interpreter every kernel runs element by element in numpy (seconds per token even for a tiny model);
+here each matrix is dequantized once to float32 and every step is a handful of torch ops, so the engine, and anything
+built on it, runs in milliseconds per token on small models. The arithmetic follows the kernels' roundings (products
+in float32, results in the activation dtype) and attention is the float64 reference of ``llmkernels.testing``, so
+logits agree with the kernel path to the activation dtype's tolerance. Select it with ``LLM(..., backend="torch")``
+(the default on the CPU); the kernel path stays the reference on GPUs and for kernel tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import FP8_DTYPES
+from ..quant.tensor import dequantize
+from ..testing.attention import paged_attention_ref
+from .model import Model, StepInputs
+
+
+class TorchModel(Model):
+    """``Model`` with a pure-torch forward (same weights, caches and inputs)."""
+
+    backend = "torch"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._dense: dict = {}
+
+    def _w(self, qt) -> torch.Tensor:
+        """float32 [N, K] of a stored matrix, dequantized on first use."""
+        w = self._dense.get(id(qt))
+        if w is None:
+            w = self._dense[id(qt)] = dequantize(qt, torch.float32)
+        return w
+
+    def _linear(self, x: torch.Tensor, mats: list) -> torch.Tensor:
+        return torch.cat([(x.float() @ self._w(m).T) for m in mats], dim=1).to(self.dtype)
+
+    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.dtype).float() * w
+        return y.to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate float32 heads x [T, H, D] by their positions (interleaved pairs or neox halves)."""
+        D = x.shape[-1]
+        ang = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        cos, sin = (torch.cos(ang) * self.rope_mscale)[:, None, :], (torch.sin(ang) * self.rope_mscale)[:, None, :]
+        if self.cfg.rope_style == "neox":
+            a, b = x[..., :D // 2], x[..., D // 2:]
+            return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+    def _qk_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.dtype).float() * w
+        return y.to(self.dtype).float()
+
+    def _store(self, cache: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, scale: float) -> None:
+        keep = slots >= 0
+        flat = cache.view(-1, *cache.shape[2:])
+        if cache.dtype in FP8_DTYPES:
+            top = torch.finfo(cache.dtype).max
+            flat[slots[keep]] = (vals[keep] / scale).clamp(-top, top).to(cache.dtype)
+        else:
+            flat[slots[keep]] = vals[keep].to(self.dtype).to(cache.dtype)
+
+    def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+        cfg = self.cfg
+        T, Hq, Hkv, D = inp.ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = self._w(self.tok_embd)[inp.ids.long()].to(self.dtype)
+        for li, layer in enumerate(self.layers):
+            qkv = self._linear(self._rmsnorm(h, layer.attn_norm), layer.qkv).float()
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q = qkv[:, :Hq * D].view(T, Hq, D)
+            k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+            if layer.q_norm is not None:
+                q, k = self._qk_norm(q, layer.q_norm), self._qk_norm(k, layer.k_norm)
+            q, k = self._rope(q, inp.positions), self._rope(k, inp.positions)
+            self._store(k_caches[li], inp.slots, k, kv_scales[0])
+            self._store(v_caches[li], inp.slots, v, kv_scales[1])
+            fp8 = k_caches[li].dtype in FP8_DTYPES
+            o, _ = paged_attention_ref(q.to(self.dtype), k_caches[li], v_caches[li], inp.page_table, inp.seq_lens,
+                                       inp.cu_seqlens_q, k_scale=kv_scales[0] if fp8 else None,
+                                       v_scale=kv_scales[1] if fp8 else None, dtype=torch.float32)
+            h = (h + self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo])).to(self.dtype)
+            gu = self._linear(self._rmsnorm(h, layer.ffn_norm), layer.gate_up).float()
+            F = gu.shape[1] // 2
+            act = (torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]).to(self.dtype)
+            h = (h + self._linear(act, [layer.down])).to(self.dtype)
+        if inp.logits_idx.numel() == 0:
+            return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
+        x = self._rmsnorm(h.index_select(0, inp.logits_idx), self.output_norm)
+        return self._linear(x, [self.output]).float()
