@@ -6,10 +6,10 @@
 """
 from .config import ModelConfig, ModelConfigError
 from .convert import convert_hf_to_gguf, gguf_to_hf_state_dict
-from .llm import LLM, RequestOutput
+from .llm import LLM, CompletionOutput, RequestOutput
 from .model import Model, StepInputs
 from .sampler import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["LLM", "Model", "ModelConfig", "ModelConfigError", "RequestOutput", "SamplingParams", "StepInputs",
+__all__ = ["LLM", "CompletionOutput", "Model", "ModelConfig", "ModelConfigError", "RequestOutput", "SamplingParams", "StepInputs",
            "Tokenizer", "TokenizerError", "convert_hf_to_gguf", "gguf_to_hf_state_dict"]

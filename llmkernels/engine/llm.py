@@ -25,13 +25,24 @@ from .tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request: its text (cut before a stop string), token ids and why it ended."""
+    index: int
+    text: str
+    token_ids: list
+    finish_reason: str  # "stop" (EOS, a stop id or a stop string) | "length" (max_tokens or the model's limit)
+
+
+@dataclasses.dataclass
 class RequestOutput:
+    """A request's result; ``text``, ``token_ids`` and ``finish_reason`` are its first completion's."""
     prompt: str | None
     prompt_token_ids: list
     text: str
     token_ids: list
-    finish_reason: str  # "stop" (EOS or a stop id) | "length" (max_tokens or the model's length limit)
+    finish_reason: str
     num_preemptions: int = 0
+    outputs: list = dataclasses.field(default_factory=list)  # CompletionOutput
 
 
 @dataclasses.dataclass
@@ -42,6 +53,36 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read (LLM.step)
+
+
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _kv_dtype(value):
+    if value is None or isinstance(value, torch.dtype):
+        if value not in (None, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"kv_cache_dtype must be fp16, bf16 or an fp8 dtype, got {value}")
+        return value
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or a torch dtype, got {value!r}")
+    return KV_CACHE_DTYPES[value]
+
+
+def stop_cut(text: str, stops) -> int | None:
+    """Where ``text`` is cut for the first occurrence of any stop string, or None."""
+    cuts = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return min(cuts) if cuts else None
+
+
+def held_back(text: str, stops) -> int:
+    """How many trailing characters of ``text`` could begin a stop string (a stream holds them back)."""
+    keep = 0
+    for x in stops:
+        for n in range(min(len(x) - 1, len(text)), 0, -1):
+            if text.endswith(x[:n]):
+                keep = max(keep, n)
+                break
+    return keep
 
 
 class LLM:
@@ -57,7 +98,8 @@ class LLM:
         max_model_len: longest prompt + generation (default: the model's context length, at most 8192).
         max_num_seqs, max_num_batched_tokens: the scheduler's sequence and per-step token budgets (2048 tokens per
             step: a 512-token prompt prefills in one step; bench/NOTES.md, engine prefill budgets).
-        kv_cache_dtype: None (= dtype) or torch.float8_e4m3fn / torch.float8_e5m2 (scales 1.0).
+        kv_cache_dtype: "auto" (= dtype), "fp8_e4m3" / "fp8_e5m2" (scales 1.0), or a torch dtype.
+        tensor_parallel_size: GPUs to split the model over; only 1 is supported yet.
         cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
         num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
             max_model_len). A fixed count makes eager and graph steps compute attention identically.
@@ -76,9 +118,10 @@ class LLM:
 
     def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_pages: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_dtype=None, cuda_graphs: bool = True, max_graph_batch: int = 64,
+                 kv_cache_dtype="auto", cuda_graphs: bool = True, max_graph_batch: int = 64,
                  gpu_memory_utilization: float = 0.9, num_splits: int = 0, progress: bool = True,
-                 act_int8: bool = False, backend: str = "auto", _model: Model | None = None,
+                 act_int8: bool = False, backend: str = "auto", tensor_parallel_size: int = 1,
+                 _model: Model | None = None,
                  _tokenizer=None):
         if device is None:
             device = "cpu" if interpreter_mode() or not torch.cuda.is_available() else "cuda"
@@ -87,6 +130,10 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float16)
         if dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 (tensor parallelism is not supported yet), got "
+                             f"{tensor_parallel_size!r}")
+        kv_cache_dtype = _kv_dtype(kv_cache_dtype)
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
         if backend == "auto":  # act_int8 is a kernel feature: it takes the kernels on the CPU too
@@ -331,6 +378,8 @@ class LLM:
                     s.out_ids.append(t)
                 if t in self._eos_ids(s.params):
                     s.finish_reason = "stop"
+                elif s.params.stop and self._stop_string(s):
+                    s.finish_reason = "stop"
                 elif len(s.out_ids) >= s.params.max_tokens or s.num_tokens >= self.max_model_len:
                     s.finish_reason = "length"
                 if s.finish_reason:
@@ -338,6 +387,19 @@ class LLM:
                     finished.append(s)
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
+
+    def _stop_string(self, s: Sequence) -> bool:
+        """Whether the text so far holds one of the request's stop strings (searched from a few characters before
+        the newest token's text, so a string spanning tokens is found once, where it completes)."""
+        if self.tokenizer is None:
+            return False
+        text = self.tokenizer.decode(s.out_ids)
+        cut = stop_cut(text[max(0, s.stop_scan - max(map(len, s.params.stop))):], s.params.stop)
+        if cut is not None:
+            s.stop_at = max(0, s.stop_scan - max(map(len, s.params.stop))) + cut
+            return True
+        s.stop_scan = len(text)
+        return False
 
     # --- CUDA graphs for decode -----------------------------------------------------------------------------------
     def _graph_for(self, bs: int):
@@ -382,10 +444,15 @@ class LLM:
         return torch.cat(out)
 
     # --- generation -----------------------------------------------------------------------------------------------
-    def _output(self, s: Sequence, prompt) -> RequestOutput:
+    def _text(self, s: Sequence) -> str:
         text = self.tokenizer.decode(s.out_ids) if self.tokenizer is not None else ""
+        return text[:s.stop_at] if s.stop_at is not None else text
+
+    def _output(self, s: Sequence, prompt) -> RequestOutput:
+        text = self._text(s)
+        first = CompletionOutput(0, text, list(s.out_ids), s.finish_reason)
         return RequestOutput(prompt if isinstance(prompt, str) else None, s.prompt_ids, text, list(s.out_ids),
-                             s.finish_reason, s.num_preemptions)
+                             s.finish_reason, s.num_preemptions, [first])
 
     def generate(self, prompts, params: SamplingParams | list | None = None, *, use_tqdm: bool = False) -> list:
         """Generate for each prompt (str or token-id list); returns RequestOutputs in prompt order."""
@@ -418,10 +485,13 @@ class LLM:
             self.step()
             if len(seq.out_ids) > sent:
                 sent = len(seq.out_ids)
-                text = self.tokenizer.decode(seq.out_ids) if self.tokenizer else ""
-                # hold back an incomplete UTF-8 character until the token that completes it
+                text = self._text(seq)
+                # hold back an incomplete UTF-8 character until the token that completes it, and text that may be
+                # the start of a stop string until it is known not to be
                 if text.endswith("\ufffd") and seq.finish_reason is None:
                     continue
+                if seq.finish_reason is None and seq.params.stop:
+                    text = text[:len(text) - held_back(text, seq.params.stop)]
                 if len(text) > len(shown) and text.startswith(shown):
                     yield text[len(shown):]
                 shown = text

@@ -13,14 +13,17 @@ class SamplingParams:
     temperature: 0 = greedy (argmax); top_k: keep the k most likely tokens (0 = all); top_p: keep the smallest set
     whose probability reaches p (1 = all); seed: a per-request seed: each request draws from its own generator, so
     the same batch replays exactly (across different batch sizes the logits may differ in the last bits, since the
-    GEMV kernels take other paths, and a draw at a near-tie can change); max_tokens: tokens to generate at most; stop_token_ids: extra ids that end generation (the model's EOS
-    ids always do unless ignore_eos).
+    GEMV kernels take other paths, and a draw at a near-tie can change); max_tokens: tokens to generate at most;
+    stop: strings that end generation at their first occurrence in the text, which is cut there (also when a stop
+    string spans several tokens); stop_token_ids: extra ids that end generation (the model's EOS ids always do unless
+    ignore_eos).
     """
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
+    stop: tuple = ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
 
@@ -36,6 +39,10 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
+            raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = tuple(stop)
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,8 @@ class Sequence:
     finish_reason: str | None = None
     generator: object = None
     num_preemptions: int = 0
+    stop_at: int | None = None  # where a stop string cut the text
+    stop_scan: int = 0  # text length already searched for stop strings
     seq_id: int = dataclasses.field(default_factory=lambda: next(_ids))
 
     @property

@@ -412,3 +412,40 @@ def test_torch_backend_generates_as_the_kernels_do(model_files):
     outs = [LLM(path, progress=False, dtype=torch.float16, backend=b).generate([ids], params)[0].token_ids
             for b in ("torch", "triton")]
     assert outs[0] == outs[1]
+
+
+def test_stop_strings_cut_the_text_and_the_stream(model_files):
+    """A stop string ends generation at its first occurrence, which is not in the text, also when it spans tokens;
+    the streamed pieces join to the same text (held back while they may begin a stop string)."""
+    _, path, _ = model_files("llama", "q8_0")
+    llm = LLM(path, progress=False, backend="torch")
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    free = llm.generate([ids], SamplingParams(**greedy))[0]
+    toks = [llm.tokenizer.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
+    # a stop string spanning the 4th and 5th tokens' text
+    start, end = len(toks[3]) - 1, len(toks[5])
+    assert 0 <= start < end
+    stop = free.text[start:end]
+    out = llm.generate([ids], SamplingParams(stop=[stop, "\x00never"], **greedy))[0]
+    cut = free.text.find(stop)
+    assert out.text == free.text[:cut] and out.finish_reason == "stop"
+    assert out.outputs[0].text == out.text and out.outputs[0].token_ids == out.token_ids
+    assert out.token_ids == free.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(free.token_ids)
+    pieces = list(llm.stream(ids, SamplingParams(stop=stop, **greedy)))
+    assert "".join(pieces) == out.text
+    assert all(stop not in p for p in pieces)
+    for bad in ([""], [3], 5):
+        with pytest.raises(TypeError, match="stop must be"):
+            SamplingParams(stop=bad)
+
+
+def test_design_keyword_arguments(model_files):
+    _, path, _ = model_files("llama", "q8_0")
+    llm = LLM(path, progress=False, backend="torch", kv_cache_dtype="auto", tensor_parallel_size=1)
+    assert llm.kv_dtype == llm.dtype
+    assert LLM(path, progress=False, backend="torch", kv_cache_dtype="fp8_e4m3").kv_dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, fp8_e5m2"):
+        LLM(path, progress=False, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        LLM(path, progress=False, tensor_parallel_size=2)
