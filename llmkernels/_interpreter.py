@@ -23,7 +23,8 @@ _COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_
 
 
 def fix_interpreter() -> bool:
-    """Make the interpreter right for bfloat16 dots and arithmetic. Returns False when there is nothing to patch
+    """Make the interpreter right for bfloat16 dots and arithmetic and for comparison results. Returns False when
+    there is nothing to patch
     (a Triton without an interpreter builder of the known shape), in which case the public ops refuse bf16 tensors
     under the interpreter (``_checks.check_device``)."""
     global _PATCHED
@@ -60,12 +61,11 @@ def fix_interpreter() -> bool:
             return narrow(out) if round_back(args) else out
         return patched
 
-    op_name = lambda args: getattr(args[-1], "__name__", "")  # noqa: E731  (binary/unary ops pass the ufunc last)
     builder.create_dot = wrap(builder.create_dot, lambda args: False)  # accumulates in d's dtype (fp32)
     arithmetic = wrap(builder.binary_op, lambda args: is_bf16(args[0]))
 
     def binary_op(self, lhs, rhs, op):
-        if op_name((op,)) in _COMPARISONS:  # a comparison gives int1 (bool), whatever its operands' dtype
+        if getattr(op, "__name__", "") in _COMPARISONS:  # a comparison gives int1 (bool), whatever its operands' dtype
             lhs, rhs = widen(lhs), widen(rhs)
             return TensorHandle(np.asarray(op(lhs.data, rhs.data), dtype=np.bool_), tl.int1)
         return arithmetic(self, lhs, rhs, op)
