@@ -2,8 +2,8 @@
 
 Compiled kernels are tested on the GPU with the versions of ``TESTED_GPU``; the interpreter (CPU) tests run in CI on
 ``TESTED_CPU``. A Triton outside ``TRITON_RANGE`` is refused at import with a message naming the range, instead of
-failing later inside a kernel (``LLMKERNELS_ANY_TRITON=1`` skips the check, for trying a new release). A Triton without Gluon's Hopper API keeps the portable Triton kernels (``info`` says
-so).
+failing later inside a kernel (``LLMKERNELS_ANY_TRITON=1`` skips the check, for trying a new release). A Triton
+without Gluon's Hopper API keeps the portable Triton kernels (``info`` says so).
 """
 from __future__ import annotations
 

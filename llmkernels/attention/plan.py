@@ -30,8 +30,8 @@ WS_DECODE_MIN_BYTES = 1 << 25
 WS_MIN_KEYS_PER_SPLIT = 256
 # num_splits=0 on the Gluon decode kernel: equal key-tile ranges per SM (schedule.balanced_tables) when the units
 # (sequence, kv head, split) dealt round-robin leave the busiest SM more than BALANCE_MIN_SKEW times the mean work.
-# H100, GQA 32/8, bf16, page 16 (graph-timed, us, units / balanced; bench/NOTES.md): ragged B=8 1 x 32768 + 7 x 1024 keys 216 /
-# 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 337 / 295; but
+# H100, GQA 32/8, bf16, page 16 (graph-timed, us, units / balanced; bench/NOTES.md): ragged B=8
+# 1 x 32768 + 7 x 1024 keys 216 / 69; B=32 2 x 16384 + 30 x 512 212 / 80; B=104 4 x 8192 + 100 x 256 140 / 96; B=48 random 64..8192 337 / 295; but
 # where every unit is cut, even batches lose: B=1 L=32768 55 / 64, B=4 L=8192 55 / 60, B=64 L=1024 97 / 106
 BALANCED_SPLIT = True
 BALANCE_MIN_SKEW = 1.25

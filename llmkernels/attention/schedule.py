@@ -24,7 +24,8 @@ def fp8_ring(units: int, programs: int) -> int:
 
 
 # a range boundary moves onto a unit boundary within this fraction of a share (see balanced_tables). H100, GQA 32/8,
-# page 16 (bench/NOTES.md; us, snap 0.5 / 0.1): ragged B=8 1 x 32768 + 7 x 1024 keys 75 / 70, B=48 random 64..8192 312 / 295
+# page 16 (bench/NOTES.md; us, snap 0.5 / 0.1): ragged B=8 1 x 32768 + 7 x 1024 keys 75 / 70, B=48 random
+# 64..8192 312 / 295
 SNAP = 0.1
 
 

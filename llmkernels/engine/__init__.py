@@ -11,5 +11,6 @@ from .model import Model, StepInputs
 from .sampler import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["LLM", "CompletionOutput", "Model", "ModelConfig", "ModelConfigError", "RequestOutput", "SamplingParams", "StepInputs",
+__all__ = ["LLM", "CompletionOutput",
+           "Model", "ModelConfig", "ModelConfigError", "RequestOutput", "SamplingParams", "StepInputs",
            "Tokenizer", "TokenizerError", "convert_hf_to_gguf", "gguf_to_hf_state_dict"]

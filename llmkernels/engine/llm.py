@@ -105,7 +105,8 @@ class LLM:
             max_model_len). A fixed count makes eager and graph steps compute attention identically.
         backend: "triton" runs the model on llmkernels' kernels (through Triton's interpreter on the CPU: slow, for
             kernel tests); "torch" runs a pure-torch forward with the same weights and caches (fast on the CPU, for
-            tests, servers and tools on machines without a GPU); "auto" (default): triton on a GPU or with act_int8, else torch.
+            tests, servers and tools on machines without a GPU); "auto" (default): triton on a GPU or with
+            act_int8, else torch.
         act_int8: round the activations of the q4_0 / q8_0 / q4_k projections to int8 per block of 32 at batch 1
             and use integer dot products (gemv's act_int8, as llama.cpp does): faster decode, slightly different
             logits. For q4_k the RMSNorm kernel writes the rounded activations. Other formats and batches compute
@@ -394,9 +395,10 @@ class LLM:
         if self.tokenizer is None:
             return False
         text = self.tokenizer.decode(s.out_ids)
-        cut = stop_cut(text[max(0, s.stop_scan - max(map(len, s.params.stop))):], s.params.stop)
+        start = max(0, s.stop_scan - max(map(len, s.params.stop)))
+        cut = stop_cut(text[start:], s.params.stop)
         if cut is not None:
-            s.stop_at = max(0, s.stop_scan - max(map(len, s.params.stop))) + cut
+            s.stop_at = start + cut
             return True
         s.stop_scan = len(text)
         return False
