@@ -1,4 +1,5 @@
-"""Command line: ``python -m llmkernels {demo,formats,info,tune,generate,convert}`` (also installed as ``llmkernels``).
+"""Command line: ``python -m llmkernels {demo,formats,info,tune,generate,serve,convert}`` (also installed as
+``llmkernels``).
 
 Errors print one line on stderr and exit with status 2; ``--debug`` shows the traceback instead.
 """
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="round activations to int8 at batch 1 for the q4_0/q8_0/q4_k/q5_k/q6_k projections (faster "
                         "decode, slightly different logits)")
     g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end (stderr)")
+    _serve_parser(sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API",
+                                 formatter_class=_Formatter))
     c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint to GGUF",
                        formatter_class=_Formatter)
     c.add_argument("model_dir", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
@@ -62,6 +65,43 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output-format", default=None, choices=FORMATS + tuple(MIXES),
                    help="format of the output (lm head) matrix (default: --format)")
     return p
+
+
+def _serve_parser(s: argparse.ArgumentParser) -> None:
+    import os
+
+    s.add_argument("model", help="path to a .gguf file")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--api-key", default=os.environ.get("LLMKERNELS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $LLMKERNELS_API_KEY; "
+                        "none: open)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the file name without .gguf)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja2 chat template replacing the GGUF's tokenizer.chat_template")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per engine step")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion (default: the model's context length, at most 8192)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond --max-num-seqs before new ones get 503 with Retry-After")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+                   help="KV-cache storage: auto = the activation dtype; fp8 halves the cache")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not keep KV pages of finished requests for later prompts with the same prefix")
+    s.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to split the model over (1 only)")
+    s.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="where to run (default: cuda when a GPU is visible)")
+    s.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="triton: llmkernels' kernels; torch: a pure-torch forward (fast on the CPU); auto: triton on "
+                        "a GPU, torch on the CPU")
+    s.add_argument("--act-int8", action="store_true",
+                   help="int8 activations at batch 1 for q4_0/q8_0/q4_k/q5_k/q6_k projections (faster decode)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of free GPU memory the KV cache may take, after the weights")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="server log level")
 
 
 def main(argv=None) -> int:
@@ -102,6 +142,8 @@ def _run(args) -> int:
         return run(args)
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "serve":
+        return _serve(args)
     if args.cmd == "convert":
         import os
 
@@ -144,6 +186,34 @@ def _generate(args) -> int:
         st = llm.stats
         print(f"{st.decode_tokens + len(args.prompt)} tokens generated, {st.prefill_tokens} prompt tokens, "
               f"{st.steps} steps ({st.graph_steps} CUDA-graph replays), {dt:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    import logging
+    import os
+
+    import torch
+
+    from .server import serve
+
+    if not os.path.isfile(args.model):
+        raise FileNotFoundError(f"model {args.model!r} is not a file")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise FileNotFoundError(f"--chat-template {args.chat_template!r} is not a file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+          chat_template=args.chat_template, max_queue=args.max_queue, log_level=args.log_level, device=args.device,
+          backend=args.backend, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+          max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+          enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+          act_int8=args.act_int8, gpu_memory_utilization=args.gpu_memory_utilization)
     return 0
 
 

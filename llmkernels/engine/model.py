@@ -90,12 +90,13 @@ class Model:
 
     backend = "triton"  # the forward runs llmkernels' kernels (torch_model.TorchModel: plain torch)
 
-    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None):
+    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None,
+                 act_int8: bool = False):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        # round GEMV activations to int8 per block of 32 (gemv's act_int8; LLM(act_int8=True) sets it)
-        self.act_int8 = False
+        # round GEMV activations to int8 per block of 32 (gemv's act_int8)
+        self.act_int8 = act_int8
         D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self._expect_shapes(tensors)
         it = progress if progress is not None else (lambda x, **k: x)

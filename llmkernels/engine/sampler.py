@@ -5,6 +5,8 @@ import dataclasses
 
 import torch
 
+MAX_LOGPROBS = 20
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -26,6 +28,8 @@ class SamplingParams:
     stop: tuple = ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -38,6 +42,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
@@ -49,12 +58,13 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def make_generator(params: SamplingParams, device) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device, index: int = 0) -> torch.Generator | None:
+    """The random stream of completion ``index`` of a request (None when greedy)."""
     if params.greedy:
         return None
     g = torch.Generator(device=device)
     if params.seed is not None:
-        g.manual_seed(params.seed)
+        g.manual_seed(params.seed + index)
     else:
         g.seed()
     return g
@@ -91,3 +101,15 @@ def sample_tokens(logits: torch.Tensor, params: list, generators: list) -> torch
         choice = torch.argmax(probs / noise, dim=-1)
         out[idx] = order.gather(1, choice[:, None]).squeeze(1)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list, top: list) -> list:
+    """[(logprob of tokens[r], [(id, logprob) of the top[i] most likely])] for each row r of ``rows``, from the raw
+    float32 ``logits`` [S, V] (log-softmax in float32)."""
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, idx)[:, None]).squeeze(1).tolist()
+    k = max(top)
+    vals, ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    vals, ids = vals.tolist(), ids.tolist()
+    return [(c, list(zip(i[:t], v[:t]))) for c, i, v, t in zip(chosen, ids, vals, top)]

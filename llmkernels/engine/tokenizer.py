@@ -92,6 +92,7 @@ class Tokenizer:
         self._tok = tok
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
         self.chat_template = meta.get("tokenizer.chat_template")
+        self._tokens = tokens
 
     def encode(self, text: str, add_bos: bool | None = None) -> list:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -104,3 +105,43 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_text(self, i: int) -> str:
+        """The vocabulary entry of id ``i`` as stored (special tokens such as ``<|eos|>`` read as themselves)."""
+        return self._tokens[int(i)] if 0 <= int(i) < len(self._tokens) else ""
+
+    def piece(self, i: int) -> str:
+        """What token ``i`` decodes to on its own (special tokens included)."""
+        return self._tok.decode([int(i)], skip_special_tokens=False)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for (part of a UTF-8 character for some byte-level tokens)."""
+        t = self.token_text(i)
+        if self.kind == "gpt2":
+            table = _unicode_to_byte()
+            if all(c in table for c in t):
+                return bytes(table[c] for c in t)
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            return bytes([int(t[3:5], 16)])
+        else:
+            t = t.replace("\u2581", " ")
+        return t.encode("utf-8")
+
+
+def _unicode_to_byte() -> dict:
+    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's bytes_to_unicode)."""
+    global _U2B
+    if _U2B is None:
+        keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in keep:
+                chars[chr(b)] = b
+            else:
+                chars[chr(256 + extra)] = b
+                extra += 1
+        _U2B = chars
+    return _U2B
+
+
+_U2B = None

@@ -16,6 +16,10 @@ def forward(x): return x * 2  # code, too!  Ünïcödé wörds, émigré café, 
 Hello, world! How are you today? I'm fine, thanks. We'll see; they've gone, it's late, you'd know.
 """
 
+# a small chat template in the style of the ones Hugging Face tokenizers ship (role headers, EOS after each turn)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] + eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}")
+
 PATTERNS = {"llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
 
 
@@ -57,7 +61,8 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
     tok.save(os.path.join(path, "tokenizer.json"))
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": arch in ("llama", "mistral")}, f)
+        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": arch in ("llama", "mistral"),
+                   "chat_template": CHAT_TEMPLATE}, f)
     cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[arch]
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,

@@ -6,7 +6,6 @@ import torch
 
 from llmkernels.engine.config import ModelConfig, llama3_rope_factors, rope_inv_freq
 from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
-from llmkernels.engine.scheduler import PageAllocator, Scheduler, Sequence
 from llmkernels.qgemv.int8 import quantize_act
 from llmkernels.testing import i8_lane_positions, lane_positions
 from llmkernels.testing.tolerances import assert_close
@@ -135,30 +134,6 @@ def test_rope_frequencies_match_transformers():
         inv, mscale = rope_inv_freq(ModelConfig(**base, **ours), freqs)
         torch.testing.assert_close(inv.double(), inv_hf.double(), rtol=1e-6, atol=0)
         assert math.isclose(mscale, attn_factor, rel_tol=1e-6), (name, mscale, attn_factor)
-
-
-def test_scheduler_budget_chunks_and_preemption():
-    from llmkernels.engine.sampler import SamplingParams
-
-    alloc = PageAllocator(6)
-    sch = Scheduler(alloc, page_size=4, max_num_seqs=8, max_num_batched_tokens=10)
-    a, b = Sequence(list(range(9)), SamplingParams()), Sequence(list(range(7)), SamplingParams())
-    sch.add(a)
-    sch.add(b)
-    step = sch.schedule()  # a takes 9 of the 10-token budget, b gets a 1-token chunk
-    assert [(s is a, n) for s, n in step] == [(True, 9), (False, 1)]
-    a.num_computed, b.num_computed = 9, 1
-    a.out_ids.append(1)
-    assert len(a.pages) == 3 and len(b.pages) == 1 and alloc.num_free == 2
-    step = sch.schedule()  # a decodes (its 10th token fits page 3); b's remaining 6 tokens need 1 more page
-    assert [(s is a, n) for s, n in step] == [(True, 1), (False, 6)] and alloc.num_free == 1
-    a.num_computed, b.num_computed = 10, 7
-    a.out_ids += [1] * 7  # 17 tokens need 5 pages, 2 more than a has: b (the later arrival) is preempted for them
-    step = sch.schedule()
-    assert [s for s, _ in step] == [a] and b.num_computed == 0 and b.pages == [] and sch.waiting[0] is b
-    assert sch.num_preemptions == 1
-    sch.finish(a)
-    assert alloc.num_free == 6
 
 
 def test_sentencepiece_style_tokenizer_from_metadata():

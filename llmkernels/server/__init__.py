@@ -1,0 +1,51 @@
+"""An OpenAI-compatible HTTP server over the engine: ``python -m llmkernels serve model.gguf``.
+
+>>> from llmkernels.server import build_app
+>>> app = build_app(LLM("model.gguf"), model_name="model")      # a FastAPI app; serve it with uvicorn
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("llmkernels.server")
+
+
+def build_app(llm, *, model_name: str, api_key: str | None = None, max_queue: int = 256):
+    """The FastAPI app serving ``llm`` (an ``engine.LLM``) under ``model_name``."""
+    from .app import Server
+
+    return Server(llm, model_name=model_name, api_key=api_key, max_queue=max_queue).app
+
+
+def warm_up(llm) -> None:
+    """Compile the kernels and capture the decode graphs before the first request (GPU), so the first clients do not
+    wait for them."""
+    from ..engine import SamplingParams
+
+    llm.capture_graphs()
+    llm.generate([[0, 1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    llm.pool.reset_cache()
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, chat_template: str | None = None, max_queue: int = 256,
+          log_level: str = "info", **llm_kw) -> None:
+    """Load ``model`` (a GGUF path), warm it up and serve it until interrupted. ``llm_kw`` go to ``LLM``."""
+    import uvicorn
+
+    from ..engine import LLM
+
+    template = None
+    if chat_template is not None:
+        with open(chat_template, encoding="utf-8") as f:
+            template = f.read()
+    llm = LLM(model, chat_template=template, **llm_kw)
+    if chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
+        log.warning("the model file has no chat template: /v1/chat/completions uses ChatML (--chat-template FILE "
+                    "sets one)")
+    llm.chat_template  # compile it now: a broken template fails at start, not at the first chat request
+    warm_up(llm)
+    name = served_model_name or os.path.splitext(os.path.basename(model))[0]
+    app = build_app(llm, model_name=name, api_key=api_key, max_queue=max_queue)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
