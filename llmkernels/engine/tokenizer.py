@@ -128,19 +128,25 @@ class Tokenizer:
         return t.encode("utf-8")
 
 
+def byte_chars() -> list:
+    """Byte-level BPE's printable stand-in for each byte 0..255 (GPT-2's table: printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 on, in order)."""
+    keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
 def _unicode_to_byte() -> dict:
-    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's bytes_to_unicode)."""
+    """The inverse of ``byte_chars``."""
     global _U2B
     if _U2B is None:
-        keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-        chars, extra = {}, 0
-        for b in range(256):
-            if b in keep:
-                chars[chr(b)] = b
-            else:
-                chars[chr(256 + extra)] = b
-                extra += 1
-        _U2B = chars
+        _U2B = {c: b for b, c in enumerate(byte_chars())}
     return _U2B
 
 

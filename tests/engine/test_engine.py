@@ -449,3 +449,91 @@ def test_design_keyword_arguments(model_files):
         LLM(path, progress=False, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         LLM(path, progress=False, tensor_parallel_size=2)
+
+
+def test_prefix_cache_and_preemption_keep_greedy_outputs(model_files):
+    """Prompts sharing prefixes, served with the prefix cache (hits counted) and with memory short enough to preempt
+    and evict, give the tokens they give without the cache."""
+    _, path, _ = model_files("llama", "f32")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    tok = LLM(path, progress=False).tokenizer
+    base = tok.encode(PROMPTS[1] * 3)
+    prompts = [base, base + tok.encode(" again"), base[:13] + tok.encode(PROMPTS[0]), base + [7, 8, 9]]
+    plain = LLM(path, progress=False, page_size=4, enable_prefix_caching=False)
+    want = [plain.generate([p], params)[0].token_ids for p in prompts]
+    cached = LLM(path, progress=False, page_size=4)
+    outs = [cached.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == want
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == len(base) // 4 * 4
+    assert outs[2].num_cached_tokens == 12 and cached.stats.cached_tokens == sum(o.num_cached_tokens for o in outs)
+    # all at once in a cache too small for them: preemption, eviction and hits mixed
+    small = LLM(path, progress=False, page_size=4, num_pages=max(-(-(len(p) + 5) // 4) for p in prompts) + 2)
+    outs = small.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want and small.stats.preemptions > 0
+    assert small.pool.num_used == 0 and small.pool.num_free == small.num_pages
+
+
+def test_n_completions_share_the_prompt(model_files):
+    """n greedy completions are the greedy output n times; the prompt is computed once (its pages shared)."""
+    _, path, _ = model_files("llama", "f32")
+    llm = LLM(path, progress=False, page_size=4)
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    one = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    before = llm.stats.prefill_tokens
+    llm.pool.reset_cache()
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3))[0]
+    assert [o.token_ids for o in out.outputs] == [one.token_ids] * 3 and [o.index for o in out.outputs] == [0, 1, 2]
+    assert llm.stats.prefill_tokens - before == len(ids)
+    assert out.text == one.text and llm.pool.num_used == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exact replay across batch shapes holds on the CPU path")
+def test_n_seeded_completions_are_seed_plus_index(model_files):
+    _, path, _ = model_files("llama", "f32")
+    llm = LLM(path, progress=False)
+    kw = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], SamplingParams(n=3, seed=5, **kw))[0]
+    each = llm.generate([PROMPTS[0]] * 3, [SamplingParams(seed=5 + i, **kw) for i in range(3)])
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in each]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_logprobs_and_abort(model_files):
+    _, path, _ = model_files("llama", "f32")
+    llm = LLM(path, progress=False)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))[0]
+    lps = out.outputs[0].logprobs
+    ref = torch.log_softmax(llm.logits(ids + out.token_ids).double(), -1)
+    for i, (t, (lp, top)) in enumerate(zip(out.token_ids, lps)):
+        assert abs(lp - ref[len(ids) - 1 + i, t].item()) < 2e-2
+        assert len(top) == 3 and top[0][0] == t and [v for _, v in top] == sorted([v for _, v in top], reverse=True)
+    seq = llm.add_request(ids, SamplingParams(max_tokens=50, ignore_eos=True, n=2))
+    llm.step()
+    llm.abort(seq)
+    assert [s.finish_reason for s in seq.group] == ["abort", "abort"] and not llm.scheduler.has_work()
+    assert llm.pool.num_used == 0
+
+
+def test_chat(model_files):
+    from llmkernels.engine.chat import ChatTemplateError
+
+    d, path, _ = model_files("llama", "f32")
+    llm = LLM(path, progress=False)
+    msgs = [{"role": "user", "content": "Hello"}]
+    ids = llm.chat_prompt(msgs)
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False) == "<|bos|><|user|>\nHello<|eos|><|assistant|>\n"
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert out.token_ids == llm.generate([ids], SamplingParams(temperature=0, max_tokens=3,
+                                                               ignore_eos=True))[0].token_ids
+    assert len(llm.chat([msgs, msgs], SamplingParams(max_tokens=2))) == 2
+    for bad, msg in [([], "non-empty list"), ([{"content": "x"}], "'role'"), ([{"role": "king", "content": "x"}],
+                     "role must be one of"), ([{"role": "user", "content": [{"type": "image_url"}]}],
+                     "only text parts")]:
+        with pytest.raises(ChatTemplateError, match=msg):
+            llm.chat_prompt(bad)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        LLM(path, progress=False, chat_template="{% for %}").chat_prompt(msgs)
+    refusing = "{{ raise_exception('only user turns') }}"
+    with pytest.raises(ChatTemplateError, match="only user turns"):
+        LLM(path, progress=False, chat_template=refusing).chat_prompt(msgs)

@@ -6,4 +6,5 @@ SUITES = {
     "gemv": "llmkernels.bench.suites.gemv",
     "engine": "llmkernels.bench.suites.engine",
     "llamacpp": "llmkernels.bench.suites.llamacpp",
+    "serve": "llmkernels.bench.suites.serve",
 }

@@ -26,8 +26,32 @@ FORMAT = "q4_k_m"
 BATCHES = (1, 16, 64)
 
 
-def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32) -> None:
-    """The engine suite's synthetic model in ``fmt`` as a GGUF file llama.cpp loads."""
+def synthetic_vocab(vocab_size: int) -> dict:
+    """``tokenizer.ggml.*`` metadata of a byte-level BPE vocabulary of ``vocab_size`` tokens that llama.cpp and our
+    tokenizer both read: the 256 byte tokens, every pair and then triples of printable ASCII characters (each made
+    by one merge), and BOS / EOS control tokens at the end."""
+    from ...engine.tokenizer import byte_chars
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    n = vocab_size - len(specials)
+    alpha = [chr(c) for c in range(33, 127)]
+    tokens, merges = list(byte_chars()), []
+    pairs = [a + b for a in alpha for b in alpha]
+    for t in pairs + [ab + c for ab in pairs for c in alpha]:
+        if len(tokens) >= n:
+            break
+        tokens.append(t)
+        merges.append(f"{t[:-1]} {t[-1]}")
+    types = [1] * len(tokens) + [3] * len(specials)
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.tokens": tokens + specials,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.bos_token_id": n, "tokenizer.ggml.eos_token_id": n + 1,
+            "tokenizer.ggml.add_bos_token": False}
+
+
+def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32, vocab: bool = False) -> None:
+    """The engine suite's synthetic model in ``fmt`` as a GGUF file llama.cpp loads; ``vocab``: with a synthetic
+    byte-level BPE vocabulary (``synthetic_vocab``) instead of llama.cpp's dummy tokens, for servers."""
     import gguf
 
     from ...quant.gguf_io import GGUFMetadata, write_gguf
@@ -42,7 +66,10 @@ def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32) -> None
             "llama.rope.freq_base": cfg.rope_theta, "llama.attention.layer_norm_rms_epsilon": cfg.rms_eps,
             "llama.rope.dimension_count": cfg.head_dim, "llama.vocab_size": cfg.vocab_size,
             "tokenizer.ggml.model": "none"}
-    types = {k: (gguf.GGUFValueType.UINT32, None) for k, v in meta.items() if isinstance(v, int)}
+    if vocab:
+        meta.update(synthetic_vocab(cfg.vocab_size))
+    types = {k: (gguf.GGUFValueType.UINT32, None) for k, v in meta.items() if isinstance(v, int)
+             and not isinstance(v, bool)}
     write_gguf(path, tensors, GGUFMetadata(meta, types=types))
 
 
