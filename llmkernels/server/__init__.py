@@ -19,12 +19,26 @@ def build_app(llm, *, model_name: str, api_key: str | None = None, max_queue: in
 
 
 def warm_up(llm) -> None:
-    """Compile the kernels and capture the decode graphs before the first request (GPU), so the first clients do not
-    wait for them."""
+    """Compile the kernels and capture the decode graphs before the first request, so that no client waits while
+    Triton compiles a kernel variant the engine meets for the first time (each costs seconds and stalls every
+    request in flight): decode graphs for every batch size, prefill chunks of several lengths mixed with decodes,
+    and short extends over cached prefixes."""
+    import random
+
     from ..engine import SamplingParams
 
     llm.capture_graphs()
-    llm.generate([[0, 1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    rng = random.Random(0)
+    top = llm.max_model_len - 8
+    lens = sorted({n for n in (1, 5, 16, 48, 100, 300, 1000, llm.scheduler.max_tokens, 2 * llm.scheduler.max_tokens + 5)
+                   if n <= top})
+    prompts = [[rng.randrange(llm.cfg.vocab_size) for _ in range(n)] for n in lens]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, params)  # mixed steps: prompt chunks beside decodes
+    for p in prompts:  # one at a time, then again with a cached prefix and a few new tokens
+        for tail in ([], [1, 2, 3], list(range(40))):
+            if len(p) + len(tail) <= top:
+                llm.generate([p + tail], params)
     llm.pool.reset_cache()
 
 

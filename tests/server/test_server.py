@@ -46,7 +46,7 @@ def live_server(llm, **kw):
 
 def new_llm(path, **kw):
     kw.setdefault("max_model_len", 256)
-    return LLM(path, progress=False, backend="torch", **kw)
+    return LLM(path, progress=False, backend="torch", dtype=torch.float16, **kw)
 
 
 @pytest.fixture(scope="module")
