@@ -250,7 +250,7 @@ def _llama_server(bin_dir: str, path: str, reqs: list) -> dict:
     ctx = CONCURRENCY * (PROMPT_RANGE[1] + OUTPUT_RANGE[1] + 64)
     cmd = [os.path.join(bin_dir, "llama-server"), "-m", path, "-ngl", "99", "-fa", "on", "-c", str(ctx),
            "-np", str(CONCURRENCY), "-b", "2048", "-ub", "512", "--host", "127.0.0.1", "--port", str(port),
-           "--alias", "m", "--no-webui"]
+           "--alias", "m"]
     with _Proc(cmd) as proc:
         _wait_healthy(url, proc)
         asyncio.run(run_load(url, "m", reqs[:16], 16))  # warm-up
