@@ -36,6 +36,7 @@ PROMPT_RANGE = (128, 2048)
 OUTPUT_RANGE = (64, 512)
 SHARED_PREFIX = 512
 VOCAB = 128256
+LOAD_TIME_LIMIT_S = 240.0  # a server that takes longer is reported with what it finished
 
 
 def _free_port() -> int:
@@ -79,16 +80,15 @@ async def _one(client, url, model, ids, max_tokens, t0, arrival, sem, rec):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     c = json.loads(line[6:])
-                    if c.get("choices"):
+                    if any(ch.get("text") for ch in c.get("choices") or ()):  # a finish-only chunk adds no token
                         now = time.perf_counter()
                         first = first or now
                         last = now
                         n += 1
                     u = c.get("usage")
                     if u:
-                        n_usage = u.get("completion_tokens", n)
+                        n = u.get("completion_tokens") or n
                         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-                        n = max(n, n_usage) if n_usage else n
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             rec.append({"error": repr(e)})
             return
@@ -96,8 +96,10 @@ async def _one(client, url, model, ids, max_tokens, t0, arrival, sem, rec):
                     "want": max_tokens})
 
 
-async def run_load(url: str, model: str, reqs: list, concurrency: int = CONCURRENCY) -> dict:
-    """Send ``reqs`` (see ``workload``) with at most ``concurrency`` in flight; returns the summary figures."""
+async def run_load(url: str, model: str, reqs: list, concurrency: int = CONCURRENCY,
+                   time_limit: float = LOAD_TIME_LIMIT_S) -> dict:
+    """Send ``reqs`` (see ``workload``) with at most ``concurrency`` in flight; returns the summary figures. After
+    ``time_limit`` seconds the requests still open are cancelled and counted as errors."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -105,7 +107,11 @@ async def run_load(url: str, model: str, reqs: list, concurrency: int = CONCURRE
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*[_one(client, url, model, ids, mt, t0, at, sem, rec) for at, ids, mt in reqs])
+        tasks = [asyncio.create_task(_one(client, url, model, ids, mt, t0, at, sem, rec)) for at, ids, mt in reqs]
+        _, late = await asyncio.wait(tasks, timeout=time_limit)
+        for t in late:
+            t.cancel()
+        rec += [{"error": f"not done after {time_limit:.0f} s"}] * len(late)
         wall = time.perf_counter() - t0
     errors = [r["error"] for r in rec if "error" in r]
     ok = [r for r in rec if "error" not in r and r["first"] is not None]
@@ -149,7 +155,7 @@ def decode_window_rate(recs_url: str, model: str, n: int = 64, prompt: int = 512
     return asyncio.run(go())
 
 
-def _wait_healthy(url: str, proc, timeout: float = 600) -> None:
+def _wait_healthy(url: str, proc, timeout: float = 300) -> None:
     import httpx
 
     deadline = time.time() + timeout
@@ -274,11 +280,16 @@ def _case(ctx, bin_dir):
             path = os.path.join(tmp, "synthetic-llama3-8b-q4_k_m.gguf")
             write_synthetic_gguf(path, vocab=True)
             engine_rate = _engine_window(path)
+            print(f"\n[serve] LLM in-process, batch 64: {engine_rate:.0f} tokens/s", flush=True)
             ours, window, (cold, warm) = _ours(path, reqs)
+            print(f"[serve] ours: {ours['output_tok_s']:.0f} output tokens/s; {_note(ours)}; batch 64 through HTTP "
+                  f"{window:.0f} tokens/s; TTFT cached {warm * 1e3:.1f} ms, cold {cold * 1e3:.1f} ms", flush=True)
             peer, peer_error = None, ""
             if bin_dir:
                 try:
                     peer = _llama_server(bin_dir, path, reqs)
+                    print(f"[serve] llama-server: {peer['output_tok_s']:.0f} output tokens/s; {_note(peer)}",
+                          flush=True)
                 except (RuntimeError, OSError) as e:
                     peer_error = f"; llama-server failed: {e}"
         label = (f"llama3-8b q4_k_m, {NUM_REQUESTS} requests, {CONCURRENCY} concurrent, prompts {PROMPT_RANGE[0]}-"
