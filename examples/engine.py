@@ -20,4 +20,8 @@ for piece in llm.stream("Paged attention", SamplingParams(temperature=0, max_tok
     print(piece, end="", flush=True)
 scores = llm.logits("Some text")                         # float32 [tokens, vocab] next-token logits
 print("\n", tuple(scores.shape))
+out = llm.generate("The quick brown fox", SamplingParams(n=3, seed=2, max_tokens=6, logprobs=2, stop=["."]))[0]
+print([c.text for c in out.outputs], out.outputs[0].logprobs[0])  # 3 completions sharing the prompt's KV pages
+reply = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8))[0]   # the GGUF's chat template
+print(reply.text, reply.num_cached_tokens)               # prompt tokens served from the prefix cache
 shutil.rmtree(tmp)

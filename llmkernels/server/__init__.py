@@ -11,8 +11,19 @@ import os
 log = logging.getLogger("llmkernels.server")
 
 
+def _require_server_deps() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"the server needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
+                          f"pip install 'llmkernels[serve]'") from e
+
+
 def build_app(llm, *, model_name: str, api_key: str | None = None, max_queue: int = 256):
     """The FastAPI app serving ``llm`` (an ``engine.LLM``) under ``model_name``."""
+    _require_server_deps()
     from .app import Server
 
     return Server(llm, model_name=model_name, api_key=api_key, max_queue=max_queue).app
@@ -46,6 +57,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           served_model_name: str | None = None, chat_template: str | None = None, max_queue: int = 256,
           log_level: str = "info", **llm_kw) -> None:
     """Load ``model`` (a GGUF path), warm it up and serve it until interrupted. ``llm_kw`` go to ``LLM``."""
+    _require_server_deps()
     import uvicorn
 
     from ..engine import LLM
