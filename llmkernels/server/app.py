@@ -175,14 +175,21 @@ class Server:
             self.metrics.request_done(h, now, n_out, [s.finish_reason for s in states if s.handle is h])
 
     async def _generate(self, request: Request, body, prompts: list, params_of, chat: bool):
+        try:  # every prompt's parameters are checked before any is scheduled
+            params = [params_of(ids) for ids in prompts]
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from e
         handles, states = [], []
-        for p in prompts:
-            ids = p
-            params = params_of(ids)
-            h = self._submit(ids, params)
-            handles.append(h)
-            for j in range(params.n):
-                states.append(_Choice(len(states), h, j, TextStream(self.tok, ids, params.stop), chat))
+        try:
+            for ids, p in zip(prompts, params):
+                h = self._submit(ids, p)
+                handles.append(h)
+                for j in range(p.n):
+                    states.append(_Choice(len(states), h, j, TextStream(self.tok, ids, p.stop), chat))
+        except APIError:
+            for h in handles:
+                self.engine.abort(h)
+            raise
         by_key = {(id(s.handle), s.sub): s for s in states}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())

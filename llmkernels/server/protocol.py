@@ -43,7 +43,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None

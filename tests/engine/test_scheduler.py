@@ -166,6 +166,7 @@ def test_detokenizer_keeps_the_first_space_and_streams_what_it_decodes():
 
 def test_sampling_params_n_and_logprobs_validated():
     assert SamplingParams(n=3, logprobs=5).n == 3
-    for bad in (dict(n=0), dict(n=1.5), dict(logprobs=-1), dict(logprobs=21), dict(logprobs=True)):
+    for bad in (dict(n=0), dict(n=1.5), dict(n=5000), dict(logprobs=-1), dict(logprobs=21), dict(logprobs=True),
+                dict(seed=2**64)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

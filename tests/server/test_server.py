@@ -199,7 +199,8 @@ def test_errors(served, client):
     cases = [({"max_tokens": -1}, "max_tokens"), ({"temperature": "hot"}, "temperature"), ({"n": 0}, "n"),
              ({"logprobs": 99}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
              ({"prompt": "word " * 400}, "prompt"), ({"max_tokens": 10_000}, "max_tokens"), ({"echo": True}, "echo"),
-             ({"stop": [""]}, "stop"), ({"prompt": [10**9]}, "prompt")]
+             ({"stop": [""]}, "stop"), ({"prompt": [10**9]}, "prompt"), ({"seed": 2**70}, "seed"),
+             ({"prompt": [PROMPT, "word " * 400]}, "prompt"), ({"top_k": -5}, "top_k")]
     for extra, param in cases:
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, **extra}, headers=h)
         assert r.status_code == 400, (extra, r.text)
@@ -213,6 +214,7 @@ def test_errors(served, client):
     assert r.status_code == 400
     assert httpx.get(url + "/v1/nothing", headers=h).status_code == 404
     assert httpx.get(url + "/health").status_code == 200  # still serving
+    assert served[1].pool.num_used == 0 and not served[1].scheduler.has_work()  # nothing was left scheduled
 
 
 def test_concurrent_streams_get_what_they_get_alone(served):
