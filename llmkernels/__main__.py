@@ -90,7 +90,8 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
                    help="KV-cache storage: auto = the activation dtype; fp8 halves the cache")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep KV pages of finished requests for later prompts with the same prefix")
-    s.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to split the model over (1 only)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (one per GPU) to split the model over; the server starts them")
     s.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="where to run (default: cuda when a GPU is visible)")
     s.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),

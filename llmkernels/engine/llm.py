@@ -52,6 +52,59 @@ def _kv_dtype(value):
     return KV_CACHE_DTYPES[value]
 
 
+def _load_model(f, device, spec: dict, progress: bool, shard=None) -> Model:
+    """The model of GGUF file ``f`` (on a tensor-parallel rank: its shard) on ``device``."""
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    progress_fn = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        progress_fn = tqdm
+    model_cls = TorchModel if spec["backend"] == "torch" else Model
+    model = model_cls(cfg, f, device, spec["dtype"], progress=progress_fn, act_int8=spec["act_int8"], tp=shard)
+    model.full_cfg = cfg
+    return model
+
+
+def _build_runner(model: Model, device, spec: dict) -> ModelRunner:
+    """The KV cache and step runner for ``model``: as many pages as asked, or as fit (every tensor-parallel rank
+    takes the smallest count any rank can hold)."""
+    cfg = getattr(model, "full_cfg", model.cfg)
+    page_size = spec["page_size"]
+    max_model_len = int(spec["max_model_len"] or min(cfg.context_length, 8192))
+    kv_dtype = spec["kv_dtype"] or model.dtype
+    num_pages = spec["num_pages"]
+    if num_pages is None:
+        num_pages = spec["max_num_seqs"] * pages_for(max_model_len, page_size)
+        if device.type == "cuda":
+            num_pages = min(num_pages, pages_that_fit(model.cfg, device, page_size, kv_dtype,
+                                                      spec["max_num_batched_tokens"],
+                                                      spec["gpu_memory_utilization"]))
+        else:
+            num_pages = min(num_pages, 4096)
+        tp = getattr(model, "tp", None)
+        if tp is not None:
+            import torch.distributed as dist
+
+            n = torch.tensor([num_pages], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.group)
+            num_pages = int(n.item())
+        if num_pages < pages_for(min(max_model_len, 16 * page_size), page_size):
+            raise MemoryError(f"only {num_pages} KV-cache pages fit ({kv_bytes_per_page(model.cfg, page_size, kv_dtype)}"
+                              f" bytes each); lower max_model_len or free GPU memory")
+    return ModelRunner(model, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
+                       kv_dtype=kv_dtype, cuda_graphs=spec["cuda_graphs"],
+                       max_graph_batch=min(spec["max_graph_batch"], spec["max_num_seqs"]),
+                       num_splits=spec["num_splits"])
+
+
+def build_worker(path: str, shard, device, spec: dict) -> ModelRunner:
+    """A tensor-parallel rank other than 0: its shard of the model and its KV cache (tp.worker_main runs it)."""
+    f = read_gguf(path)
+    model = _load_model(f, torch.device(device), spec, False, shard)
+    return _build_runner(model, torch.device(device), spec)
+
+
 class LLM:
     """Load a GGUF model and generate text.
 
@@ -68,7 +121,8 @@ class LLM:
         kv_cache_dtype: "auto" (= dtype), "fp8_e4m3" / "fp8_e5m2" (scales 1.0), or a torch dtype.
         enable_prefix_caching: keep full KV pages by a hash of their tokens after their sequence ends, and start a
             request whose prompt begins with the same tokens from them (greedy outputs do not change).
-        tensor_parallel_size: GPUs to split the model over; only 1 is supported yet.
+        tensor_parallel_size: processes (one per GPU) to split the model over (engine.tp): rank 0 runs in this
+            process, the others are started here and stopped by ``close()``. On the CPU they share it (gloo).
         cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
         num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
             max_model_len). A fixed count makes eager and graph steps compute attention identically.
@@ -99,9 +153,14 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float16)
         if dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (tensor parallelism is not supported yet), got "
-                             f"{tensor_parallel_size!r}")
+        tp_size = tensor_parallel_size
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp_size!r}")
+        if tp_size > 1 and _model is not None:
+            raise ValueError("tensor_parallel_size > 1 needs a GGUF path: each rank loads its own shard")
+        if tp_size > 1 and on_gpu and torch.cuda.device_count() < tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} "
+                             f"are visible")
         kv_cache_dtype = _kv_dtype(kv_cache_dtype)
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
@@ -119,57 +178,80 @@ class LLM:
             raise TypeError(f"act_int8 must be a bool, got {type(act_int8).__name__}")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+        if act_int8 and backend == "torch":
+            raise ValueError("act_int8=True needs backend='triton' (the int8 GEMV kernels); the torch backend "
+                             "computes exactly")
+        if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self._peers = None
+        spec = dict(dtype=dtype, backend=backend, act_int8=act_int8, page_size=page_size, num_pages=num_pages,
+                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs,
+                    max_graph_batch=max_graph_batch, gpu_memory_utilization=gpu_memory_utilization,
+                    num_splits=num_splits)
         if _model is None:
             if not isinstance(model, (str, os.PathLike)):
                 raise TypeError(f"model must be a path to a GGUF file, got {type(model).__name__}")
             f = read_gguf(model)
-            cfg = ModelConfig.from_gguf(f.metadata, f.keys())
-            progress_fn = None
-            if progress:
-                from tqdm.auto import tqdm
+            shard = None
+            if tp_size > 1:
+                from .tp import Peers, plan_shards
 
-                progress_fn = tqdm
-            model_cls = TorchModel if backend == "torch" else Model
-            _model = model_cls(cfg, f, self.device, dtype, progress=progress_fn, act_int8=act_int8)
+                plan_shards(ModelConfig.from_gguf(f.metadata, f.keys()), tp_size, f)  # a clear error before spawning
+                self._peers = Peers.start(os.fspath(model), tp_size, self.device, spec)
+                shard = self._peers.shard
+            try:
+                _model = _load_model(f, self.device, spec, progress, shard)
+            except BaseException:
+                self.close()
+                raise
             _tokenizer = Tokenizer(f.metadata) if _tokenizer is None else _tokenizer
         self.backend = getattr(_model, "backend", "triton")
         if backend != self.backend:
             raise ValueError(f"backend {backend!r} was asked for a model built for {self.backend!r}")
-        if act_int8 and self.backend == "torch":
-            raise ValueError("act_int8=True needs backend='triton' (the int8 GEMV kernels); the torch backend "
-                             "computes exactly")
         _model.act_int8 = act_int8
         self.model = _model
         self.tokenizer = _tokenizer
-        cfg = self.cfg = self.model.cfg
+        # the whole model's config (on a tensor-parallel rank the model holds its share's)
+        self.cfg = getattr(self.model, "full_cfg", self.model.cfg)
         self.dtype = self.model.dtype
         self.page_size = page_size
-        self.max_model_len = int(max_model_len or min(cfg.context_length, 8192))
-        self.kv_dtype = kv_cache_dtype or self.dtype
-        want = max_num_seqs * pages_for(self.max_model_len, page_size)
-        auto = num_pages is None
-        if not auto and (not isinstance(num_pages, int) or num_pages < 1):
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
-        if auto:
-            if on_gpu:
-                num_pages = min(want, pages_that_fit(cfg, self.device, page_size, self.kv_dtype,
-                                                     max_num_batched_tokens, gpu_memory_utilization))
-            else:
-                num_pages = min(want, 4096)
-        if auto and num_pages < pages_for(min(self.max_model_len, 16 * page_size), page_size):
-            raise MemoryError(f"only {num_pages} KV-cache pages fit ({kv_bytes_per_page(cfg, page_size, self.kv_dtype)}"
-                              f" bytes each); lower max_model_len or free GPU memory")
-        self.num_pages = num_pages
-        self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages,
-                                  max_model_len=self.max_model_len, kv_dtype=self.kv_dtype, cuda_graphs=cuda_graphs,
-                                  max_graph_batch=min(max_graph_batch, max_num_seqs), num_splits=num_splits)
-        self.pool = PagePool(num_pages, page_size, enable_prefix_caching)
+        try:
+            self.runner = _build_runner(self.model, self.device, spec)
+        except BaseException:
+            self.close()
+            raise
+        self.runner.peers = self._peers
+        self.max_model_len = self.runner.max_model_len
+        self.kv_dtype = self.runner.kv_dtype
+        self.num_pages = self.runner.num_pages
+        self.pool = PagePool(self.num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
         self.stats = EngineStats()
         self._ahead = None  # (batch, logits) of a step launched before the previous one's tokens were read
         self._tokens_host = None
         self._chat = None
         self._chat_source = chat_template
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one GPU); the engine is unusable after."""
+        peers, self._peers = getattr(self, "_peers", None), None
+        if peers is not None:
+            peers.stop()
+            if getattr(self, "runner", None) is not None:
+                self.runner.peers = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
 
     @classmethod
     def from_model(cls, model: Model, tokenizer=None, **kw) -> "LLM":

@@ -91,14 +91,20 @@ class Model:
     backend = "triton"  # the forward runs llmkernels' kernels (torch_model.TorchModel: plain torch)
 
     def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None,
-                 act_int8: bool = False):
+                 act_int8: bool = False, tp=None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
         # round GEMV activations to int8 per block of 32 (gemv's act_int8)
         self.act_int8 = act_int8
-        D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self._expect_shapes(tensors)
+        self.tp = tp if tp is not None and tp.active else None  # tp.TPShard: this rank's part of the model
+        if self.tp is not None:
+            from .tp import local_config, shard_tensors
+
+            tensors = shard_tensors(tensors, cfg, self.tp)
+            cfg = self.cfg = local_config(cfg, self.tp)
+        D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         it = progress if progress is not None else (lambda x, **k: x)
         self.weight_bytes = 0
 
@@ -233,7 +239,7 @@ class Model:
         """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``."""
         cfg = self.cfg
         T = inp.ids.shape[0]
-        h = embedding(inp.ids, self.tok_embd, dtype=self.dtype)  # the residual stream
+        h = self._embed(inp.ids)  # the residual stream
         delta = None
         for li, layer in enumerate(self.layers):
             x, xl = self._norm(T, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
@@ -247,11 +253,43 @@ class Model:
             o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
                                 inp.max_q, causal=True, plan=plan, validate=False,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
-            delta = gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8)
+            delta = self._reduce(gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8))
             x, xl = self._norm(T, layer.gate_up, delta, layer.ffn_norm, cfg.rms_eps, residual=h)
-            delta = self._mlp(x, layer, xl)
+            delta = self._reduce(self._mlp(x, layer, xl))
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
         x, xl = self._norm(hs.shape[0], [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs)
-        return self._gemv(x, xl, self.output).float()
+        return self._gather_logits(self._gemv(x, xl, self.output).float())
+
+    # --- tensor parallelism (identities on one rank) ---------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding for ``ids``; split by vocabulary, each rank adds the rows it holds."""
+        if self.tp is None:
+            return embedding(ids, self.tok_embd, dtype=self.dtype)
+        local, valid = self._local_ids(ids)
+        return self._reduce(embedding(local, self.tok_embd, dtype=self.dtype) * valid[:, None])
+
+    def _local_ids(self, ids: torch.Tensor):
+        v0 = self.tp.vocab[0]
+        local = ids.long() - v0
+        valid = (local >= 0) & (local < self.tp.vocab_per_rank)
+        return local.clamp(0, self.tp.vocab_per_rank - 1).to(ids.dtype), valid.to(self.dtype)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel product's partials (in place)."""
+        if self.tp is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.tp.group)
+        return x
+
+    def _gather_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's vocabulary slice of the logits [S, V / ranks] side by side: [S, vocab_size]."""
+        if self.tp is None:
+            return y
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(y) for _ in range(self.tp.world)]
+        dist.all_gather(parts, y.contiguous(), group=self.tp.group)
+        return torch.cat(parts, dim=1)[:, :self.cfg.vocab_size]

@@ -71,6 +71,7 @@ class ModelRunner:
         self.use_graphs = bool(cuda_graphs and self.device.type == "cuda" and model.backend == "triton")
         self.max_graph_batch = max_graph_batch
         self.graphs = {}
+        self.peers = None  # on rank 0 of a tensor-parallel group: the other ranks' processes (tp.Peers)
 
     def prepare(self, batch, logits_all: bool = False) -> StepBatch:
         """Pack a scheduled batch [(sequence, new tokens)]; ``logits_all``: logits for every token (scoring)."""
@@ -99,6 +100,10 @@ class ModelRunner:
     def run(self, step: StepBatch, ids_dev: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Launch a step; returns (float32 logits [rows, vocab], whether a CUDA graph ran it). ``ids_dev``: the
         token ids already on the device (sampled by a step still in flight), replacing ``step.ids``."""
+        if self.peers is not None:  # every rank runs the same step
+            self.peers.send(("run", step, ids_dev is not None))
+            if ids_dev is not None:
+                self.peers.broadcast(ids_dev.to(torch.int64).contiguous())
         if step.decode_only and self.use_graphs and len(step.ids) <= self.max_graph_batch:
             bs = min(1 << (len(step.ids) - 1).bit_length(), self.max_graph_batch)
             return self._graph_for(bs).run(step, ids_dev), True
@@ -120,6 +125,8 @@ class ModelRunner:
 
     def copy_pages(self, pairs) -> None:
         """Copy whole pages (every layer's K and V) from ``src`` to ``dst`` for each (src, dst) in ``pairs``."""
+        if self.peers is not None:
+            self.peers.send(("copy", pairs))
         src = torch.tensor([a for a, _ in pairs], device=self.device)
         dst = torch.tensor([b for _, b in pairs], device=self.device)
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
@@ -136,69 +143,33 @@ class ModelRunner:
         if not self.use_graphs:
             return
         sizes = sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= self.max_graph_batch]
+        if self.peers is not None:  # graphs hold collectives: every rank captures them together
+            self.peers.send(("graphs", sizes))
         for bs in sizes:
             self._graph_for(bs)
 
+    def serve_steps(self, conn) -> None:
+        """On a rank other than 0: run what rank 0 sends through ``conn`` (steps, page copies, graph captures) until
+        it says stop or goes away."""
+        import torch.distributed as dist
 
-class DecodeGraph:
-    """A CUDA graph of one decode step for a fixed batch size, fed through fixed buffers.
-
-    A decode batch of ``bs`` sequences always has the same attention tiles (one per sequence), so the plan made at
-    capture stays valid; each step only uploads token ids, positions, kv lengths, page tables (one int32 copy) and
-    cache slots (one int64 copy) from pinned host buffers.
-    """
-
-    def __init__(self, runner: ModelRunner, bs: int):
-        cfg, dev = runner.cfg, runner.device
-        self.bs = bs
-        P = self.P = runner.max_pages_per_seq
-        # two sets of pinned input buffers, used in turn: with look-ahead a step is filled while the previous one's
-        # upload may still be queued (the one before that has been read: its tokens were synchronised on)
-        self.host32s = [torch.zeros(3 * bs + bs * P, dtype=torch.int32).pin_memory() for _ in range(2)]
-        self.host64s = [torch.full((bs,), -1, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.turn = 0
-        self.dev32 = torch.zeros(3 * bs + bs * P, dtype=torch.int32, device=dev)
-        self.ids, self.pos, self.lens = self.dev32[:bs], self.dev32[bs:2 * bs], self.dev32[2 * bs:3 * bs]
-        self.table = self.dev32[3 * bs:].view(bs, P)
-        self.lens.fill_(1)
-        self.slots = torch.full((bs,), -1, dtype=torch.int64, device=dev)
-        self.cu = torch.arange(bs + 1, dtype=torch.int32, device=dev)
-        self.idx = torch.arange(bs, dtype=torch.int64, device=dev)
-        # split-KV is fixed at capture: plan for the longest sequences the engine allows
-        cu_h = torch.arange(bs + 1, dtype=torch.int32)
-        self.plan = plan_paged_attention(cu_h, torch.full((bs,), runner.max_model_len, dtype=torch.int32),
-                                         runner.page_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                         q_dtype=runner.dtype, kv_dtype=runner.kv_dtype, max_tiles=bs, max_tokens=bs,
-                                         num_splits=runner.num_splits, device=dev)
-        self.inp = StepInputs(self.ids, self.pos, self.slots, self.table, self.lens, self.cu, 1, self.idx)
-        fwd = lambda: runner.model.forward(self.inp, runner.k_caches, runner.v_caches, self.plan)  # noqa: E731
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # compile and warm up outside the capture
-                fwd()
-        torch.cuda.current_stream(dev).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        # captured on the warm-up stream: the split-K GEMVs' arrival counters (one buffer per stream) exist by now
-        with torch.cuda.graph(self.graph, stream=s):
-            self.logits = fwd()
-
-    def run(self, step: StepBatch, ids_dev=None) -> torch.Tensor:
-        n, bs, P = len(step.ids), self.bs, self.P
-        self.turn ^= 1
-        host32, host64 = self.host32s[self.turn], self.host64s[self.turn]
-        h = host32.numpy()
-        h[:] = 0
-        h[:n], h[bs:bs + n] = step.ids, step.positions
-        h[2 * bs:3 * bs] = 1  # padding rows: one key at page 0, outputs unused
-        h[2 * bs:2 * bs + n] = step.seq_lens
-        h[3 * bs:].reshape(bs, P)[:n, :len(step.page_table[0])] = step.page_table
-        h64 = host64.numpy()
-        h64[:] = -1  # padding rows store nothing
-        h64[:n] = step.slots
-        self.dev32.copy_(host32, non_blocking=True)
-        self.slots.copy_(host64, non_blocking=True)
-        if ids_dev is not None:  # sampled by the previous step, still on the device
-            self.ids[:n].copy_(ids_dev)
-        self.graph.replay()
-        return self.logits[:n]
+        while True:
+            try:
+                cmd = conn.recv()
+            except EOFError:  # rank 0 is gone
+                return
+            if cmd[0] == "run":
+                step, has_ids = cmd[1], cmd[2]
+                ids = None
+                if has_ids:
+                    ids = torch.empty(len(step.ids), dtype=torch.int64, device=self.device)
+                    dist.broadcast(ids, src=0, group=self.model.tp.group)
+                self.run(step, ids)
+            elif cmd[0] == "copy":
+                self.copy_pages(cmd[1])
+            elif cmd[0] == "graphs":
+                self.capture_graphs(cmd[1])
+            elif cmd[0] == "stop":
+                return
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {cmd[0]!r}")

@@ -33,8 +33,11 @@ class TorchModel(Model):
             w = self._dense[id(qt)] = dequantize(qt, torch.float32)
         return w
 
-    def _linear(self, x: torch.Tensor, mats: list) -> torch.Tensor:
-        return torch.cat([(x.float() @ self._w(m).T) for m in mats], dim=1).to(self.dtype)
+    def _linear(self, x: torch.Tensor, mats: list, reduce: bool = False) -> torch.Tensor:
+        """x @ W.T in float32, rounded to the activation dtype; ``reduce``: a row-parallel product, summed over the
+        tensor-parallel ranks before the rounding."""
+        y = torch.cat([(x.float() @ self._w(m).T) for m in mats], dim=1)
+        return (self._reduce(y) if reduce else y).to(self.dtype)
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -68,7 +71,11 @@ class TorchModel(Model):
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         cfg = self.cfg
         T, Hq, Hkv, D = inp.ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = self._w(self.tok_embd)[inp.ids.long()].to(self.dtype)
+        if self.tp is None:
+            h = self._w(self.tok_embd)[inp.ids.long()].to(self.dtype)
+        else:
+            local, valid = self._local_ids(inp.ids)
+            h = self._reduce(self._w(self.tok_embd)[local.long()] * valid.float()[:, None]).to(self.dtype)
         for li, layer in enumerate(self.layers):
             qkv = self._linear(self._rmsnorm(h, layer.attn_norm), layer.qkv).float()
             if layer.qkv_bias is not None:
@@ -85,12 +92,12 @@ class TorchModel(Model):
             o, _ = paged_attention_ref(q.to(self.dtype), k_caches[li], v_caches[li], inp.page_table, inp.seq_lens,
                                        inp.cu_seqlens_q, k_scale=kv_scales[0] if fp8 else None,
                                        v_scale=kv_scales[1] if fp8 else None, dtype=torch.float32)
-            h = (h + self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo])).to(self.dtype)
+            h = (h + self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo], reduce=True)).to(self.dtype)
             gu = self._linear(self._rmsnorm(h, layer.ffn_norm), layer.gate_up).float()
             F = gu.shape[1] // 2
             act = (torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]).to(self.dtype)
-            h = (h + self._linear(act, [layer.down])).to(self.dtype)
+            h = (h + self._linear(act, [layer.down], reduce=True)).to(self.dtype)
         if inp.logits_idx.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         x = self._rmsnorm(h.index_select(0, inp.logits_idx), self.output_norm)
-        return self._linear(x, [self.output]).float()
+        return self._gather_logits(self._linear(x, [self.output]).float())

@@ -447,8 +447,8 @@ def test_design_keyword_arguments(model_files):
     assert LLM(path, progress=False, backend="torch", kv_cache_dtype="fp8_e4m3").kv_dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, fp8_e5m2"):
         LLM(path, progress=False, kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        LLM(path, progress=False, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        LLM(path, progress=False, tensor_parallel_size=0)
 
 
 def test_prefix_cache_and_preemption_keep_greedy_outputs(model_files):

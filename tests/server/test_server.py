@@ -366,3 +366,14 @@ def test_serve_command_errors(model_files, capsys, args, message):
     assert main(["serve", *[a.format(model=path) for a in args]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_server_over_tensor_parallel_engine(model_files):
+    """The server drives a TP = 2 engine (gloo on the CPU) and answers what the TP = 1 engine generates."""
+    _, path, _ = model_files("llama", "q8_0", hidden=512, heads=8, kv_heads=2, head_dim=64, ffn=1024)
+    want = new_llm(path).generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    with new_llm(path, tensor_parallel_size=2) as llm, live_server(llm) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want

@@ -1,0 +1,316 @@
+"""Tensor parallelism: one model split over several processes (one per GPU), as GGUF stores it.
+
+Sharding never dequantizes: a weight is cut along whole rows (the output dim) or at block boundaries along K.
+- Q, K, V, gate and up are column-parallel: each rank keeps the rows of its query heads, of the KV heads those
+  heads read (whole heads; when the KV heads do not divide among the ranks, a rank keeps the one KV head its query
+  heads share, so some ranks hold the same one), and of its share of the FFN.
+- O and down are row-parallel: each rank keeps the K columns of its heads or FFN share (a multiple of the format's
+  block: 256 weights for K-quants, 32 for the legacy formats, the group for MLX) and the partial products are summed
+  across ranks (all-reduce).
+- The embedding and output matrices are split by vocabulary rows: a rank looks up only the ids in its range (the
+  others contribute zeros to the all-reduce), and each rank's slice of the logits is gathered.
+- Norms are replicated; each rank's KV cache holds its own KV heads.
+
+Rank 0 runs the engine (scheduler, sampling) and broadcasts each step's inputs; the other ranks run
+``worker_main``: the same forward steps in lockstep, their collectives matching rank 0's one for one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+
+import torch
+
+from ..quant.formats import GGUF_FORMATS
+from ..quant.tensor import QuantizedTensor, dequantize
+from .config import ModelConfig, ModelConfigError
+
+TIMEOUT_S = float(os.environ.get("LLMKERNELS_TP_TIMEOUT", 600))  # a rank that stops answering fails the others
+# NVLink multicast stays off in every process of the group (it can take shared GPUs out of service)
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclasses.dataclass
+class TPShard:
+    """Which part of the model one rank holds."""
+    rank: int
+    world: int
+    q_heads: tuple  # (first, stop) of the global query heads
+    kv_heads: tuple  # (first, stop) of the global KV heads
+    ffn: tuple  # (first, stop) of the FFN rows
+    vocab: tuple  # (first, stop) of the vocabulary rows (stop - first = vocab_per_rank, the last padded)
+    vocab_per_rank: int
+    group: object = None  # the torch.distributed process group (None: the default group)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def block_of(qt) -> int:
+    """The K granularity a weight can be cut at: its format's block (or MLX group)."""
+    if not isinstance(qt, QuantizedTensor):
+        return 1
+    if qt.format == "mlx":
+        return qt.group_size
+    return GGUF_FORMATS[qt.format].block_size
+
+
+def plan_shards(cfg: ModelConfig, world: int, tensors=None) -> list:
+    """The TPShard of every rank, or ModelConfigError naming what does not split ``world`` ways."""
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
+    Hq, Hkv = cfg.n_heads, cfg.n_kv_heads
+    if Hq % world:
+        raise ModelConfigError(f"tensor_parallel_size={world} does not divide the {Hq} query heads")
+    if Hkv % world and world % Hkv:
+        raise ModelConfigError(f"tensor_parallel_size={world}: the {Hkv} KV heads neither divide among the ranks "
+                               f"nor does the rank count divide by them")
+    if cfg.ffn % world:
+        raise ModelConfigError(f"tensor_parallel_size={world} does not divide the FFN size {cfg.ffn}")
+    q_per = Hq // world
+    group = Hq // Hkv
+    if tensors is not None:  # row-parallel K splits must fall on block boundaries
+        for i in range(cfg.n_layers):
+            for name, per in ((f"blk.{i}.attn_output.weight", q_per * cfg.head_dim),
+                              (f"blk.{i}.ffn_down.weight", cfg.ffn // world)):
+                b = block_of(tensors[name])
+                if per % b:
+                    raise ModelConfigError(f"tensor_parallel_size={world}: {name} would be cut every {per} weights "
+                                           f"along K, not a multiple of its {tensors[name].format} block of {b}")
+    v_per = -(-cfg.vocab_size // world)
+    shards = []
+    for r in range(world):
+        q0, q1 = r * q_per, (r + 1) * q_per
+        kv = (q0 // group, -(-q1 // group))
+        shards.append(TPShard(r, world, (q0, q1), kv, (r * cfg.ffn // world, (r + 1) * cfg.ffn // world),
+                              (r * v_per, (r + 1) * v_per), v_per))
+    return shards
+
+
+def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The config one rank's model is built with: its heads and FFN share; vocab_size stays the model's."""
+    return dataclasses.replace(cfg, n_heads=shard.q_heads[1] - shard.q_heads[0],
+                               n_kv_heads=shard.kv_heads[1] - shard.kv_heads[0], ffn=shard.ffn[1] - shard.ffn[0])
+
+
+def take_rows(t, start: int, stop: int, pad_to: int | None = None):
+    """Rows [start, stop) of a weight (QuantizedTensor or tensor, rows = dim 0), zero rows appended up to ``pad_to``
+    rows (all-zero blocks decode to 0 in every GGUF format and MLX)."""
+    if not isinstance(t, QuantizedTensor):
+        t = t[start:stop]
+        if pad_to is not None and t.shape[0] < pad_to:
+            t = torch.cat([t, t.new_zeros(pad_to - t.shape[0], *t.shape[1:])])
+        return t
+    rows = stop - start
+    n = pad_to or rows
+    pick = lambda a: None if a is None else _pad0(a[start:stop], n)  # noqa: E731
+    return QuantizedTensor(t.format, (n, *t.shape[1:]), pick(t.data), pick(t.scales), pick(t.biases), t.bits,
+                           t.group_size)
+
+
+def _pad0(a: torch.Tensor, n: int) -> torch.Tensor:
+    if a.shape[0] >= n:
+        return a.contiguous()
+    return torch.cat([a, a.new_zeros(n - a.shape[0], *a.shape[1:])])
+
+
+def take_cols(qt, k0: int, k1: int):
+    """Columns [k0, k1) of a weight [N, K] along K; with a QuantizedTensor both must be multiples of its block."""
+    if not isinstance(qt, QuantizedTensor):
+        return qt[:, k0:k1].contiguous()
+    b = block_of(qt)
+    if k0 % b or k1 % b:
+        raise ValueError(f"columns [{k0}, {k1}) do not fall on {qt.format} block boundaries ({b})")
+    if qt.format == "mlx":
+        words = qt.bits * qt.group_size // 32  # uint32 words per group
+        g0, g1 = k0 // qt.group_size, k1 // qt.group_size
+        return QuantizedTensor("mlx", (qt.shape[0], k1 - k0), qt.data[:, g0 * words:g1 * words].contiguous(),
+                               qt.scales[:, g0:g1].contiguous(), qt.biases[:, g0:g1].contiguous(), qt.bits,
+                               qt.group_size)
+    f = GGUF_FORMATS[qt.format]
+    return QuantizedTensor(qt.format, (qt.shape[0], k1 - k0),
+                           qt.data[:, k0 // b * f.block_bytes:k1 // b * f.block_bytes].contiguous())
+
+
+def shard_tensors(tensors, cfg: ModelConfig, shard: TPShard) -> dict:
+    """This rank's tensors under the same GGUF names (see the module docstring); norms are kept whole."""
+    D = cfg.head_dim
+    (q0, q1), (k0, k1), (f0, f1), (v0, v1) = shard.q_heads, shard.kv_heads, shard.ffn, shard.vocab
+    out = {}
+    for name in tensors.keys():
+        t = tensors[name]
+        if isinstance(t, QuantizedTensor) and len(t.shape) == 1:  # a bias or norm stored as a GGUF vector
+            t = dequantize(t)
+        base = name.rsplit(".", 1)[0].split(".")[-1] if name.startswith("blk.") else name.split(".")[0]
+        if base == "attn_q":
+            out[name] = take_rows(t, q0 * D, q1 * D)
+        elif base in ("attn_k", "attn_v"):
+            out[name] = take_rows(t, k0 * D, k1 * D)
+        elif base in ("ffn_gate", "ffn_up"):
+            out[name] = take_rows(t, f0, f1)
+        elif base == "attn_output":
+            out[name] = take_cols(t, q0 * D, q1 * D)
+        elif base == "ffn_down":
+            out[name] = take_cols(t, f0, f1)
+        elif base in ("token_embd", "output"):
+            out[name] = take_rows(t, v0, min(v1, cfg.vocab_size), pad_to=shard.vocab_per_rank)
+        else:
+            out[name] = t
+    return out
+
+
+def init_group(rank: int, world: int, init_method: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process; a tensor-parallel LLM "
+                           "starts its own (close the other with LLM.close())")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Peers:
+    """Rank 0's handle on the other ranks: their processes, a pipe to each for commands (so an idle engine waits
+    without a collective timing out) and the collectives of a step."""
+
+    def __init__(self, procs, conns, shard: TPShard):
+        self.procs, self.conns, self.shard = procs, conns, shard
+
+    @classmethod
+    def start(cls, path: str, world: int, device: torch.device, spec: dict) -> "Peers":
+        """Start ranks 1 .. world-1 (each loads its shard of ``path``) and join them in a process group."""
+        import torch.multiprocessing as mp
+
+        os.environ.update(SAFE_ENV)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        procs, conns = [], []
+        for rank in range(1, world):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(rank, world, init_method, backend, path, spec, device.type,
+                                                      theirs), daemon=True, name=f"llmkernels-tp{rank}")
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(ours)
+        peers = cls(procs, conns, None)
+        try:
+            for rank, conn in enumerate(conns, 1):
+                peers._expect(rank, conn, "ready", TIMEOUT_S)
+            if device.type == "cuda":
+                torch.cuda.set_device(device.index or 0)
+            init_group(0, world, init_method, backend)
+        except BaseException:
+            peers.stop()
+            raise
+        peers.shard = plan_shards_from_path(path, world)[0]
+        return peers
+
+    def _expect(self, rank: int, conn, what: str, timeout: float) -> None:
+        proc = self.procs[rank - 1]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start within {timeout:.0f} s")
+        msg = conn.recv()
+        if msg[0] != what:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed: {msg[1] if len(msg) > 1 else msg}")
+
+    def _check(self) -> None:
+        """Raise if another rank reported an error or is gone."""
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), 1):
+            msg = None
+            try:
+                if conn.poll():
+                    msg = conn.recv()
+            except (EOFError, OSError):  # its end of the pipe closed: the process is gone
+                p.join(timeout=5)
+            if msg is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed: {msg[1] if len(msg) > 1 else msg}")
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.exitcode}; the engine stops "
+                                   f"(close it and start a new one)")
+
+    def send(self, cmd) -> None:
+        """Have every other rank run ``cmd`` (``("run", step, has_ids)``, ``("copy", pairs)``, ...)."""
+        self._check()
+        try:
+            for conn in self.conns:
+                conn.send(cmd)
+        except (BrokenPipeError, EOFError, OSError):
+            self._check()
+            raise
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(t, src=0, group=self.shard.group if self.shard else None)
+
+    def stop(self) -> None:
+        """Tell the other ranks to stop, wait for them (killing any that hang) and leave the process group."""
+        import torch.distributed as dist
+
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def plan_shards_from_path(path: str, world: int) -> list:
+    from ..quant.gguf_io import read_gguf
+
+    f = read_gguf(path)
+    return plan_shards(ModelConfig.from_gguf(f.metadata, f.keys()), world, f)
+
+
+def worker_main(rank: int, world: int, init_method: str, backend: str, path: str, spec: dict, device: str,
+                conn) -> None:
+    """A rank other than 0: build its shard of the model and cache, then run the steps rank 0 sends."""
+    os.environ.update(SAFE_ENV)
+    import torch.distributed as dist
+
+    try:
+        from .llm import build_worker
+
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        conn.send(("ready",))
+        init_group(rank, world, init_method, backend)
+        shard = plan_shards_from_path(path, world)[rank]
+        runner = build_worker(path, shard, device, spec)
+        runner.serve_steps(conn)
+    except BaseException as e:  # noqa: BLE001  (report to rank 0, then exit non-zero)
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        raise SystemExit(1) from e
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

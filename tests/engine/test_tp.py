@@ -1,0 +1,121 @@
+"""Tensor parallelism on the CPU: sharding as stored (no dequantization), and the engine at TP = 2 (and 4) over gloo
+giving what it gives at TP = 1."""
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+
+from llmkernels import dequantize, quantize
+from llmkernels.engine import LLM, ModelConfigError, SamplingParams
+from llmkernels.engine.config import ModelConfig
+from llmkernels.engine.tp import plan_shards, take_cols, take_rows
+
+PROMPTS = ["The quick brown fox", "Hello, world! How are you today?", "12345 東京"]
+# big enough that O and down split on q4_k's 256-weight blocks at TP = 2: 8 heads x 64 = 512, FFN 1024
+TP_MODEL = dict(hidden=512, heads=8, kv_heads=2, head_dim=64, ffn=1024)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q8_0", "q4_k", "q6_k", "q5_0", "mlx"])
+def test_shards_reassemble_the_whole(fmt):
+    w = torch.randn(24, 512)
+    qt = quantize(w, fmt, bits=4, group_size=64) if fmt == "mlx" else quantize(w, fmt)
+    whole = dequantize(qt)
+    rows = take_rows(qt, 5, 17)
+    assert rows.shape == (12, 512) and torch.equal(dequantize(rows), whole[5:17])
+    padded = take_rows(qt, 20, 24, pad_to=8)
+    assert padded.shape == (8, 512) and torch.equal(dequantize(padded)[:4], whole[20:24])
+    assert not dequantize(padded)[4:].any()  # zero rows decode to zeros in every format
+    parts = [take_cols(qt, k, k + 256) for k in (0, 256)]
+    assert torch.equal(torch.cat([dequantize(p) for p in parts], dim=1), whole)
+    if fmt in ("q4_k", "q6_k", "q8_0"):
+        with pytest.raises(ValueError, match="block boundaries"):
+            take_cols(qt, 0, 16)
+
+
+def _cfg(**kw):
+    base = dict(arch="llama", n_layers=1, hidden=512, ffn=1024, n_heads=8, n_kv_heads=2, head_dim=64,
+                vocab_size=500, rms_eps=1e-5, rope_theta=1e4, rope_style="interleaved", context_length=512)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_shard_plan():
+    shards = plan_shards(_cfg(), 4)
+    assert [s.q_heads for s in shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # 2 KV heads on 4 ranks: replicated
+    assert [s.ffn for s in shards] == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert [s.vocab for s in shards][-1] == (375, 500) and shards[0].vocab_per_rank == 125
+    assert [s.kv_heads for s in plan_shards(_cfg(n_kv_heads=8), 2)] == [(0, 4), (4, 8)]
+    for kw, world, msg in [(dict(n_heads=6, n_kv_heads=6), 4, "query heads"),
+                           (dict(n_heads=12, n_kv_heads=3), 2, "KV heads"),
+                           (dict(ffn=1000), 3, "query heads"), (dict(n_heads=6, n_kv_heads=6, ffn=1000), 3, "FFN")]:
+        with pytest.raises(ModelConfigError, match=msg):
+            plan_shards(_cfg(**kw), world)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        plan_shards(_cfg(), 0)
+
+
+def _run(path, tp, **kw):
+    with LLM(path, progress=False, backend="torch", dtype=torch.float16, tensor_parallel_size=tp, **kw) as llm:
+        ids = llm.tokenizer.encode(PROMPTS[1])
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        n = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2))[0]
+        return [o.token_ids for o in outs], [o.token_ids for o in n.outputs], llm.logits(ids)
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama", "q8_0"), ("llama", "q4_k"), ("qwen2", "q8_0"), ("qwen2", "q4_k"),
+                                      ("qwen3", "q8_0"), ("qwen3", "q4_k")])
+def test_tp2_equals_tp1(model_files, arch, fmt):
+    """Greedy tokens (forks included) and logits at TP = 2 as at TP = 1: the partial products are summed in float32
+    before the activation dtype's rounding, so only the summation order differs."""
+    _, path, _ = model_files(arch, fmt, **TP_MODEL)
+    one, two = _run(path, 1), _run(path, 2)
+    assert one[0] == two[0] and one[1] == two[1]
+    assert (one[2] - two[2]).abs().max() <= 2e-3 * one[2].abs().max()
+
+
+def test_tp4_replicates_kv_heads(model_files):
+    _, path, _ = model_files("llama", "q8_0", **TP_MODEL)
+    one, four = _run(path, 1, page_size=4), _run(path, 4, page_size=4)
+    assert one[0] == four[0] and (one[2] - four[2]).abs().max() <= 2e-3 * one[2].abs().max()
+
+
+def test_tp_errors(model_files):
+    _, path, _ = model_files("llama", "q8_0", **TP_MODEL)
+    with pytest.raises(ModelConfigError, match="does not divide the 8 query heads"):
+        LLM(path, progress=False, backend="torch", tensor_parallel_size=3)
+    _, small, _ = model_files("llama", "q4_k")  # 4 heads x 64: O would be cut every 128 weights
+    with pytest.raises(ModelConfigError, match="not a multiple of its q4_k block of 256"):
+        LLM(small, progress=False, backend="torch", tensor_parallel_size=2)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+            LLM(path, progress=False, backend="torch", tensor_parallel_size=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs 2 GPUs"):
+            LLM(path, progress=False, device="cuda", tensor_parallel_size=2)
+
+
+def test_a_dead_rank_fails_the_engine_with_a_message(model_files):
+    _, path, _ = model_files("llama", "q8_0", **TP_MODEL)
+    llm = LLM(path, progress=False, backend="torch", dtype=torch.float16, tensor_parallel_size=2)
+    try:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        proc = llm._peers.procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=30)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))
+    finally:
+        llm.close()
+    assert llm._peers is None
+
+
+def test_tp_sharded_sizes(model_files):
+    """Each rank holds its share: rank 0's weights are half the model's, its cache has half the KV heads."""
+    _, path, _ = model_files("qwen2", "q8_0", **TP_MODEL)
+    one = LLM(path, progress=False, backend="torch")
+    with LLM(path, progress=False, backend="torch", tensor_parallel_size=2) as two:
+        assert two.cfg == one.cfg and two.model.cfg == dataclasses.replace(one.cfg, n_heads=4, n_kv_heads=1, ffn=512)
+        assert two.kv_cache.shape[-2] == 1 and one.kv_cache.shape[-2] == 2
+        assert abs(two.model.weight_bytes * 2 - one.model.weight_bytes) <= 0.02 * one.model.weight_bytes
