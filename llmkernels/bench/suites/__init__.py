@@ -7,4 +7,5 @@ SUITES = {
     "engine": "llmkernels.bench.suites.engine",
     "llamacpp": "llmkernels.bench.suites.llamacpp",
     "serve": "llmkernels.bench.suites.serve",
+    "tp": "llmkernels.bench.suites.tp",
 }
