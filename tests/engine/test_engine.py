@@ -542,3 +542,21 @@ def test_chat(model_files):
     refusing = "{{ raise_exception('only user turns') }}"
     with pytest.raises(ChatTemplateError, match="only user turns"):
         LLM(path, progress=False, chat_template=refusing).chat_prompt(msgs)
+
+
+def test_fp8_kv_cache_error(model_files):
+    """fp8 e4m3 caches with static scales 1.0 (saturating, as vLLM's default): the logits against the same engine
+    with a cache in the activation dtype stay within 10% of max |logit| (e4m3 keeps 3 mantissa bits: a relative step
+    of 6.25%), and a page takes half the bytes, so the same memory holds twice the pages."""
+    from llmkernels.engine.runner import kv_bytes_per_page
+
+    _, path, _ = model_files("qwen3", "q8_0")
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    for dtype in (torch.float16, torch.bfloat16):
+        ref = LLM(path, progress=False, backend="torch", dtype=dtype)
+        f8 = LLM(path, progress=False, backend="torch", dtype=dtype, kv_cache_dtype="fp8_e4m3")
+        a, b = ref.logits(prompt), f8.logits(prompt)
+        err = ((a - b).abs().max() / a.abs().max()).item()
+        print(f"fp8 e4m3 cache, {dtype}: max logit error {err:.4f} of max |logit|")
+        assert err < 0.1
+        assert 2 * kv_bytes_per_page(f8.cfg, 16, f8.kv_dtype) == kv_bytes_per_page(ref.cfg, 16, ref.kv_dtype)
