@@ -17,7 +17,15 @@ ARCHITECTURES = {
     "mistral": dict(rope="interleaved", qkv_bias=False, qk_norm=False),
     "qwen2": dict(rope="neox", qkv_bias=True, qk_norm=False),
     "qwen3": dict(rope="neox", qkv_bias=False, qk_norm=True),
+    # Q, K and V in one matrix (attn_qkv), gate and up in one (ffn_up: gate rows first)
+    "phi3": dict(rope="neox", qkv_bias=False, qk_norm=False, fused=True),
+    # norms after attention and FFN too, embeddings scaled by sqrt(hidden), GeGLU, soft caps, sliding windows on
+    # every second layer (gemma2) or on 5 of every 6 (gemma3, which has QK-norm and its own RoPE base there)
+    "gemma2": dict(rope="neox", qkv_bias=False, qk_norm=False, gemma=True, swa_pattern=2, swa_default=4096),
+    "gemma3": dict(rope="neox", qkv_bias=False, qk_norm=True, gemma=True, swa_pattern=6, swa_default=0),
 }
+# llama.cpp's attention scale for the 27B Gemma models (hidden / heads, not the head dim): their layer counts
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 # head dims that both the prefill and the paged attention kernels take (the engine runs both)
@@ -54,6 +62,22 @@ class ModelConfig:
     eos_ids: tuple = ()
     add_bos: bool = True
     name: str = ""
+    fused: bool = False  # attn_qkv and a gate/up ffn_up (phi3)
+    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual add (gemma)
+    embed_scale: float = 1.0  # embeddings multiplied by this (gemma: sqrt(hidden), rounded to the activation dtype)
+    act: str = "silu"  # the gated FFN's activation: "silu" | "gelu_tanh"
+    attn_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores s -> cap * tanh(s / cap) when > 0
+    final_softcap: float = 0.0  # the same on the logits
+    sliding_window: int = 0  # tokens a query sees on the swa layers (itself included); 0: none
+    swa_layers: tuple = ()  # per layer: whether it uses the sliding window
+    rope_theta_swa: float = 0.0  # the swa layers' RoPE base (gemma3: unscaled); 0: rope_theta
+
+    def window(self, layer: int) -> int:
+        """paged_attention's left window edge for ``layer`` (-1: unbounded)."""
+        if self.sliding_window and layer < len(self.swa_layers) and self.swa_layers[layer]:
+            return self.sliding_window - 1
+        return -1
 
     @classmethod
     def from_gguf(cls, meta: dict, tensor_names=()) -> "ModelConfig":
@@ -111,6 +135,29 @@ class ModelConfig:
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", arch in ("llama", "mistral"))),
             name=str(meta.get("general.name", "")),
         )
+        spec = ARCHITECTURES[arch]
+        if spec.get("fused"):
+            cfg.fused = True
+        if spec.get("gemma"):
+            cfg.post_norms, cfg.act = True, "gelu_tanh"
+            cfg.embed_scale = math.sqrt(cfg.hidden)
+            cfg.attn_softcap = float(get("attn_logit_softcapping", 0.0, required=False) or 0.0)
+            cfg.final_softcap = float(get("final_logit_softcapping", 0.0, required=False) or 0.0)
+            cfg.sliding_window = int(get("attention.sliding_window", spec["swa_default"], required=False) or 0)
+            pattern = get("attention.sliding_window_pattern", spec["swa_pattern"], required=False)
+            if isinstance(pattern, (list, tuple)):
+                cfg.swa_layers = tuple(bool(x) for x in pattern)
+            else:
+                cfg.swa_layers = tuple(i % int(pattern) < int(pattern) - 1 for i in range(cfg.n_layers))
+            if len(cfg.swa_layers) != cfg.n_layers:
+                raise ModelConfigError(f"{arch}: attention.sliding_window_pattern has {len(cfg.swa_layers)} "
+                                       f"entries for {cfg.n_layers} layers")
+            cfg.rope_theta_swa = float(get("rope.freq_base_swa", 0.0, required=False) or 0.0)
+            scale = get("attention.scale", None, required=False)
+            if scale:
+                cfg.attn_scale = float(scale)
+            elif cfg.n_layers == GEMMA_27B_LAYERS[arch]:
+                cfg.attn_scale = (cfg.hidden / cfg.n_heads) ** -0.5
         if cfg.n_heads % cfg.n_kv_heads:
             raise ModelConfigError(f"head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}")
         if cfg.head_dim not in ENGINE_HEAD_DIMS:

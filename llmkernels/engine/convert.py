@@ -21,7 +21,8 @@ from .tokenizer import (LLAMA3_PATTERN, QWEN2_PATTERN, TOKEN_BYTE, TOKEN_CONTROL
                         TOKEN_USER_DEFINED)
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                    "Qwen3ForCausalLM": "qwen3"}
+                    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                    "Gemma3ForCausalLM": "gemma3"}
 LAYER_NAMES = {  # Hugging Face suffix -> GGUF suffix, under model.layers.N. / blk.N.
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -31,16 +32,28 @@ LAYER_NAMES = {  # Hugging Face suffix -> GGUF suffix, under model.layers.N. / b
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
+# the families whose Hugging Face names differ from the llama family's (llama.cpp's GGUF names on the right)
+_GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+ARCH_LAYER_NAMES = {
+    "phi3": {**LAYER_NAMES, "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma2": {**LAYER_NAMES, **_GEMMA_NAMES},
+    "gemma3": {**LAYER_NAMES, **_GEMMA_NAMES},
+}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
+# Gemma's RMSNorm multiplies by (1 + weight); GGUF stores 1 + weight (as llama.cpp's converter does)
+NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
-def hf_to_gguf_name(name: str) -> str | None:
+def hf_to_gguf_name(name: str, arch: str = "llama") -> str | None:
     if name in TOP_NAMES:
         return TOP_NAMES[name]
+    names = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_NAMES:
-        return f"blk.{parts[2]}.{LAYER_NAMES[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}"
     return None
 
 
@@ -204,7 +217,10 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
     hidden = int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // n_heads)
     vocab_size = int(config["vocab_size"])
-    theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    rp = config.get("rope_parameters") or {}
+    if "full_attention" in rp:  # per layer type (gemma3): the global layers' parameters are the model's
+        rp = rp["full_attention"]
+    theta = float(config.get("rope_theta") or rp.get("rope_theta") or 10000.0)
     meta = {"general.architecture": arch, "general.name": os.path.basename(os.path.normpath(model_dir)),
             f"{arch}.block_count": int(config["num_hidden_layers"]),
             f"{arch}.context_length": int(config.get("max_position_embeddings", 4096)),
@@ -215,7 +231,7 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
             f"{arch}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
             f"{arch}.vocab_size": vocab_size, "general.file_type": 1}
     extra = {}
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or rp
     rtype = scaling.get("rope_type", scaling.get("type"))
     if rtype == "linear":
         meta[f"{arch}.rope.scaling.type"] = "linear"
@@ -234,6 +250,10 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
             float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
     elif rtype not in (None, "default"):
         raise ModelConfigError(f"rope scaling {rtype!r} is not supported (linear, yarn, llama3)")
+    if arch == "phi3" and float((config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelConfigError("phi3: partial rotary embeddings are not supported")
+    if arch in NORM_PLUS_ONE:
+        meta.update(_gemma_metadata(arch, config, head_dim))
     meta.update(tokenizer_metadata(model_dir, vocab_size, config))
     names = list(_iter_safetensors(model_dir, tensors=False))
     bar = None
@@ -246,7 +266,7 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
     for name, w in _iter_safetensors(model_dir):
         if bar is not None:
             bar.update(1)
-        gname = hf_to_gguf_name(name)
+        gname = hf_to_gguf_name(name, arch)
         if gname is None:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -256,6 +276,8 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
             w = permute_rows(w, n_heads)
         elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = permute_rows(w, n_kv)
+        if arch in NORM_PLUS_ONE and gname.endswith("norm.weight"):
+            w = w + 1.0
         if w.dim() == 1:
             tensors[gname] = w.contiguous()
         else:
@@ -288,6 +310,28 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
     return os.fspath(out_path)
 
 
+def _gemma_metadata(arch: str, config: dict, head_dim: int) -> dict:
+    """Gemma 2 / 3 keys under llama.cpp's names: soft caps, the sliding window and which layers use it, the
+    sliding layers' RoPE base (gemma3) and the attention scale (query_pre_attn_scalar ** -0.5)."""
+    meta = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key):
+            meta[f"{arch}.{key}"] = float(config[key])
+    if config.get("sliding_window"):
+        meta[f"{arch}.attention.sliding_window"] = int(config["sliding_window"])
+    types = config.get("layer_types")
+    if types:
+        meta[f"{arch}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+    elif config.get("sliding_window_pattern"):
+        meta[f"{arch}.attention.sliding_window_pattern"] = int(config["sliding_window_pattern"])
+    local = (config.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+    local = local or config.get("rope_local_base_freq")
+    if arch == "gemma3" and local:
+        meta[f"{arch}.rope.freq_base_swa"] = float(local)
+    meta[f"{arch}.attention.scale"] = float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
+    return meta
+
+
 def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
     """The tensors of a GGUF model as a Hugging Face state dict (dequantized, Q/K rows un-permuted for llama)."""
     f = read_gguf(path_or_file) if isinstance(path_or_file, (str, os.PathLike)) else path_or_file
@@ -295,7 +339,7 @@ def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
     n_heads = int(f.metadata[f"{arch}.attention.head_count"])
     n_kv = int(f.metadata.get(f"{arch}.attention.head_count_kv", n_heads))
     inv_top = {v: k for k, v in TOP_NAMES.items()}
-    inv_layer = {v: k for k, v in LAYER_NAMES.items()}
+    inv_layer = {v: k for k, v in ARCH_LAYER_NAMES.get(arch, LAYER_NAMES).items()}
     out = {}
     for gname, qt in f.items():
         if gname in inv_top:
@@ -308,6 +352,8 @@ def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
         else:
             continue
         w = dequantize(qt, torch.float32) if isinstance(qt, QuantizedTensor) else qt.float()
+        if arch in NORM_PLUS_ONE and gname.endswith("norm.weight"):
+            w = w - 1.0
         if arch in ("llama", "mistral") and rest_is(gname, "attn_q"):
             w = permute_rows(w, n_heads, inverse=True)
         elif arch in ("llama", "mistral") and rest_is(gname, "attn_k"):

@@ -183,7 +183,7 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
 
 @triton.jit
 def _silu_mul_kernel(GU, Y, YL, stride_gu, stride_y, stride_yl, F, LANES: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, GELU: tl.constexpr = False):
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -191,15 +191,21 @@ def _silu_mul_kernel(GU, Y, YL, stride_gu, stride_y, stride_yl, F, LANES: tl.con
     mask = cols < F
     g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_gu + F + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    if GELU:  # the tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * u
+    else:
+        y = g / (1.0 + tl.exp(-g)) * u
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
     if LANES:
         tl.store(YL + row * stride_yl + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, lanes: bool = False):
-    """silu(g) * u for gate_up = [g | u] of shape [T, 2F] (one fused gate/up projection); returns [T, F], and with
-    ``lanes`` (y, y in lane order [T, lanes_width(F)]) for qgemv.ops.gemv_lanes."""
+def silu_mul(gate_up: torch.Tensor, lanes: bool = False, act: str = "silu"):
+    """act(g) * u for gate_up = [g | u] of shape [T, 2F] (one fused gate/up projection), act = silu or gelu_tanh (GeGLU);
+    returns [T, F], and with ``lanes`` (y, y in lane order [T, lanes_width(F)]) for qgemv.ops.gemv_lanes."""
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
     T, F2 = gate_up.shape
     F = F2 // 2
     y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
@@ -208,5 +214,6 @@ def silu_mul(gate_up: torch.Tensor, lanes: bool = False):
         BLOCK = 1024
         pdl = pdl_supported(gate_up.device)
         _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, yl, gate_up.stride(0), y.stride(0), yl.stride(0), F,
-                                                      LANES=lanes, BLOCK=BLOCK, PDL=pdl, **pdl_options(pdl))
+                                                      LANES=lanes, BLOCK=BLOCK, PDL=pdl, GELU=act == "gelu_tanh",
+                                                      **pdl_options(pdl))
     return (y, yl) if lanes else y

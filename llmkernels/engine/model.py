@@ -15,7 +15,7 @@ import torch
 from ..attention.paged import paged_attention
 from ..qgemv.int8 import i8_lanes_supports
 from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_i8_lanes, gemv_lanes, lanes_apply, silu_mul_gemv
-from ..quant.tensor import QuantizedTensor, dequantize
+from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
 
@@ -49,18 +49,10 @@ class Layer:
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-
-
-def cat_rows(qts: list) -> QuantizedTensor | None:
-    """Stack QuantizedTensors [N_i, K] of one format into [sum N_i, K] (rows are independent in every format)."""
-    a = qts[0]
-    if any((q.format, q.bits, q.group_size, q.shape[1:]) != (a.format, a.bits, a.group_size, a.shape[1:])
-           for q in qts):
-        return None
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts, 0)  # noqa: E731
-    n = sum(q.shape[0] for q in qts)
-    return QuantizedTensor(a.format, (n, *a.shape[1:]), cat([q.data for q in qts]), cat([q.scales for q in qts]),
-                           cat([q.biases for q in qts]), a.bits, a.group_size)
+    post_attn_norm: torch.Tensor | None = None  # gemma: RMSNorm of the attention output before the residual add
+    post_ffn_norm: torch.Tensor | None = None  # gemma: the same for the FFN output
+    window: int = -1  # left edge of the sliding window (-1: the whole context)
+    rope: int = 0  # which RoPE table: 0 the model's, 1 the sliding-window layers' (gemma3)
 
 
 def stack_runs(qts: list) -> list:
@@ -120,11 +112,18 @@ class Model:
         self.layers = []
         for i in it(range(cfg.n_layers), desc="loading layers", unit="layer"):
             p = f"blk.{i}."
+            if cfg.fused:  # stored stacked already: [q; k; v] and [gate; up]
+                qkv, gate_up = [mat(p + "attn_qkv.weight")], [mat(p + "ffn_up.weight")]
+            else:
+                qkv = stack_runs([mat(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")])
+                gate_up = stack_runs([mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")])
             layer = Layer(attn_norm=_vector(tensors[p + "attn_norm.weight"], self.device),
-                          ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device),
-                          qkv=stack_runs([mat(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")]),
-                          wo=mat(p + "attn_output.weight"), gate_up=[], down=mat(p + "ffn_down.weight"))
-            layer.gate_up = stack_runs([mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")])
+                          ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device), qkv=qkv,
+                          wo=mat(p + "attn_output.weight"), gate_up=gate_up, down=mat(p + "ffn_down.weight"),
+                          window=cfg.window(i), rope=int(bool(cfg.rope_theta_swa and cfg.window(i) >= 0)))
+            if cfg.post_norms:
+                layer.post_attn_norm = _vector(tensors[p + "post_attention_norm.weight"], self.device)
+                layer.post_ffn_norm = _vector(tensors[p + "post_ffw_norm.weight"], self.device)
             if cfg.qkv_bias:
                 layer.qkv_bias = torch.cat([_vector(tensors[p + n + ".bias"], self.device)
                                             for n in ("attn_q", "attn_k", "attn_v")])
@@ -137,6 +136,11 @@ class Model:
             freqs = dequantize(freqs)
         inv, self.rope_mscale = rope_inv_freq(cfg, freqs)
         self.inv_freq = inv.to(self.device)
+        self.ropes = [(self.inv_freq, self.rope_mscale)]  # per Layer.rope: (inverse frequencies, cos/sin factor)
+        if cfg.rope_theta_swa:  # gemma3's sliding-window layers: their own base, no scaling
+            local = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_swa, rope_scaling="none", rope_factor=1.0)
+            inv_l, m_l = rope_inv_freq(local, None)
+            self.ropes.append((inv_l.to(self.device), m_l))
         self.weight_bytes = self._stored_bytes()
         self.qkv_width = (Hq + 2 * Hkv) * D
 
@@ -149,10 +153,16 @@ class Model:
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
-                         p + "attn_q.weight": (cfg.n_heads * D, H), p + "attn_k.weight": (cfg.n_kv_heads * D, H),
-                         p + "attn_v.weight": (cfg.n_kv_heads * D, H), p + "attn_output.weight": (H, cfg.n_heads * D),
-                         p + "ffn_gate.weight": (cfg.ffn, H), p + "ffn_up.weight": (cfg.ffn, H),
-                         p + "ffn_down.weight": (H, cfg.ffn)})
+                         p + "attn_output.weight": (H, cfg.n_heads * D), p + "ffn_down.weight": (H, cfg.ffn)})
+            if cfg.fused:
+                want.update({p + "attn_qkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * D, H),
+                             p + "ffn_up.weight": (2 * cfg.ffn, H)})
+            else:
+                want.update({p + "attn_q.weight": (cfg.n_heads * D, H), p + "attn_k.weight": (cfg.n_kv_heads * D, H),
+                             p + "attn_v.weight": (cfg.n_kv_heads * D, H), p + "ffn_gate.weight": (cfg.ffn, H),
+                             p + "ffn_up.weight": (cfg.ffn, H)})
+            if cfg.post_norms:
+                want.update({p + "post_attention_norm.weight": (H,), p + "post_ffw_norm.weight": (H,)})
             if cfg.qkv_bias:
                 want.update({p + "attn_q.bias": (cfg.n_heads * D,), p + "attn_k.bias": (cfg.n_kv_heads * D,),
                              p + "attn_v.bias": (cfg.n_kv_heads * D,)})
@@ -220,6 +230,12 @@ class Model:
     def _mlp(self, x, layer, xl=None):
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
         i8 = self.act_int8
+        if self.cfg.act != "silu":  # GeGLU: the activation kernel, then the down projection
+            if len(layer.gate_up) == 1:
+                gu = self._gemv(x, xl, layer.gate_up[0])
+            else:
+                gu = torch.cat([self._gemv(x, xl, m) for m in layer.gate_up], dim=1)
+            return gemv(silu_mul(gu, act=self.cfg.act), layer.down, act_int8=i8)
         if len(layer.gate_up) == 1:
             gu = self._gemv(x, xl, layer.gate_up[0])
         else:
@@ -240,27 +256,39 @@ class Model:
         cfg = self.cfg
         T = inp.ids.shape[0]
         h = self._embed(inp.ids)  # the residual stream
+        if cfg.embed_scale != 1.0:  # scaled by a factor rounded to the activation dtype, as the reference does
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         delta = None
         for li, layer in enumerate(self.layers):
             x, xl = self._norm(T, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
                                residual=h if delta is not None else None)
             qkv = self._qkv(x, layer, xl)
-            q = rope_store(qkv, inp.positions, inp.slots, self.inv_freq, k_caches[li], v_caches[li],
+            inv_freq, mscale = self.ropes[layer.rope]
+            q = rope_store(qkv, inp.positions, inp.slots, inv_freq, k_caches[li], v_caches[li],
                            n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, neox=cfg.rope_style == "neox",
-                           mscale=self.rope_mscale, bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                           mscale=mscale, bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
                            eps=cfg.rms_eps, k_scale=kv_scales[0], v_scale=kv_scales[1])
             fp8 = k_caches[li].dtype != self.dtype
             o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
-                                inp.max_q, causal=True, plan=plan, validate=False,
+                                inp.max_q, causal=True, plan=plan, validate=False, softmax_scale=cfg.attn_scale or None,
+                                window_size=(layer.window, -1), softcap=cfg.attn_softcap,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
             delta = self._reduce(gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8))
+            if layer.post_attn_norm is not None:
+                delta = add_rmsnorm(delta, layer.post_attn_norm, cfg.rms_eps)
             x, xl = self._norm(T, layer.gate_up, delta, layer.ffn_norm, cfg.rms_eps, residual=h)
             delta = self._reduce(self._mlp(x, layer, xl))
+            if layer.post_ffn_norm is not None:
+                delta = add_rmsnorm(delta, layer.post_ffn_norm, cfg.rms_eps)
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
         x, xl = self._norm(hs.shape[0], [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs)
-        return self._gather_logits(self._gemv(x, xl, self.output).float())
+        return self._softcap(self._gather_logits(self._gemv(x, xl, self.output).float()))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
     # --- tensor parallelism (identities on one rank) ---------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -44,11 +44,13 @@ class TorchModel(Model):
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.dtype).float() * w
         return y.to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate float32 heads x [T, H, D] by their positions (interleaved pairs or neox halves)."""
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, which: int = 0) -> torch.Tensor:
+        """Rotate float32 heads x [T, H, D] by their positions (interleaved pairs or neox halves) with RoPE table
+        ``which`` (Layer.rope)."""
         D = x.shape[-1]
-        ang = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
-        cos, sin = (torch.cos(ang) * self.rope_mscale)[:, None, :], (torch.sin(ang) * self.rope_mscale)[:, None, :]
+        inv_freq, mscale = self.ropes[which]
+        ang = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+        cos, sin = (torch.cos(ang) * mscale)[:, None, :], (torch.sin(ang) * mscale)[:, None, :]
         if self.cfg.rope_style == "neox":
             a, b = x[..., :D // 2], x[..., D // 2:]
             return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
@@ -76,6 +78,8 @@ class TorchModel(Model):
         else:
             local, valid = self._local_ids(inp.ids)
             h = self._reduce(self._w(self.tok_embd)[local.long()] * valid.float()[:, None]).to(self.dtype)
+        if cfg.embed_scale != 1.0:
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         for li, layer in enumerate(self.layers):
             qkv = self._linear(self._rmsnorm(h, layer.attn_norm), layer.qkv).float()
             if layer.qkv_bias is not None:
@@ -85,19 +89,28 @@ class TorchModel(Model):
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
             if layer.q_norm is not None:
                 q, k = self._qk_norm(q, layer.q_norm), self._qk_norm(k, layer.k_norm)
-            q, k = self._rope(q, inp.positions), self._rope(k, inp.positions)
+            q, k = self._rope(q, inp.positions, layer.rope), self._rope(k, inp.positions, layer.rope)
             self._store(k_caches[li], inp.slots, k, kv_scales[0])
             self._store(v_caches[li], inp.slots, v, kv_scales[1])
             fp8 = k_caches[li].dtype in FP8_DTYPES
             o, _ = paged_attention_ref(q.to(self.dtype), k_caches[li], v_caches[li], inp.page_table, inp.seq_lens,
-                                       inp.cu_seqlens_q, k_scale=kv_scales[0] if fp8 else None,
-                                       v_scale=kv_scales[1] if fp8 else None, dtype=torch.float32)
-            h = (h + self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo], reduce=True)).to(self.dtype)
+                                       inp.cu_seqlens_q, softmax_scale=cfg.attn_scale or None,
+                                       window_size=(layer.window, -1), softcap=cfg.attn_softcap,
+                                       k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None,
+                                       dtype=torch.float32)
+            delta = self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo], reduce=True)
+            if layer.post_attn_norm is not None:
+                delta = self._rmsnorm(delta, layer.post_attn_norm)
+            h = (h + delta).to(self.dtype)
             gu = self._linear(self._rmsnorm(h, layer.ffn_norm), layer.gate_up).float()
             F = gu.shape[1] // 2
-            act = (torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]).to(self.dtype)
-            h = (h + self._linear(act, [layer.down], reduce=True)).to(self.dtype)
+            g = gu[:, :F]
+            g = torch.nn.functional.silu(g) if cfg.act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")
+            delta = self._linear((g * gu[:, F:]).to(self.dtype), [layer.down], reduce=True)
+            if layer.post_ffn_norm is not None:
+                delta = self._rmsnorm(delta, layer.post_ffn_norm)
+            h = (h + delta).to(self.dtype)
         if inp.logits_idx.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         x = self._rmsnorm(h.index_select(0, inp.logits_idx), self.output_norm)
-        return self._gather_logits(self._linear(x, [self.output]).float())
+        return self._softcap(self._gather_logits(self._linear(x, [self.output]).float()))

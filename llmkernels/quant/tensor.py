@@ -137,3 +137,15 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
         blocks = qt.data.reshape(-1, fmt.block_bytes)
         out = dequantize_blocks(blocks, qt.format)
     return out.reshape(qt.shape).to(dtype)
+
+
+def cat_rows(qts: list) -> QuantizedTensor | None:
+    """Stack QuantizedTensors [N_i, K] of one format into [sum N_i, K] (rows are independent in every format)."""
+    a = qts[0]
+    if any((q.format, q.bits, q.group_size, q.shape[1:]) != (a.format, a.bits, a.group_size, a.shape[1:])
+           for q in qts):
+        return None
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts, 0)  # noqa: E731
+    n = sum(q.shape[0] for q in qts)
+    return QuantizedTensor(a.format, (n, *a.shape[1:]), cat([q.data for q in qts]), cat([q.scales for q in qts]),
+                           cat([q.biases for q in qts]), a.bits, a.group_size)

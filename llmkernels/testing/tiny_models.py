@@ -47,7 +47,9 @@ def train_tokenizer(style: str = "llama3", vocab_size: int = 384, specials=("<|b
 def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int = 256, ffn: int = 512,
                     heads: int = 4, kv_heads: int = 2, head_dim: int = 64, vocab: int = 512, std: float = 0.15,
                     seed: int = 0, tie: bool = False, rope_scaling: dict | None = None, tokenizer_style=None):
-    """Write a random ``arch`` model (llama, mistral, qwen2, qwen3) with its tokenizer into directory ``path``.
+    """Write a random ``arch`` model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) with its tokenizer into
+    directory ``path``. The Gemma models get an 8-token sliding window and small soft caps, so that both act on test
+    prompts; gemma3's second layer is global.
 
     Returns the transformers model (float32, eval mode). ``std`` sets the embedding and output init: larger than
     usual so the next-token distribution is peaked and greedy choices are far from ties; the projections have unit
@@ -64,18 +66,31 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
         json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": arch in ("llama", "mistral"),
                    "chat_template": CHAT_TEMPLATE}, f)
     cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[arch]
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+           "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[arch]
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-              max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
+              max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=tie,
               bos_token_id=bos, eos_token_id=eos, initializer_range=std)
     if arch == "mistral":
         kw["sliding_window"] = None
     if arch == "qwen2":
         kw["use_sliding_window"] = False
+    if arch != "gemma3":  # gemma3 keeps its two bases: 1e6 on global layers, 1e4 on sliding ones
+        kw["rope_theta"] = 10000.0
+    if arch == "phi3":
+        kw["pad_token_id"] = eos
+    if arch.startswith("gemma"):
+        kw.update(query_pre_attn_scalar=head_dim, sliding_window=8, pad_token_id=eos)
+        if arch == "gemma2":
+            kw.update(attn_logit_softcapping=10.0, final_logit_softcapping=15.0)
+        else:
+            kw["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     if rope_scaling is not None:
         kw["rope_scaling"] = rope_scaling
     config = getattr(transformers, cls[0])(**kw)
+    config._attn_implementation = "eager"  # SDPA drops Gemma 2's attention soft cap: the reference must not
     torch.manual_seed(seed)
     model = getattr(transformers, cls[1])(config).float().eval()
     with torch.no_grad():
@@ -97,7 +112,7 @@ def hf_model_from_state_dict(path, state_dict):
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")
                and not (m == "lm_head.weight" and config.tie_word_embeddings)]
