@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune_parser(sub.add_parser("tune", help="tune the kernels for this GPU into the user tuning folder",
                                formatter_class=_Formatter))
-    g = sub.add_parser("generate", help="generate text with a GGUF model (llama, mistral, qwen2, qwen3)",
+    g = sub.add_parser("generate", help="generate text with a GGUF model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3)",
                        formatter_class=_Formatter)
     g.add_argument("model", help="path to a .gguf file")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat the flag for a batch)")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end (stderr)")
     _serve_parser(sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API",
                                  formatter_class=_Formatter))
-    c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint to GGUF",
+    c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 checkpoint to GGUF",
                        formatter_class=_Formatter)
     c.add_argument("model_dir", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     c.add_argument("out", help="path of the .gguf file to write")

@@ -1,4 +1,4 @@
-"""A small engine that runs GGUF Llama-family models (llama, mistral, qwen2, qwen3) on llmkernels' kernels.
+"""A small engine that runs GGUF models (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) on llmkernels' kernels.
 
 >>> from llmkernels.engine import LLM, SamplingParams
 >>> llm = LLM("model.gguf")

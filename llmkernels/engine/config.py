@@ -136,6 +136,14 @@ class ModelConfig:
             name=str(meta.get("general.name", "")),
         )
         spec = ARCHITECTURES[arch]
+        experts = get("expert_count", 0, required=False)
+        if experts:
+            raise ModelConfigError(f"{arch}: mixture-of-experts models ({arch}.expert_count = {experts}) are not "
+                                   f"supported yet")
+        names = set(tensor_names)
+        if any(n.endswith(("rope_factors_long.weight", "rope_factors_short.weight")) for n in names):
+            raise ModelConfigError(f"{arch}: LongRoPE (rope_factors_long / rope_factors_short, the 128k-context "
+                                   f"Phi-3 models) is not supported yet")
         if spec.get("fused"):
             cfg.fused = True
         if spec.get("gemma"):

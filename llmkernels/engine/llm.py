@@ -109,7 +109,7 @@ class LLM:
     """Load a GGUF model and generate text.
 
     Args:
-        model: path to a GGUF file (llama, mistral, qwen2, qwen3 architectures).
+        model: path to a GGUF file (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3).
         device: "cuda" (default when available; else the CPU).
         dtype: activation dtype, bfloat16 on a GPU (float16 on the CPU).
         page_size: tokens per KV-cache page.

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..quant.formats import GGUF_FORMATS
-from ..quant.tensor import QuantizedTensor, dequantize
+from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
 from .config import ModelConfig, ModelConfigError
 
 TIMEOUT_S = float(os.environ.get("LLMKERNELS_TP_TIMEOUT", 600))  # a rank that stops answering fails the others
@@ -145,7 +145,13 @@ def shard_tensors(tensors, cfg: ModelConfig, shard: TPShard) -> dict:
         if isinstance(t, QuantizedTensor) and len(t.shape) == 1:  # a bias or norm stored as a GGUF vector
             t = dequantize(t)
         base = name.rsplit(".", 1)[0].split(".")[-1] if name.startswith("blk.") else name.split(".")[0]
-        if base == "attn_q":
+        if base == "attn_qkv":  # phi3: [q; k; v] stacked, each cut by heads
+            Hq, Hkv = cfg.n_heads * D, cfg.n_kv_heads * D
+            out[name] = _cat([take_rows(t, q0 * D, q1 * D), take_rows(t, Hq + k0 * D, Hq + k1 * D),
+                              take_rows(t, Hq + Hkv + k0 * D, Hq + Hkv + k1 * D)])
+        elif base == "ffn_up" and cfg.fused:  # phi3: [gate; up] stacked
+            out[name] = _cat([take_rows(t, f0, f1), take_rows(t, cfg.ffn + f0, cfg.ffn + f1)])
+        elif base == "attn_q":
             out[name] = take_rows(t, q0 * D, q1 * D)
         elif base in ("attn_k", "attn_v"):
             out[name] = take_rows(t, k0 * D, k1 * D)
@@ -160,6 +166,13 @@ def shard_tensors(tensors, cfg: ModelConfig, shard: TPShard) -> dict:
         else:
             out[name] = t
     return out
+
+
+def _cat(parts: list):
+    """Row pieces of one weight stacked back into one (QuantizedTensor or tensor)."""
+    if isinstance(parts[0], QuantizedTensor):
+        return cat_rows(parts)
+    return torch.cat(parts)
 
 
 def init_group(rank: int, world: int, init_method: str, backend: str) -> None:

@@ -29,7 +29,8 @@ def hf_greedy(model, ids, n):
 # compute in float32. Against the original float32 weights, the format's own error is allowed on top: it is measured
 # as the distance of transformers-on-dequantized-weights from transformers-on-original-weights.
 ACT_TOL = {torch.float16: 2e-2, torch.bfloat16: 6e-2}
-CPU_CASES = [("llama", "f32"), ("llama", "q4_k"), ("qwen2", "f16"), ("qwen3", "q8_0")]
+CPU_CASES = [("llama", "f32"), ("llama", "q4_k"), ("qwen2", "f16"), ("qwen3", "q8_0"), ("phi3", "q8_0"),
+             ("gemma2", "f32"), ("gemma3", "q4_k")]
 
 
 def check_logits(llm, d, path, hf, ids):
@@ -124,14 +125,16 @@ def test_k_m_file(model_files, mix, base):
     assert 0 < rel_err(a, llm.logits([17]).cpu()) and rel_err(a, same) < 2 * ACT_TOL[i8.dtype]
 
 
-@pytest.mark.parametrize("arch,fmt", [("llama", "f32"), ("qwen2", "f16")])
+@pytest.mark.parametrize("arch,fmt", [("llama", "f32"), ("qwen2", "f16"), ("phi3", "f16"), ("gemma2", "f32"),
+                                      ("gemma3", "f16")])
 def test_greedy_tokens_identical(model_files, arch, fmt):
+    """The kernels' greedy tokens are transformers' (the Gemma prompts outgrow their 8-token sliding window)."""
     d, path, hf = model_files(arch, fmt)
     ref = hf if fmt == "f32" else hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
     # fp16 activations on both machines (the GPU default, bf16, leaves ~8x the logit error: 0.10 against a top-2
     # margin of 0.21 on an H100, too close to owe identical tokens)
     llm = LLM(path, progress=False, dtype=torch.float16, backend="triton")
-    ids = llm.tokenizer.encode(PROMPTS[0])
+    ids = llm.tokenizer.encode(PROMPTS[1] if arch.startswith("gemma") else PROMPTS[0])
     want = hf_greedy(ref, ids, 6)
     # identical tokens are owed only where the reference's top-2 margin exceeds twice our logit error there
     lg = hf_logits(ref, ids + want[:-1])[len(ids) - 1:]
@@ -560,3 +563,20 @@ def test_fp8_kv_cache_error(model_files):
         print(f"fp8 e4m3 cache, {dtype}: max logit error {err:.4f} of max |logit|")
         assert err < 0.1
         assert 2 * kv_bytes_per_page(f8.cfg, 16, f8.kv_dtype) == kv_bytes_per_page(ref.cfg, 16, ref.kv_dtype)
+
+
+def test_unsupported_features_fail_at_load(model_files, tmp_path):
+    """Mixture-of-experts files and LongRoPE Phi-3 files raise ModelConfigError naming the feature."""
+    from llmkernels import read_gguf, write_gguf
+    from llmkernels.engine import ModelConfigError
+
+    _, path, _ = model_files("llama", "f32")
+    f = read_gguf(path)
+    tensors = {k: f[k] for k in f.keys()}
+    meta = dict(f.metadata)
+    write_gguf(tmp_path / "moe.gguf", tensors, {**meta, "llama.expert_count": 8})
+    with pytest.raises(ModelConfigError, match="mixture-of-experts"):
+        LLM(str(tmp_path / "moe.gguf"), progress=False)
+    write_gguf(tmp_path / "long.gguf", {**tensors, "rope_factors_long.weight": torch.ones(32)}, meta)
+    with pytest.raises(ModelConfigError, match="LongRoPE"):
+        LLM(str(tmp_path / "long.gguf"), progress=False)

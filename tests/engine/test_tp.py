@@ -65,7 +65,8 @@ def _run(path, tp, **kw):
 
 
 @pytest.mark.parametrize("arch,fmt", [("llama", "q8_0"), ("llama", "q4_k"), ("qwen2", "q8_0"), ("qwen2", "q4_k"),
-                                      ("qwen3", "q8_0"), ("qwen3", "q4_k")])
+                                      ("qwen3", "q8_0"), ("qwen3", "q4_k"), ("phi3", "q8_0"), ("gemma2", "q4_k"),
+                                      ("gemma3", "q8_0")])
 def test_tp2_equals_tp1(model_files, arch, fmt):
     """Greedy tokens (forks included) and logits at TP = 2 as at TP = 1: the partial products are summed in float32
     before the activation dtype's rounding, so only the summation order differs."""
