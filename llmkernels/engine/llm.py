@@ -197,9 +197,9 @@ class LLM:
             if tp_size > 1:
                 from .tp import Peers, plan_shards
 
-                plan_shards(ModelConfig.from_gguf(f.metadata, f.keys()), tp_size, f)  # a clear error before spawning
+                # the checks (heads, K blocks) raise here, before any process starts
+                shard = plan_shards(ModelConfig.from_gguf(f.metadata, f.keys()), tp_size, f)[0]
                 self._peers = Peers.start(os.fspath(model), tp_size, self.device, spec)
-                shard = self._peers.shard
             try:
                 _model = _load_model(f, self.device, spec, progress, shard)
             except BaseException:

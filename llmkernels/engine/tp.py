@@ -197,8 +197,9 @@ class Peers:
     """Rank 0's handle on the other ranks: their processes, a pipe to each for commands (so an idle engine waits
     without a collective timing out) and the collectives of a step."""
 
-    def __init__(self, procs, conns, shard: TPShard):
-        self.procs, self.conns, self.shard = procs, conns, shard
+    def __init__(self, procs, conns):
+        self.procs, self.conns = procs, conns
+        self.own_group = False  # whether this handle created the process group (and so destroys it)
 
     @classmethod
     def start(cls, path: str, world: int, device: torch.device, spec: dict) -> "Peers":
@@ -218,17 +219,17 @@ class Peers:
             theirs.close()
             procs.append(p)
             conns.append(ours)
-        peers = cls(procs, conns, None)
+        peers = cls(procs, conns)
         try:
             for rank, conn in enumerate(conns, 1):
                 peers._expect(rank, conn, "ready", TIMEOUT_S)
             if device.type == "cuda":
                 torch.cuda.set_device(device.index or 0)
             init_group(0, world, init_method, backend)
+            peers.own_group = True
         except BaseException:
             peers.stop()
             raise
-        peers.shard = plan_shards_from_path(path, world)[0]
         return peers
 
     def _expect(self, rank: int, conn, what: str, timeout: float) -> None:
@@ -271,7 +272,7 @@ class Peers:
     def broadcast(self, t: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(t, src=0, group=self.shard.group if self.shard else None)
+        dist.broadcast(t, src=0)
 
     def stop(self) -> None:
         """Tell the other ranks to stop, wait for them (killing any that hang) and leave the process group."""
@@ -290,8 +291,9 @@ class Peers:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
-        if dist.is_initialized():
+        if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
+        self.own_group = False
 
 
 def plan_shards_from_path(path: str, world: int) -> list:
