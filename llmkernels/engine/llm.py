@@ -17,13 +17,12 @@ from ..quant.gguf_io import read_gguf
 from .chat import ChatTemplate
 from .config import ModelConfig
 from .model import Model
+from .build import build_runner, load_model
 from .outputs import CompletionOutput, RequestOutput, StopScanner, TextStream, completion_text
 from .pages import PagePool
-from .runner import ModelRunner, kv_bytes_per_page, pages_that_fit
 from .sampler import SamplingParams, make_generator, sample_tokens, token_logprobs
 from .scheduler import Scheduler, Sequence, pages_for
 from .tokenizer import Tokenizer
-from .torch_model import TorchModel
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "EngineStats"]
 
@@ -50,59 +49,6 @@ def _kv_dtype(value):
     if value not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or a torch dtype, got {value!r}")
     return KV_CACHE_DTYPES[value]
-
-
-def _load_model(f, device, spec: dict, progress: bool, shard=None) -> Model:
-    """The model of GGUF file ``f`` (on a tensor-parallel rank: its shard) on ``device``."""
-    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
-    progress_fn = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        progress_fn = tqdm
-    model_cls = TorchModel if spec["backend"] == "torch" else Model
-    model = model_cls(cfg, f, device, spec["dtype"], progress=progress_fn, act_int8=spec["act_int8"], tp=shard)
-    model.full_cfg = cfg
-    return model
-
-
-def _build_runner(model: Model, device, spec: dict) -> ModelRunner:
-    """The KV cache and step runner for ``model``: as many pages as asked, or as fit (every tensor-parallel rank
-    takes the smallest count any rank can hold)."""
-    cfg = getattr(model, "full_cfg", model.cfg)
-    page_size = spec["page_size"]
-    max_model_len = int(spec["max_model_len"] or min(cfg.context_length, 8192))
-    kv_dtype = spec["kv_dtype"] or model.dtype
-    num_pages = spec["num_pages"]
-    if num_pages is None:
-        num_pages = spec["max_num_seqs"] * pages_for(max_model_len, page_size)
-        if device.type == "cuda":
-            num_pages = min(num_pages, pages_that_fit(model.cfg, device, page_size, kv_dtype,
-                                                      spec["max_num_batched_tokens"],
-                                                      spec["gpu_memory_utilization"]))
-        else:
-            num_pages = min(num_pages, 4096)
-        tp = getattr(model, "tp", None)
-        if tp is not None:
-            import torch.distributed as dist
-
-            n = torch.tensor([num_pages], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
-            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.group)
-            num_pages = int(n.item())
-        if num_pages < pages_for(min(max_model_len, 16 * page_size), page_size):
-            raise MemoryError(f"only {num_pages} KV-cache pages fit ({kv_bytes_per_page(model.cfg, page_size, kv_dtype)}"
-                              f" bytes each); lower max_model_len or free GPU memory")
-    return ModelRunner(model, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
-                       kv_dtype=kv_dtype, cuda_graphs=spec["cuda_graphs"],
-                       max_graph_batch=min(spec["max_graph_batch"], spec["max_num_seqs"]),
-                       num_splits=spec["num_splits"])
-
-
-def build_worker(path: str, shard, device, spec: dict) -> ModelRunner:
-    """A tensor-parallel rank other than 0: its shard of the model and its KV cache (tp.worker_main runs it)."""
-    f = read_gguf(path)
-    model = _load_model(f, torch.device(device), spec, False, shard)
-    return _build_runner(model, torch.device(device), spec)
 
 
 class LLM:
@@ -195,13 +141,14 @@ class LLM:
             f = read_gguf(model)
             shard = None
             if tp_size > 1:
-                from .tp import Peers, plan_shards
+                from .parallel import Peers
+                from .tp import plan_shards
 
                 # the checks (heads, K blocks) raise here, before any process starts
                 shard = plan_shards(ModelConfig.from_gguf(f.metadata, f.keys()), tp_size, f)[0]
                 self._peers = Peers.start(os.fspath(model), tp_size, self.device, spec)
             try:
-                _model = _load_model(f, self.device, spec, progress, shard)
+                _model = load_model(f, self.device, spec, progress, shard)
             except BaseException:
                 self.close()
                 raise
@@ -217,7 +164,7 @@ class LLM:
         self.dtype = self.model.dtype
         self.page_size = page_size
         try:
-            self.runner = _build_runner(self.model, self.device, spec)
+            self.runner = build_runner(self.model, self.device, spec)
         except BaseException:
             self.close()
             raise

@@ -73,6 +73,43 @@ def _vector(qt, device) -> torch.Tensor:
     return qt.to(device=device, dtype=torch.float32).reshape(-1)
 
 
+def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None) -> None:
+    """ModelConfigError naming the first tensor ``cfg`` needs that ``tensors`` lacks or holds in another shape;
+    ``vocab_rows``: the rows of the embedding and output matrices when they are a tensor-parallel shard's."""
+    H, D = cfg.hidden, cfg.head_dim
+    V = vocab_rows or cfg.vocab_size
+    want = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
+    if "output.weight" in tensors:
+        want["output.weight"] = (V, H)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
+                     p + "attn_output.weight": (H, cfg.n_heads * D), p + "ffn_down.weight": (H, cfg.ffn)})
+        if cfg.fused:
+            want.update({p + "attn_qkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * D, H),
+                         p + "ffn_up.weight": (2 * cfg.ffn, H)})
+        else:
+            want.update({p + "attn_q.weight": (cfg.n_heads * D, H), p + "attn_k.weight": (cfg.n_kv_heads * D, H),
+                         p + "attn_v.weight": (cfg.n_kv_heads * D, H), p + "ffn_gate.weight": (cfg.ffn, H),
+                         p + "ffn_up.weight": (cfg.ffn, H)})
+        if cfg.post_norms:
+            want.update({p + "post_attention_norm.weight": (H,), p + "post_ffw_norm.weight": (H,)})
+        if cfg.qkv_bias:
+            want.update({p + "attn_q.bias": (cfg.n_heads * D,), p + "attn_k.bias": (cfg.n_kv_heads * D,),
+                         p + "attn_v.bias": (cfg.n_kv_heads * D,)})
+        if cfg.qk_norm:
+            want.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    missing = [n for n in want if n not in tensors]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelConfigError(f"the model file lacks tensor(s) {', '.join(missing[:5])}{more} needed for a "
+                               f"{cfg.arch} model with {cfg.n_layers} layers")
+    for n, shape in want.items():
+        got = tuple(tensors[n].shape)
+        if got != shape and not (len(shape) == 1 and got in ((shape[0], 1), (1, shape[0]))):
+            raise ModelConfigError(f"tensor {n!r} has shape {got}, the metadata implies {shape}")
+
+
 class Model:
     """Weights on the device plus the forward pass. Build with ``Model(cfg, tensors, device, dtype)``.
 
@@ -89,13 +126,9 @@ class Model:
         self.dtype = dtype
         # round GEMV activations to int8 per block of 32 (gemv's act_int8)
         self.act_int8 = act_int8
-        self._expect_shapes(tensors)
-        self.tp = tp if tp is not None and tp.active else None  # tp.TPShard: this rank's part of the model
-        if self.tp is not None:
-            from .tp import local_config, shard_tensors
-
-            tensors = shard_tensors(tensors, cfg, self.tp)
-            cfg = self.cfg = local_config(cfg, self.tp)
+        # tp.TPShard: this rank's part of the model; ``tensors`` and ``cfg`` are then its shard's (build.load_model)
+        self.tp = tp if tp is not None and tp.active else None
+        self._expect_shapes(tensors, vocab_rows=self.tp.vocab_per_rank if self.tp is not None else None)
         D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         it = progress if progress is not None else (lambda x, **k: x)
         self.weight_bytes = 0
@@ -144,39 +177,9 @@ class Model:
         self.weight_bytes = self._stored_bytes()
         self.qkv_width = (Hq + 2 * Hkv) * D
 
-    def _expect_shapes(self, tensors):
-        cfg = self.cfg
-        H, D = cfg.hidden, cfg.head_dim
-        want = {"token_embd.weight": (cfg.vocab_size, H), "output_norm.weight": (H,)}
-        if "output.weight" in tensors:
-            want["output.weight"] = (cfg.vocab_size, H)
-        for i in range(cfg.n_layers):
-            p = f"blk.{i}."
-            want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
-                         p + "attn_output.weight": (H, cfg.n_heads * D), p + "ffn_down.weight": (H, cfg.ffn)})
-            if cfg.fused:
-                want.update({p + "attn_qkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * D, H),
-                             p + "ffn_up.weight": (2 * cfg.ffn, H)})
-            else:
-                want.update({p + "attn_q.weight": (cfg.n_heads * D, H), p + "attn_k.weight": (cfg.n_kv_heads * D, H),
-                             p + "attn_v.weight": (cfg.n_kv_heads * D, H), p + "ffn_gate.weight": (cfg.ffn, H),
-                             p + "ffn_up.weight": (cfg.ffn, H)})
-            if cfg.post_norms:
-                want.update({p + "post_attention_norm.weight": (H,), p + "post_ffw_norm.weight": (H,)})
-            if cfg.qkv_bias:
-                want.update({p + "attn_q.bias": (cfg.n_heads * D,), p + "attn_k.bias": (cfg.n_kv_heads * D,),
-                             p + "attn_v.bias": (cfg.n_kv_heads * D,)})
-            if cfg.qk_norm:
-                want.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
-        missing = [n for n in want if n not in tensors]
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ModelConfigError(f"the model file lacks tensor(s) {', '.join(missing[:5])}{more} needed for a "
-                                   f"{cfg.arch} model with {cfg.n_layers} layers")
-        for n, shape in want.items():
-            got = tuple(tensors[n].shape)
-            if got != shape and not (len(shape) == 1 and got in ((shape[0], 1), (1, shape[0]))):
-                raise ModelConfigError(f"tensor {n!r} has shape {got}, the metadata implies {shape}")
+    def _expect_shapes(self, tensors, vocab_rows: int | None = None):
+        expect_shapes(self.cfg, tensors, vocab_rows)
+
 
     def _stored_bytes(self) -> int:
         seen, total = set(), 0
