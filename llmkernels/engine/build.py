@@ -7,7 +7,7 @@ import torch
 from ..quant.gguf_io import read_gguf
 from .config import ModelConfig
 from .model import Model, expect_shapes
-from .runner import ModelRunner, kv_bytes_per_page, pages_that_fit
+from .runner import EXTEND_TOKENS, ModelRunner, kv_bytes_per_page, pages_that_fit
 from .scheduler import pages_for
 from .torch_model import TorchModel
 from .tp import local_config, shard_tensors
@@ -61,7 +61,9 @@ def build_runner(model: Model, device, spec: dict) -> ModelRunner:
     return ModelRunner(model, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
                        kv_dtype=kv_dtype, cuda_graphs=spec["cuda_graphs"],
                        max_graph_batch=min(spec["max_graph_batch"], spec["max_num_seqs"]),
-                       num_splits=spec["num_splits"])
+                       num_splits=spec["num_splits"],
+                       max_extend_graph=next((t for t in EXTEND_TOKENS if t >= spec["max_num_batched_tokens"]),
+                                             EXTEND_TOKENS[-1]))
 
 
 def build_worker(path: str, shard, device, spec: dict) -> ModelRunner:

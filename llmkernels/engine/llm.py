@@ -69,7 +69,9 @@ class LLM:
             request whose prompt begins with the same tokens from them (greedy outputs do not change).
         tensor_parallel_size: processes (one per GPU) to split the model over (engine.tp): rank 0 runs in this
             process, the others are started here and stopped by ``close()``. On the CPU they share it (gloo).
-        cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``.
+        cuda_graphs: capture decode steps for batch sizes 1, 2, 4, ... up to ``max_graph_batch``, and one
+            sequence's prompt chunks (a cold prompt, or the rest of one whose prefix is cached) padded to 32, 64,
+            ... up to 512 tokens (or max_num_batched_tokens rounded up to one of those).
         num_splits: split-KV count of paged attention; 0 lets each plan choose (graphs choose at capture, for
             max_model_len). A fixed count makes eager and graph steps compute attention identically.
         backend: "triton" runs the model on llmkernels' kernels (through Triton's interpreter on the CPU: slow, for
@@ -212,9 +214,10 @@ class LLM:
     allocator = property(lambda self: self.pool)
     use_graphs = property(lambda self: self.runner.use_graphs)
 
-    def capture_graphs(self, sizes=None) -> None:
-        """Capture decode graphs ahead of time (they are otherwise captured at first use)."""
-        self.runner.capture_graphs(sizes)
+    def capture_graphs(self, sizes=None, extend_sizes=None) -> None:
+        """Capture CUDA graphs ahead of time (they are otherwise captured at first use): decode steps of batch
+        ``sizes`` and one sequence's prompt chunks padded to ``extend_sizes`` tokens; default all of them."""
+        self.runner.capture_graphs(sizes, extend_sizes)
 
     # --- requests -------------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list:

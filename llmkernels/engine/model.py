@@ -16,6 +16,7 @@ from ..attention.paged import paged_attention
 from ..qgemv.int8 import i8_lanes_supports
 from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_i8_lanes, gemv_lanes, lanes_apply, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
+from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
 
@@ -310,9 +311,9 @@ class Model:
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of a row-parallel product's partials (in place)."""
         if self.tp is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(x, group=self.tp.group)
+            if getattr(self, "_all_reduce", None) is None:  # made at the first step, once the group exists
+                self._all_reduce = AllReduce(self.tp.group, self.device, self.dtype)
+            self._all_reduce(x)
         return x
 
     def _gather_logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -294,6 +294,33 @@ def test_gpu_larger_models(model_files, arch, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["f16", "q4_k"])
+def test_gpu_extend_graphs(model_files, fmt):
+    """One sequence's prompt chunks replay graphs padded to 32, 64, ... tokens: cold prompts of awkward lengths and
+    the rest of prompts whose prefix is cached give eager's first-token log-probabilities (the padded GEMMs may take
+    other kernels) and its greedy tokens; the padding stores nothing (a later hit on the same pages agrees)."""
+    kw = dict(layers=4, hidden=1024, ffn=2816 if fmt != "q4_k" else 2560, heads=8, kv_heads=2, head_dim=128,
+              vocab=1024)
+    _, path, _ = model_files("llama", fmt, **kw)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 1024, (300,), generator=g).tolist()
+    prompts = [base[:1], base[:37], base[:64], base[:200], base, base + base[:13], base[:290] + base[100:160]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(path, progress=False, cuda_graphs=graphs, max_num_batched_tokens=256, num_splits=2, page_size=16)
+        runs[graphs] = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        if graphs:
+            assert sorted(llm.runner.extend_graphs) == [32, 64, 128, 256]
+            assert llm.stats.cached_tokens >= 288 + 288  # the last two prompts extend cached prefixes
+    for e, c in zip(runs[False], runs[True]):
+        assert c.token_ids == e.token_ids
+        assert abs(c.logprobs[0][0] - e.logprobs[0][0]) < 0.02
+        want = dict(e.logprobs[0][1])
+        assert all(abs(lp - want[t]) < 0.02 for t, lp in c.logprobs[0][1] if t in want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q4_k_m", "q5_k_m"])
 def test_gpu_act_int8_graphs(model_files, fmt):
     """act_int8 on a q8_0, q4_k, q4_k_m or q5_k_m model (decode steps take the int8 kernels; q4_k's FFN width 2560

@@ -120,3 +120,33 @@ def test_tp_sharded_sizes(model_files):
         assert two.cfg == one.cfg and two.model.cfg == dataclasses.replace(one.cfg, n_heads=4, n_kv_heads=1, ffn=512)
         assert two.kv_cache.shape[-2] == 1 and one.kv_cache.shape[-2] == 2
         assert abs(two.model.weight_bytes * 2 - one.model.weight_bytes) <= 0.02 * one.model.weight_bytes
+
+
+def _gpu_run(path, tp, graphs=True):
+    with LLM(path, progress=False, tensor_parallel_size=tp, cuda_graphs=graphs, num_splits=2,
+             max_num_batched_tokens=128) as llm:
+        ids = llm.tokenizer.encode(PROMPTS[1] * 8)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([PROMPTS[0], PROMPTS[1] * 8, PROMPTS[2]], params)
+        alone = llm.generate([PROMPTS[1] * 8 + PROMPTS[0]], params)[0]  # one sequence: the prompt-chunk graphs
+        n = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2))[0]
+        why = llm.model._all_reduce.why if tp > 1 else ""
+        return [o.token_ids for o in outs] + [alone.token_ids], [o.token_ids for o in n.outputs], \
+            llm.logits(ids).cpu(), llm.stats.graph_steps, why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,mode", [(2, "nccl"), (2, "symm"), (4, "nccl"), (4, "symm")])
+def test_gpu_tp_equals_tp1(model_files, monkeypatch, tp, mode):
+    """On tp GPUs (NCCL, all-reduce by NCCL or symmetric memory, CUDA graphs for decode and prompt chunks): greedy
+    tokens and logits as on one GPU (q4_k and a q8_0 model whose 2 KV heads are replicated at TP = 4)."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    monkeypatch.setenv("LLMK_ALLREDUCE", mode)
+    for fmt in ("q4_k", "q8_0"):
+        kw = dict(TP_MODEL, hidden=1024, heads=8, kv_heads=2, head_dim=128, ffn=2048)
+        _, path, _ = model_files("llama", fmt, **kw)
+        one, many = _gpu_run(path, 1), _gpu_run(path, tp)
+        assert many[3] > 0 and ("symmetric" in many[4]) == (mode == "symm")
+        assert one[0] == many[0] and one[1] == many[1]
+        assert (one[2] - many[2]).abs().max() <= 1e-2 * one[2].abs().max()

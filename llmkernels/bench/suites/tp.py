@@ -48,25 +48,120 @@ def _case(ctx):
             path = os.path.join(tmp, "synthetic-llama3-8b-q4_k_m.gguf")
             write_synthetic_gguf(path, vocab=True)
             for n in sizes:
-                with LLM(path, tensor_parallel_size=n, max_num_seqs=max(BATCHES), max_model_len=PROMPT + GEN + 16,
-                         progress=False) as llm:
-                    llm.capture_graphs([b for b in BATCHES])
-                    # each rank reads its own shard per step: the batch-1 bound is bandwidth / a shard's bytes
-                    bound = ctx.read_bw_TBps * 1e12 / llm.model.decode_bytes_per_token()
-                    for batch in BATCHES:
-                        decode_rate(llm, batch)  # warm-up at this batch size
-                        rate = decode_rate(llm, batch, seed=1)
-                        anchors = {"TP=1": base[batch]} if n > 1 and batch in base else {}
-                        if n == 1:
-                            base[batch] = rate
-                        row = Row("tp", f"llama3-8b q4_k_m TP={n} batch{batch} decode (prompt 512, 128 new)",
-                                  "tokens/s", rate, 100.0 * rate / bound if batch == 1 else None, anchors)
-                        if anchors:
-                            row.note = f"{rate / anchors['TP=1']:.2f}x TP=1"
-                        rows.append(row)
+                # TP > 1 twice: all-reduce on NCCL, then on symmetric memory (engine.allreduce), batch 1 only on NCCL
+                for mode in (["auto"] if n == 1 else ["nccl", "symm"]):
+                    os.environ["LLMK_ALLREDUCE"] = mode
+                    with LLM(path, tensor_parallel_size=n, max_num_seqs=max(BATCHES),
+                             max_model_len=PROMPT + GEN + 16, progress=False) as llm:
+                        llm.capture_graphs(list(BATCHES), [])
+                        # each rank reads its own shard per step: the batch-1 bound is bandwidth / a shard's bytes
+                        bound = ctx.read_bw_TBps * 1e12 / llm.model.decode_bytes_per_token()
+                        for batch in (BATCHES if mode != "nccl" else BATCHES[:1]):
+                            decode_rate(llm, batch)  # warm-up at this batch size
+                            rate = decode_rate(llm, batch, seed=1)
+                            anchors = {"TP=1": base[batch]} if n > 1 and batch in base else {}
+                            if n == 1:
+                                base[batch] = rate
+                            ar = "" if n == 1 else f", all-reduce {mode}"
+                            row = Row("tp", f"llama3-8b q4_k_m TP={n} batch{batch} decode (prompt 512, 128 new{ar})",
+                                      "tokens/s", rate, 100.0 * rate / bound if batch == 1 else None, anchors)
+                            if anchors:
+                                row.note = f"{rate / anchors['TP=1']:.2f}x TP=1"
+                            print(row.case, f"{rate:.1f}", row.note, flush=True)
+                            rows.append(row)
+            os.environ.pop("LLMK_ALLREDUCE", None)
+        return rows
+    return run
+
+
+
+
+AR_LAYERS = 32  # all-reduces per step: two per layer of the 8B shape
+
+
+def _ar_rank(rank, world, init_method, hidden, batches, reps, queue):
+    import torch.distributed as dist
+
+    from ...engine.allreduce import AllReduce
+    from ...engine.parallel import SAFE_ENV, init_group
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    init_group(rank, world, init_method, "nccl")
+    out = {}
+    try:
+        for mode in ("nccl", "symm"):
+            ar = AllReduce(None, torch.device("cuda", rank), torch.bfloat16, mode=mode)
+            for b in batches:
+                x = torch.full((b, hidden), 1.0 + rank, dtype=torch.bfloat16, device="cuda")
+                ar(x)
+                ok = bool((x == world * (world + 1) / 2).all())  # small integers: exact in bf16
+                x.zero_()  # stays 0 through the repeated sums below
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        ar(x)
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=s):
+                    for _ in range(2 * AR_LAYERS):
+                        ar(x)
+                times = []
+                for _ in range(reps):
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    g.replay()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times.append(e0.elapsed_time(e1) * 1e3)
+                out[(mode, b)] = (sorted(times)[len(times) // 2], ok)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def all_reduce_times(world: int, hidden: int = 4096, batches=BATCHES, reps: int = 20) -> dict:
+    """{(mode, batch): (median us of a step's 2 x AR_LAYERS all-reduces of [batch, hidden] bf16 replayed in a CUDA
+    graph, whether every element came out equal)} on ``world`` GPUs, for NCCL and symmetric memory."""
+    import torch.multiprocessing as mp
+
+    from ...engine.parallel import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_ar_rank, args=(r, world, init, hidden, batches, reps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        res = queue.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return res
+
+
+def _ar_case(ctx):
+    def run():
+        rows = []
+        for world in [n for n in (2, 4) if n <= torch.cuda.device_count()]:
+            res = all_reduce_times(world)
+            for b in BATCHES:
+                nccl, symm = res[("nccl", b)], res[("symm", b)]
+                row = Row("tp", f"all-reduce TP={world} batch{b} ({2 * AR_LAYERS} x [{b}, 4096] bf16 per step, "
+                          f"symmetric memory one-shot)", "us/step", symm[0], None, {"NCCL": nccl[0]})
+                row.note = (f"{nccl[0] / symm[0]:.2f}x NCCL's time; per all-reduce {symm[0] / (2 * AR_LAYERS):.1f} / "
+                            f"{nccl[0] / (2 * AR_LAYERS):.1f} us" + ("" if nccl[1] and symm[1] else "; SUMS WRONG"))
+                rows.append(row)
         return rows
     return run
 
 
 def cases(ctx):
-    return [("tp llama3-8b q4_k_m", _case(ctx))]
+    return [("tp all-reduce", _ar_case(ctx)), ("tp llama3-8b q4_k_m", _case(ctx))]
