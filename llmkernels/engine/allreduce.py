@@ -46,8 +46,6 @@ class AllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.name = _group_name(self.group)
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(self.name)
         self.op = torch.ops.symm_mem.one_shot_all_reduce
         buf = symm_mem.empty(SYMM_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         buf.zero_()

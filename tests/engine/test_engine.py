@@ -297,8 +297,9 @@ def test_gpu_larger_models(model_files, arch, fmt):
 @pytest.mark.parametrize("fmt", ["f16", "q4_k"])
 def test_gpu_extend_graphs(model_files, fmt):
     """One sequence's prompt chunks replay graphs padded to 32, 64, ... tokens: cold prompts of awkward lengths and
-    the rest of prompts whose prefix is cached give eager's first-token log-probabilities (the padded GEMMs may take
-    other kernels) and its greedy tokens; the padding stores nothing (a later hit on the same pages agrees)."""
+    the rest of prompts whose prefix is cached give eager's greedy tokens and first-token log-probabilities, within
+    what another GEMM route gives (a 12-token chunk is a GEMV eagerly and a 32-row GEMM in its graph: 0.066 apart
+    on the H200; a wrong cache or position gives other tokens)."""
     kw = dict(layers=4, hidden=1024, ffn=2816 if fmt != "q4_k" else 2560, heads=8, kv_heads=2, head_dim=128,
               vocab=1024)
     _, path, _ = model_files("llama", fmt, **kw)
@@ -318,9 +319,9 @@ def test_gpu_extend_graphs(model_files, fmt):
             assert llm.stats.cached_tokens >= 288 + 288  # the last two prompts extend cached prefixes
     for e, c in zip(runs[False], runs[True]):
         assert c.token_ids == e.token_ids
-        assert abs(c.logprobs[0][0] - e.logprobs[0][0]) < 0.02
+        assert abs(c.logprobs[0][0] - e.logprobs[0][0]) < 0.15
         want = dict(e.logprobs[0][1])
-        assert all(abs(lp - want[t]) < 0.02 for t, lp in c.logprobs[0][1] if t in want)
+        assert all(abs(lp - want[t]) < 0.15 for t, lp in c.logprobs[0][1] if t in want)
 
 
 @pytest.mark.gpu

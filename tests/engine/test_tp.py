@@ -124,7 +124,7 @@ def test_tp_sharded_sizes(model_files):
 
 def _gpu_run(path, tp, graphs=True):
     with LLM(path, progress=False, tensor_parallel_size=tp, cuda_graphs=graphs, num_splits=2,
-             max_num_batched_tokens=128) as llm:
+             max_num_batched_tokens=64, max_graph_batch=4) as llm:
         ids = llm.tokenizer.encode(PROMPTS[1] * 8)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = llm.generate([PROMPTS[0], PROMPTS[1] * 8, PROMPTS[2]], params)

@@ -158,6 +158,7 @@ def _ar_case(ctx):
                           f"symmetric memory one-shot)", "us/step", symm[0], None, {"NCCL": nccl[0]})
                 row.note = (f"{nccl[0] / symm[0]:.2f}x NCCL's time; per all-reduce {symm[0] / (2 * AR_LAYERS):.1f} / "
                             f"{nccl[0] / (2 * AR_LAYERS):.1f} us" + ("" if nccl[1] and symm[1] else "; SUMS WRONG"))
+                print(row.case, f"{symm[0]:.1f} us", row.note, flush=True)
                 rows.append(row)
         return rows
     return run
