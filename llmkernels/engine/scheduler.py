@@ -143,7 +143,7 @@ class Scheduler:
             return 0
         self.pool.share(hit)
         seq.pages = hit + self.pool.allocate(need)
-        seq.num_computed = seq.num_named = start
+        seq.num_computed, seq.num_named = start, len(hit)
         if seq.out_ids == [] and seq.num_preemptions == 0:
             self.cache_queries += len(seq.prompt_ids)
             self.cache_hits += start

@@ -91,6 +91,20 @@ def test_prefix_cache_hits_refcounts_and_eviction():
     assert pool.num_used == 0 and pool.num_free == 8
 
 
+def test_prefix_cache_grows_along_a_conversation():
+    """Each turn extends the last: the pages a request computes after its hit are named too, so the next turn hits
+    all of them (multi-turn chat)."""
+    pool = PagePool(16, 4)
+    sch = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    convo = list(range(200, 230))
+    for n, cached in ((6, 0), (13, 4), (22, 12), (30, 20)):
+        s = Sequence(convo[:n], SamplingParams())
+        sch.add(s)
+        assert _run(sch) == [(s, n - cached)] and s.num_cached_tokens == cached
+        assert pool.num_cached == n // 4  # every full page of the prompt is named now
+        sch.finish(s)
+
+
 def test_fork_shares_full_pages_and_copies_the_partial_one():
     pool = PagePool(10, 4, prefix_caching=False)
     sch = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
