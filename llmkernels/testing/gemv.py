@@ -50,3 +50,16 @@ def i8_lane_positions(K: int) -> torch.Tensor:
     reshaping: a group of 2048 is (block kt, chunk c, plane p, half h, byte b) in natural order, (p, h, kt, c, b) in
     i8 lane order."""
     return _group_order(K, (8, 4, 2, 2, 16), (2, 3, 0, 1, 4))
+
+
+def moe_gemv_ref(x, qt, num_experts, expert_ids, token_ids=None, dtype=torch.float64):
+    """x[token_ids[p]] @ W_{expert_ids[p]}.T per pair, W_e = rows e*N..(e+1)*N of dequantize(qt) -> [P, N]."""
+    w = _dense(qt, dtype).to(x.device)
+    w = w.view(num_experts, w.shape[0] // num_experts, w.shape[1])
+    tok = token_ids.long() if token_ids is not None else torch.arange(expert_ids.shape[0], device=x.device)
+    return torch.einsum("pk,pnk->pn", x.to(dtype)[tok], w[expert_ids.long()])
+
+
+def moe_gate_up_silu_ref(x, qt_gate, qt_up, num_experts, expert_ids, token_ids=None, dtype=torch.float64):
+    g = moe_gemv_ref(x, qt_gate, num_experts, expert_ids, token_ids, dtype)
+    return g * torch.sigmoid(g) * moe_gemv_ref(x, qt_up, num_experts, expert_ids, token_ids, dtype)

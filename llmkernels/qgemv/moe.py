@@ -1,0 +1,182 @@
+"""Mixture-of-experts GEMV for decode: every (token, chosen expert) pair in one launch, reading only the chosen
+experts' weight rows.
+
+GGUF stores an MoE layer's experts stacked, ``ffn_{gate,up,down}_exps`` [n_expert, N, K]; as a QuantizedTensor that
+is [n_expert * N, K], expert e's matrix being rows e * N .. (e + 1) * N. A router picks ``top_k`` experts per token
+(``moe_route``); the pairs (token, expert) are then rows of one grid: each program dequantizes a tile of its pair's
+expert rows in registers (the generic kernel's ``dequant_tile``, so every GGUF format and MLX affine work) and
+multiplies it with its token's activations. Experts that no token chose are never read. Gate and up can run fused
+(``silu(x W_gate^T) * (x W_up^T)`` in one pass over both), so an MoE FFN is two launches plus the weighted sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import check_device, check_positive_int, check_tensor, interpreter_mode
+from .._runtime import empty
+from ..quant.tensor import QuantizedTensor
+from .common import _views
+from .dequant import dequant_tile
+from .ops import FORMAT_IDS, X_DTYPES, _config, _layout
+
+
+@triton.jit
+def moe_gemv_kernel(X, EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y,
+                    N, K, E, stride_xm, stride_ym, row_bytes, scale_stride, nblocks,
+                    FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
+                    BLOCK_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DUAL: tl.constexpr):
+    """Program (n tile, pair): Y[pair, rows] = X[TOKEN[pair]] . W[EXPERT[pair] * N + rows] (silu(. W) * (. V) with
+    DUAL)."""
+    BLOCK_K: tl.constexpr = NB * NSUB * SUB
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1).to(tl.int64)
+    # ids were checked on the host; under CUDA-graph capture they cannot be, so stay inside the stack regardless
+    e = tl.minimum(tl.maximum(tl.load(EXPERT + pair).to(tl.int64), 0), E - 1)
+    t = tl.load(TOKEN + pair).to(tl.int64)
+    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = local < N
+    rows = e * N + local.to(tl.int64)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kb in range(0, nblocks, NB):
+        blk = kb + tl.arange(0, NB)
+        blk_ok = blk < nblocks
+        kk = kb * (NSUB * SUB) + tl.arange(0, BLOCK_K)
+        x = tl.load(X + t * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        w = dequant_tile(W8, W16, WI8, WS, WB, row_bytes, rows, blk, row_ok, blk_ok, scale_stride, K,
+                         FMT, NB, NSUB, SUB, BLOCK_BYTES, BITS).reshape(BLOCK_N, BLOCK_K)
+        acc += w * x[None, :]
+        if DUAL:
+            w2 = dequant_tile(V8, V16, VI8, VS, VB, row_bytes, rows, blk, row_ok, blk_ok, scale_stride, K,
+                              FMT, NB, NSUB, SUB, BLOCK_BYTES, BITS).reshape(BLOCK_N, BLOCK_K)
+            acc2 += w2 * x[None, :]
+    out = tl.sum(acc, axis=1)
+    if DUAL:
+        out = out / (1.0 + tl.exp(-out)) * tl.sum(acc2, axis=1)
+    tl.store(Y + pair * stride_ym + local, out.to(Y.dtype.element_ty), mask=row_ok)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
+    """The experts of each token and their weights: softmax over all experts, the ``top_k`` largest, renormalized
+    to sum to 1 when ``renormalize`` (Mixtral, whose softmax over the top-k logits is the same thing, and Qwen3-MoE
+    with ``norm_topk_prob``). router_logits: [T, n_expert]. Returns (weights float32 [T, top_k], experts int32
+    [T, top_k]), largest weight first (the order of tied experts is torch.topk's)."""
+    check_tensor("router_logits", router_logits, ndim=2)
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must be a float tensor, got {router_logits.dtype}")
+    check_positive_int("top_k", top_k)
+    if top_k > router_logits.shape[1]:
+        raise ValueError(f"top_k ({top_k}) must be at most the number of experts ({router_logits.shape[1]})")
+    p = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.topk(p, top_k, dim=-1, sorted=True)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def _check_stack(name: str, qt, num_experts: int) -> int:
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"{name} must be a QuantizedTensor (llmkernels.quantize), got {type(qt).__name__}")
+    if len(qt.shape) != 2 or qt.shape[0] % num_experts:
+        raise ValueError(f"{name} must be the experts stacked as [num_experts * N, K] with num_experts = "
+                         f"{num_experts}, got logical shape {tuple(qt.shape)}")
+    return qt.shape[0] // num_experts
+
+
+def _check_ids(expert_ids, token_ids, num_experts: int, num_tokens: int):
+    check_tensor("expert_ids", expert_ids, dtypes=(torch.int32, torch.int64), ndim=1)
+    if token_ids is None:
+        if expert_ids.shape[0] != num_tokens:
+            raise ValueError(f"without token_ids, x must have one row per pair: expert_ids has {expert_ids.shape[0]} "
+                             f"pairs, x has {num_tokens} rows")
+        token_ids = torch.arange(num_tokens, dtype=torch.int32, device=expert_ids.device)
+    check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64), shape=(expert_ids.shape[0],))
+    capturing = expert_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and expert_ids.numel():  # one host copy each; skipped under graph capture
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(f"token_ids must lie in [0, {num_tokens}) (rows of x), got values in [{lo}, {hi}]")
+    return expert_ids.contiguous(), token_ids.contiguous()
+
+
+def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
+    P = expert_ids.shape[0]
+    y = empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return y
+    K = qt.shape[1]
+    data = qt.data
+    row_bytes = data.shape[-1] * data.element_size()
+    nsub, sub, block_bytes, nblocks, family = _layout(qt.format, K, row_bytes, qt.group_size)
+    block_n, nb, warps, stages = _config(family, 1, nsub * sub, qt.bits or 0, N)
+    if qt.format == "f32":
+        nb = max(1, nb // 2)
+    w8, w16, wi8 = _views(data)
+    ws = qt.scales if qt.scales is not None else w16
+    wb = qt.biases if qt.biases is not None else w16
+    if qt_up is not None:
+        v8, v16, vi8 = _views(qt_up.data)
+        vs = qt_up.scales if qt_up.scales is not None else v16
+        vb = qt_up.biases if qt_up.biases is not None else v16
+    else:
+        v8, v16, vi8, vs, vb = w8, w16, wi8, ws, wb
+    moe_gemv_kernel[(triton.cdiv(N, block_n), P)](
+        x, expert_ids, token_ids, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
+        N, K, num_experts, x.stride(0), y.stride(0), row_bytes,
+        qt.scales.stride(0) if qt.scales is not None else 0, nblocks,
+        FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
+        BLOCK_N=block_n, DUAL=qt_up is not None, num_warps=warps, num_stages=1 if interpreter_mode() else stages)
+    return y
+
+
+def _check_x(x, K: int):
+    check_tensor("x", x, dtypes=X_DTYPES, ndim=2, last_dim_contiguous=True)
+    if x.shape[1] != K:
+        raise ValueError(f"x must be [tokens, K={K}] (K = the experts' input dim), got shape {tuple(x.shape)}")
+
+
+def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids: torch.Tensor,
+             token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """y[p] = x[token_ids[p]] @ W_{expert_ids[p]}^T for every pair p, W_e being rows e * N .. (e + 1) * N of ``qt``.
+
+    Args:
+        x: [T, K] fp16/bf16/fp32 activations.
+        qt: the experts stacked, [num_experts * N, K], any GGUF format or MLX affine (GGUF's ``ffn_*_exps``).
+        num_experts: how many matrices ``qt`` stacks.
+        expert_ids: int32/int64 [P], the expert of each pair; token_ids: int32/int64 [P], the row of x of each
+            pair (default: pair p reads row p, as the down projection does with one row per pair).
+    Returns [P, N] in x's dtype.
+
+    >>> w, e = moe_route(router_logits, top_k=2)                       # [T, 2] each
+    >>> tok = torch.arange(T, device=x.device).repeat_interleave(2)
+    >>> h = moe_gate_up_silu(x, gate_exps, up_exps, 8, e.flatten(), tok)  # [T * 2, F]
+    >>> y = (moe_gemv(h, down_exps, 8, e.flatten()).view(T, 2, -1) * w[..., None]).sum(1)
+    """
+    check_positive_int("num_experts", num_experts)
+    N = _check_stack("qt", qt, num_experts)
+    _check_x(x, qt.shape[1])
+    check_device(x=x, qt_data=qt.data, expert_ids=expert_ids)
+    expert_ids, token_ids = _check_ids(expert_ids, token_ids, num_experts, x.shape[0])
+    return _launch(x, qt, None, N, num_experts, expert_ids, token_ids)
+
+
+def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTensor, num_experts: int,
+                     expert_ids: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x[t] @ G_e^T) * (x[t] @ U_e^T) for every pair (t, e) = (token_ids[p], expert_ids[p]): both stacked
+    matrices read in one pass. ``qt_gate`` and ``qt_up``: [num_experts * F, K] in the same format. Returns
+    [P, F] in x's dtype."""
+    check_positive_int("num_experts", num_experts)
+    F = _check_stack("qt_gate", qt_gate, num_experts)
+    if _check_stack("qt_up", qt_up, num_experts) != F or qt_up.shape[1] != qt_gate.shape[1]:
+        raise ValueError(f"qt_up must have qt_gate's shape {tuple(qt_gate.shape)}, got {tuple(qt_up.shape)}")
+    if (qt_up.format, qt_up.bits, qt_up.group_size) != (qt_gate.format, qt_gate.bits, qt_gate.group_size):
+        raise ValueError(f"qt_gate and qt_up must share a format, got {qt_gate.format} and {qt_up.format}")
+    _check_x(x, qt_gate.shape[1])
+    check_device(x=x, qt_gate_data=qt_gate.data, qt_up_data=qt_up.data, expert_ids=expert_ids)
+    expert_ids, token_ids = _check_ids(expert_ids, token_ids, num_experts, x.shape[0])
+    return _launch(x, qt_gate, qt_up, F, num_experts, expert_ids, token_ids)

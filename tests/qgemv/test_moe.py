@@ -1,0 +1,106 @@
+"""The mixture-of-experts GEMV against per-pair products with the dequantized experts (float64), and the router."""
+import pytest
+import torch
+
+import llmkernels as lk
+from llmkernels.qgemv.moe import moe_gate_up_silu, moe_gemv, moe_route
+from llmkernels.testing import assert_close, moe_gate_up_silu_ref, moe_gemv_ref
+
+FORMATS = [("f16", {}), ("bf16", {}), ("q8_0", {}), ("q4_0", {}), ("q5_1", {}), ("q4_k", {}), ("q6_k", {}),
+           ("q5_k", {}), ("q3_k", {}), ("mlx", dict(bits=4, group_size=64))]
+ids = [f if not kw else "mlx4g64" for f, kw in FORMATS]
+
+
+def stacked(fmt, kw, E, N, K, device):
+    return lk.quantize(torch.randn(E * N, K, device=device) * 0.05, fmt, **kw)
+
+
+def rel_close(y, ref, dtype):
+    tol = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-3}[dtype]
+    assert_close(y, ref, dtype, atol=tol * (ref.abs().max().item() + 1e-6), rtol=tol)
+
+
+@pytest.mark.parametrize("fmt,kw", FORMATS, ids=ids)
+def test_moe_gemv_every_format(fmt, kw, device):
+    """5 experts of 19 rows, 3 tokens x top 3 (pairs in any order, expert 2 chosen by nobody), a single pair, and
+    the down projection's one row per pair."""
+    E, N, K = 5, 19, 256
+    qt = stacked(fmt, kw, E, N, K, device)
+    x = torch.randn(3, K, dtype=torch.float16, device=device)
+    e = torch.tensor([4, 0, 1, 3, 0, 4, 1, 3, 0], dtype=torch.int32, device=device)
+    t = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2], dtype=torch.int32, device=device)
+    y = moe_gemv(x, qt, E, e, t)
+    assert y.shape == (9, N) and y.dtype == torch.float16
+    rel_close(y, moe_gemv_ref(x, qt, E, e, t), torch.float16)
+    one = moe_gemv(x, qt, E, e[5:6], t[5:6].long())
+    rel_close(one, moe_gemv_ref(x, qt, E, e[5:6], t[5:6]), torch.float16)
+    h = torch.randn(9, K, dtype=torch.float16, device=device)
+    rel_close(moe_gemv(h, qt, E, e), moe_gemv_ref(h, qt, E, e), torch.float16)
+
+
+@pytest.mark.parametrize("fmt,kw", [("q4_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64))],
+                         ids=["q4_k", "q8_0", "mlx4g64"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_moe_gate_up_silu(fmt, kw, dtype, device):
+    E, F, K = 7, 24, 512
+    gate, up = stacked(fmt, kw, E, F, K, device), stacked(fmt, kw, E, F, K, device)
+    x = torch.randn(2, K, dtype=dtype, device=device)
+    w, e = moe_route(torch.randn(2, E, device=device), top_k=3)
+    tok = torch.arange(2, device=device).repeat_interleave(3)
+    h = moe_gate_up_silu(x, gate, up, E, e.flatten(), tok)
+    assert h.shape == (6, F) and h.dtype == dtype
+    rel_close(h, moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok), dtype)
+
+
+def test_moe_route():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.0, 0.0, 0.0]])
+    w, e = moe_route(logits, 2)
+    assert e.dtype == torch.int32 and e[0].tolist() == [1, 2] and sorted(e[1].tolist()) == [0, 1]  # a tie
+    p = torch.softmax(torch.tensor([2.0, 1.0]), 0)
+    assert torch.allclose(w[0], p) and torch.allclose(w[1], torch.tensor([0.5, 0.5]))
+    w2, _ = moe_route(logits, 2, renormalize=False)
+    assert torch.allclose(w2[0], torch.softmax(logits[0], 0)[[1, 2]])
+    with pytest.raises(ValueError, match="top_k \\(5\\) must be at most the number of experts \\(4\\)"):
+        moe_route(logits, 5)
+    with pytest.raises(TypeError, match="router_logits must be a float tensor"):
+        moe_route(logits.long(), 1)
+
+
+def test_moe_errors(device):
+    E, N, K = 4, 8, 256
+    qt = stacked("q8_0", {}, E, N, K, device)
+    x = torch.randn(2, K, dtype=torch.float16, device=device)
+    e = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="stacked as \\[num_experts \\* N, K\\] with num_experts = 3"):
+        moe_gemv(x, qt, 3, e)
+    with pytest.raises(ValueError, match="expert_ids must lie in \\[0, 4\\), got values in \\[0, 4\\]"):
+        moe_gemv(x, qt, E, torch.tensor([0, 4], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="token_ids must lie in \\[0, 2\\)"):
+        moe_gemv(x, qt, E, e, torch.tensor([0, 2], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="one row per pair"):
+        moe_gemv(x, qt, E, e[:1])
+    with pytest.raises(TypeError, match="expert_ids must have dtype"):
+        moe_gemv(x, qt, E, e.float())
+    with pytest.raises(ValueError, match="x must be \\[tokens, K=256\\]"):
+        moe_gemv(x[:, :128], qt, E, e)
+    with pytest.raises(ValueError, match="must share a format"):
+        moe_gate_up_silu(x, qt, stacked("q4_0", {}, E, N, K, device), E, e)
+    empty = moe_gemv(x, qt, E, e[:0], e[:0])
+    assert empty.shape == (0, N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_gpu_moe_qwen3_30b_shapes(fmt, tokens):
+    """Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, expert FFN 768), compiled, bf16."""
+    E, F, H, k = 128, 768, 2048, 8
+    gate, up = stacked(fmt, {}, E, F, H, "cuda"), stacked(fmt, {}, E, F, H, "cuda")
+    down = stacked(fmt, {}, E, H, F, "cuda")
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, device="cuda")
+    w, e = moe_route(torch.randn(tokens, E, device="cuda"), top_k=k)
+    tok = torch.arange(tokens, device="cuda").repeat_interleave(k)
+    h = moe_gate_up_silu(x, gate, up, E, e.flatten(), tok)
+    rel_close(h, moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok), torch.bfloat16)
+    y = moe_gemv(h, down, E, e.flatten())
+    rel_close(y, moe_gemv_ref(h, down, E, e.flatten()), torch.bfloat16)
