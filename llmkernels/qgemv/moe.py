@@ -77,11 +77,14 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True)
 
 
 def _check_stack(name: str, qt, num_experts: int) -> int:
+    """N, the rows of one expert, of experts stacked as [num_experts * N, K] or [num_experts, N, K]."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"{name} must be a QuantizedTensor (llmkernels.quantize), got {type(qt).__name__}")
+    if len(qt.shape) == 3 and qt.shape[0] == num_experts and qt.data.is_contiguous():
+        return qt.shape[1]
     if len(qt.shape) != 2 or qt.shape[0] % num_experts:
-        raise ValueError(f"{name} must be the experts stacked as [num_experts * N, K] with num_experts = "
-                         f"{num_experts}, got logical shape {tuple(qt.shape)}")
+        raise ValueError(f"{name} must be the experts stacked as [num_experts * N, K] or [num_experts, N, K] with "
+                         f"num_experts = {num_experts}, got logical shape {tuple(qt.shape)}")
     return qt.shape[0] // num_experts
 
 
@@ -109,7 +112,7 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
     y = empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    K = qt.shape[1]
+    K = qt.shape[-1]
     data = qt.data
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, family = _layout(qt.format, K, row_bytes, qt.group_size)
@@ -128,7 +131,7 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
     moe_gemv_kernel[(triton.cdiv(N, block_n), P)](
         x, expert_ids, token_ids, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
         N, K, num_experts, x.stride(0), y.stride(0), row_bytes,
-        qt.scales.stride(0) if qt.scales is not None else 0, nblocks,
+        qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
         FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
         BLOCK_N=block_n, DUAL=qt_up is not None, num_warps=warps, num_stages=1 if interpreter_mode() else stages)
     return y
@@ -146,7 +149,8 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
 
     Args:
         x: [T, K] fp16/bf16/fp32 activations.
-        qt: the experts stacked, [num_experts * N, K], any GGUF format or MLX affine (GGUF's ``ffn_*_exps``).
+        qt: the experts stacked, [num_experts * N, K] or [num_experts, N, K] (GGUF's ``ffn_*_exps`` as read), any
+            GGUF format or MLX affine.
         num_experts: how many matrices ``qt`` stacks.
         expert_ids: int32/int64 [P], the expert of each pair; token_ids: int32/int64 [P], the row of x of each
             pair (default: pair p reads row p, as the down projection does with one row per pair).
@@ -159,7 +163,7 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
     """
     check_positive_int("num_experts", num_experts)
     N = _check_stack("qt", qt, num_experts)
-    _check_x(x, qt.shape[1])
+    _check_x(x, qt.shape[-1])
     check_device(x=x, qt_data=qt.data, expert_ids=expert_ids)
     expert_ids, token_ids = _check_ids(expert_ids, token_ids, num_experts, x.shape[0])
     return _launch(x, qt, None, N, num_experts, expert_ids, token_ids)
@@ -168,15 +172,15 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
 def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTensor, num_experts: int,
                      expert_ids: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x[t] @ G_e^T) * (x[t] @ U_e^T) for every pair (t, e) = (token_ids[p], expert_ids[p]): both stacked
-    matrices read in one pass. ``qt_gate`` and ``qt_up``: [num_experts * F, K] in the same format. Returns
+    matrices read in one pass. ``qt_gate`` and ``qt_up``: [num_experts * F, K] or [num_experts, F, K] in the same format. Returns
     [P, F] in x's dtype."""
     check_positive_int("num_experts", num_experts)
     F = _check_stack("qt_gate", qt_gate, num_experts)
-    if _check_stack("qt_up", qt_up, num_experts) != F or qt_up.shape[1] != qt_gate.shape[1]:
+    if _check_stack("qt_up", qt_up, num_experts) != F or qt_up.shape[-1] != qt_gate.shape[-1]:
         raise ValueError(f"qt_up must have qt_gate's shape {tuple(qt_gate.shape)}, got {tuple(qt_up.shape)}")
     if (qt_up.format, qt_up.bits, qt_up.group_size) != (qt_gate.format, qt_gate.bits, qt_gate.group_size):
         raise ValueError(f"qt_gate and qt_up must share a format, got {qt_gate.format} and {qt_up.format}")
-    _check_x(x, qt_gate.shape[1])
+    _check_x(x, qt_gate.shape[-1])
     check_device(x=x, qt_gate_data=qt_gate.data, qt_up_data=qt_up.data, expert_ids=expert_ids)
     expert_ids, token_ids = _check_ids(expert_ids, token_ids, num_experts, x.shape[0])
     return _launch(x, qt_gate, qt_up, F, num_experts, expert_ids, token_ids)

@@ -55,7 +55,7 @@ def i8_lane_positions(K: int) -> torch.Tensor:
 def moe_gemv_ref(x, qt, num_experts, expert_ids, token_ids=None, dtype=torch.float64):
     """x[token_ids[p]] @ W_{expert_ids[p]}.T per pair, W_e = rows e*N..(e+1)*N of dequantize(qt) -> [P, N]."""
     w = _dense(qt, dtype).to(x.device)
-    w = w.view(num_experts, w.shape[0] // num_experts, w.shape[1])
+    w = w.reshape(num_experts, -1, w.shape[-1])
     tok = token_ids.long() if token_ids is not None else torch.arange(expert_ids.shape[0], device=x.device)
     return torch.einsum("pk,pnk->pn", x.to(dtype)[tok], w[expert_ids.long()])
 
