@@ -172,8 +172,8 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
 def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTensor, num_experts: int,
                      expert_ids: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x[t] @ G_e^T) * (x[t] @ U_e^T) for every pair (t, e) = (token_ids[p], expert_ids[p]): both stacked
-    matrices read in one pass. ``qt_gate`` and ``qt_up``: [num_experts * F, K] or [num_experts, F, K] in the same format. Returns
-    [P, F] in x's dtype."""
+    matrices read in one pass. ``qt_gate`` and ``qt_up``: [num_experts * F, K] or [num_experts, F, K] in the same
+    format. Returns [P, F] in x's dtype."""
     check_positive_int("num_experts", num_experts)
     F = _check_stack("qt_gate", qt_gate, num_experts)
     if _check_stack("qt_up", qt_up, num_experts) != F or qt_up.shape[-1] != qt_gate.shape[-1]:
