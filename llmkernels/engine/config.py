@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "mistral": dict(rope="interleaved", qkv_bias=False, qk_norm=False),
     "qwen2": dict(rope="neox", qkv_bias=True, qk_norm=False),
     "qwen3": dict(rope="neox", qkv_bias=False, qk_norm=True),
+    # mixture-of-experts FFNs in every layer (Mixtral is "llama" with {arch}.expert_count in its metadata)
+    "qwen3moe": dict(rope="neox", qkv_bias=False, qk_norm=True),
     # Q, K and V in one matrix (attn_qkv), gate and up in one (ffn_up: gate rows first)
     "phi3": dict(rope="neox", qkv_bias=False, qk_norm=False, fused=True),
     # norms after attention and FFN too, embeddings scaled by sqrt(hidden), GeGLU, soft caps, sliding windows on
@@ -72,6 +74,10 @@ class ModelConfig:
     sliding_window: int = 0  # tokens a query sees on the swa layers (itself included); 0: none
     swa_layers: tuple = ()  # per layer: whether it uses the sliding window
     rope_theta_swa: float = 0.0  # the swa layers' RoPE base (gemma3: unscaled); 0: rope_theta
+    n_experts: int = 0  # mixture of experts in every layer's FFN (0: a dense FFN)
+    n_experts_used: int = 0  # experts per token (top-k)
+    expert_ffn: int = 0  # one expert's FFN width
+    expert_norm: bool = True  # the top-k router weights renormalized to sum to 1
 
     def window(self, layer: int) -> int:
         """paged_attention's left window edge for ``layer`` (-1: unbounded)."""
@@ -136,11 +142,19 @@ class ModelConfig:
             name=str(meta.get("general.name", "")),
         )
         spec = ARCHITECTURES[arch]
-        experts = get("expert_count", 0, required=False)
-        if experts:
-            raise ModelConfigError(f"{arch}: mixture-of-experts models ({arch}.expert_count = {experts}) are not "
-                                   f"supported yet")
+        experts = int(get("expert_count", 0, required=False) or 0)
         names = set(tensor_names)
+        if experts:
+            if any("shexp" in n for n in names):
+                raise ModelConfigError(f"{arch}: shared experts (ffn_*_shexp tensors) are not supported yet")
+            cfg.n_experts = experts
+            cfg.n_experts_used = int(get("expert_used_count"))
+            cfg.expert_ffn = int(get("expert_feed_forward_length", cfg.ffn, required=False))
+            cfg.expert_norm = bool(get("expert_weights_norm", True, required=False))
+            if not 1 <= cfg.n_experts_used <= experts:
+                raise ModelConfigError(f"{arch}.expert_used_count is {cfg.n_experts_used}, expected 1..{experts}")
+        elif arch == "qwen3moe":
+            raise ModelConfigError("qwen3moe: GGUF metadata lacks 'qwen3moe.expert_count'")
         if any(n.endswith(("rope_factors_long.weight", "rope_factors_short.weight")) for n in names):
             raise ModelConfigError(f"{arch}: LongRoPE (rope_factors_long / rope_factors_short, the 128k-context "
                                    f"Phi-3 models) is not supported yet")

@@ -22,7 +22,7 @@ from .tokenizer import (LLAMA3_PATTERN, QWEN2_PATTERN, TOKEN_BYTE, TOKEN_CONTROL
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                    "Gemma3ForCausalLM": "gemma3"}
+                    "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
 LAYER_NAMES = {  # Hugging Face suffix -> GGUF suffix, under model.layers.N. / blk.N.
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -41,6 +41,12 @@ ARCH_LAYER_NAMES = {
     "gemma2": {**LAYER_NAMES, **_GEMMA_NAMES},
     "gemma3": {**LAYER_NAMES, **_GEMMA_NAMES},
 }
+# mixture-of-experts FFNs: the router, and each expert's matrices (stacked into GGUF's [n_expert, N, K] tensors)
+ROUTER_NAMES = {"mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+HF_EXPERT = {"qwen3moe": ("mlp.experts.{}.{}.weight", ("gate_proj", "up_proj", "down_proj")),
+             "llama": ("block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2"))}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 # Gemma's RMSNorm multiplies by (1 + weight); GGUF stores 1 + weight (as llama.cpp's converter does)
@@ -52,8 +58,20 @@ def hf_to_gguf_name(name: str, arch: str = "llama") -> str | None:
         return TOP_NAMES[name]
     names = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
-        return f"blk.{parts[2]}.{names[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        if parts[3] in names:
+            return f"blk.{parts[2]}.{names[parts[3]]}"
+        if parts[3] in ROUTER_NAMES:
+            return f"blk.{parts[2]}.{ROUTER_NAMES[parts[3]]}"
+    return None
+
+
+def _expert_part(name: str):
+    """(layer, expert, GGUF stack name) of a Hugging Face expert matrix, else None."""
+    parts = name.split(".")
+    if len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[4] == "experts" and parts[7] == "weight":
+        if parts[3] in ("mlp", "block_sparse_moe") and parts[6] in EXPERT_NAMES:
+            return int(parts[2]), int(parts[5]), EXPERT_NAMES[parts[6]]
     return None
 
 
@@ -254,6 +272,16 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
         raise ModelConfigError("phi3: partial rotary embeddings are not supported")
     if arch in NORM_PLUS_ONE:
         meta.update(_gemma_metadata(arch, config, head_dim))
+    n_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if n_experts:
+        if arch == "qwen3moe" and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
+            raise ModelConfigError("qwen3moe: dense layers among the expert layers (mlp_only_layers, "
+                                   "decoder_sparse_step) are not supported")
+        meta.update({f"{arch}.expert_count": n_experts,
+                     f"{arch}.expert_used_count": int(config["num_experts_per_tok"]),
+                     f"{arch}.expert_weights_norm": bool(config.get("norm_topk_prob", True))})
+        if arch == "qwen3moe":
+            meta[f"{arch}.expert_feed_forward_length"] = int(config["moe_intermediate_size"])
     meta.update(tokenizer_metadata(model_dir, vocab_size, config))
     names = list(_iter_safetensors(model_dir, tensors=False))
     bar = None
@@ -263,10 +291,20 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
         bar = tqdm(total=len(names), desc="converting", unit="tensor")
     tensors = dict(extra)
     fallbacks = []  # matrices whose row length the asked format's block does not divide
+    experts = {}  # (layer, stack name) -> {expert: float32 matrix}, stacked once all experts are read
     for name, w in _iter_safetensors(model_dir):
         if bar is not None:
             bar.update(1)
         gname = hf_to_gguf_name(name, arch)
+        part = _expert_part(name) if gname is None else None
+        if part is not None:
+            i, e, stack = part
+            got = experts.setdefault((i, stack), {})
+            got[e] = w.float()
+            if len(got) < n_experts:
+                continue
+            gname, w = f"blk.{i}.{stack}.weight", torch.stack([got[j] for j in range(n_experts)])
+            del experts[(i, stack)]
         if gname is None:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -278,7 +316,7 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
             w = permute_rows(w, n_kv)
         if arch in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             w = w + 1.0
-        if w.dim() == 1:
+        if w.dim() == 1 or gname.endswith("ffn_gate_inp.weight"):  # norms, biases and routers stay f32
             tensors[gname] = w.contiguous()
         else:
             fmt = output_format if gname == "output.weight" else format
@@ -346,9 +384,19 @@ def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
             name = inv_top[gname]
         elif gname.startswith("blk."):
             _, i, rest = gname.split(".", 2)
-            if rest not in inv_layer:
+            if rest == "ffn_gate_inp.weight":
+                name = f"model.layers.{i}.{'mlp' if arch == 'qwen3moe' else 'block_sparse_moe'}.gate.weight"
+            elif rest.endswith("_exps.weight") and arch in HF_EXPERT:
+                pattern, hf = HF_EXPERT[arch]
+                w = dequantize(qt, torch.float32)
+                j = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight").index(rest)
+                for e in range(w.shape[0]):
+                    out[f"model.layers.{i}." + pattern.format(e, hf[j])] = w[e].to(dtype)
                 continue
-            name = f"model.layers.{i}.{inv_layer[rest]}"
+            elif rest not in inv_layer:
+                continue
+            else:
+                name = f"model.layers.{i}.{inv_layer[rest]}"
         else:
             continue
         w = dequantize(qt, torch.float32) if isinstance(qt, QuantizedTensor) else qt.float()

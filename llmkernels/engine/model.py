@@ -14,6 +14,7 @@ import torch
 
 from ..attention.paged import paged_attention
 from ..qgemv.int8 import i8_lanes_supports
+from ..qgemv.moe import moe_ffn, moe_route
 from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_i8_lanes, gemv_lanes, lanes_apply, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
 from .allreduce import AllReduce
@@ -45,13 +46,14 @@ class Layer:
     ffn_norm: torch.Tensor
     qkv: list  # q, k, v with neighbours of one format stacked: [qkv], or [qk, v] (a Q4_K_M file's q6_k attn_v), ...
     wo: QuantizedTensor
-    gate_up: list  # [gate and up stacked], or [gate, up] when their formats differ
-    down: QuantizedTensor
+    gate_up: list  # [gate and up stacked], or [gate, up] when their formats differ (empty with experts)
+    down: QuantizedTensor | None
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # gemma: RMSNorm of the attention output before the residual add
     post_ffn_norm: torch.Tensor | None = None  # gemma: the same for the FFN output
+    moe: tuple | None = None  # (router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F]) in place of gate_up/down
     window: int = -1  # left edge of the sliding window (-1: the whole context)
     rope: int = 0  # which RoPE table: 0 the model's, 1 the sliding-window layers' (gemma3)
 
@@ -85,14 +87,21 @@ def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None) -> N
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
-                     p + "attn_output.weight": (H, cfg.n_heads * D), p + "ffn_down.weight": (H, cfg.ffn)})
+                     p + "attn_output.weight": (H, cfg.n_heads * D)})
+        if cfg.n_experts:
+            E, F = cfg.n_experts, cfg.expert_ffn
+            want.update({p + "ffn_gate_inp.weight": (E, H), p + "ffn_gate_exps.weight": (E, F, H),
+                         p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)})
+        else:
+            want[p + "ffn_down.weight"] = (H, cfg.ffn)
         if cfg.fused:
             want.update({p + "attn_qkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * D, H),
                          p + "ffn_up.weight": (2 * cfg.ffn, H)})
         else:
             want.update({p + "attn_q.weight": (cfg.n_heads * D, H), p + "attn_k.weight": (cfg.n_kv_heads * D, H),
-                         p + "attn_v.weight": (cfg.n_kv_heads * D, H), p + "ffn_gate.weight": (cfg.ffn, H),
-                         p + "ffn_up.weight": (cfg.ffn, H)})
+                         p + "attn_v.weight": (cfg.n_kv_heads * D, H)})
+            if not cfg.n_experts:
+                want.update({p + "ffn_gate.weight": (cfg.ffn, H), p + "ffn_up.weight": (cfg.ffn, H)})
         if cfg.post_norms:
             want.update({p + "post_attention_norm.weight": (H,), p + "post_ffw_norm.weight": (H,)})
         if cfg.qkv_bias:
@@ -146,14 +155,20 @@ class Model:
         self.layers = []
         for i in it(range(cfg.n_layers), desc="loading layers", unit="layer"):
             p = f"blk.{i}."
+            moe, down = None, None
             if cfg.fused:  # stored stacked already: [q; k; v] and [gate; up]
                 qkv, gate_up = [mat(p + "attn_qkv.weight")], [mat(p + "ffn_up.weight")]
             else:
                 qkv = stack_runs([mat(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")])
-                gate_up = stack_runs([mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")])
+                gate_up = [] if cfg.n_experts else stack_runs([mat(p + "ffn_gate.weight"), mat(p + "ffn_up.weight")])
+            if cfg.n_experts:
+                moe = tuple(mat(p + n + ".weight") for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                                                             "ffn_down_exps"))
+            else:
+                down = mat(p + "ffn_down.weight")
             layer = Layer(attn_norm=_vector(tensors[p + "attn_norm.weight"], self.device),
                           ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device), qkv=qkv,
-                          wo=mat(p + "attn_output.weight"), gate_up=gate_up, down=mat(p + "ffn_down.weight"),
+                          wo=mat(p + "attn_output.weight"), gate_up=gate_up, down=down, moe=moe,
                           window=cfg.window(i), rope=int(bool(cfg.rope_theta_swa and cfg.window(i) >= 0)))
             if cfg.post_norms:
                 layer.post_attn_norm = _vector(tensors[p + "post_attention_norm.weight"], self.device)
@@ -184,7 +199,9 @@ class Model:
 
     def _stored_bytes(self) -> int:
         seen, total = set(), 0
-        mats = [self.tok_embd, self.output] + [m for L in self.layers for m in (*L.qkv, L.wo, *L.gate_up, L.down)]
+        mats = [self.tok_embd, self.output] + [m for L in self.layers
+                                               for m in (*L.qkv, L.wo, *L.gate_up, L.down, *(L.moe or ()))
+                                               if m is not None]
         for m in mats:
             if id(m) not in seen:
                 seen.add(id(m))
@@ -195,7 +212,11 @@ class Model:
         """Weight bytes one decode step must read: every matrix once, plus one embedding row."""
         per_row = self.tok_embd.nbytes // self.cfg.vocab_size
         emb_full = self.tok_embd.nbytes if self.output is not self.tok_embd else 0
-        return self.weight_bytes - emb_full + per_row
+        idle = 0  # experts one token does not choose
+        if self.cfg.n_experts:
+            stacks = sum(m.nbytes for L in self.layers for m in L.moe[1:])
+            idle = stacks * (self.cfg.n_experts - self.cfg.n_experts_used) // self.cfg.n_experts
+        return self.weight_bytes - emb_full + per_row - idle
 
     # --- forward --------------------------------------------------------------------------------------------------
     def _lanes(self, T: int, *mats) -> bool:
@@ -231,7 +252,15 @@ class Model:
             return self._gemv(x, xl, layer.qkv[0])
         return torch.cat([self._gemv(x, xl, m) for m in layer.qkv], dim=1)
 
+    def _moe(self, x, layer):
+        """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn."""
+        router, gate, up, down = layer.moe
+        w, e = moe_route(gemv(x, router), self.cfg.n_experts_used, self.cfg.expert_norm)
+        return moe_ffn(x, w, e, gate, up, down, self.cfg.n_experts)
+
     def _mlp(self, x, layer, xl=None):
+        if layer.moe is not None:
+            return self._moe(x, layer)
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
         i8 = self.act_int8
         if self.cfg.act != "silu":  # GeGLU: the activation kernel, then the down projection
@@ -280,7 +309,7 @@ class Model:
             delta = self._reduce(gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8))
             if layer.post_attn_norm is not None:
                 delta = add_rmsnorm(delta, layer.post_attn_norm, cfg.rms_eps)
-            x, xl = self._norm(T, layer.gate_up, delta, layer.ffn_norm, cfg.rms_eps, residual=h)
+            x, xl = self._norm(T, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps, residual=h)
             delta = self._reduce(self._mlp(x, layer, xl))
             if layer.post_ffn_norm is not None:
                 delta = add_rmsnorm(delta, layer.post_ffn_norm, cfg.rms_eps)

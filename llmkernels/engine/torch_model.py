@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import FP8_DTYPES
+from ..qgemv.moe import moe_route
 from ..quant.tensor import dequantize
 from ..testing.attention import paged_attention_ref
 from .model import Model, StepInputs
@@ -61,6 +62,20 @@ class TorchModel(Model):
         y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.dtype).float() * w
         return y.to(self.dtype).float()
 
+    def _moe(self, x: torch.Tensor, layer) -> torch.Tensor:
+        """The mixture-of-experts FFN with the kernel path's roundings: silu(g) * u and each expert's output in
+        the activation dtype, the weighted sum in float32."""
+        router, gate, up, down = layer.moe
+        w, e = moe_route(self._linear(x, [router]), self.cfg.n_experts_used, self.cfg.expert_norm)
+        G, U, D = (self._w(m).reshape(self.cfg.n_experts, -1, m.shape[-1]) for m in (gate, up, down))
+        xf, out = x.float(), torch.zeros(x.shape[0], D.shape[1], dtype=torch.float32, device=x.device)
+        for ex in e.unique().tolist():
+            t, j = (e == ex).nonzero(as_tuple=True)
+            g = xf[t] @ G[ex].T
+            a = (torch.nn.functional.silu(g) * (xf[t] @ U[ex].T)).to(self.dtype).float()
+            out.index_add_(0, t, (a @ D[ex].T).to(self.dtype).float() * w[t, j, None])
+        return out.to(self.dtype)
+
     def _store(self, cache: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, scale: float) -> None:
         keep = slots >= 0
         flat = cache.view(-1, *cache.shape[2:])
@@ -102,11 +117,15 @@ class TorchModel(Model):
             if layer.post_attn_norm is not None:
                 delta = self._rmsnorm(delta, layer.post_attn_norm)
             h = (h + delta).to(self.dtype)
-            gu = self._linear(self._rmsnorm(h, layer.ffn_norm), layer.gate_up).float()
-            F = gu.shape[1] // 2
-            g = gu[:, :F]
-            g = torch.nn.functional.silu(g) if cfg.act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")
-            delta = self._linear((g * gu[:, F:]).to(self.dtype), [layer.down], reduce=True)
+            if layer.moe is not None:
+                delta = self._moe(self._rmsnorm(h, layer.ffn_norm), layer)
+            else:
+                gu = self._linear(self._rmsnorm(h, layer.ffn_norm), layer.gate_up).float()
+                F = gu.shape[1] // 2
+                g = gu[:, :F]
+                g = (torch.nn.functional.silu(g) if cfg.act == "silu" else
+                     torch.nn.functional.gelu(g, approximate="tanh"))
+                delta = self._linear((g * gu[:, F:]).to(self.dtype), [layer.down], reduce=True)
             if layer.post_ffn_norm is not None:
                 delta = self._rmsnorm(delta, layer.post_ffn_norm)
             h = (h + delta).to(self.dtype)

@@ -56,6 +56,9 @@ def plan_shards(cfg: ModelConfig, world: int, tensors=None) -> list:
     """The TPShard of every rank, or ModelConfigError naming what does not split ``world`` ways."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
+    if cfg.n_experts and world > 1:
+        raise ModelConfigError(f"{cfg.arch}: tensor parallelism over mixture-of-experts layers is not supported yet "
+                               f"(tensor_parallel_size must be 1)")
     Hq, Hkv = cfg.n_heads, cfg.n_kv_heads
     if Hq % world:
         raise ModelConfigError(f"tensor_parallel_size={world} does not divide the {Hq} query heads")

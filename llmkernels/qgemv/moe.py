@@ -184,3 +184,23 @@ def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: Quantized
     check_device(x=x, qt_gate_data=qt_gate.data, qt_up_data=qt_up.data, expert_ids=expert_ids)
     expert_ids, token_ids = _check_ids(expert_ids, token_ids, num_experts, x.shape[0])
     return _launch(x, qt_gate, qt_up, F, num_experts, expert_ids, token_ids)
+
+
+def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate: QuantizedTensor,
+            up: QuantizedTensor, down: QuantizedTensor, num_experts: int) -> torch.Tensor:
+    """A mixture-of-experts SwiGLU FFN: out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with
+    e = experts[t, j] (``moe_route``'s outputs). Two MoE GEMV launches and the weighted sum; no host
+    synchronisation, so it runs inside CUDA graphs (the ids are not range-checked here: moe_route makes them).
+    gate, up: [E, F, K] (or [E * F, K]); down: [E, K, F]. Returns [T, K] in x's dtype."""
+    T, k = experts.shape
+    e = experts.reshape(-1).contiguous()
+    tok = torch.arange(T, dtype=torch.int32, device=x.device).repeat_interleave(k)
+    F = _check_stack("gate", gate, num_experts)
+    if (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size):
+        h = _launch(x, gate, up, F, num_experts, e, tok)
+    else:
+        g = _launch(x, gate, None, F, num_experts, e, tok).float()
+        h = (g * torch.sigmoid(g) * _launch(x, up, None, F, num_experts, e, tok).float()).to(x.dtype)
+    H = _check_stack("down", down, num_experts)
+    y = _launch(h, down, None, H, num_experts, e, torch.arange(T * k, dtype=torch.int32, device=x.device))
+    return (y.view(T, k, H).float() * weights.view(T, k, 1)).sum(1).to(x.dtype)

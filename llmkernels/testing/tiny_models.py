@@ -46,8 +46,10 @@ def train_tokenizer(style: str = "llama3", vocab_size: int = 384, specials=("<|b
 
 def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int = 256, ffn: int = 512,
                     heads: int = 4, kv_heads: int = 2, head_dim: int = 64, vocab: int = 512, std: float = 0.15,
-                    seed: int = 0, tie: bool = False, rope_scaling: dict | None = None, tokenizer_style=None):
-    """Write a random ``arch`` model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) with its tokenizer into
+                    seed: int = 0, tie: bool = False, rope_scaling: dict | None = None, tokenizer_style=None,
+                    experts: int = 5, top_k: int = 2):
+    """Write a random ``arch`` model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, and the mixture-of-experts
+    qwen3moe and mixtral, with ``experts`` experts of width ``ffn``, ``top_k`` per token) with its tokenizer into
     directory ``path``. The Gemma models get an 8-token sliding window and small soft caps, so that both act on test
     prompts; gemma3's second layer is global.
 
@@ -68,13 +70,19 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
     cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-           "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[arch]
+           "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM")}[arch]
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
               max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=tie,
               bos_token_id=bos, eos_token_id=eos, initializer_range=std)
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None
+    if arch == "qwen3moe":
+        kw.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn, norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "mixtral":
+        kw.update(num_local_experts=experts, num_experts_per_tok=top_k)
     if arch == "qwen2":
         kw["use_sliding_window"] = False
     if arch != "gemma3":  # gemma3 keeps its two bases: 1e6 on global layers, 1e4 on sliding ones
@@ -102,7 +110,7 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
             elif "embed_tokens" in name or "lm_head" in name:
                 p.copy_(std * torch.randn_like(p))
             else:  # unit gain per projection, so quantization errors do not grow from layer to layer
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)  # (fused experts: [E, N, K])
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -113,9 +121,38 @@ def hf_model_from_state_dict(path, state_dict):
 
     config = transformers.AutoConfig.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing, unexpected = model.load_state_dict(_fuse_experts(model, state_dict), strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")
                and not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"state dict mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
     return model
+
+
+def _fuse_experts(model, state_dict) -> dict:
+    """A checkpoint's per-expert matrices (mlp.experts.E.{gate,up,down}_proj or Mixtral's block_sparse_moe.experts.E.
+    {w1,w3,w2}) as the fused parameters transformers keeps in memory (experts.gate_up_proj [E, 2F, H] with gate
+    rows first, experts.down_proj [E, H, F])."""
+    sd = dict(state_dict)
+    for name, p in model.named_parameters():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")) or name in sd:
+            continue
+        layer = name.split(".")[2]
+
+        def take(e, qwen, mixtral):
+            for key in (f"model.layers.{layer}.mlp.experts.{e}.{qwen}.weight",
+                        f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral}.weight"):
+                if key in sd:
+                    return sd.pop(key)
+            raise KeyError(f"expert {e} of layer {layer}: no {qwen} / {mixtral} matrix in the state dict")
+
+        E = p.shape[0]
+        if name.endswith("gate_up_proj"):
+            sd[name] = torch.stack([torch.cat([take(e, "gate_proj", "w1"), take(e, "up_proj", "w3")])
+                                    for e in range(E)])
+        else:
+            sd[name] = torch.stack([take(e, "down_proj", "w2") for e in range(E)])
+        router = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+        if router in sd:
+            sd[f"model.layers.{layer}.mlp.gate.weight"] = sd.pop(router)
+    return sd

@@ -1,0 +1,67 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) converted from tiny random transformers checkpoints: logits and
+greedy tokens against transformers, on the kernels (the interpreter on the CPU) and the pure-torch forward."""
+import pytest
+import torch
+
+from llmkernels.engine import LLM, ModelConfigError, SamplingParams, gguf_to_hf_state_dict
+from llmkernels.engine.config import ModelConfig
+from llmkernels.testing.tiny_models import hf_model_from_state_dict
+
+from .test_engine import ACT_TOL, PROMPTS, hf_logits, rel_err
+
+# 5 experts of width 128 (so q4_k's down projection, K = 128, falls back to q8_0), 2 per token
+MOE = dict(layers=2, hidden=256, ffn=128, heads=4, kv_heads=2, head_dim=64)
+CASES = [("qwen3moe", "f32", "torch"), ("qwen3moe", "q8_0", "triton"), ("mixtral", "f16", "torch"),
+         ("mixtral", "q4_k", "triton")]
+
+
+@pytest.mark.parametrize("arch,fmt,backend", CASES, ids=["-".join(c) for c in CASES])
+def test_moe_matches_transformers(model_files, arch, fmt, backend):
+    d, path, hf = model_files(arch, fmt, **MOE)
+    llm = LLM(path, progress=False, backend=backend, max_num_batched_tokens=64)
+    assert llm.cfg.n_experts == 5 and llm.cfg.n_experts_used == 2 and llm.cfg.expert_ffn == 128
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
+    assert rel_err(llm.logits(ids).cpu(), hf_logits(same, ids)) < ACT_TOL[llm.dtype]
+    with torch.no_grad():
+        want = same.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    assert llm.generate([ids], params)[0].token_ids == want
+    # batched with other prompts and chunked: the same tokens
+    outs = llm.generate([PROMPTS[0], ids, PROMPTS[2]], params)
+    assert outs[1].token_ids == want
+
+
+def test_moe_config_errors(model_files):
+    _, path, _ = model_files("qwen3moe", "f32", **MOE)
+    from llmkernels.quant.gguf_io import read_gguf
+
+    f = read_gguf(path)
+    meta = dict(f.metadata)
+    meta["qwen3moe.expert_used_count"] = 6
+    with pytest.raises(ModelConfigError, match="expert_used_count is 6, expected 1..5"):
+        ModelConfig.from_gguf(meta, f.keys())
+    with pytest.raises(ModelConfigError, match="shared experts"):
+        ModelConfig.from_gguf(dict(f.metadata), list(f.keys()) + ["blk.0.ffn_up_shexp.weight"])
+    meta = {k: v for k, v in f.metadata.items() if k != "qwen3moe.expert_count"}
+    with pytest.raises(ModelConfigError, match="lacks 'qwen3moe.expert_count'"):
+        ModelConfig.from_gguf(meta, f.keys())
+    with pytest.raises(ModelConfigError, match="tensor parallelism over mixture-of-experts"):
+        LLM(path, progress=False, backend="torch", tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,fmt", [("qwen3moe", "q4_k"), ("mixtral", "q8_0")])
+def test_gpu_moe_models(model_files, arch, fmt):
+    """Compiled kernels, CUDA graphs for decode: the tokens of the eager engine and logits near transformers'."""
+    kw = dict(MOE, hidden=512, ffn=256, head_dim=128)
+    d, path, _ = model_files(arch, fmt, **kw)
+    eager = LLM(path, progress=False, cuda_graphs=False, num_splits=2, max_num_batched_tokens=64)
+    ids = eager.tokenizer.encode(PROMPTS[1] * 4)
+    same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
+    assert rel_err(eager.logits(ids).cpu(), hf_logits(same, ids)) < ACT_TOL[eager.dtype]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in eager.generate([ids, PROMPTS[0]], params)]
+    graphs = LLM(path, progress=False, num_splits=2, max_num_batched_tokens=64)
+    assert [o.token_ids for o in graphs.generate([ids, PROMPTS[0]], params)] == want
+    assert graphs.stats.graph_steps > 0
