@@ -598,7 +598,8 @@ def test_fp8_kv_cache_error(model_files):
 
 
 def test_unsupported_features_fail_at_load(model_files, tmp_path):
-    """Mixture-of-experts files and LongRoPE Phi-3 files raise ModelConfigError naming the feature."""
+    """A file that says it has experts but lacks their tensors, and LongRoPE Phi-3 files, raise ModelConfigError
+    naming what is missing or unsupported."""
     from llmkernels import read_gguf, write_gguf
     from llmkernels.engine import ModelConfigError
 
@@ -607,8 +608,11 @@ def test_unsupported_features_fail_at_load(model_files, tmp_path):
     tensors = {k: f[k] for k in f.keys()}
     meta = dict(f.metadata)
     write_gguf(tmp_path / "moe.gguf", tensors, {**meta, "llama.expert_count": 8})
-    with pytest.raises(ModelConfigError, match="mixture-of-experts"):
+    with pytest.raises(ModelConfigError, match="lacks 'llama.expert_used_count'"):
         LLM(str(tmp_path / "moe.gguf"), progress=False)
+    write_gguf(tmp_path / "moe2.gguf", tensors, {**meta, "llama.expert_count": 8, "llama.expert_used_count": 2})
+    with pytest.raises(ModelConfigError, match="lacks tensor\\(s\\) blk.0.ffn_gate_inp.weight"):
+        LLM(str(tmp_path / "moe2.gguf"), progress=False)
     write_gguf(tmp_path / "long.gguf", {**tensors, "rope_factors_long.weight": torch.ones(32)}, meta)
     with pytest.raises(ModelConfigError, match="LongRoPE"):
         LLM(str(tmp_path / "long.gguf"), progress=False)
