@@ -150,3 +150,13 @@ def test_gpu_tp_equals_tp1(model_files, monkeypatch, tp, mode):
         assert many[3] > 0 and ("symmetric" in many[4]) == (mode == "symm")
         assert one[0] == many[0] and one[1] == many[1]
         assert (one[2] - many[2]).abs().max() <= 1e-2 * one[2].abs().max()
+
+
+def test_all_reduce_mode_is_checked(monkeypatch):
+    from llmkernels.engine.allreduce import AllReduce
+
+    with pytest.raises(ValueError, match="LLMK_ALLREDUCE must be auto, nccl or symm, got 'fast'"):
+        AllReduce(None, torch.device("cpu"), torch.bfloat16, mode="fast")
+    monkeypatch.setenv("LLMK_ALLREDUCE", "ring")
+    with pytest.raises(ValueError, match="got 'ring'"):
+        AllReduce(None, torch.device("cpu"), torch.bfloat16)
