@@ -1,10 +1,12 @@
 """The model's forward pass in plain torch: the engine's fast path on machines without a GPU.
 
 Under Triton's interpreter every kernel runs element by element in numpy (seconds per token even for a tiny model);
-here each matrix is dequantized once to float32 and every step is a handful of torch ops, so the engine, and anything
-built on it, runs in milliseconds per token on small models. The arithmetic follows the kernels' roundings (products
-in float32, results in the activation dtype) and attention is the float64 reference of ``llmkernels.testing``, so
-logits agree with the kernel path to the activation dtype's tolerance. Select it with ``LLM(..., backend="torch")``
+here each matrix is dequantized once to float64 and every step is a handful of torch ops, so the engine, and anything
+built on it, runs in milliseconds per token on small models. The arithmetic follows the kernels' roundings (results
+in the activation dtype) and attention is the reference of ``llmkernels.testing``, so logits agree with the kernel
+path to the activation dtype's tolerance. Products and attention run in float64 so that a sequence's results do not
+depend on what shares its batch: a float32 product's rounding changes with the number of rows, which flips greedy
+near-ties between a request served alone and the same request among others. Select it with ``LLM(..., backend="torch")``
 (the default on the CPU); the kernel path stays the reference on GPUs and for kernel tests.
 """
 from __future__ import annotations
@@ -28,16 +30,16 @@ class TorchModel(Model):
         self._dense: dict = {}
 
     def _w(self, qt) -> torch.Tensor:
-        """float32 [N, K] of a stored matrix, dequantized on first use."""
+        """float64 [N, K] of a stored matrix, dequantized on first use."""
         w = self._dense.get(id(qt))
         if w is None:
-            w = self._dense[id(qt)] = dequantize(qt, torch.float32)
+            w = self._dense[id(qt)] = dequantize(qt, torch.float64)
         return w
 
     def _linear(self, x: torch.Tensor, mats: list, reduce: bool = False) -> torch.Tensor:
-        """x @ W.T in float32, rounded to the activation dtype; ``reduce``: a row-parallel product, summed over the
+        """x @ W.T in float64, rounded to the activation dtype; ``reduce``: a row-parallel product, summed over the
         tensor-parallel ranks before the rounding."""
-        y = torch.cat([(x.float() @ self._w(m).T) for m in mats], dim=1)
+        y = torch.cat([(x.double() @ self._w(m).T) for m in mats], dim=1)
         return (self._reduce(y) if reduce else y).to(self.dtype)
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -64,16 +66,16 @@ class TorchModel(Model):
 
     def _moe(self, x: torch.Tensor, layer) -> torch.Tensor:
         """The mixture-of-experts FFN with the kernel path's roundings: silu(g) * u and each expert's output in
-        the activation dtype, the weighted sum in float32."""
+        the activation dtype, products and the weighted sum in float64."""
         router, gate, up, down = layer.moe
         w, e = moe_route(self._linear(x, [router]), self.cfg.n_experts_used, self.cfg.expert_norm)
         G, U, D = (self._w(m).reshape(self.cfg.n_experts, -1, m.shape[-1]) for m in (gate, up, down))
-        xf, out = x.float(), torch.zeros(x.shape[0], D.shape[1], dtype=torch.float32, device=x.device)
+        xf, out = x.double(), torch.zeros(x.shape[0], D.shape[1], dtype=torch.float64, device=x.device)
         for ex in e.unique().tolist():
             t, j = (e == ex).nonzero(as_tuple=True)
             g = xf[t] @ G[ex].T
-            a = (torch.nn.functional.silu(g) * (xf[t] @ U[ex].T)).to(self.dtype).float()
-            out.index_add_(0, t, (a @ D[ex].T).to(self.dtype).float() * w[t, j, None])
+            a = (torch.nn.functional.silu(g) * (xf[t] @ U[ex].T)).to(self.dtype).double()
+            out.index_add_(0, t, (a @ D[ex].T).to(self.dtype).double() * w[t, j, None].double())
         return out.to(self.dtype)
 
     def _store(self, cache: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, scale: float) -> None:
@@ -112,7 +114,7 @@ class TorchModel(Model):
                                        inp.cu_seqlens_q, softmax_scale=cfg.attn_scale or None,
                                        window_size=(layer.window, -1), softcap=cfg.attn_softcap,
                                        k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None,
-                                       dtype=torch.float32)
+                                       dtype=torch.float64)
             delta = self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo], reduce=True)
             if layer.post_attn_norm is not None:
                 delta = self._rmsnorm(delta, layer.post_attn_norm)

@@ -177,6 +177,7 @@ class EngineLoop:
         llm = self.llm
         try:
             while not self._stop:
+                self._wake.clear()  # before reading the commands, so one submitted after this read still wakes us
                 out, changed = self._apply()
                 busy = llm.scheduler.has_work()
                 if busy:
@@ -193,7 +194,6 @@ class EngineLoop:
                     self._loop.call_soon_threadsafe(self._deliver, out)
                 if not busy and not changed:
                     self._wake.wait(0.05)
-                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001
             self.dead = e
             log.exception("the engine thread died")

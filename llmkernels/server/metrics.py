@@ -27,6 +27,8 @@ class Metrics:
         self.e2e = Histogram(p + "request_latency_seconds", "Time from arrival to the last token",
                              buckets=_LATENCY, registry=r)
         self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
+        self.graph_steps = Counter(p + "engine_graph_steps", "Engine steps replayed as CUDA graphs", registry=r)
+        self._stats, self._graph_steps = llm.stats, llm.stats.graph_steps
         pool, sched = llm.pool, llm.scheduler
         Gauge(p + "kv_cache_used_pages", "KV-cache pages held by running sequences", registry=r).set_function(
             lambda: pool.num_used)
@@ -42,6 +44,10 @@ class Metrics:
 
     def on_step(self) -> None:
         self.steps.inc()
+        n = self._stats.graph_steps
+        if n > self._graph_steps:
+            self.graph_steps.inc(n - self._graph_steps)
+        self._graph_steps = n
 
     def request_done(self, h, now: float, n_out: int, reasons: list) -> None:
         for reason in reasons:

@@ -210,17 +210,38 @@ def _ours(path: str, reqs: list) -> tuple[dict, float, tuple[float, float]]:
            "--log-level", "warning"]
     with _Proc(cmd) as proc:
         _wait_healthy(url, proc)
+        idle = _cached_ttft(url)
         asyncio.run(run_load(url, "m", reqs[:16], 16))  # warm-up
         load = asyncio.run(run_load(url, "m", reqs))
         window = decode_window_rate(url, "m")
-        rng = random.Random(7)
-        rand = lambda n: [rng.randrange(1000, VOCAB - 256) for _ in range(n)]  # noqa: E731
-        for _ in range(2):  # the second round is measured
-            cold = _ttft_of(url, "m", rand(2048))
-            ids = rand(2048)
-            _ttft_of(url, "m", ids)  # puts its first 2000 tokens (125 pages) in the cache
-            warm = _ttft_of(url, "m", ids[:2000] + rand(48))
-    return load, window, (cold, warm)
+        after = _cached_ttft(url)
+    return load, window, idle, after
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def _cached_ttft(url: str) -> dict:
+    """Time to first token of a 2048-token prompt cold, and of one whose first 2000 tokens (125 pages) are cached
+    (the second of two rounds), with the engine steps and CUDA-graph steps the cached request took."""
+    rng = random.Random(7)
+    rand = lambda n: [rng.randrange(1000, VOCAB - 256) for _ in range(n)]  # noqa: E731
+    for _ in range(2):
+        cold = _ttft_of(url, "m", rand(2048))
+        ids = rand(2048)
+        _ttft_of(url, "m", ids)  # puts its first 2000 tokens in the cache
+        running = _metric(url, "llmkernels_num_requests_running")
+        steps, graphs = _metric(url, "llmkernels_engine_steps_total"), _metric(url, "llmkernels_engine_graph_steps_total")
+        warm = _ttft_of(url, "m", ids[:2000] + rand(48))
+        steps = _metric(url, "llmkernels_engine_steps_total") - steps
+        graphs = _metric(url, "llmkernels_engine_graph_steps_total") - graphs
+    return {"cold": cold, "warm": warm, "steps": steps, "graph_steps": graphs, "running_before": running}
 
 
 def _engine_window(path: str, n: int = 64, prompt: int = 512, gen: int = 256, seed: int = 1) -> float:
@@ -263,6 +284,12 @@ def _llama_server(bin_dir: str, path: str, reqs: list) -> dict:
         return asyncio.run(run_load(url, "m", reqs))
 
 
+def _ttft_note(d: dict) -> str:
+    return (f"TTFT {d['warm'] * 1e3:.1f} ms cached vs {d['cold'] * 1e3:.1f} ms cold ({d['cold'] / d['warm']:.1f}x "
+            f"sooner; the cached request took {d['steps']:.0f} steps, {d['graph_steps']:.0f} as CUDA graphs, "
+            f"{d['running_before']:.0f} sequences running before it)")
+
+
 def _note(d: dict) -> str:
     return (f"{d['requests']} requests in {d['wall_s']:.1f} s ({d['req_s']:.2f} req/s), TTFT p50/p99 "
             f"{d['ttft_p50'] * 1e3:.0f}/{d['ttft_p99'] * 1e3:.0f} ms, TPOT p50/p99 {d['tpot_p50'] * 1e3:.1f}/"
@@ -281,9 +308,10 @@ def _case(ctx, bin_dir):
             write_synthetic_gguf(path, vocab=True)
             engine_rate = _engine_window(path)
             print(f"\n[serve] LLM in-process, batch 64: {engine_rate:.0f} tokens/s", flush=True)
-            ours, window, (cold, warm) = _ours(path, reqs)
+            ours, window, idle, after = _ours(path, reqs)
             print(f"[serve] ours: {ours['output_tok_s']:.0f} output tokens/s; {_note(ours)}; batch 64 through HTTP "
-                  f"{window:.0f} tokens/s; TTFT cached {warm * 1e3:.1f} ms, cold {cold * 1e3:.1f} ms", flush=True)
+                  f"{window:.0f} tokens/s; cached-prefix TTFT idle: {_ttft_note(idle)}; after the load: "
+                  f"{_ttft_note(after)}", flush=True)
             peer, peer_error = None, ""
             if bin_dir:
                 try:
@@ -302,9 +330,9 @@ def _case(ctx, bin_dir):
         w = Row("serve", "batch 64 decode through HTTP (prompt 512, 256 new)", "tokens/s", window, None,
                 {"LLM in-process": engine_rate})
         w.note = f"server overhead {(1 - window / engine_rate) * 100:.1f}% of the in-process decode rate"
-        p = Row("serve", "time to first token, 2048-token prompt, 2000 cached", "tokens/s", 2048 / warm, None,
-                {"same prompt cold": 2048 / cold})
-        p.note = f"TTFT {warm * 1e3:.1f} ms cached vs {cold * 1e3:.1f} ms cold: {cold / warm:.1f}x sooner"
+        p = Row("serve", "time to first token, 2048-token prompt, 2000 cached", "tokens/s", 2048 / idle["warm"],
+                None, {"same prompt cold": 2048 / idle["cold"]})
+        p.note = f"server idle: {_ttft_note(idle)}; right after the load test: {_ttft_note(after)}"
         return [r, w, p]
     return run
 
