@@ -26,8 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="run every kernel once against its reference (timed on a GPU)",
                    formatter_class=_Formatter)
     sub.add_parser("formats", help="print the quantized formats with their block layouts", formatter_class=_Formatter)
-    sub.add_parser("info", help="print the GPU, the tuned-table entries in use and why, versions, kernel paths",
-                   formatter_class=_Formatter)
+    i = sub.add_parser("info", help="print the GPU, the tuned-table entries in use and why, versions, kernel paths",
+                       formatter_class=_Formatter)
+    i.add_argument("--route", nargs=4, metavar=("FORMAT", "M", "N", "K"), default=None,
+                   help="also print the GEMV route (kernel, config, rule) of an [M, K] x [N, K]^T product in FORMAT "
+                        "(a GGUF format, or mlx4 / mlx8 with groups of 64) on this GPU")
+    i.add_argument("--op", default="gemv", choices=("gemv", "silu_mul", "gate_up", "lanes"),
+                   help="the product --route describes: gemv, silu_mul_gemv, gate_up_silu, gemv_lanes")
+    i.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="activation dtype for --route")
+    i.add_argument("--act-int8", action="store_true", help="--route with act_int8=True")
     from .tuning.tune import build_parser as tune_parser
 
     tune_parser(sub.add_parser("tune", help="tune the kernels for this GPU into the user tuning folder",
@@ -133,9 +140,16 @@ def _run(args) -> int:
         print(format_table())
         return 0
     if args.cmd == "info":
-        from .info import info_lines
+        from .info import info_lines, route_line
 
         print("\n".join(info_lines()))
+        if args.route:
+            fmt, *dims = args.route
+            try:
+                M, N, K = (int(v) for v in dims)
+            except ValueError:
+                raise ValueError(f"--route needs FORMAT M N K with integer M, N, K, got {args.route}") from None
+            print(route_line(fmt, M, N, K, args.op, args.dtype, args.act_int8))
         return 0
     if args.cmd == "tune":
         from .tuning.tune import run

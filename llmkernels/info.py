@@ -73,3 +73,25 @@ def info_lines() -> list[str]:
         lines.append("kernel paths:")
         lines += kernel_paths(None, False)
     return lines
+
+
+def route_line(fmt: str, M: int, N: int, K: int, op: str = "gemv", dtype: str = "fp16", act_int8: bool = False) -> str:
+    """The GEMV route (qgemv.route.choose) of one product on this machine's GPU (or the interpreter), in a line."""
+    import torch
+
+    from ._checks import interpreter_mode
+    from ._runtime import gpu_name, has_tma
+    from .qgemv import route
+    from .quant.formats import GGUF_FORMATS
+
+    bits = {"mlx4": 4, "mlx8": 8}.get(fmt, 0)
+    if fmt not in GGUF_FORMATS and not bits:
+        raise ValueError(f"--route format must be a GGUF format or mlx4 / mlx8, got {fmt!r}")
+    if min(M, N, K) < 1:
+        raise ValueError(f"--route M, N, K must be positive, got {M} {N} {K}")
+    target = route.Target(gpu_name(), interpreter_mode(), has_tma())
+    r = route.choose(op, "mlx" if bits else fmt, M, N, K, {"fp16": torch.float16, "bf16": torch.bfloat16,
+                     "fp32": torch.float32}[dtype], act_int8, bits=bits, group_size=64 if bits else 0, target=target)
+    extra = (", x copied into lane order" if r.lane_copy else "") + (", x in k order by TMA" if r.xt else "")
+    return (f"route of {op} {fmt} M={M} N={N} K={K} {dtype}{' act_int8' if act_int8 else ''} on {target.gpu}: "
+            f"{r.kernel} {r.config}{extra} ({r.rule})")

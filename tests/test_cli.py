@@ -90,3 +90,16 @@ def test_info_and_tune_without_gpu():
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
     r = _cli("tune", "nosuchsuite")
     assert r.returncode == 2 and "nosuchsuite" in r.stderr
+
+
+def test_info_prints_a_gemv_route():
+    """``info --route`` prints the kernel the routing table picks for a product; a bad format is one line, exit 2."""
+    r = _cli("info", "--route", "q4_k", "1", "14336", "4096")
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("route of gemv q4_k M=1 N=14336 K=4096 fp16") and ": lanes (" in line
+    assert "x copied into lane order" in line
+    r = _cli("info", "--route", "q8_0", "8", "4096", "4096", "--op", "silu_mul", "--dtype", "bf16")
+    assert r.returncode == 0 and ": tc (" in r.stdout.strip().splitlines()[-1]
+    r = _cli("info", "--route", "q9", "1", "2", "3")
+    assert r.returncode == 2 and "GGUF format" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -298,7 +298,8 @@ def main():
     m1_cases(dev)
     moe_cases(dev)
     # q4_k with activations in lane order: a partial last group (K = 2304, 4352), split-K or not, the public copy path
-    from llmkernels.qgemv import ops
+    from llmkernels._runtime import gpu_name
+    from llmkernels.qgemv import route
     from llmkernels.qgemv.m1 import lane_order, launch_m1
 
     for N, K in ((77, 2304), (5, 4352)):
@@ -307,9 +308,9 @@ def main():
             x = torch.randn(1, K, device=dev, dtype=dt)
             for config, sms, fixup in (((1, 1, 1, 1, 8), 132, True), ((2, 1, 2, 3, 8, 1, 1), 4, False)):
                 launch_m1(lane_order(x), qt.data, "q4_k", N, K, config, sms, 2, fixup=fixup, x_perm=True)
-            ops.LANES_MIN_WEIGHTS, saved = 1, ops.LANES_MIN_WEIGHTS
-            lk.gemv(x, qt)
-            ops.LANES_MIN_WEIGHTS = saved
+            with route.override(lambda q, r: route.Route("lanes", route.lanes_config(route.Target(gpu_name()), q.N,
+                                                                                     False), lane_copy=True)):
+                lk.gemv(x, qt)
     # GLU (silu(x G^T) * (x U^T), a gate and an up row per thread): odd N, M = 1..4, x natural or in lane order
     g, u = (lk.quantize(torch.randn(37, 768, device=dev), "q4_k") for _ in range(2))
     for config in ((2, 1, 1, 1), (4, 1, 4, 3, 4, 2)):

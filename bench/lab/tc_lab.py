@@ -8,7 +8,7 @@ A config may add /prefetch/maxnreg (tc.launch_tc).
 
 Checks each config against x @ dequantize(W).T (float32), then times it by CUDA-graph replay over enough weight
 copies to overflow L2 and prints effective TB/s (weight + activation bytes / time) next to the time of gemv with
-the tensor-core branch switched off (ops.TC_FIRST_M and ops.TC_FIRST_M_LARGE emptied): the m1 or planes kernel.
+the tensor-core route excluded (route.override): the m1 or planes kernel.
 """
 import argparse
 import math
@@ -16,7 +16,7 @@ import math
 import torch
 
 from llmkernels.bench.harness import copies_for, measure_read_bandwidth, time_graph_ms
-from llmkernels.qgemv import gemv, ops
+from llmkernels.qgemv import gemv, route
 from llmkernels.qgemv.ops import _finish
 from llmkernels.qgemv.tc import launch_tc
 from llmkernels.quant import dequantize
@@ -46,7 +46,6 @@ def main():
     dts = [{"fp16": torch.float16, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tc_first, tc_large = dict(ops.TC_FIRST_M), dict(ops.TC_FIRST_M_LARGE)
     print(f"read bandwidth {measure_read_bandwidth():.3f} TB/s", flush=True)
     summary = {}
     for N, K in shapes:
@@ -59,9 +58,8 @@ def main():
                 x = torch.randn(M, K, device="cuda", dtype=dt)
                 nbytes = first.nbytes + x.numel() * x.element_size()
                 ref = x.float() @ w_ref.T
-                ops.TC_FIRST_M, ops.TC_FIRST_M_LARGE = {}, {}  # the path without tensor cores
-                t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
-                ops.TC_FIRST_M, ops.TC_FIRST_M_LARGE = dict(tc_first), dict(tc_large)
+                with route.override(exclude={"tc"}):  # the path without tensor cores
+                    t_g = time_graph_ms([lambda qt=qt: gemv(x, qt) for qt in qts], reps=10, trials=3)
                 line = f"N{N} K{K} {str(dt)[6:]} M{M}: no-tc {t_g * 1e3:6.1f} us {nbytes / t_g / 1e9:5.2f} TB/s |"
                 for cfg in cfgs:
                     try:

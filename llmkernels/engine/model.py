@@ -15,7 +15,8 @@ import torch
 from ..attention.paged import paged_attention
 from ..qgemv.int8 import i8_lanes_supports
 from ..qgemv.moe import moe_ffn, moe_route
-from ..qgemv.ops import I8_MAX_M, embedding, gemv, gemv_i8_lanes, gemv_lanes, lanes_apply, silu_mul_gemv
+from ..qgemv import route
+from ..qgemv.ops import embedding, gemv, gemv_i8_lanes, gemv_lanes, silu_mul_gemv
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
@@ -224,7 +225,8 @@ class Model:
         reads activations laid out for its loads (qgemv.m1.lane_pos). LLMK_LANES=0 turns it off (for A/B runs)."""
         if os.environ.get("LLMK_LANES", "1") == "0":
             return False
-        return all(lanes_apply(T, self.dtype, m.data, m.format, m.shape[1], int(self.act_int8)) for m in mats)
+        return all(route.lanes_apply(T, self.dtype, m.format, m.shape[1], self.act_int8, m.data.data_ptr() % 16 == 0)
+                   for m in mats)
 
     def _i8(self, T: int, *mats) -> bool:
         """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: with
@@ -274,7 +276,7 @@ class Model:
         else:
             gu = torch.cat([self._gemv(x, xl, m) for m in layer.gate_up], dim=1)
         F = gu.shape[1] // 2
-        if i8 and gu.shape[0] <= I8_MAX_M.get(layer.down.format, 0):
+        if i8 and gu.shape[0] <= route.I8_MAX_M.get(layer.down.format, 0):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
             return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
         # exact mode keeps the separate product: silu_mul_gemv's m1 path measured 28.7 us against 26.7 for the two

@@ -19,7 +19,7 @@ of a row, loaded by one thread as NV + 1 vectors of VW int32 words and split int
 words from two neighbours with one byte permute each. GP threads take consecutive groups of one row, so a warp's
 loads cover contiguous bytes (see gemv_i8_kernel).
 
-Kernels: gemv_i8_kernel (q4_0, q8_0, q4_k; M up to ops.I8_MAX_M); gemv_i8_lanes_kernel for q4_k and q5_k at M = 1 (the
+Kernels: gemv_i8_kernel (q4_0, q8_0, q4_k; M up to route.I8_MAX_M); gemv_i8_lanes_kernel for q4_k and q5_k at M = 1 (the
 m1 kernel's thread layout, a warp on 8 consecutive super-blocks of one row, with this file's dp4a arithmetic; q5_k's
 fifth bits masked in place and summed by two more dp4a per word); gemv_i8_q6_kernel for q6_k at M = 1 (K a multiple
 of 2048, so rows and steps of 8 blocks are 16-byte aligned). The lane kernels take activations in "i8 lane order"

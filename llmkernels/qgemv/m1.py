@@ -565,12 +565,9 @@ def m1_layout(fmt: str, bits: int = 0, group_size: int = 0, K: int = 0):
     return 13, C, U, 2 if bits == 4 else 1, C * group_size, C * U
 
 
-def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, x2=None) -> bool:
-    """Whether the m1 kernel can take these operands: a layout for the format, 16-byte aligned weights (int32 header
-    loads, 8-byte code loads), for MLX 4-bit an x whose rows can be read as int32 words, and an x2 (silu_mul_gemv's
-    up) of x's shape, dtype and strides at a whole number of load units from x."""
-    if m1_layout(fmt, bits, group_size, K) is None or data.data_ptr() % 16:
-        return False
+def m1_x_ok(x, x2, fmt: str, bits: int = 0) -> bool:
+    """Whether x (and silu_mul_gemv's x2) are laid out as the m1 kernel loads them: for MLX 4-bit, fp16/bf16 rows
+    readable as int32 words; an x2 of x's shape, dtype and strides at a whole number of load units from x."""
     unit = x.element_size() * (2 if fmt == "mlx" and bits == 4 else 1)  # int32 words for MLX 4-bit
     if x2 is not None and (x2.dtype != x.dtype or x2.stride() != x.stride() or x2.shape != x.shape
                            or (x2.data_ptr() - x.data_ptr()) % unit):
@@ -581,6 +578,14 @@ def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
         return all(t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0
                    for t in (x, x2 if x2 is not None else x))
     return True
+
+
+def m1_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, x2=None) -> bool:
+    """Whether the m1 kernel can take these operands: a layout for the format, 16-byte aligned weights (int32 header
+    loads, 8-byte code loads), and x (and x2) as m1_x_ok wants them."""
+    if m1_layout(fmt, bits, group_size, K) is None or data.data_ptr() % 16:
+        return False
+    return m1_x_ok(x, x2, fmt, bits)
 
 
 def _x2_offset(x, x2, elems_per_unit: int) -> int:

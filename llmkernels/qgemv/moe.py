@@ -19,7 +19,8 @@ from .._runtime import empty
 from ..quant.tensor import QuantizedTensor
 from .common import _views
 from .dequant import dequant_tile
-from .ops import FORMAT_IDS, X_DTYPES, _config, _layout
+from . import route
+from .ops import FORMAT_IDS, X_DTYPES, target
 
 
 @triton.jit
@@ -115,10 +116,10 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
     K = qt.shape[-1]
     data = qt.data
     row_bytes = data.shape[-1] * data.element_size()
-    nsub, sub, block_bytes, nblocks, family = _layout(qt.format, K, row_bytes, qt.group_size)
-    block_n, nb, warps, stages = _config(family, 1, nsub * sub, qt.bits or 0, N)
-    if qt.format == "f32":
-        nb = max(1, nb // 2)
+    nsub, sub, block_bytes, nblocks, _ = route.layout(qt.format, K, qt.group_size)
+    # the generic kernel's M = 1 config: each (token, expert) pair is a GEMV of one row
+    block_n, nb, warps, stages = route.generic_config(target(x.device), qt.format, 1, N, K, qt.bits or 0,
+                                                      qt.group_size or 0)
     w8, w16, wi8 = _views(data)
     ws = qt.scales if qt.scales is not None else w16
     wb = qt.biases if qt.biases is not None else w16

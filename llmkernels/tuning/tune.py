@@ -260,27 +260,21 @@ LANE_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1), (2, 1, 4, 4, 8,
 
 
 def tune_gemv_m1(gpu):
-    """m1 kernel keys (ops.m1_key): q4_k at M = 2 and 4, q5_k and q6_k at M = 1, 2 and 4, MLX 4- and 8-bit (group
+    """m1 kernel keys (route.m1_key): q4_k at M = 2 and 4, q5_k and q6_k at M = 1, 2 and 4, MLX 4- and 8-bit (group
     64) at M = 1 and 2, on a small, a wide and a long Llama-3-8B shape, weights read from DRAM."""
-    from ..qgemv import ops
+    from ..qgemv import route
 
-    # gemv takes the tensor-core kernel for many of these cases (ops.TC_FIRST_M: q6_k at every M, q4_k and MLX 4-bit
+    # gemv takes the tensor-core kernel for many of these cases (route.TC_FIRST_M: q6_k at every M, q4_k and MLX 4-bit
     # from M = 2, long matrices earlier); the m1 entries serve the others (shapes or K it does not take, silu_mul_gemv),
     # so they are timed with that route off
-    saved = dict(ops.TC_FIRST_M), dict(ops.TC_FIRST_M_LARGE)
-    ops.TC_FIRST_M.clear()
-    ops.TC_FIRST_M_LARGE.clear()
-    try:
+    with route.override(exclude={"tc"}):
         return _tune_gemv_m1()
-    finally:
-        ops.TC_FIRST_M.update(saved[0])
-        ops.TC_FIRST_M_LARGE.update(saved[1])
 
 
 def _tune_gemv_m1():
     from ..bench.harness import copies_for
     from ..qgemv import gemv, silu_mul_gemv
-    from ..qgemv.ops import m1_key
+    from ..qgemv.route import m1_key
     from ..testing.random_weights import random_qtensor
 
     out = {}
@@ -305,7 +299,7 @@ def _tune_gemv_m1():
 
 def tune_gemv_lanes(gpu):
     """The lane-order q4_k kernel at M = 1 (key "lanes/q4_k"): the shapes of tune_gemv_m1 and the vocabulary
-    projection (gemv copies x into lane order itself from ops.LANES_MIN_WEIGHTS), weights read from DRAM."""
+    projection (gemv copies x into lane order itself from route.LANES_MIN_WEIGHTS), weights read from DRAM."""
     from ..bench.harness import copies_for
     from ..qgemv.m1 import lane_order
     from ..qgemv.ops import gemv_lanes
@@ -321,7 +315,7 @@ def tune_gemv_lanes(gpu):
     return {"lanes/q4_k": _best("gemv", "lanes/q4_k", LANE_CANDIDATES, works)}
 
 
-# int8-activation gemv (qgemv/int8.py): the size classes of ops._launch_i8 with representative shapes, and candidate
+# int8-activation gemv (qgemv/int8.py): the size classes of route.i8_config with representative shapes, and candidate
 # configs (R, GP, warps, stages, COAL, PREFETCH)
 I8_CLASSES = {"small": [(4096, 4096), (6144, 4096)], "large": [(4096, 14336), (28672, 4096)],
               "wide": [(128256, 4096)]}

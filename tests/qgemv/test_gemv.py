@@ -93,7 +93,7 @@ def test_q5k_q6k_small_m_take_m1(fmt, M, device, monkeypatch):
     M1_MAX_M run the m1 kernel (their high bits merged into 5- or 6-bit codes in registers), beyond it the generic
     one."""
     from llmkernels.qgemv import m1 as m1_mod
-    from llmkernels.qgemv.ops import M1_MAX_M, TC_FIRST_M
+    from llmkernels.qgemv.route import M1_MAX_M, TC_FIRST_M
 
     m1 = M <= M1_MAX_M[fmt] and not (fmt == "q5_k" and M >= TC_FIRST_M[fmt])
     calls = []
@@ -166,9 +166,9 @@ def test_gemv_gpu(fmt, kw, dtype, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
 def test_tc_register_cap_gpu(fmt, device, monkeypatch):
-    """The tensor-core kernel's register cap holds up to ops.TC_CAP_MAX_M rows only (it spills beyond); the results
+    """The tensor-core kernel's register cap holds up to route.TC_CAP_MAX_M rows only (it spills beyond); the results
     stay right either way."""
-    from llmkernels.qgemv import ops, tc
+    from llmkernels.qgemv import route, tc
 
     seen = []
     real = tc.launch_tc
@@ -185,7 +185,7 @@ def test_tc_register_cap_gpu(fmt, device, monkeypatch):
     assert [M for M, _ in seen] == [16, 32, 48, 64]
     for M, config in seen:
         capped = len(config) > 5 and config[5] > 0
-        assert capped == (M <= ops.TC_CAP_MAX_M[fmt]), (M, config)
+        assert capped == (M <= route.TC_CAP_MAX_M[fmt]), (M, config)
 
 
 @pytest.mark.gpu

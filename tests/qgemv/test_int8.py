@@ -179,7 +179,7 @@ def test_gemv_i8_lanes_op(device):
 def test_gemv_act_int8(fmt, device):
     """gemv(act_int8=True) is x' @ W.T for the rounded x' (and near x @ W.T) up to the format's M limit, exact
     beyond it; silu_mul_gemv rounds silu(g) * u."""
-    from llmkernels.qgemv.ops import I8_MAX_M
+    from llmkernels.qgemv.route import I8_MAX_M
 
     N, K = 40, 2048 if fmt == "q6_k" else 512
     qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
@@ -206,7 +206,7 @@ def test_gemv_act_int8(fmt, device):
 def test_gemv_act_int8_fallbacks(device):
     """Formats and shapes without an int8 kernel compute exactly; a non-bool act_int8 is a TypeError."""
     K = 256
-    x = torch.randn(2, K, dtype=torch.float16, device=device)  # q5_k at M = 2: exact (ops.I8_MAX_M)
+    x = torch.randn(2, K, dtype=torch.float16, device=device)  # q5_k at M = 2: exact (route.I8_MAX_M)
     qt5 = lk.quantize(torch.randn(24, K) * 0.05, "q5_k").to(device)
     ref = gemv_ref(x, qt5)
     assert_close(lk.gemv(x, qt5, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)

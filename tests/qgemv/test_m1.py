@@ -189,12 +189,12 @@ def test_m1_lane_order(N, K, config, sms, fixup, device):
 def test_gemv_lanes_routes(device, monkeypatch):
     """gemv_lanes takes the lane kernel for q4_k at M = 1 and computes gemv otherwise (other formats, M > 1, float32
     x); gemv itself copies x into lane order for N * K >= LANES_MIN_WEIGHTS."""
-    from llmkernels.qgemv import ops
+    from llmkernels.qgemv import ops, route
     from llmkernels.qgemv.m1 import lane_order
 
     calls = []
     real = ops._launch_lanes
-    monkeypatch.setattr(ops, "_launch_lanes", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ops, "_launch_lanes", lambda *a, **k: calls.append(1) or real(*a, **k))
     N, K = 21, 2304
     for fmt, M, dtype, lanes in [("q4_k", 1, torch.float16, True), ("q8_0", 1, torch.float16, False),
                                  ("q4_k", 2, torch.float16, False), ("q4_k", 1, torch.float32, False)]:
@@ -205,7 +205,7 @@ def test_gemv_lanes_routes(device, monkeypatch):
         assert len(calls) == int(lanes), (fmt, M, dtype)
         ref = gemv_ref(x, qt)
         assert_close(y, ref, dtype, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
-    monkeypatch.setattr(ops, "LANES_MIN_WEIGHTS", 16)
+    monkeypatch.setattr(route, "LANES_MIN_WEIGHTS", 16)
     calls.clear()
     qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
     x = torch.randn(1, K, dtype=torch.float16, device=device)
@@ -249,10 +249,10 @@ def test_m1_lane_order_gpu(device):
 
 @pytest.mark.gpu
 def test_silu_large_gpu(device, monkeypatch):
-    """silu_mul_gemv on q4_k at M = 1 with N * K >= ops.LANES_MIN_WEIGHTS (the config "m1/q4_k/silu_large", K split
+    """silu_mul_gemv on q4_k at M = 1 with N * K >= route.LANES_MIN_WEIGHTS (the config "m1/q4_k/silu_large", K split
     over three programs per SM by default): odd N, one long and one wide shape, fp16 and bf16, against float64."""
     from llmkernels._runtime import gpu_name
-    from llmkernels.qgemv import m1, ops
+    from llmkernels.qgemv import m1, route
     from llmkernels.testing import silu_mul_gemv_ref
     from llmkernels.tuning import lookup
 
@@ -260,7 +260,7 @@ def test_silu_large_gpu(device, monkeypatch):
     real = m1.launch_m1
     monkeypatch.setattr(m1, "launch_m1", lambda *a, **k: seen.append(tuple(a[5])) or real(*a, **k))
     for N, K in [(2347, 14336), (14337, 4096)]:
-        assert N * K >= ops.LANES_MIN_WEIGHTS
+        assert N * K >= route.LANES_MIN_WEIGHTS
         qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
         for dtype in (torch.float16, torch.bfloat16):
             g, u = (torch.randn(1, K, dtype=dtype, device=device) * 2 for _ in range(2))
@@ -268,7 +268,7 @@ def test_silu_large_gpu(device, monkeypatch):
             ref = silu_mul_gemv_ref(g, u, qt)
             tol = 4e-3 if dtype == torch.float16 else 2e-2
             assert_close(y, ref, dtype, atol=tol * ref.abs().max().item(), rtol=tol)
-    want = tuple(lookup("gemv", gpu_name(), "m1/q4_k/silu_large") or ops.SILU_LARGE_DEFAULT)
+    want = tuple(lookup("gemv", gpu_name(), "m1/q4_k/silu_large") or route.SILU_LARGE_DEFAULT)
     assert seen == [want] * 4
 
 
@@ -309,7 +309,7 @@ def test_m1_glu_bad_config(device):
 def test_gate_up_silu_q4k_routes(device, monkeypatch):
     """Public gate_up_silu on q4_k at M <= 4 runs the m1 GLU kernel (through the lane copy for M = 1 on large
     matrices), larger M the general path; all against float64."""
-    from llmkernels.qgemv import m1, ops
+    from llmkernels.qgemv import m1, route
 
     calls = []
     real = m1.launch_m1
@@ -324,7 +324,7 @@ def test_gate_up_silu_q4k_routes(device, monkeypatch):
     u = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
     for M, min_w, want in [(1, 1 << 62, [(True, False)]), (4, 1 << 62, [(True, False)]), (1, 16, [(True, True)]),
                            (9, 1 << 62, [])]:
-        monkeypatch.setattr(ops, "LANES_MIN_WEIGHTS", min_w)
+        monkeypatch.setattr(route, "LANES_MIN_WEIGHTS", min_w)
         calls.clear()
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         y = lk.gate_up_silu(x, g, u)

@@ -117,7 +117,7 @@ def test_tc_kernel_mlx(N, K, M, gs, sdt, device):
 
 
 def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
-    """MLX 4-bit at M = 2..64, and at M = 1 from K = ops.TC_LONG_K, goes to the tensor-core kernel; 8-bit, K not a
+    """MLX 4-bit at M = 2..64, and at M = 1 from K = route.TC_LONG_K, goes to the tensor-core kernel; 8-bit, K not a
     multiple of 256 and M = 1 with a shorter K do not."""
     from llmkernels.qgemv import tc
 
@@ -133,8 +133,8 @@ def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
 
 def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     """gemv routes q4_k at M = 2..64 (fp16/bf16) to the tensor-core kernel (M = 2 only on wide matrices for the
-    formats whose ops.TC_FIRST_M is 3); fp32 activations, silu_mul_gemv at M <= 4 and other M elsewhere."""
-    from llmkernels.qgemv import ops, tc
+    formats whose route.TC_FIRST_M is 3); fp32 activations, silu_mul_gemv at M <= 4 and other M elsewhere."""
+    from llmkernels.qgemv import route, tc
 
     calls = []
     real = tc.launch_tc
@@ -148,12 +148,12 @@ def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     lk.silu_mul_gemv(torch.randn(3, 256, dtype=torch.float16, device=device),
                      torch.randn(3, 256, dtype=torch.float16, device=device), qt)
     assert calls == [(2, 256), (3, 256), (4, 256), (16, 256), (17, 256), (64, 256)]
-    monkeypatch.setitem(ops.TC_FIRST_M, "q4_k", 3)  # M = 2 only on wide matrices
-    monkeypatch.setitem(ops.TC_FIRST_M_LARGE, "q4_k", 2)
+    monkeypatch.setitem(route.TC_FIRST_M, "q4_k", 3)  # M = 2 only on wide matrices
+    monkeypatch.setitem(route.TC_FIRST_M_LARGE, "q4_k", 2)
     x = torch.randn(2, 256, dtype=torch.float16, device=device)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
     assert len(calls) == 6
-    monkeypatch.setattr(ops, "TC_WIDE_N", 40)
+    monkeypatch.setattr(route, "TC_WIDE_N", 40)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
     assert calls[-1] == (2, 256) and len(calls) == 7
 
@@ -190,9 +190,11 @@ def test_tc_x_in_k_order(fmt, M, config, sms, device):
 
 
 def test_gemv_hands_x_in_k_order(device, monkeypatch):
-    """gemv gives the tensor-core kernel x in k order from ops.TC_XT_MIN_M rows on (plain gemv only, not
-    silu_mul_gemv; q8_0 up to 32 rows), and not with TC_XT off."""
-    from llmkernels.qgemv import ops, tc
+    """gemv gives the tensor-core kernel x in k order from route.TC_XT_MIN_M rows on (plain gemv only, not
+    silu_mul_gemv; q8_0 up to 32 rows), and not where an override turns it off."""
+    import dataclasses
+
+    from llmkernels.qgemv import route, tc
 
     calls = []
     real = tc.launch_tc
@@ -204,12 +206,12 @@ def test_gemv_hands_x_in_k_order(device, monkeypatch):
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     lk.silu_mul_gemv(torch.randn(20, 512, dtype=torch.float16, device=device),
                      torch.randn(20, 512, dtype=torch.float16, device=device), qt)
-    q8 = lk.quantize(torch.randn(40, 512) * 0.05, "q8_0").to(device)  # ops.TC_XT_NOT_64: up to 32 rows only
+    q8 = lk.quantize(torch.randn(40, 512) * 0.05, "q8_0").to(device)  # route.TC_XT_NOT_64: up to 32 rows only
     for M in (32, 33):
         x = torch.randn(M, 512, dtype=torch.float16, device=device)
         _check(lk.gemv(x, q8), x, q8, torch.float16)
-    monkeypatch.setattr(ops, "TC_XT", False)
-    lk.gemv(torch.randn(30, 512, dtype=torch.float16, device=device), qt)
+    with route.override(lambda q, r: dataclasses.replace(r, xt=False) if r.xt else None):
+        lk.gemv(torch.randn(30, 512, dtype=torch.float16, device=device), qt)
     assert calls == [(16, False), (17, True), (64, True), (20, False), (32, True), (33, False), (30, False)]
 
 
@@ -228,16 +230,16 @@ def test_tc_kernel_gpu(dtype, device):
 
 
 def test_gemv_takes_tc_for_legacy(device, monkeypatch):
-    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from ops.TC_FIRST_M up to 64 rows,
+    """q4_0 and q8_0 with K a multiple of 256 go to the tensor-core kernel from route.TC_FIRST_M up to 64 rows,
     silu_mul_gemv too (silu(g) * u formed in the kernel); K = 320 and fp32 x do not."""
-    from llmkernels.qgemv import ops, tc
+    from llmkernels.qgemv import route, tc
 
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
     want = []
     for fmt in ("q4_0", "q8_0"):
-        lo = ops.TC_FIRST_M[fmt]
+        lo = route.TC_FIRST_M[fmt]
         for K, M in ((256, lo - 1), (256, lo), (512, 16), (256, 64), (256, 65), (320, 8)):
             if M < 1:
                 continue
@@ -260,7 +262,7 @@ def _check_silu(y, g, u, qt):
 @pytest.mark.parametrize("fmt,M", [("q4_0", 1), ("q8_0", 3), ("q4_k", 5), ("mlx", 3), ("q4_k", 17), ("q5_k", 4)])
 def test_silu_mul_gemv_takes_tc(fmt, M, device, monkeypatch):
     """silu_mul_gemv runs the tensor-core kernel with silu(g) * u formed in its x loads where gemv runs it and the
-    m1 kernel does not (q4_k beyond ops.M1_MAX_M, MLX 4-bit from M = 3, q4_0 / q8_0 at every M); q5_k and q6_k
+    m1 kernel does not (q4_k beyond route.M1_MAX_M, MLX 4-bit from M = 3, q4_0 / q8_0 at every M); q5_k and q6_k
     wherever gemv does."""
     from llmkernels.qgemv import tc
 
@@ -305,16 +307,16 @@ def test_tc_kernel_gguf_gpu(fmt, dtype, device):
 
 
 def test_gemv_takes_tc_for_kquants(device, monkeypatch):
-    """q5_k from ops.TC_FIRST_M (ops.TC_FIRST_M_LARGE from K = ops.TC_LONG_K, not silu_mul_gemv) and q6_k (K a
-    multiple of 2048) go to the tensor-core kernel up to 64 rows, silu_mul_gemv too; q6_k with K = 1024 does not."""
-    from llmkernels.qgemv import ops, tc
+    """q5_k from route.TC_FIRST_M (route.TC_FIRST_M_LARGE from K = route.TC_LONG_K, not silu_mul_gemv) and q6_k (K
+    a multiple of 2048) go to the tensor-core kernel up to 64 rows, silu_mul_gemv too; q6_k with K = 1024 does not."""
+    from llmkernels.qgemv import route, tc
 
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
     want = []
     for fmt, K in (("q5_k", 256), ("q6_k", 2048)):
-        lo = ops.TC_FIRST_M[fmt]
+        lo = route.TC_FIRST_M[fmt]
         qt = lk.quantize(torch.randn(20, K) * 0.05, fmt).to(device)
         for M in (lo - 1, lo, 64, 65):
             if M < 1:
@@ -327,13 +329,13 @@ def test_gemv_takes_tc_for_kquants(device, monkeypatch):
     qt = lk.quantize(torch.randn(20, 1024) * 0.05, "q6_k").to(device)
     x = torch.randn(8, 1024, dtype=torch.float16, device=device)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
-    K = ops.TC_LONG_K
+    K = route.TC_LONG_K
     qt = lk.quantize(torch.randn(20, K) * 0.05, "q5_k").to(device)
-    lo = ops.TC_FIRST_M_LARGE["q5_k"]
+    lo = route.TC_FIRST_M_LARGE["q5_k"]
     g, u = (torch.randn(lo, K, dtype=torch.float16, device=device) for _ in range(2))
     _check(lk.gemv(g, qt), g, qt, torch.float16)
     _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)  # silu_mul_gemv from TC_FIRST_M only
-    want += [("q5_k", lo)] if lo < ops.TC_FIRST_M["q5_k"] else []
+    want += [("q5_k", lo)] if lo < route.TC_FIRST_M["q5_k"] else []
     assert calls == want
 
 

@@ -16,7 +16,7 @@ SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 409
 FORMATS = [("q4_0", {}), ("q4_k", {}), ("q5_k", {}), ("q6_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64)),
            ("f16", {}),
            # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py;
-           # M = 1 only, see ops.I8_MAX_M: larger M computes exactly)
+           # M = 1 only, see route.I8_MAX_M: larger M computes exactly)
            ("q4_0", dict(act_int8=True)), ("q8_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)),
            ("q5_k", dict(act_int8=True)), ("q6_k", dict(act_int8=True)),
            # ops.gemv_lanes at M = 1: x handed over in lane order as well, as the engine's RMSNorm and SiLU kernels

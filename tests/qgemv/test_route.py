@@ -1,0 +1,94 @@
+"""The GEMV routing table (qgemv.route.choose), pinned: which kernel serves each format, operation and M band on an
+sm_90 GPU, and the override hook. A change of route shows here before it shows in a benchmark."""
+import dataclasses
+
+import pytest
+import torch
+
+from llmkernels.qgemv import route
+
+H200 = route.Target("NVIDIA H200")
+MS = (1, 2, 3, 4, 5, 8, 16, 17, 64, 65)
+
+# (op, format, N, K, activation dtype, act_int8, MLX bits) -> the kernel at each M of MS
+TABLE = {
+    ("gemv", "f32", 4096, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "f16", 4096, 4096, "fp16", False, 0): "generic cublas cublas cublas cublas cublas cublas cublas cublas cublas",
+    ("gemv", "bf16", 4096, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "bf16", 4096, 4096, "bf16", False, 0): "generic cublas cublas cublas cublas cublas cublas cublas cublas cublas",
+    ("gemv", "q4_0", 4096, 4096, "fp16", False, 0): "tc tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q4_1", 4096, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "q5_0", 4096, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "q8_0", 4096, 4096, "fp16", False, 0): "tc tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q2_k", 4096, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "q3_k", 4096, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "q4_k", 4096, 4096, "fp16", False, 0): "m1 tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q4_k", 14336, 4096, "fp16", False, 0): "lanes tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q4_k", 4096, 4096, "fp32", False, 0): "m1 m1 m1 m1 planes planes planes planes planes dequant",
+    ("gemv", "q5_k", 4096, 4096, "fp16", False, 0): "m1 m1 tc tc tc tc tc tc tc dequant",
+    ("gemv", "q5_k", 4096, 14336, "fp16", False, 0): "m1 tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q6_k", 4096, 4096, "fp16", False, 0): "tc tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "mlx", 4096, 4096, "fp16", False, 4): "m1 tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "mlx", 4096, 4096, "fp16", False, 8): "m1 m1 planes planes planes planes planes planes planes dequant",
+    ("gemv", "mlx", 4096, 4096, "fp16", False, 3): "generic generic generic generic generic generic generic generic generic dequant",
+    ("gemv", "q4_k", 4096, 4096, "fp16", True, 0): "i8_lanes tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q8_0", 4096, 4096, "fp16", True, 0): "i8 tc tc tc tc tc tc tc tc dequant",
+    ("gemv", "q6_k", 4096, 4096, "fp16", True, 0): "i8_lanes tc tc tc tc tc tc tc tc dequant",
+    ("silu_mul", "q4_k", 4096, 14336, "fp16", False, 0): "m1 m1 m1 m1 tc tc tc tc tc dequant",
+    ("gate_up", "q4_k", 14336, 4096, "fp16", False, 0): "lanes glu glu glu generic generic generic generic generic dequant",
+    ("gate_up", "q8_0", 14336, 4096, "fp16", False, 0): "generic generic generic generic generic generic generic generic generic dequant",
+    ("lanes", "q4_k", 4096, 4096, "fp16", False, 0): "lanes tc tc tc tc tc tc tc tc dequant",
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def kernels(op, fmt, N, K, dtype, act, bits, operands=route.Operands()):
+    return " ".join(route.choose(op, fmt, M, N, K, DTYPES[dtype], act, bits=bits, group_size=64 if bits else 0,
+                                 operands=operands, target=H200).kernel for M in MS)
+
+
+@pytest.mark.parametrize("case", list(TABLE), ids=["/".join(map(str, c)) for c in TABLE])
+def test_routing_table(case):
+    assert kernels(*case) == TABLE[case]
+
+
+def test_routes_follow_the_operands():
+    """Weights that are not 16-byte aligned leave the m1, lane and tensor-core kernels; f16 weights whose rows are
+    not K elements of x's dtype leave cuBLAS."""
+    assert kernels("gemv", "q4_k", 4096, 4096, "fp16", False, 0, route.Operands(aligned=False)) == \
+        "planes planes planes planes planes planes planes planes planes dequant"
+    assert kernels("gemv", "f16", 4096, 4096, "fp16", False, 0, route.Operands(dense_rows=False)) == \
+        "generic generic generic generic generic generic generic generic generic dequant"
+    r = route.choose("lanes", "q4_k", 1, 4096, 4096, torch.float16, operands=route.Operands(aligned=False), target=H200)
+    assert r.kernel == "planes"
+
+
+def test_route_details():
+    """x handed over in k order from TC_XT_MIN_M rows (plain gemv only), the lane copy on large q4_k matrices, and
+    configs from the tables (the interpreter: its small fixed tiles)."""
+    xt = [route.choose("gemv", "q4_k", M, 4096, 4096, torch.float16, target=H200).xt for M in (16, 17, 64)]
+    assert xt == [False, True, True]
+    assert not route.choose("silu_mul", "q4_k", 32, 4096, 4096, torch.float16, target=H200).xt
+    assert not route.choose("gemv", "q8_0", 64, 4096, 4096, torch.float16, target=H200).xt
+    assert route.choose("gemv", "q4_k", 1, 14336, 4096, torch.float16, target=H200).lane_copy
+    assert not route.choose("lanes", "q4_k", 1, 14336, 4096, torch.float16, target=H200).lane_copy
+    interp = route.Target("cpu-interpreter", interpreter=True)
+    assert route.choose("gemv", "q4_k", 8, 4096, 4096, torch.float16, target=interp).config == (16, 4, 1, 2)
+    r = route.choose("gemv", "q4_1", 3, 40, 256, torch.float16, target=interp)
+    assert r.kernel == "generic" and r.config == (16, 2, 4, 1)
+
+
+def test_override_hook():
+    """route.override: excluded kernels fall through to the next rule; a function may replace the answer; both end
+    with the block."""
+    choose = lambda: route.choose("gemv", "q4_k", 8, 4096, 4096, torch.float16, target=H200)  # noqa: E731
+    assert choose().kernel == "tc"
+    with route.override(exclude={"tc"}):
+        assert choose().kernel == "planes"
+        with route.override(exclude={"planes"}):
+            assert choose().kernel == "generic"
+        assert choose().kernel == "planes"
+    with route.override(lambda q, r: dataclasses.replace(r, xt=True) if q.M == 8 else None):
+        assert choose().xt and choose().kernel == "tc"
+    assert choose() == route.choose("gemv", "q4_k", 8, 4096, 4096, torch.float16, target=H200)
+    assert not choose().xt
