@@ -103,3 +103,5 @@ def test_info_prints_a_gemv_route():
     assert r.returncode == 0 and ": tc (" in r.stdout.strip().splitlines()[-1]
     r = _cli("info", "--route", "q9", "1", "2", "3")
     assert r.returncode == 2 and "GGUF format" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _cli("info", "--route", "q4_k", "one", "2", "3")
+    assert r.returncode == 2 and "integer M, N, K" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -324,6 +324,12 @@ def tc_rows(M: int) -> int:
 def choose(op: str, fmt: str, M: int, N: int, K: int, dtype: torch.dtype, act_int8: bool = False, *, bits: int = 0,
            group_size: int = 0, operands: Operands = Operands(), target: Target = Target("default")) -> Route:
     """The route of one product (see the module docstring for the rules, in order)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if fmt not in GGUF_FORMATS and fmt != "mlx":
+        raise ValueError(f"fmt must be a GGUF format or 'mlx', got {fmt!r}")
+    if min(M, N, K) < 1:
+        raise ValueError(f"M, N and K must be positive, got M={M}, N={N}, K={K}")
     q = Query(op, fmt, M, N, K, dtype, act_int8, bits or 0, group_size or 0)
     excluded = frozenset().union(*(ex for _, ex in _OVERRIDES)) if _OVERRIDES else frozenset()
     route = _choose(q, operands, target, excluded)

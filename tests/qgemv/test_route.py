@@ -92,3 +92,12 @@ def test_override_hook():
         assert choose().xt and choose().kernel == "tc"
     assert choose() == route.choose("gemv", "q4_k", 8, 4096, 4096, torch.float16, target=H200)
     assert not choose().xt
+
+
+def test_bad_queries_are_refused():
+    with pytest.raises(ValueError, match="op must be one of"):
+        route.choose("matmul", "q4_k", 1, 64, 256, torch.float16, target=H200)
+    with pytest.raises(ValueError, match="GGUF format or 'mlx'"):
+        route.choose("gemv", "q9_k", 1, 64, 256, torch.float16, target=H200)
+    with pytest.raises(ValueError, match="M, N and K must be positive"):
+        route.choose("gemv", "q4_k", 0, 64, 256, torch.float16, target=H200)
