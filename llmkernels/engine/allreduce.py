@@ -23,7 +23,8 @@ def _group_name(group) -> str:
 
 
 class AllReduce:
-    """In-place sum over the ranks of ``group`` of a contiguous tensor."""
+    """Sum over the ranks of ``group`` of a tensor: ``ar(x)`` returns the sum (``x`` itself, summed in place, or a new
+    tensor); callers use the returned tensor."""
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, mode: str | None = None):
         self.group = group
@@ -46,7 +47,10 @@ class AllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.name = _group_name(self.group)
-        self.op = torch.ops.symm_mem.one_shot_all_reduce
+        ops = torch.ops.symm_mem
+        # the _copy variant stages the input into the symmetric buffer inside the reducing kernel: one launch, not 3
+        self.copy_op = getattr(ops, "one_shot_all_reduce_copy", None)
+        self.op = ops.one_shot_all_reduce
         buf = symm_mem.empty(SYMM_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         buf.zero_()
         symm_mem.rendezvous(buf, self.name)
@@ -56,9 +60,10 @@ class AllReduce:
         n = x.numel()
         if self.buf is not None and x.dtype == self.buf.dtype and n <= self.buf.numel() and x.is_contiguous():
             b = self.buf[:n]
+            if self.copy_op is not None and x.data_ptr() % 16 == 0:  # the op wants input and buffer equally aligned
+                return self.copy_op(b, x.view(-1), "sum", self.name).view(x.shape)
             b.copy_(x.view(-1))
-            x.view(-1).copy_(self.op(b, "sum", self.name))
-            return x
+            return self.op(b, "sum", self.name).view(x.shape)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)

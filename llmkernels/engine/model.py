@@ -340,11 +340,11 @@ class Model:
         return local.clamp(0, self.tp.vocab_per_rank - 1).to(ids.dtype), valid.to(self.dtype)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of a row-parallel product's partials (in place)."""
+        """The sum over ranks of a row-parallel product's partials."""
         if self.tp is not None:
             if getattr(self, "_all_reduce", None) is None:  # made at the first step, once the group exists
                 self._all_reduce = AllReduce(self.tp.group, self.device, self.dtype)
-            self._all_reduce(x)
+            return self._all_reduce(x)
         return x
 
     def _gather_logits(self, y: torch.Tensor) -> torch.Tensor:

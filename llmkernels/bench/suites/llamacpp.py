@@ -73,6 +73,19 @@ def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32, vocab: 
     write_gguf(path, tensors, GGUFMetadata(meta, types=types))
 
 
+def synthetic_gguf(folder: str, fmt: str = FORMAT, vocab: bool = False) -> str:
+    """Path of ``write_synthetic_gguf``'s file, written into ``folder``; with ``$LLMK_BENCH_CACHE`` set, written once
+    into that folder and reused by later suites and runs (the weights are seeded, so the file is the same)."""
+    cache = os.environ.get("LLMK_BENCH_CACHE")
+    folder = cache or folder
+    path = os.path.join(folder, f"synthetic-llama3-8b-{fmt}{'-vocab' if vocab else ''}.gguf")
+    if not (cache and os.path.exists(path)):
+        os.makedirs(folder, exist_ok=True)
+        write_synthetic_gguf(path + ".part", fmt, vocab=vocab)
+        os.replace(path + ".part", path)
+    return path
+
+
 def _run(cmd: list[str], timeout: int = 900) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -114,8 +127,7 @@ def _case(ctx, bin_dir: str | None):
         from .engine import PREFILL_LENGTHS, _decode_rate, prefill_rows
 
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, f"synthetic-llama3-8b-{FORMAT}.gguf")
-            write_synthetic_gguf(path)
+            path = synthetic_gguf(tmp)
             peer, batched, peer_error = {}, {}, ""
             if bin_dir:
                 try:

@@ -300,12 +300,11 @@ def _note(d: dict) -> str:
 
 def _case(ctx, bin_dir):
     def run():
-        from .llamacpp import write_synthetic_gguf
+        from .llamacpp import synthetic_gguf
 
         reqs = workload()
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "synthetic-llama3-8b-q4_k_m.gguf")
-            write_synthetic_gguf(path, vocab=True)
+            path = synthetic_gguf(tmp, vocab=True)
             engine_rate = _engine_window(path)
             print(f"\n[serve] LLM in-process, batch 64: {engine_rate:.0f} tokens/s", flush=True)
             ours, window, idle, after = _ours(path, reqs)

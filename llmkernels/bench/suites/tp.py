@@ -4,6 +4,7 @@ The engine suite's Llama-3-8B-shaped synthetic model (random weights, llama.cpp'
 synthetic vocabulary) is written once; ``LLM(path, tensor_parallel_size=N)`` loads it for each N. Rows: decode
 tokens/s at 1, 16 and 64 sequences (512-token prompts, 128 new tokens each) per N, with N = 1's figure as the anchor
 of the others; the bound of batch 1 is the read bandwidth over the weight bytes one rank reads per step (its shard).
+``$LLMK_TP_SIZES`` picks the sizes (default ``1,2,4``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from ..harness import Row
 
 BATCHES = (1, 16, 64)
 PROMPT, GEN = 512, 128
+
+
+def _sizes() -> list:
+    """Tensor-parallel sizes to measure: ``$LLMK_TP_SIZES`` (for example ``1,4``), else 1, 2 and 4."""
+    env = os.environ.get("LLMK_TP_SIZES", "1,2,4")
+    try:
+        return [int(n) for n in env.split(",")]
+    except ValueError:
+        raise ValueError(f"LLMK_TP_SIZES must be a comma-separated list of integers, got {env!r}") from None
 
 
 def decode_rate(llm, batch: int, seed: int = 0) -> float:
@@ -40,13 +50,12 @@ def decode_rate(llm, batch: int, seed: int = 0) -> float:
 def _case(ctx):
     def run():
         from ...engine import LLM
-        from .llamacpp import write_synthetic_gguf
+        from .llamacpp import synthetic_gguf
 
-        sizes = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
+        sizes = [n for n in _sizes() if n <= torch.cuda.device_count()]
         rows, base = [], {}
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "synthetic-llama3-8b-q4_k_m.gguf")
-            write_synthetic_gguf(path, vocab=True)
+            path = synthetic_gguf(tmp, vocab=True)
             for n in sizes:
                 # TP > 1 twice: all-reduce on NCCL, then on symmetric memory (engine.allreduce), batch 1 only on NCCL
                 for mode in (["auto"] if n == 1 else ["nccl", "symm"]):
@@ -94,9 +103,7 @@ def _ar_rank(rank, world, init_method, hidden, batches, reps, queue):
             ar = AllReduce(None, torch.device("cuda", rank), torch.bfloat16, mode=mode)
             for b in batches:
                 x = torch.full((b, hidden), 1.0 + rank, dtype=torch.bfloat16, device="cuda")
-                ar(x)
-                ok = bool((x == world * (world + 1) / 2).all())  # small integers: exact in bf16
-                x.zero_()  # stays 0 through the repeated sums below
+                ok = bool((ar(x) == world * (world + 1) / 2).all())  # small integers: exact in bf16
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
