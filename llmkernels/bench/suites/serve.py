@@ -161,7 +161,7 @@ def _wait_healthy(url: str, proc, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
+            raise RuntimeError(f"server exited {proc.returncode}: {_tail(proc.log)}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return
@@ -171,9 +171,19 @@ def _wait_healthy(url: str, proc, timeout: float = 300) -> None:
     raise RuntimeError("server did not become healthy")
 
 
+def _tail(f, n: int = 2000) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-n:]
+
+
 class _Proc:
+    """A server process whose output goes to a file: a pipe nobody reads fills up and stalls a server that logs."""
+
     def __init__(self, cmd, env=None):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc.log = self.log
 
     def __enter__(self):
         return self.proc
@@ -184,6 +194,7 @@ class _Proc:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def _ttft_of(url, model, ids) -> float:
