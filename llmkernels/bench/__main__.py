@@ -2,7 +2,7 @@
 
     python -m llmkernels.bench                 # every suite
     python -m llmkernels.bench prefill decode  # some suites
-    python -m llmkernels.bench llamacpp --llama-cpp DIR   # our engine and llama.cpp on one GGUF
+    python -m llmkernels.bench llamacpp serve --llama-cpp DIR   # our engine and server beside llama.cpp's
     python -m llmkernels.bench --plot bench/results/FILE.json
     python -m llmkernels.bench --report        # bench/RESULTS.md from the committed files
 """
@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
     p.add_argument("--llama-cpp", metavar="DIR", default=None,
-                   help="folder of a llama.cpp build (llama-bench, llama-batched-bench) for the llamacpp suite's "
-                        "peer rows (default: $LLMK_LLAMA_CPP)")
+                   help="folder of a llama.cpp build for the peer rows: llama-bench and llama-batched-bench for the "
+                        "llamacpp suite, llama-server for the serve suite (default: $LLMK_LLAMA_CPP)")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="draw a PNG chart of a results file and exit")
     p.add_argument("--report", action="store_true",
                    help="write bench/RESULTS.md from the newest results file of each GPU and suite, and exit")

@@ -138,7 +138,7 @@ class Context:
     copy_bw_TBps: float
     matmul_TFLOPs: float
     quick: bool = False
-    llama_cpp: str | None = None  # folder of a llama.cpp build (llama-bench, llama-batched-bench) for peer rows
+    llama_cpp: str | None = None  # folder of a llama.cpp build (llama-bench, llama-batched-bench, llama-server)
 
     def bw_pct(self, tbps: float | None) -> float | None:
         return None if tbps is None else 100.0 * tbps / self.read_bw_TBps
