@@ -26,8 +26,7 @@ def load_model(f, device, spec: dict, progress: bool, shard=None) -> Model:
         expect_shapes(cfg, f)  # the whole file first: errors name the file's tensors, not a shard's
         tensors, mcfg = shard_tensors(f, cfg, shard), local_config(cfg, shard)
     model_cls = TorchModel if spec["backend"] == "torch" else Model
-    model = model_cls(mcfg, tensors, device, spec["dtype"], progress=progress_fn, act_int8=spec["act_int8"],
-                      tp=shard)
+    model = model_cls(mcfg, tensors, device, spec["dtype"], progress=progress_fn, tp=shard)
     model.full_cfg = cfg
     return model
 
@@ -61,7 +60,7 @@ def build_runner(model: Model, device, spec: dict) -> ModelRunner:
     return ModelRunner(model, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
                        kv_dtype=kv_dtype, cuda_graphs=spec["cuda_graphs"],
                        max_graph_batch=min(spec["max_graph_batch"], spec["max_num_seqs"]),
-                       num_splits=spec["num_splits"],
+                       num_splits=spec["num_splits"], act_int8=spec["act_int8"],
                        max_extend_graph=next((t for t in EXTEND_TOKENS if t >= spec["max_num_batched_tokens"]),
                                              EXTEND_TOKENS[-1]))
 

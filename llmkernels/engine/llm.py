@@ -158,7 +158,6 @@ class LLM:
         self.backend = getattr(_model, "backend", "triton")
         if backend != self.backend:
             raise ValueError(f"backend {backend!r} was asked for a model built for {self.backend!r}")
-        _model.act_int8 = act_int8
         self.model = _model
         self.tokenizer = _tokenizer
         # the whole model's config (on a tensor-parallel rank the model holds its share's)

@@ -130,13 +130,10 @@ class Model:
 
     backend = "triton"  # the forward runs llmkernels' kernels (torch_model.TorchModel: plain torch)
 
-    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None,
-                 act_int8: bool = False, tp=None):
+    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype=torch.bfloat16, progress=None, tp=None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        # round GEMV activations to int8 per block of 32 (gemv's act_int8)
-        self.act_int8 = act_int8
         # tp.TPShard: this rank's part of the model; ``tensors`` and ``cfg`` are then its shard's (build.load_model)
         self.tp = tp if tp is not None and tp.active else None
         self._expect_shapes(tensors, vocab_rows=self.tp.vocab_per_rank if self.tp is not None else None)
@@ -220,39 +217,40 @@ class Model:
         return self.weight_bytes - emb_full + per_row - idle
 
     # --- forward --------------------------------------------------------------------------------------------------
-    def _lanes(self, T: int, *mats) -> bool:
+    def _lanes(self, T: int, i8: bool, *mats) -> bool:
         """Whether the kernel producing these matrices' input should also write it in lane order: q4_k at batch 1
         reads activations laid out for its loads (qgemv.m1.lane_pos). LLMK_LANES=0 turns it off (for A/B runs)."""
         if os.environ.get("LLMK_LANES", "1") == "0":
             return False
-        return all(route.lanes_apply(T, self.dtype, m.format, m.shape[1], self.act_int8, m.data.data_ptr() % 16 == 0)
+        return all(route.lanes_apply(T, self.dtype, m.format, m.shape[1], i8, m.data.data_ptr() % 16 == 0)
                    for m in mats)
 
-    def _i8(self, T: int, *mats) -> bool:
+    def _i8(self, T: int, i8: bool, *mats) -> bool:
         """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: with
         act_int8, q4_k, q5_k and q6_k (K a multiple of 2048) at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0
         turns it off (then gemv rounds x in a launch of its own; for A/B runs)."""
-        if not self.act_int8 or T != 1 or os.environ.get("LLMK_I8NORM", "1") == "0":
+        if not i8 or T != 1 or os.environ.get("LLMK_I8NORM", "1") == "0":
             return False
         return all(i8_lanes_supports(m.data, m.format, m.shape[1]) for m in mats)
 
-    def _gemv(self, x, xl, m):
+    def _gemv(self, x, xl, m, i8: bool):
         if isinstance(xl, tuple):  # (q, ds): x rounded to int8 in i8 lane order
             return gemv_i8_lanes(*xl, m, x.dtype)
-        return gemv_lanes(x, xl, m) if xl is not None else gemv(x, m, act_int8=self.act_int8)
+        return gemv_lanes(x, xl, m) if xl is not None else gemv(x, m, act_int8=i8)
 
-    def _norm(self, T, mats, *args, **kw):
+    def _norm(self, T, i8, mats, *args, **kw):
         """add_rmsnorm, -> (x, x in lane order, or (q, ds) of x rounded to int8 in i8 lane order, or None)."""
-        if self._i8(T, *mats):
+        if self._i8(T, i8, *mats):
             return add_rmsnorm(*args, **kw, i8=True)
-        if self._lanes(T, *mats):
+        if self._lanes(T, i8, *mats):
             return add_rmsnorm(*args, **kw, lanes=True)
         return add_rmsnorm(*args, **kw), None
 
-    def _qkv(self, x, layer, xl=None):
-        if len(layer.qkv) == 1:
-            return self._gemv(x, xl, layer.qkv[0])
-        return torch.cat([self._gemv(x, xl, m) for m in layer.qkv], dim=1)
+    def _stacked(self, x, xl, mats, i8: bool):
+        """The product with matrices stored as one stack or as separate pieces (concatenated along N)."""
+        if len(mats) == 1:
+            return self._gemv(x, xl, mats[0], i8)
+        return torch.cat([self._gemv(x, xl, m, i8) for m in mats], dim=1)
 
     def _moe(self, x, layer):
         """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn."""
@@ -260,21 +258,13 @@ class Model:
         w, e = moe_route(gemv(x, router), self.cfg.n_experts_used, self.cfg.expert_norm)
         return moe_ffn(x, w, e, gate, up, down, self.cfg.n_experts)
 
-    def _mlp(self, x, layer, xl=None):
+    def _mlp(self, x, layer, xl, i8: bool):
         if layer.moe is not None:
             return self._moe(x, layer)
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
-        i8 = self.act_int8
+        gu = self._stacked(x, xl, layer.gate_up, i8)
         if self.cfg.act != "silu":  # GeGLU: the activation kernel, then the down projection
-            if len(layer.gate_up) == 1:
-                gu = self._gemv(x, xl, layer.gate_up[0])
-            else:
-                gu = torch.cat([self._gemv(x, xl, m) for m in layer.gate_up], dim=1)
             return gemv(silu_mul(gu, act=self.cfg.act), layer.down, act_int8=i8)
-        if len(layer.gate_up) == 1:
-            gu = self._gemv(x, xl, layer.gate_up[0])
-        else:
-            gu = torch.cat([self._gemv(x, xl, m) for m in layer.gate_up], dim=1)
         F = gu.shape[1] // 2
         if i8 and gu.shape[0] <= route.I8_MAX_M.get(layer.down.format, 0):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
@@ -282,12 +272,15 @@ class Model:
         # exact mode keeps the separate product: silu_mul_gemv's m1 path measured 28.7 us against 26.7 for the two
         # steps (q4_k 4096 x 14336, H100, file 20261122-204954); the engine's q4_k batch 1 ran 246.9 tok/s with it
         # there, 261.9 without in an earlier run on another machine (file 20261122-192031)
-        if self._lanes(gu.shape[0], layer.down):
+        if self._lanes(gu.shape[0], i8, layer.down):
             return gemv_lanes(*silu_mul(gu, lanes=True), layer.down)
         return gemv(silu_mul(gu), layer.down, act_int8=i8)
 
-    def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
-        """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``."""
+    def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0),
+                act_int8: bool = False) -> torch.Tensor:
+        """Run one step over ``inp``'s tokens; returns float32 logits [S, vocab] for ``inp.logits_idx``.
+        ``act_int8``: the projections round their activations to int8 per block of 32 (gemv's act_int8)."""
+        i8 = act_int8
         cfg = self.cfg
         T = inp.ids.shape[0]
         h = self._embed(inp.ids)  # the residual stream
@@ -295,9 +288,9 @@ class Model:
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         delta = None
         for li, layer in enumerate(self.layers):
-            x, xl = self._norm(T, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
+            x, xl = self._norm(T, i8, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
                                residual=h if delta is not None else None)
-            qkv = self._qkv(x, layer, xl)
+            qkv = self._stacked(x, xl, layer.qkv, i8)
             inv_freq, mscale = self.ropes[layer.rope]
             q = rope_store(qkv, inp.positions, inp.slots, inv_freq, k_caches[li], v_caches[li],
                            n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, neox=cfg.rope_style == "neox",
@@ -308,18 +301,19 @@ class Model:
                                 inp.max_q, causal=True, plan=plan, validate=False, softmax_scale=cfg.attn_scale or None,
                                 window_size=(layer.window, -1), softcap=cfg.attn_softcap,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
-            delta = self._reduce(gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=self.act_int8))
+            delta = self._reduce(gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=i8))
             if layer.post_attn_norm is not None:
                 delta = add_rmsnorm(delta, layer.post_attn_norm, cfg.rms_eps)
-            x, xl = self._norm(T, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps, residual=h)
-            delta = self._reduce(self._mlp(x, layer, xl))
+            x, xl = self._norm(T, i8, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps,
+                               residual=h)
+            delta = self._reduce(self._mlp(x, layer, xl, i8))
             if layer.post_ffn_norm is not None:
                 delta = add_rmsnorm(delta, layer.post_ffn_norm, cfg.rms_eps)
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
-        x, xl = self._norm(hs.shape[0], [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs)
-        return self._softcap(self._gather_logits(self._gemv(x, xl, self.output).float()))
+        x, xl = self._norm(hs.shape[0], i8, [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs)
+        return self._softcap(self._gather_logits(self._gemv(x, xl, self.output, i8).float()))
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_softcap

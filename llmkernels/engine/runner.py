@@ -57,8 +57,10 @@ class ModelRunner:
     """The KV cache of ``num_pages`` pages and the forward steps over it."""
 
     def __init__(self, model: Model, *, page_size: int, num_pages: int, max_model_len: int, kv_dtype: torch.dtype,
-                 cuda_graphs: bool, max_graph_batch: int, num_splits: int, max_extend_graph: int = 512):
+                 cuda_graphs: bool, max_graph_batch: int, num_splits: int, max_extend_graph: int = 512,
+                 act_int8: bool = False):
         self.model = model
+        self.act_int8 = act_int8  # every step's projections round their activations to int8 (Model.forward)
         self.cfg = cfg = model.cfg
         self.device = model.device
         self.dtype = model.dtype
@@ -133,7 +135,7 @@ class ModelRunner:
                          torch.tensor(step.slots, dtype=torch.int64).to(dev),
                          torch.tensor(step.page_table, **i32).to(dev), lens_h.to(dev), cu_h.to(dev), step.max_q,
                          torch.tensor(step.logits_idx, dtype=torch.int64).to(dev))
-        return self.model.forward(inp, self.k_caches, self.v_caches, plan)
+        return self.model.forward(inp, self.k_caches, self.v_caches, plan, act_int8=self.act_int8)
 
     def copy_pages(self, pairs) -> None:
         """Copy whole pages (every layer's K and V) from ``src`` to ``dst`` for each (src, dst) in ``pairs``."""
@@ -202,7 +204,8 @@ class _Graph:
 
     def _capture(self, runner: ModelRunner) -> None:
         dev = runner.device
-        fwd = lambda: runner.model.forward(self.inp, runner.k_caches, runner.v_caches, self.plan)  # noqa: E731
+        fwd = lambda: runner.model.forward(self.inp, runner.k_caches, runner.v_caches, self.plan,  # noqa: E731
+                                           act_int8=runner.act_int8)
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):

@@ -87,7 +87,10 @@ class TorchModel(Model):
         else:
             flat[slots[keep]] = vals[keep].to(self.dtype).to(cache.dtype)
 
-    def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+    def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0),
+                act_int8: bool = False) -> torch.Tensor:
+        if act_int8:
+            raise ValueError("act_int8=True needs the kernels (backend='triton'); the torch backend computes exactly")
         cfg = self.cfg
         T, Hq, Hkv, D = inp.ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if self.tp is None:

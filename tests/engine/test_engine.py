@@ -286,7 +286,7 @@ def test_cli_generate_act_int8(model_files, capsys, monkeypatch):
     monkeypatch.setattr(llmkernels.engine, "LLM", Recording)
     assert main(["generate", path, "--prompt", PROMPTS[0], "--max-tokens", "3", "--ignore-eos", "--act-int8"]) == 0
     assert capsys.readouterr().out == PROMPTS[0] + want + "\n"
-    assert len(made) == 1 and made[0].model.act_int8
+    assert len(made) == 1 and made[0].runner.act_int8
 
 
 @pytest.mark.gpu
