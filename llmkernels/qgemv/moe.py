@@ -7,6 +7,12 @@ is [n_expert * N, K], expert e's matrix being rows e * N .. (e + 1) * N. A route
 expert rows in registers (the generic kernel's ``dequant_tile``, so every GGUF format and MLX affine work) and
 multiplies it with its token's activations. Experts that no token chose are never read. Gate and up can run fused
 (``silu(x W_gate^T) * (x W_up^T)`` in one pass over both), so an MoE FFN is two launches plus the weighted sum.
+
+Prefill has many pairs per expert, and a GEMV per pair would read each expert's weights once per pair. There the
+pairs are grouped by expert instead (sorted and padded to whole blocks of ``BLOCK_M`` pairs of one expert, on the
+device, without a host sync), and each program multiplies one block's gathered activation rows with a dequantized
+tile of its expert on the tensor cores: each expert's weights are read once per block of pairs.
+``route.moe_grouped`` decides between the two.
 """
 from __future__ import annotations
 
@@ -57,6 +63,76 @@ def moe_gemv_kernel(X, EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB
     if DUAL:
         out = out / (1.0 + tl.exp(-out)) * tl.sum(acc2, axis=1)
     tl.store(Y + pair * stride_ym + local, out.to(Y.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y,
+                       N, K, E, stride_xm, stride_ym, row_bytes, scale_stride, nblocks,
+                       FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
+                       BLOCK_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DUAL: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (n tile, block b): for the pairs p of block b, all of expert BLOCK_EXPERT[b] (-1: an unused block),
+    Y[p, rows] = X[TOKEN[p]] . W[e * N + rows] (silu(. W) * (. V) with DUAL)."""
+    BLOCK_K: tl.constexpr = NB * NSUB * SUB
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    e_raw = tl.load(BLOCK_EXPERT + b).to(tl.int64)
+    e = tl.minimum(tl.maximum(e_raw, 0), E - 1)
+    pairs = tl.load(PAIRS + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_ok = pairs >= 0
+    t = tl.load(TOKEN + pairs, mask=pair_ok, other=0).to(tl.int64)
+    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = local < N
+    rows = e * N + local.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    steps = tl.where(e_raw >= 0, nblocks, 0)  # an unused block reads nothing
+    for kb in range(0, steps, NB):
+        blk = kb + tl.arange(0, NB)
+        blk_ok = blk < nblocks
+        kk = kb * (NSUB * SUB) + tl.arange(0, BLOCK_K)
+        x = tl.load(X + t[:, None] * stride_xm + kk[None, :], mask=pair_ok[:, None] & (kk[None, :] < K), other=0.0)
+        w = dequant_tile(W8, W16, WI8, WS, WB, row_bytes, rows, blk, row_ok, blk_ok, scale_stride, K,
+                         FMT, NB, NSUB, SUB, BLOCK_BYTES, BITS).reshape(BLOCK_N, BLOCK_K)
+        if DOT_F32:  # fp32 activations, and the interpreter (whose bf16 dot is wrong)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        if DUAL:
+            w2 = dequant_tile(V8, V16, VI8, VS, VB, row_bytes, rows, blk, row_ok, blk_ok, scale_stride, K,
+                              FMT, NB, NSUB, SUB, BLOCK_BYTES, BITS).reshape(BLOCK_N, BLOCK_K)
+            if DOT_F32:
+                acc2 = tl.dot(x.to(tl.float32), tl.trans(w2), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(x, tl.trans(w2.to(x.dtype)), acc2)
+    if DUAL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    tl.store(Y + pairs[:, None] * stride_ym + local[None, :], acc.to(Y.dtype.element_ty),
+             mask=pair_ok[:, None] & row_ok[None, :])
+
+
+def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The pairs sorted by expert and padded to whole blocks of ``block_m`` pairs of one expert, on the device and
+    without a host sync (the block count is its upper bound). Returns (pairs int32 [blocks * block_m], -1 in the
+    padding; block_expert int32 [blocks], -1 for blocks past the last expert's)."""
+    dev = expert_ids.device
+    P = expert_ids.shape[0]
+    blocks = -(-P // block_m) + min(num_experts, P)
+    e = expert_ids.long()
+    order = torch.argsort(e, stable=True)
+    counts = torch.bincount(e, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
+    pstart = torch.cumsum(padded, 0) - padded  # its first slot
+    e_sorted = e[order]
+    slot = pstart[e_sorted] + torch.arange(P, device=dev) - start[e_sorted]
+    pairs = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=dev)
+    pairs[slot] = order.to(torch.int32)
+    ends = torch.cumsum(padded, 0)  # a block starting at slot s belongs to the first expert whose end exceeds s
+    first = torch.arange(blocks, device=dev) * block_m
+    owner = torch.searchsorted(ends, first, right=True)
+    block_expert = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    return pairs, block_expert
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -113,6 +189,8 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
     y = empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
+    if route.moe_grouped(P, num_experts):
+        return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y)
     K = qt.shape[-1]
     data = qt.data
     row_bytes = data.shape[-1] * data.element_size()
@@ -135,6 +213,32 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
         qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
         FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
         BLOCK_N=block_n, DUAL=qt_up is not None, num_warps=warps, num_stages=1 if interpreter_mode() else stages)
+    return y
+
+
+def _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y):
+    K = qt.shape[-1]
+    data = qt.data
+    nsub, sub, block_bytes, nblocks, _ = route.layout(qt.format, K, qt.group_size)
+    block_m, block_n, nb, warps = route.moe_grouped_config(target(x.device), nsub * sub, expert_ids.shape[0],
+                                                            num_experts)
+    pairs, block_expert = group_pairs(expert_ids, num_experts, block_m)
+    w8, w16, wi8 = _views(data)
+    ws = qt.scales if qt.scales is not None else w16
+    wb = qt.biases if qt.biases is not None else w16
+    if qt_up is not None:
+        v8, v16, vi8 = _views(qt_up.data)
+        vs = qt_up.scales if qt_up.scales is not None else v16
+        vb = qt_up.biases if qt_up.biases is not None else v16
+    else:
+        v8, v16, vi8, vs, vb = w8, w16, wi8, ws, wb
+    moe_grouped_kernel[(triton.cdiv(N, block_n), block_expert.shape[0])](
+        x, pairs, block_expert, token_ids, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
+        N, K, num_experts, x.stride(0), y.stride(0), data.shape[-1] * data.element_size(),
+        qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
+        FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, DUAL=qt_up is not None,
+        DOT_F32=interpreter_mode() or x.dtype == torch.float32, num_warps=warps, num_stages=1)
     return y
 
 

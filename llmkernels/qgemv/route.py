@@ -32,6 +32,7 @@ from ..tuning import lookup
 
 OPS = ("gemv", "silu_mul", "gate_up", "lanes")  # y = x W^T; silu(x) * x2 then W; silu(x G^T) * (x U^T); x in lanes
 KERNELS = ("cublas", "dequant", "lanes", "glu", "i8", "i8_lanes", "tc", "m1", "planes", "generic")
+MOE_KERNELS = ("moe_gemv", "moe_grouped")  # qgemv.moe: a GEMV per (token, expert) pair; pairs grouped by expert
 
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
@@ -135,12 +136,17 @@ def override(fn=None, *, exclude=()):
     ``fn(query, route) -> Route | None`` may replace its answer (a Query and the Route the table chose). For A/B
     experiments and tuning, e.g. the m1 kernel's configs where the tensor cores would serve:
     ``with route.override(exclude={"tc"}): ...``; or x never read by TMA:
-    ``route.override(lambda q, r: dataclasses.replace(r, xt=False, config=...) if r.xt else None)``."""
+    ``route.override(lambda q, r: dataclasses.replace(r, xt=False, config=...) if r.xt else None)``. ``exclude``
+    takes MOE_KERNELS too (``moe_grouped``)."""
     _OVERRIDES.append((fn, frozenset(exclude)))
     try:
         yield
     finally:
         _OVERRIDES.pop()
+
+
+def _excluded() -> frozenset:
+    return frozenset().union(*(ex for _, ex in _OVERRIDES)) if _OVERRIDES else frozenset()
 
 
 def tc_name(fmt: str, bits: int) -> str:
@@ -320,6 +326,29 @@ def tc_rows(M: int) -> int:
     return 16 if M <= 16 else (32 if M <= 32 else 64)
 
 
+# --- mixture of experts -----------------------------------------------------------------------------------------
+def moe_grouped(pairs: int, num_experts: int) -> bool:
+    """Whether an MoE product of ``pairs`` (token, expert) pairs runs grouped by expert (qgemv.moe's tensor-core
+    kernel, each chosen expert's weights read once per block of its pairs) instead of a GEMV per pair: once some
+    expert has two pairs, the per-pair GEMV reads its weights twice. A byte count, not a measured crossover."""
+    excluded = _excluded()
+    if "moe_grouped" in excluded or "moe_gemv" in excluded:
+        return "moe_grouped" not in excluded
+    return pairs > num_experts
+
+
+def moe_grouped_config(t: Target, block_weights: int, pairs: int, num_experts: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, NB, warps) of the grouped MoE kernel. ``block_weights``: weights per format block; NB of
+    them make a K step of at least 128. BLOCK_M follows the mean pairs per expert (padding wastes less); BLOCK_N
+    keeps a dequantized tile at 8192 weights. Untuned."""
+    nb = max(1, 128 // block_weights)
+    bk = nb * block_weights
+    if t.interpreter:
+        return 16, 16, nb, 4
+    mean = pairs / num_experts
+    return (16 if mean <= 16 else 32 if mean <= 32 else 64), max(16, 8192 // bk), nb, 4
+
+
 # --- the table --------------------------------------------------------------------------------------------------
 def choose(op: str, fmt: str, M: int, N: int, K: int, dtype: torch.dtype, act_int8: bool = False, *, bits: int = 0,
            group_size: int = 0, operands: Operands = Operands(), target: Target = Target("default")) -> Route:
@@ -331,7 +360,7 @@ def choose(op: str, fmt: str, M: int, N: int, K: int, dtype: torch.dtype, act_in
     if min(M, N, K) < 1:
         raise ValueError(f"M, N and K must be positive, got M={M}, N={N}, K={K}")
     q = Query(op, fmt, M, N, K, dtype, act_int8, bits or 0, group_size or 0)
-    excluded = frozenset().union(*(ex for _, ex in _OVERRIDES)) if _OVERRIDES else frozenset()
+    excluded = _excluded()
     route = _choose(q, operands, target, excluded)
     for fn, _ in _OVERRIDES:
         if fn is not None:

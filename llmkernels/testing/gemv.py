@@ -57,7 +57,12 @@ def moe_gemv_ref(x, qt, num_experts, expert_ids, token_ids=None, dtype=torch.flo
     w = _dense(qt, dtype).to(x.device)
     w = w.reshape(num_experts, -1, w.shape[-1])
     tok = token_ids.long() if token_ids is not None else torch.arange(expert_ids.shape[0], device=x.device)
-    return torch.einsum("pk,pnk->pn", x.to(dtype)[tok], w[expert_ids.long()])
+    xs = x.to(dtype)[tok]
+    out = torch.zeros(expert_ids.shape[0], w.shape[1], dtype=dtype, device=x.device)
+    for ex in expert_ids.unique().tolist():  # one product per expert: [P, N, K] gathered would not fit
+        rows = (expert_ids == ex).nonzero().flatten()
+        out[rows] = xs[rows] @ w[ex].T
+    return out
 
 
 def moe_gate_up_silu_ref(x, qt_gate, qt_up, num_experts, expert_ids, token_ids=None, dtype=torch.float64):

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import llmkernels as lk
-from llmkernels.qgemv.moe import moe_gate_up_silu, moe_gemv, moe_route
+from llmkernels.qgemv import route
+from llmkernels.qgemv.moe import group_pairs, moe_ffn, moe_gate_up_silu, moe_gemv, moe_route
 from llmkernels.testing import assert_close, moe_gate_up_silu_ref, moe_gemv_ref
 
 FORMATS = [("f16", {}), ("bf16", {}), ("q8_0", {}), ("q4_0", {}), ("q5_1", {}), ("q4_k", {}), ("q6_k", {}),
@@ -20,10 +21,16 @@ def rel_close(y, ref, dtype):
     assert_close(y, ref, dtype, atol=tol * (ref.abs().max().item() + 1e-6), rtol=tol)
 
 
+@pytest.mark.parametrize("path", ["moe_gemv", "moe_grouped"])
 @pytest.mark.parametrize("fmt,kw", FORMATS, ids=ids)
-def test_moe_gemv_every_format(fmt, kw, device):
+def test_moe_gemv_every_format(fmt, kw, path, device):
     """5 experts of 19 rows, 3 tokens x top 3 (pairs in any order, expert 2 chosen by nobody), a single pair, and
-    the down projection's one row per pair."""
+    the down projection's one row per pair; a GEMV per pair, then the pairs grouped by expert."""
+    with route.override(exclude={"moe_gemv", "moe_grouped"} - {path}):
+        _every_format(fmt, kw, device)
+
+
+def _every_format(fmt, kw, device):
     E, N, K = 5, 19, 256
     qt = stacked(fmt, kw, E, N, K, device)
     x = torch.randn(3, K, dtype=torch.float16, device=device)
@@ -53,6 +60,53 @@ def test_moe_gate_up_silu(fmt, kw, dtype, device):
     h = moe_gate_up_silu(x, gate, up, E, e.flatten(), tok)
     assert h.shape == (6, F) and h.dtype == dtype
     rel_close(h, moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok), dtype)
+
+
+def test_group_pairs(device):
+    """Every pair in exactly one slot, each block holding pairs of its expert only, padding -1, blocks past the
+    last expert's marked -1; experts nobody chose take no block."""
+    E, bm = 6, 4
+    e = torch.tensor([5, 0, 5, 3, 0, 5, 5, 5, 0, 3, 5], dtype=torch.int32, device=device)
+    pairs, owner = group_pairs(e, E, bm)
+    assert pairs.shape[0] == owner.shape[0] * bm
+    got = pairs[pairs >= 0].sort().values
+    assert got.tolist() == list(range(e.shape[0]))
+    blocks = pairs.view(-1, bm).cpu()
+    for b, o in enumerate(owner.cpu().tolist()):
+        members = blocks[b][blocks[b] >= 0]
+        if o < 0:
+            assert members.numel() == 0
+        else:
+            assert members.numel() > 0 and (e.cpu()[members.long()] == o).all()
+    assert sorted(set(owner.cpu().tolist()) - {-1}) == [0, 3, 5]
+    assert owner.cpu().tolist().count(5) == 2  # 6 pairs of expert 5 in blocks of 4
+
+
+@pytest.mark.parametrize("fmt,kw", [("q4_k", {}), ("q8_0", {}), ("q6_k", {}), ("mlx", dict(bits=4, group_size=32))],
+                         ids=["q4_k", "q8_0", "q6_k", "mlx4g32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_moe_ffn_prefill_grouped(fmt, kw, dtype, device):
+    """A prefill-sized MoE FFN (23 tokens, top 3 of 7 experts, two of them never chosen, F = 256, H = 512): the
+    grouped kernels against float64 per-pair products, and in fp16 against the GEMV per pair (outputs start as
+    NaN)."""
+    E, F, H, T, k = 7, 256, 512, 23, 3
+    gate, up = stacked(fmt, kw, E, F, H, device), stacked(fmt, kw, E, F, H, device)
+    down = stacked(fmt, kw, E, H, F, device)
+    x = torch.randn(T, H, dtype=dtype, device=device)
+    logits = torch.randn(T, E, device=device)
+    logits[:, [1, 4]] = -1e4  # experts 1 and 4: chosen by nobody
+    w, e = moe_route(logits, top_k=k)
+    assert route.moe_grouped(T * k, E)
+    tok = torch.arange(T, device=device).repeat_interleave(k)
+    h = moe_gate_up_silu(x, gate, up, E, e.flatten(), tok)
+    ref_h = moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok)
+    rel_close(h, ref_h, dtype)
+    y = moe_ffn(x, w, e, gate, up, down, E)
+    ref = (moe_gemv_ref(h, down, E, e.flatten()).view(T, k, -1).double() * w.view(T, k, 1).double()).sum(1)
+    rel_close(y, ref, dtype)
+    if dtype == torch.float16:
+        with route.override(exclude={"moe_grouped"}):
+            rel_close(y, moe_ffn(x, w, e, gate, up, down, E).double(), dtype)
 
 
 def test_moe_route():
@@ -94,16 +148,19 @@ def test_moe_errors(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_gpu_moe_qwen3_30b_shapes(fmt, tokens):
-    """Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, expert FFN 768), compiled, bf16."""
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_moe_qwen3_30b_shapes(fmt, tokens, dtype):
+    """Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, expert FFN 768), compiled: a GEMV per pair
+    for 1 and 5 tokens, the pairs grouped by expert for a 300-token prefill."""
     E, F, H, k = 128, 768, 2048, 8
     gate, up = stacked(fmt, {}, E, F, H, "cuda"), stacked(fmt, {}, E, F, H, "cuda")
     down = stacked(fmt, {}, E, H, F, "cuda")
-    x = torch.randn(tokens, H, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(tokens, H, dtype=dtype, device="cuda")
     w, e = moe_route(torch.randn(tokens, E, device="cuda"), top_k=k)
+    assert route.moe_grouped(tokens * k, E) == (tokens == 300)
     tok = torch.arange(tokens, device="cuda").repeat_interleave(k)
     h = moe_gate_up_silu(x, gate, up, E, e.flatten(), tok)
-    rel_close(h, moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok), torch.bfloat16)
+    rel_close(h, moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok), dtype)
     y = moe_gemv(h, down, E, e.flatten())
-    rel_close(y, moe_gemv_ref(h, down, E, e.flatten()), torch.bfloat16)
+    rel_close(y, moe_gemv_ref(h, down, E, e.flatten()), dtype)
