@@ -113,14 +113,15 @@ def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, 
 
 def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """The pairs sorted by expert and padded to whole blocks of ``block_m`` pairs of one expert, on the device and
-    without a host sync (the block count is its upper bound). Returns (pairs int32 [blocks * block_m], -1 in the
+    without a host sync, so inside CUDA graphs too (the block count is its upper bound). Returns (pairs int32 [blocks * block_m], -1 in the
     padding; block_expert int32 [blocks], -1 for blocks past the last expert's)."""
     dev = expert_ids.device
     P = expert_ids.shape[0]
     blocks = -(-P // block_m) + min(num_experts, P)
     e = expert_ids.long()
     order = torch.argsort(e, stable=True)
-    counts = torch.bincount(e, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max id on the host, which CUDA-graph capture forbids
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
     pstart = torch.cumsum(padded, 0) - padded  # its first slot
