@@ -185,6 +185,13 @@ def _check_ids(expert_ids, token_ids, num_experts: int, num_tokens: int):
     return expert_ids.contiguous(), token_ids.contiguous()
 
 
+def _stack_views(qt) -> tuple:
+    """(W8, W16, WI8, WS, WB) kernel arguments of a stack: its bytes viewed three ways, its scales and biases (the
+    16-bit view stands in for those a format lacks)."""
+    w8, w16, wi8 = _views(qt.data)
+    return (w8, w16, wi8, qt.scales if qt.scales is not None else w16, qt.biases if qt.biases is not None else w16)
+
+
 def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
     P = expert_ids.shape[0]
     y = empty(P, N, dtype=x.dtype, device=x.device)
@@ -199,17 +206,9 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
     # the generic kernel's M = 1 config: each (token, expert) pair is a GEMV of one row
     block_n, nb, warps, stages = route.generic_config(target(x.device), qt.format, 1, N, K, qt.bits or 0,
                                                       qt.group_size or 0)
-    w8, w16, wi8 = _views(data)
-    ws = qt.scales if qt.scales is not None else w16
-    wb = qt.biases if qt.biases is not None else w16
-    if qt_up is not None:
-        v8, v16, vi8 = _views(qt_up.data)
-        vs = qt_up.scales if qt_up.scales is not None else v16
-        vb = qt_up.biases if qt_up.biases is not None else v16
-    else:
-        v8, v16, vi8, vs, vb = w8, w16, wi8, ws, wb
+    views = _stack_views(qt) + (_stack_views(qt_up) if qt_up is not None else _stack_views(qt))
     moe_gemv_kernel[(triton.cdiv(N, block_n), P)](
-        x, expert_ids, token_ids, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
+        x, expert_ids, token_ids, *views, y,
         N, K, num_experts, x.stride(0), y.stride(0), row_bytes,
         qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
         FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
@@ -224,17 +223,9 @@ def _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y):
     block_m, block_n, nb, warps = route.moe_grouped_config(target(x.device), nsub * sub, expert_ids.shape[0],
                                                             num_experts)
     pairs, block_expert = group_pairs(expert_ids, num_experts, block_m)
-    w8, w16, wi8 = _views(data)
-    ws = qt.scales if qt.scales is not None else w16
-    wb = qt.biases if qt.biases is not None else w16
-    if qt_up is not None:
-        v8, v16, vi8 = _views(qt_up.data)
-        vs = qt_up.scales if qt_up.scales is not None else v16
-        vb = qt_up.biases if qt_up.biases is not None else v16
-    else:
-        v8, v16, vi8, vs, vb = w8, w16, wi8, ws, wb
+    views = _stack_views(qt) + (_stack_views(qt_up) if qt_up is not None else _stack_views(qt))
     moe_grouped_kernel[(triton.cdiv(N, block_n), block_expert.shape[0])](
-        x, pairs, block_expert, token_ids, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
+        x, pairs, block_expert, token_ids, *views, y,
         N, K, num_experts, x.stride(0), y.stride(0), data.shape[-1] * data.element_size(),
         qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
         FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
