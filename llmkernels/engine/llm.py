@@ -28,6 +28,13 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "EngineStats"]
 
 
 @dataclasses.dataclass
+class _InFlight:
+    """A decode step launched before the previous step's tokens were read."""
+    batch: list  # [(sequence, new tokens)]
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass
 class EngineStats:
     steps: int = 0
     graph_steps: int = 0
@@ -176,7 +183,7 @@ class LLM:
         self.pool = PagePool(self.num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
         self.stats = EngineStats()
-        self._ahead = None  # (batch, logits) of a step launched before the previous one's tokens were read
+        self._ahead: _InFlight | None = None
         self._tokens_host = None
         self._chat = None
         self._chat_source = chat_template
@@ -309,7 +316,7 @@ class LLM:
         nxt = self.scheduler.schedule()
         if [(s, n) for s, n in nxt] != [(s, 1) for s, _ in batch]:
             raise RuntimeError("look-ahead scheduled another batch than this step's (engine bug)")
-        self._ahead = (nxt, self._launch(nxt, tokens))
+        self._ahead = _InFlight(nxt, self._launch(nxt, tokens))
         self.stats.ahead_steps += 1
 
     def _fork(self, sampled: list, logits: torch.Tensor) -> torch.Tensor:
@@ -341,7 +348,7 @@ class LLM:
         its next step is in flight has that step's result dropped. LLMK_LOOKAHEAD=0 turns this off (A/B runs)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # launched by the previous call
-            batch, logits = ahead
+            batch, logits = ahead.batch, ahead.logits
             keep = [k for k, (s, _) in enumerate(batch) if s.finish_reason is None]
             if not keep:
                 return self.step()
