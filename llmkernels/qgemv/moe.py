@@ -66,6 +66,15 @@ def moe_gemv_kernel(X, EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB
 
 
 @triton.jit
+def _dot_wt(x, w, acc, DOT_F32: tl.constexpr):
+    """acc + x @ w^T; DOT_F32: fp32 operands at IEEE precision (fp32 activations, and the interpreter, whose bf16
+    dot is wrong), else in x's dtype on the tensor cores."""
+    if DOT_F32:
+        return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
 def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y,
                        N, K, E, stride_xm, stride_ym, row_bytes, scale_stride, nblocks,
                        FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
@@ -94,17 +103,11 @@ def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, 
         x = tl.load(X + t[:, None] * stride_xm + kk[None, :], mask=pair_ok[:, None] & (kk[None, :] < K), other=0.0)
         w = dequant_tile(W8, W16, WI8, WS, WB, row_bytes, rows, blk, row_ok, blk_ok, scale_stride, K,
                          FMT, NB, NSUB, SUB, BLOCK_BYTES, BITS).reshape(BLOCK_N, BLOCK_K)
-        if DOT_F32:  # fp32 activations, and the interpreter (whose bf16 dot is wrong)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        acc = _dot_wt(x, w, acc, DOT_F32)
         if DUAL:
             w2 = dequant_tile(V8, V16, VI8, VS, VB, row_bytes, rows, blk, row_ok, blk_ok, scale_stride, K,
                               FMT, NB, NSUB, SUB, BLOCK_BYTES, BITS).reshape(BLOCK_N, BLOCK_K)
-            if DOT_F32:
-                acc2 = tl.dot(x.to(tl.float32), tl.trans(w2), acc2, input_precision="ieee")
-            else:
-                acc2 = tl.dot(x, tl.trans(w2.to(x.dtype)), acc2)
+            acc2 = _dot_wt(x, w2, acc2, DOT_F32)
     if DUAL:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     tl.store(Y + pairs[:, None] * stride_ym + local[None, :], acc.to(Y.dtype.element_ty),
@@ -113,8 +116,8 @@ def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, 
 
 def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """The pairs sorted by expert and padded to whole blocks of ``block_m`` pairs of one expert, on the device and
-    without a host sync, so inside CUDA graphs too (the block count is its upper bound). Returns (pairs int32 [blocks * block_m], -1 in the
-    padding; block_expert int32 [blocks], -1 for blocks past the last expert's)."""
+    without a host sync, so inside CUDA graphs too (the block count is its upper bound). Returns (pairs int32
+    [blocks * block_m], -1 in the padding; block_expert int32 [blocks], -1 for blocks past the last expert's)."""
     dev = expert_ids.device
     P = expert_ids.shape[0]
     blocks = -(-P // block_m) + min(num_experts, P)

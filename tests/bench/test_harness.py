@@ -89,3 +89,13 @@ def test_report_from_committed_results(tmp_path):
     assert "## NVIDIA H200" in text and "### decode" in text and "sdpa_cudnn (ratio)" in text
     out = write_report(results, tmp_path / "RESULTS.md")
     assert out.read_text() == text
+
+
+def test_tp_sizes_env(monkeypatch):
+    from llmkernels.bench.suites.tp import _sizes
+
+    monkeypatch.setenv("LLMK_TP_SIZES", "1,4")
+    assert _sizes() == [1, 4]
+    monkeypatch.setenv("LLMK_TP_SIZES", "1,two")
+    with pytest.raises(ValueError, match="LLMK_TP_SIZES must be a comma-separated list of integers, got '1,two'"):
+        _sizes()
