@@ -1,4 +1,6 @@
-"""Every kernel once on small odd shapes, for ``compute-sanitizer --tool memcheck python tools/memcheck.py``.
+"""Every kernel once on small odd shapes, for ``compute-sanitizer --tool memcheck python tools/memcheck.py``
+(``... memcheck.py moe`` for the MoE kernels alone; ``... --target-processes all python tools/memcheck.py tp`` for
+tensor parallelism on 2 GPUs).
 
 Shapes are chosen to hit the edges: lengths not multiple of any block, page size 1 and 3, groups of 7, empty
 sequences, K-quant and MLX 3-bit rows, M = 1 and 7, split-K and split-KV.
@@ -217,6 +219,29 @@ def tc_cases(dev="cuda"):
         lk.gemv(torch.randn(33, K, device=dev, dtype=torch.float16), qt)
 
 
+def tp_cases():
+    """Tensor parallelism on 2 GPUs, both all-reduces, decode graphs and a prompt chunk: a small q4_k_m llama split
+    in two (run ``compute-sanitizer --target-processes all python tools/memcheck.py tp``)."""
+    import os
+    import tempfile
+
+    from llmkernels.bench.suites.families import write_family_gguf
+    from llmkernels.engine import LLM, SamplingParams
+
+    spec = dict(arch="llama", layers=3, hidden=1024, ffn=2816, heads=8, kv_heads=2, head_dim=128, vocab=1000,
+                meta={"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 2048})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tp.gguf")
+        write_family_gguf(path, "small-llama", "q4_k_m", spec=spec, vocab=True)
+        for mode in ("nccl", "symm"):
+            os.environ["LLMK_ALLREDUCE"] = mode
+            with LLM(path, tensor_parallel_size=2, max_num_batched_tokens=64, max_graph_batch=4,
+                     progress=False) as llm:
+                params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+                llm.generate([list(range(3, 40)), list(range(7, 90)), [5]], params)
+                llm.generate([list(range(3, 300))], params)
+
+
 def moe_cases(dev="cuda"):
     """The MoE GEMV and the grouped kernel (each path forced): 5 experts of 37 rows, 3 tokens x top 3 with an
     expert nobody picks, a lone pair, [E, N, K] stacks, and the whole FFN on the router's output (3 and 11 tokens)."""
@@ -373,4 +398,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    # "tp": tensor parallelism alone (2 GPUs); "moe": the MoE kernels alone; no argument: every single-GPU kernel
+    {"tp": tp_cases, "moe": moe_cases}.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

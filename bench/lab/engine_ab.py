@@ -1,7 +1,7 @@
-"""A/B of an engine switch read from the environment (LLMK_PDL, LLMK_LANES): batch decode tokens/s of the synthetic
+"""A/B of an engine switch read from the environment (LLMK_PDL, LLMK_I8NORM): batch decode tokens/s of the synthetic
 Llama-3-8B, the variable set to 0 and 1 alternately, twice each, in one process.
 
-    python bench/lab/engine_ab.py LLMK_LANES [formats, e.g. q4_k,q8_0+i8] [batches, e.g. 1,16]
+    python bench/lab/engine_ab.py LLMK_I8NORM [formats, e.g. q4_k,q8_0+i8] [batches, e.g. 1,16]
     python bench/lab/engine_ab.py LLMK_L2PF=0,100000 ...   (other values than 0 and 1, alternating)
 """
 import gc

@@ -189,11 +189,12 @@ def more_bits(layer: int, n_layers: int) -> bool:
 def mix_format(fmt: str, gname: str, n_layers: int) -> str:
     """The format of GGUF tensor ``gname`` under ``fmt``: a GGUF format itself, or for the mixes q4_k_m and q5_k_m
     q6_k for output.weight and for attn_v / ffn_down in the more_bits layers, the base format (q4_k, q5_k) elsewhere
-    (llama.cpp's Q4_K_M and Q5_K_M for llama models)."""
+    (llama.cpp's Q4_K_M and Q5_K_M for llama models; its rule matches the expert stacks ffn_down_exps too)."""
     if fmt not in MIXES:
         return fmt
     parts = gname.split(".")
-    if gname == "output.weight" or (len(parts) > 3 and parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down")
+    if gname == "output.weight" or (len(parts) > 3 and parts[0] == "blk"
+                                    and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps")
                                     and more_bits(int(parts[1]), n_layers)):
         return "q6_k"
     return MIXES[fmt]

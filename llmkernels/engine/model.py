@@ -13,10 +13,8 @@ import os
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.int8 import i8_lanes_supports
 from ..qgemv.moe import moe_ffn, moe_route
-from ..qgemv import route
-from ..qgemv.ops import embedding, gemv, gemv_i8_lanes, gemv_lanes, silu_mul_gemv
+from ..qgemv.ops import embedding, route_table, run_route, table_route
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
@@ -190,6 +188,22 @@ class Model:
             self.ropes.append((inv_l.to(self.device), m_l))
         self.weight_bytes = self._stored_bytes()
         self.qkv_width = (Hq + 2 * Hkv) * D
+        self.bind_routes()
+
+    def bind_routes(self):
+        """Choose every projection's GEMV route once (qgemv.route, for each M and both act_int8 settings); forward
+        only looks them up. Called at load; call it again inside ``route.override`` to try other routes."""
+        tables = {}  # matrices of one format, shape and memory facts share a table
+        self._routes = {}
+        mats = [self.output] + [m for L in self.layers for m in (*L.qkv, L.wo, *L.gate_up, L.down)
+                                if m is not None]
+        mats += [L.moe[0] for L in self.layers if L.moe is not None]  # the routers; experts route per call (moe.py)
+        for m in mats:
+            key = (m.format, tuple(m.shape), m.bits, m.group_size, m.data.data_ptr() % 16 == 0,
+                   m.data.is_contiguous())
+            if key not in tables:
+                tables[key] = route_table(m, self.dtype)
+            self._routes[id(m)] = tables[key]
 
     def _expect_shapes(self, tensors, vocab_rows: int | None = None):
         expect_shapes(self.cfg, tensors, vocab_rows)
@@ -217,26 +231,26 @@ class Model:
         return self.weight_bytes - emb_full + per_row - idle
 
     # --- forward --------------------------------------------------------------------------------------------------
+    def _route(self, m, op: str, T: int, i8: bool):
+        return table_route(self._routes[id(m)], op, T, i8)
+
     def _lanes(self, T: int, i8: bool, *mats) -> bool:
-        """Whether the kernel producing these matrices' input should also write it in lane order: q4_k at batch 1
-        reads activations laid out for its loads (qgemv.m1.lane_pos). LLMK_LANES=0 turns it off (for A/B runs)."""
-        if os.environ.get("LLMK_LANES", "1") == "0":
-            return False
-        return all(route.lanes_apply(T, self.dtype, m.format, m.shape[1], i8, m.data.data_ptr() % 16 == 0)
-                   for m in mats)
+        """Whether the kernel producing these matrices' input should also write it in lane order: their routes read
+        x in lane order (q4_k at batch 1, qgemv.m1.lane_pos)."""
+        return all(self._route(m, "lanes", T, i8).kernel == "lanes" for m in mats)
 
     def _i8(self, T: int, i8: bool, *mats) -> bool:
-        """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: with
-        act_int8, q4_k, q5_k and q6_k (K a multiple of 2048) at batch 1 (qgemv.ops.gemv_i8_lanes). LLMK_I8NORM=0
-        turns it off (then gemv rounds x in a launch of its own; for A/B runs)."""
-        if not i8 or T != 1 or os.environ.get("LLMK_I8NORM", "1") == "0":
+        """Whether the RMSNorm producing these matrices' input should also round it to int8 in i8 lane order: their
+        routes with act_int8 are the int8 lane kernels. LLMK_I8NORM=0 turns the fusion off (then the GEMV rounds x
+        in a launch of its own; for A/B runs)."""
+        if not i8 or os.environ.get("LLMK_I8NORM", "1") == "0":
             return False
-        return all(i8_lanes_supports(m.data, m.format, m.shape[1]) for m in mats)
+        return all(self._route(m, "gemv", T, True).kernel == "i8_lanes" for m in mats)
 
     def _gemv(self, x, xl, m, i8: bool):
-        if isinstance(xl, tuple):  # (q, ds): x rounded to int8 in i8 lane order
-            return gemv_i8_lanes(*xl, m, x.dtype)
-        return gemv_lanes(x, xl, m) if xl is not None else gemv(x, m, act_int8=i8)
+        """x @ m^T by m's route; ``xl``: x in lane order, or (q, ds) of x rounded to int8 in i8 lane order."""
+        op = "lanes" if xl is not None and not isinstance(xl, tuple) else "gemv"
+        return run_route(self._route(m, op, x.shape[0], i8), op, x, m, xl)
 
     def _norm(self, T, i8, mats, *args, **kw):
         """add_rmsnorm, -> (x, x in lane order, or (q, ds) of x rounded to int8 in i8 lane order, or None)."""
@@ -255,7 +269,7 @@ class Model:
     def _moe(self, x, layer):
         """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn."""
         router, gate, up, down = layer.moe
-        w, e = moe_route(gemv(x, router), self.cfg.n_experts_used, self.cfg.expert_norm)
+        w, e = moe_route(self._gemv(x, None, router, False), self.cfg.n_experts_used, self.cfg.expert_norm)
         return moe_ffn(x, w, e, gate, up, down, self.cfg.n_experts)
 
     def _mlp(self, x, layer, xl, i8: bool):
@@ -264,17 +278,18 @@ class Model:
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
         gu = self._stacked(x, xl, layer.gate_up, i8)
         if self.cfg.act != "silu":  # GeGLU: the activation kernel, then the down projection
-            return gemv(silu_mul(gu, act=self.cfg.act), layer.down, act_int8=i8)
+            return self._gemv(silu_mul(gu, act=self.cfg.act), None, layer.down, i8)
         F = gu.shape[1] // 2
-        if i8 and gu.shape[0] <= route.I8_MAX_M.get(layer.down.format, 0):
+        r = self._route(layer.down, "silu_mul", gu.shape[0], i8)
+        if i8 and r.kernel in ("i8", "i8_lanes"):
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
-            return silu_mul_gemv(gu[:, :F], gu[:, F:], layer.down, act_int8=True)
+            return run_route(r, "silu_mul", gu[:, :F], layer.down, gu[:, F:])
         # exact mode keeps the separate product: silu_mul_gemv's m1 path measured 28.7 us against 26.7 for the two
         # steps (q4_k 4096 x 14336, H100, file 20261122-204954); the engine's q4_k batch 1 ran 246.9 tok/s with it
         # there, 261.9 without in an earlier run on another machine (file 20261122-192031)
         if self._lanes(gu.shape[0], i8, layer.down):
-            return gemv_lanes(*silu_mul(gu, lanes=True), layer.down)
-        return gemv(silu_mul(gu), layer.down, act_int8=i8)
+            return self._gemv(*silu_mul(gu, lanes=True), layer.down, i8)
+        return self._gemv(silu_mul(gu), None, layer.down, i8)
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0),
                 act_int8: bool = False) -> torch.Tensor:
@@ -301,7 +316,7 @@ class Model:
                                 inp.max_q, causal=True, plan=plan, validate=False, softmax_scale=cfg.attn_scale or None,
                                 window_size=(layer.window, -1), softcap=cfg.attn_softcap,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
-            delta = self._reduce(gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), layer.wo, act_int8=i8))
+            delta = self._reduce(self._gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, i8))
             if layer.post_attn_norm is not None:
                 delta = add_rmsnorm(delta, layer.post_attn_norm, cfg.rms_eps)
             x, xl = self._norm(T, i8, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps,

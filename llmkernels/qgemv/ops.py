@@ -167,6 +167,39 @@ def _gemv_impl(x: torch.Tensor, x2: torch.Tensor | None, data: torch.Tensor, sca
     return _run(r, op, x, x2, data, scales, biases, data2, scales2, biases2, fmt, N, K, bits, group_size)
 
 
+def route_table(qt: QuantizedTensor, dtype: torch.dtype, ops=("gemv", "lanes", "silu_mul")) -> dict:
+    """Every route of ``qt`` with activations of ``dtype``, chosen now: {(op, act_int8): (the Route at M = 1, 2, ...,
+    MID_M, and the one for every M > MID_M)}, with activations assumed laid out as gemv's own checks want them (as
+    the engine's are). A caller that holds a weight for long (the engine) chooses once, at load, and carries the
+    routes out with ``run_route``; the ``route.override`` blocks active at this call apply."""
+    data, scales, biases, fmt, N, K, bits, group_size = _qt_args(qt)
+    t = target(data.device)
+    o = route.Operands(aligned=data.data_ptr() % 16 == 0, contiguous=data.is_contiguous(),
+                       dense_rows=data.shape[-1] == K * torch.empty((), dtype=dtype).element_size(),
+                       tc_scales=scales is None or (scales.stride(-1) == 1 and biases.stride(-1) == 1
+                                                    and scales.stride(0) == biases.stride(0)))
+    return {(op, act): tuple(route.choose(op, fmt, M, N, K, dtype, act, bits=bits, group_size=group_size,
+                                          operands=o, target=t) for M in range(1, route.MID_M + 2))
+            for op in ops for act in (False, True)}
+
+
+def table_route(table: dict, op: str, M: int, act_int8: bool = False) -> route.Route:
+    """The route of ``route_table``'s ``table`` for ``op`` at M activation rows."""
+    return table[(op, act_int8)][min(M, route.MID_M + 1) - 1]
+
+
+def run_route(r: route.Route, op: str, x: torch.Tensor, qt: QuantizedTensor, x2=None) -> torch.Tensor:
+    """Carry out a route of ``route_table`` with no checks and no choice: x [M, K] contiguous in the table's dtype;
+    ``x2``: silu_mul's up, "lanes"' x in lane order, or for the ``i8_lanes`` kernel x already rounded, (q, ds) as
+    int8.quantize_act(x, lanes=True) gives them."""
+    data, scales, biases, fmt, N, K, bits, group_size = _qt_args(qt)
+    if r.kernel == "i8_lanes" and isinstance(x2, tuple):
+        return _launch_i8_lanes(*x2, data, N, K, x.dtype, fmt, r.config)
+    if op == "lanes" and r.kernel != "lanes":  # x in lane order, but this product reads x as it lies
+        op, x2 = "gemv", None
+    return _run(r, op, x, x2, data, scales, biases, None, None, None, fmt, N, K, bits, group_size)
+
+
 _gemv_op = torch.library.custom_op("llmkernels::quant_gemv", mutates_args=())(_gemv_impl)
 
 

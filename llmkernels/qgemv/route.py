@@ -371,7 +371,7 @@ def choose(op: str, fmt: str, M: int, N: int, K: int, dtype: torch.dtype, act_in
 def _choose(q: Query, o: Operands, t: Target, excluded: frozenset) -> Route:
     op, fmt, M, N, K, dtype, bits, gs = q.op, q.fmt, q.M, q.N, q.K, q.dtype, q.bits, q.group_size
     ok = lambda k: k not in excluded  # noqa: E731
-    if op == "lanes" and (not ok("lanes") or not lanes_apply(M, dtype, fmt, K, False, o.aligned)):
+    if op == "lanes" and (not ok("lanes") or not lanes_apply(M, dtype, fmt, K, q.act_int8, o.aligned)):
         op = "gemv"  # gemv_lanes where the lane kernel does not apply: plain gemv, x_lanes ignored
     if (ok("cublas") and op == "gemv" and M >= 2 and DENSE_DTYPES.get(fmt) == dtype and o.dense_rows):
         return Route("cublas", rule="f16/bf16 weights in x's dtype, M >= 2")

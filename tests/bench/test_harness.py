@@ -99,3 +99,36 @@ def test_tp_sizes_env(monkeypatch):
     monkeypatch.setenv("LLMK_TP_SIZES", "1,two")
     with pytest.raises(ValueError, match="LLMK_TP_SIZES must be a comma-separated list of integers, got '1,two'"):
         _sizes()
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gemma2-9b"])
+def test_family_gguf_loads(tmp_path, monkeypatch, name):
+    """The families suite's synthetic GGUF, shrunk: our loader reads the family it names, in the Q4_K_M mix (q6_k
+    for the more-bits layers' down projections, experts included, and for a tied embedding), and the engine runs it."""
+    import torch
+
+    from llmkernels.bench.suites import families
+    from llmkernels.engine import LLM, Model, ModelConfig
+    from llmkernels.quant import read_gguf
+
+    spec = dict(families.FAMILIES[name], layers=2, hidden=256, ffn=512, vocab=300, heads=2, kv_heads=1)
+    if spec["arch"] == "qwen3moe":
+        spec["meta"] = dict(spec["meta"], expert_count=5, expert_used_count=2, expert_feed_forward_length=256)
+    monkeypatch.setitem(families.FAMILIES, name, spec)
+    path = str(tmp_path / "m.gguf")
+    families.write_family_gguf(path, name)
+    f = read_gguf(path)
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    assert (cfg.arch, cfg.n_layers, cfg.head_dim, cfg.vocab_size) == (spec["arch"], 2, spec["head_dim"], 300)
+    down = "blk.1.ffn_down_exps.weight" if cfg.n_experts else "blk.1.ffn_down.weight"
+    assert f[down].format == "q6_k"
+    if cfg.n_experts:
+        assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn) == (5, 2, 256)
+        assert f["blk.0.ffn_gate_inp.weight"].format == "f32" and f["output.weight"].format == "q6_k"
+    else:
+        assert cfg.attn_softcap == 50.0 and cfg.final_softcap == 30.0 and cfg.sliding_window == 4096
+        assert "output.weight" not in f.keys() and f["token_embd.weight"].format == "q6_k"
+    # bf16 as on the GPU: random block scales make activations that overflow fp16
+    llm = LLM.from_model(Model(cfg, f, "cpu", torch.bfloat16), max_num_batched_tokens=64)
+    logits = llm.logits([1, 5, 7, 11])
+    assert logits.shape == (4, 300) and torch.isfinite(logits).all()

@@ -102,6 +102,30 @@ def test_more_bits_layers():
         == "q5_k"
 
 
+def test_routes_are_chosen_at_load(model_files, monkeypatch):
+    """The engine chooses every projection's GEMV route when it loads and its steps only look them up; routes bound
+    inside route.override hold for later steps."""
+    from llmkernels.qgemv import route
+
+    d, path, hf = model_files("llama", "q4_k")
+    llm = LLM(path, progress=False, max_num_batched_tokens=64)
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    ref = llm.logits(ids)
+
+    def refuse(*args, **kw):
+        raise AssertionError("route.choose called after load")
+
+    monkeypatch.setattr(route, "choose", refuse)
+    assert torch.equal(llm.logits(ids), ref)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0))
+    monkeypatch.undo()
+    with route.override(exclude={"planes", "m1", "tc", "lanes", "glu"}):
+        llm.model.bind_routes()
+    used = {r.kernel for t in llm.model._routes.values() for (op, act), rs in t.items() if not act for r in rs}
+    assert used <= {"generic", "dequant"}
+    assert rel_err(llm.logits(ids), ref) < 1e-2  # the same products by another kernel
+
+
 @pytest.mark.parametrize("mix,base", [("q4_k_m", "q4_k"), ("q5_k_m", "q5_k")])
 def test_k_m_file(model_files, mix, base):
     """A q4_k_m (q5_k_m) conversion holds llama.cpp's mix; the engine stacks the q4_k (q5_k) attn_q and attn_k of a

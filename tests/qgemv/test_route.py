@@ -101,3 +101,25 @@ def test_bad_queries_are_refused():
         route.choose("gemv", "q9_k", 1, 64, 256, torch.float16, target=H200)
     with pytest.raises(ValueError, match="M, N and K must be positive"):
         route.choose("gemv", "q4_k", 0, 64, 256, torch.float16, target=H200)
+
+
+@pytest.mark.parametrize("fmt,N,K", [("q4_k", 14336, 4096), ("q6_k", 4096, 14336), ("q8_0", 96, 256)])
+def test_route_table_holds_what_choose_says(fmt, N, K):
+    """ops.route_table (the engine's routes, chosen at load) answers as route.choose would at every M, also past
+    MID_M where one entry serves all; an override active when the table is made stays in it."""
+    from llmkernels import quantize
+    from llmkernels.qgemv.ops import operands, route_table, table_route, target
+
+    qt = quantize(torch.randn(N, K), fmt)
+    table = route_table(qt, torch.float16)
+    x = torch.empty(1, K, dtype=torch.float16)
+    o = operands("gemv", x, None, qt.data, None, qt.scales, qt.biases, fmt, 0, K)
+    for op in ("gemv", "lanes", "silu_mul"):
+        for act in (False, True):
+            for M in (1, 2, 5, 16, 64, 65, 300, 4096):
+                want = route.choose(op, fmt, M, N, K, torch.float16, act, operands=o, target=target(qt.data.device))
+                assert table_route(table, op, M, act) == want, (op, act, M)
+    with route.override(exclude={"planes", "m1", "tc", "lanes", "i8_lanes"}):
+        held = route_table(qt, torch.float16)
+    assert {r.kernel for rs in held.values() for r in rs} <= {"generic", "i8", "dequant"}
+    assert {r.kernel for rs in table.values() for r in rs} != {r.kernel for rs in held.values() for r in rs}

@@ -8,4 +8,5 @@ SUITES = {
     "llamacpp": "llmkernels.bench.suites.llamacpp",
     "serve": "llmkernels.bench.suites.serve",
     "tp": "llmkernels.bench.suites.tp",
+    "families": "llmkernels.bench.suites.families",
 }

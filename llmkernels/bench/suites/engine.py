@@ -30,6 +30,15 @@ def llama3_8b_config(layers: int = 32) -> ModelConfig:
                        context_length=8192, eos_ids=())
 
 
+def llama3_70b_config() -> ModelConfig:
+    return ModelConfig(arch="llama", n_layers=80, hidden=8192, ffn=28672, n_heads=64, n_kv_heads=8, head_dim=128,
+                       vocab_size=128256, rms_eps=1e-5, rope_theta=500000.0, rope_style="interleaved",
+                       context_length=8192, eos_ids=())
+
+
+SHAPES = {"8b": llama3_8b_config, "70b": llama3_70b_config}
+
+
 def synthetic_tensors(fmt: str, cfg: ModelConfig, device="cuda") -> dict:
     """Random weights in ``fmt`` (or a mix such as q4_k_m) under the GGUF names of a llama model."""
     H, D = cfg.hidden, cfg.head_dim

@@ -49,17 +49,19 @@ def synthetic_vocab(vocab_size: int) -> dict:
             "tokenizer.ggml.add_bos_token": False}
 
 
-def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32, vocab: bool = False) -> None:
+def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32, vocab: bool = False,
+                         shape: str = "8b") -> None:
     """The engine suite's synthetic model in ``fmt`` as a GGUF file llama.cpp loads; ``vocab``: with a synthetic
-    byte-level BPE vocabulary (``synthetic_vocab``) instead of llama.cpp's dummy tokens, for servers."""
+    byte-level BPE vocabulary (``synthetic_vocab``) instead of llama.cpp's dummy tokens, for servers; ``shape``:
+    Llama-3's "8b" (``layers`` of them) or "70b"."""
     import gguf
 
     from ...quant.gguf_io import GGUFMetadata, write_gguf
-    from .engine import llama3_8b_config, synthetic_tensors
+    from .engine import SHAPES, llama3_8b_config, synthetic_tensors
 
-    cfg = llama3_8b_config(layers)
+    cfg = llama3_8b_config(layers) if shape == "8b" else SHAPES[shape]()
     tensors = {name: t.to("cpu") for name, t in synthetic_tensors(fmt, cfg).items()}
-    meta = {"general.architecture": "llama", "general.name": f"synthetic-llama3-8b-{fmt}",
+    meta = {"general.architecture": "llama", "general.name": f"synthetic-llama3-{shape}-{fmt}",
             "llama.block_count": cfg.n_layers, "llama.context_length": cfg.context_length,
             "llama.embedding_length": cfg.hidden, "llama.feed_forward_length": cfg.ffn,
             "llama.attention.head_count": cfg.n_heads, "llama.attention.head_count_kv": cfg.n_kv_heads,
@@ -73,15 +75,15 @@ def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32, vocab: 
     write_gguf(path, tensors, GGUFMetadata(meta, types=types))
 
 
-def synthetic_gguf(folder: str, fmt: str = FORMAT, vocab: bool = False) -> str:
+def synthetic_gguf(folder: str, fmt: str = FORMAT, vocab: bool = False, shape: str = "8b") -> str:
     """Path of ``write_synthetic_gguf``'s file, written into ``folder``; with ``$LLMK_BENCH_CACHE`` set, written once
     into that folder and reused by later suites and runs (the weights are seeded, so the file is the same)."""
     cache = os.environ.get("LLMK_BENCH_CACHE")
     folder = cache or folder
-    path = os.path.join(folder, f"synthetic-llama3-8b-{fmt}{'-vocab' if vocab else ''}.gguf")
+    path = os.path.join(folder, f"synthetic-llama3-{shape}-{fmt}{'-vocab' if vocab else ''}.gguf")
     if not (cache and os.path.exists(path)):
         os.makedirs(folder, exist_ok=True)
-        write_synthetic_gguf(path + ".part", fmt, vocab=vocab)
+        write_synthetic_gguf(path + ".part", fmt, vocab=vocab, shape=shape)
         os.replace(path + ".part", path)
     return path
 

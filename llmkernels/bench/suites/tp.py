@@ -4,7 +4,8 @@ The engine suite's Llama-3-8B-shaped synthetic model (random weights, llama.cpp'
 synthetic vocabulary) is written once; ``LLM(path, tensor_parallel_size=N)`` loads it for each N. Rows: decode
 tokens/s at 1, 16 and 64 sequences (512-token prompts, 128 new tokens each) per N, with N = 1's figure as the anchor
 of the others; the bound of batch 1 is the read bandwidth over the weight bytes one rank reads per step (its shard).
-``$LLMK_TP_SIZES`` picks the sizes (default ``1,2,4``).
+``$LLMK_TP_SIZES`` picks the sizes (default ``1,2,4``). Llama-3-70B's shape runs at TP=2 (batch 1 and 64), its
+batch-1 bound the two GPUs' combined bandwidth.
 """
 from __future__ import annotations
 
@@ -171,5 +172,35 @@ def _ar_case(ctx):
     return run
 
 
+def _case_70b(ctx):
+    """Llama-3-70B's shape on 2 GPUs (all-reduce auto): batch 1 against the two GPUs' combined bandwidth bound (the
+    read bandwidth over one rank's shard: each rank reads its half in parallel), and batch 64."""
+    def run():
+        from ...engine import LLM
+        from .llamacpp import synthetic_gguf
+
+        if torch.cuda.device_count() < 2:
+            return []
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            path = synthetic_gguf(tmp, vocab=True, shape="70b")
+            with LLM(path, tensor_parallel_size=2, max_num_seqs=64, max_model_len=PROMPT + GEN + 16,
+                     progress=False) as llm:
+                llm.capture_graphs([1, 64], [])
+                bound = ctx.read_bw_TBps * 1e12 / llm.model.decode_bytes_per_token()
+                for batch in (1, 64):
+                    decode_rate(llm, batch)
+                    rate = decode_rate(llm, batch, seed=1)
+                    row = Row("tp", f"llama3-70b q4_k_m TP=2 batch{batch} decode (prompt 512, 128 new)", "tokens/s",
+                              rate, 100.0 * rate / bound if batch == 1 else None)
+                    if batch == 1:
+                        row.note = f"{100.0 * rate / bound:.1f}% of the 2 GPUs' bound {bound:.0f} tok/s"
+                    print(row.case, f"{rate:.1f}", row.note, flush=True)
+                    rows.append(row)
+        return rows
+    return run
+
+
 def cases(ctx):
-    return [("tp all-reduce", _ar_case(ctx)), ("tp llama3-8b q4_k_m", _case(ctx))]
+    return [("tp all-reduce", _ar_case(ctx)), ("tp llama3-8b q4_k_m", _case(ctx)),
+            ("tp llama3-70b q4_k_m", _case_70b(ctx))]
