@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     for name in suites:
         mod = importlib.import_module(SUITES[name])
         cases += [(name, case, thunk) for case, thunk in mod.cases(ctx)]
-    rows, failures = [], 0
+    rows, failures, path = [], 0, None
     for suite, case, thunk in tqdm(cases, desc="bench", unit="case", file=sys.stderr, mininterval=2):
         try:
             out = thunk()
@@ -73,8 +73,10 @@ def main(argv=None) -> int:
             print(f"\n[{suite}] {case} failed:\n{traceback.format_exc()}", file=sys.stderr)
         gc.collect()  # a case's objects in reference cycles (an LLM with its graphs) go now, not at some later case
         torch.cuda.empty_cache()
+        if rows:  # after every case, so a run stopped by a time limit keeps what it measured
+            path = write_results(rows, ctx, args.out, suites, path)
     print(format_table(rows))
-    path = write_results(rows, ctx, args.out, suites)
+    path = write_results(rows, ctx, args.out, suites, path)
     print(f"wrote {path}" + (f"  ({failures} case(s) failed)" if failures else ""))
     return 1 if failures else 0
 

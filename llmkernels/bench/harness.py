@@ -154,7 +154,10 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: list[str]) -> Path:
+def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: list[str], path: Path | None = None
+                  ) -> Path:
+    """Write the results file (a new name from the time and suites, or ``path``: the same file rewritten as a run
+    goes on, so a run stopped midway keeps the rows it measured)."""
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -173,7 +176,7 @@ def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: li
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = out_dir / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{slug}-{'-'.join(suites)}.json"
+    path = path or out_dir / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{slug}-{'-'.join(suites)}.json"
     path.write_text(json.dumps(doc, indent=1))
     return path
 
