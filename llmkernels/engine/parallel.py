@@ -117,7 +117,8 @@ class Peers:
         dist.broadcast(t, src=0)
 
     def stop(self) -> None:
-        """Tell the other ranks to stop, wait for them (killing any that hang) and leave the process group."""
+        """Tell the other ranks to stop, leave the process group as they leave theirs, and wait for them (killing
+        any that hang)."""
         import torch.distributed as dist
 
         for conn in self.conns:
@@ -125,6 +126,10 @@ class Peers:
                 conn.send(("stop",))
             except (BrokenPipeError, EOFError, OSError):
                 pass
+        if self.own_group and dist.is_initialized():
+            # NCCL's teardown can wait on the other ranks' own teardown: leaving after they have exited can hang
+            _leave_group(min(TIMEOUT_S, 60.0))
+        self.own_group = False
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -133,9 +138,22 @@ class Peers:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
-        if self.own_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self.own_group = False
+
+
+def _leave_group(timeout: float) -> None:
+    """destroy_process_group, given up (with a warning) after ``timeout`` seconds rather than hanging the caller."""
+    import threading
+    import warnings
+
+    import torch.distributed as dist
+
+    t = threading.Thread(target=dist.destroy_process_group, daemon=True, name="llmkernels-tp-teardown")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        warnings.warn(f"tensor parallelism: leaving the process group did not finish within {timeout:.0f} s; "
+                      f"the engine is closed, but this process cannot start another tensor-parallel engine",
+                      RuntimeWarning, stacklevel=3)
 
 
 def plan_shards_from_path(path: str, world: int) -> list:
