@@ -20,7 +20,7 @@ import torch
 class Row:
     suite: str
     case: str
-    metric: str  # "TB/s" | "TFLOP/s" | "tokens/s"
+    metric: str  # "TB/s" | "TFLOP/s" | "tokens/s" | "us/step" (lower is better)
     value: float | None
     roofline_pct: float | None = None
     anchors: dict = dataclasses.field(default_factory=dict)
@@ -181,6 +181,11 @@ def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: li
     return path
 
 
+def speedup(metric: str, ours: float, anchor: float) -> float:
+    """How many times better ours is than the anchor: a rate over the anchor's, or for a time the anchor's over ours."""
+    return anchor / ours if metric.startswith("us") else ours / anchor
+
+
 def format_table(rows: list[Row]) -> str:
     """One table per suite: figure, each anchor's figure, ratio to it, percent of roofline."""
     out = []
@@ -199,7 +204,7 @@ def format_table(rows: list[Row]) -> str:
                 if a is None:
                     line += f" {'-':>14} {'-':>6}"
                 else:
-                    ratio = "-" if (r.value is None or not a) else f"{r.value / a:6.2f}"
+                    ratio = "-" if (r.value is None or not a) else f"{speedup(r.metric, r.value, a):6.2f}"
                     line += f" {a:14.3f} {ratio:>6}"
             if r.note:
                 line += f"  # {r.note}"
