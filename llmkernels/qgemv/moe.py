@@ -33,15 +33,19 @@ from .ops import FORMAT_IDS, X_DTYPES, target
 def moe_gemv_kernel(X, EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y,
                     N, K, E, stride_xm, stride_ym, row_bytes, scale_stride, nblocks,
                     FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
-                    BLOCK_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DUAL: tl.constexpr):
-    """Program (n tile, pair): Y[pair, rows] = X[TOKEN[pair]] . W[EXPERT[pair] * N + rows] (silu(. W) * (. V) with
-    DUAL)."""
+                    BLOCK_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DUAL: tl.constexpr,
+                    TOP_K: tl.constexpr, HAS_TOKEN: tl.constexpr):
+    """Program (n tile, pair): Y[pair, rows] = X[t] . W[EXPERT[pair] * N + rows] (silu(. W) * (. V) with DUAL), t =
+    TOKEN[pair], or pair // TOP_K without TOKEN (the router's pairs: each token's TOP_K in a row)."""
     BLOCK_K: tl.constexpr = NB * NSUB * SUB
     pid_n = tl.program_id(0)
     pair = tl.program_id(1).to(tl.int64)
     # ids were checked on the host; under CUDA-graph capture they cannot be, so stay inside the stack regardless
     e = tl.minimum(tl.maximum(tl.load(EXPERT + pair).to(tl.int64), 0), E - 1)
-    t = tl.load(TOKEN + pair).to(tl.int64)
+    if HAS_TOKEN:
+        t = tl.load(TOKEN + pair).to(tl.int64)
+    else:
+        t = pair // TOP_K
     local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = local < N
     rows = e * N + local.to(tl.int64)
@@ -79,9 +83,9 @@ def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, 
                        N, K, E, stride_xm, stride_ym, row_bytes, scale_stride, nblocks,
                        FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
                        BLOCK_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DUAL: tl.constexpr, DOT_F32: tl.constexpr):
+                       DUAL: tl.constexpr, DOT_F32: tl.constexpr, TOP_K: tl.constexpr, HAS_TOKEN: tl.constexpr):
     """Program (n tile, block b): for the pairs p of block b, all of expert BLOCK_EXPERT[b] (-1: an unused block),
-    Y[p, rows] = X[TOKEN[p]] . W[e * N + rows] (silu(. W) * (. V) with DUAL)."""
+    Y[p, rows] = X[t] . W[e * N + rows] (silu(. W) * (. V) with DUAL), t = TOKEN[p] or p // TOP_K."""
     BLOCK_K: tl.constexpr = NB * NSUB * SUB
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -89,7 +93,10 @@ def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, 
     e = tl.minimum(tl.maximum(e_raw, 0), E - 1)
     pairs = tl.load(PAIRS + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_ok = pairs >= 0
-    t = tl.load(TOKEN + pairs, mask=pair_ok, other=0).to(tl.int64)
+    if HAS_TOKEN:
+        t = tl.load(TOKEN + pairs, mask=pair_ok, other=0).to(tl.int64)
+    else:
+        t = tl.where(pair_ok, pairs, 0) // TOP_K
     local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = local < N
     rows = e * N + local.to(tl.int64)
@@ -139,22 +146,82 @@ def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     return pairs, block_expert
 
 
+@triton.jit
+def moe_route_kernel(LOGITS, W, IDS, E, stride_l, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
+                     BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    """Program t: softmax over token t's E router logits, its TOP_K largest (first index among ties) with their
+    probabilities, renormalized to sum to 1 with RENORM."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    z = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(z - tl.max(z, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(ok, p, -2.0)  # padding ranks below a taken expert (-1), which ranks below every probability
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(p, axis=0)
+        i = tl.min(tl.where(p == m, offs, BLOCK_E), axis=0)
+        w = tl.where(ks == j, m, w)
+        ids = tl.where(ks == j, i, ids)
+        p = tl.where(offs == i, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    tl.store(W + t * TOP_K + ks, w, mask=ks < TOP_K)
+    tl.store(IDS + t * TOP_K + ks, ids, mask=ks < TOP_K)
+
+
+@triton.jit
+def moe_combine_kernel(Y, WEIGHTS, OUT, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (token t, h tile): OUT[t] = sum_j WEIGHTS[t, j] * Y[t * TOP_K + j], in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(WEIGHTS + t * TOP_K + j)
+        acc += wj * tl.load(Y + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + t * H + h, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+def _route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    p = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.topk(p, top_k, dim=-1, sorted=True)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def _route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """moe_route in one launch (moe_route_kernel)."""
+    T, E = router_logits.shape
+    w = empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = empty(T, top_k, dtype=torch.int32, device=router_logits.device)
+    if T:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        moe_route_kernel[(T,)](logits, w, ids, E, logits.stride(0), BLOCK_E=triton.next_power_of_2(E),
+                               TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
+                               num_warps=1 if E <= 256 else 4)
+    return w, ids
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
     """The experts of each token and their weights: softmax over all experts, the ``top_k`` largest, renormalized
     to sum to 1 when ``renormalize`` (Mixtral, whose softmax over the top-k logits is the same thing, and Qwen3-MoE
     with ``norm_topk_prob``). router_logits: [T, n_expert]. Returns (weights float32 [T, top_k], experts int32
-    [T, top_k]), largest weight first (the order of tied experts is torch.topk's)."""
+    [T, top_k]), largest weight first (tied experts: the lowest index first on a GPU, torch.topk's order on the
+    CPU). On a GPU it is one launch."""
     check_tensor("router_logits", router_logits, ndim=2)
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a float tensor, got {router_logits.dtype}")
     check_positive_int("top_k", top_k)
     if top_k > router_logits.shape[1]:
         raise ValueError(f"top_k ({top_k}) must be at most the number of experts ({router_logits.shape[1]})")
-    p = torch.softmax(router_logits.float(), dim=-1)
-    w, ids = torch.topk(p, top_k, dim=-1, sorted=True)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, ids.to(torch.int32)
+    if router_logits.is_cuda:  # one launch in place of softmax, top-k, renormalization and casts
+        return _route_fused(router_logits, top_k, renormalize)
+    return _route_torch(router_logits, top_k, renormalize)
 
 
 def _check_stack(name: str, qt, num_experts: int) -> int:
@@ -175,17 +242,18 @@ def _check_ids(expert_ids, token_ids, num_experts: int, num_tokens: int):
         if expert_ids.shape[0] != num_tokens:
             raise ValueError(f"without token_ids, x must have one row per pair: expert_ids has {expert_ids.shape[0]} "
                              f"pairs, x has {num_tokens} rows")
-        token_ids = torch.arange(num_tokens, dtype=torch.int32, device=expert_ids.device)
-    check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64), shape=(expert_ids.shape[0],))
+    if token_ids is not None:
+        check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64), shape=(expert_ids.shape[0],))
     capturing = expert_ids.is_cuda and torch.cuda.is_current_stream_capturing()
     if not capturing and expert_ids.numel():  # one host copy each; skipped under graph capture
         lo, hi = int(expert_ids.min()), int(expert_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
-        lo, hi = int(token_ids.min()), int(token_ids.max())
-        if lo < 0 or hi >= num_tokens:
-            raise ValueError(f"token_ids must lie in [0, {num_tokens}) (rows of x), got values in [{lo}, {hi}]")
-    return expert_ids.contiguous(), token_ids.contiguous()
+        if token_ids is not None:
+            lo, hi = int(token_ids.min()), int(token_ids.max())
+            if lo < 0 or hi >= num_tokens:
+                raise ValueError(f"token_ids must lie in [0, {num_tokens}) (rows of x), got values in [{lo}, {hi}]")
+    return expert_ids.contiguous(), token_ids.contiguous() if token_ids is not None else None
 
 
 def _stack_views(qt) -> tuple:
@@ -195,13 +263,14 @@ def _stack_views(qt) -> tuple:
     return (w8, w16, wi8, qt.scales if qt.scales is not None else w16, qt.biases if qt.biases is not None else w16)
 
 
-def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
+def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
+    """The pairs' products; ``token_ids`` None: pair p reads row p // top_k of x."""
     P = expert_ids.shape[0]
     y = empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
     if route.moe_grouped(P, num_experts):
-        return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y)
+        return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y, top_k)
     K = qt.shape[-1]
     data = qt.data
     row_bytes = data.shape[-1] * data.element_size()
@@ -211,15 +280,16 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids):
                                                       qt.group_size or 0)
     views = _stack_views(qt) + (_stack_views(qt_up) if qt_up is not None else _stack_views(qt))
     moe_gemv_kernel[(triton.cdiv(N, block_n), P)](
-        x, expert_ids, token_ids, *views, y,
+        x, expert_ids, token_ids if token_ids is not None else expert_ids, *views, y,
         N, K, num_experts, x.stride(0), y.stride(0), row_bytes,
         qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
         FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
-        BLOCK_N=block_n, DUAL=qt_up is not None, num_warps=warps, num_stages=1 if interpreter_mode() else stages)
+        BLOCK_N=block_n, DUAL=qt_up is not None, TOP_K=top_k, HAS_TOKEN=token_ids is not None, num_warps=warps,
+        num_stages=1 if interpreter_mode() else stages)
     return y
 
 
-def _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y):
+def _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y, top_k=1):
     K = qt.shape[-1]
     data = qt.data
     nsub, sub, block_bytes, nblocks, _ = route.layout(qt.format, K, qt.group_size)
@@ -228,12 +298,13 @@ def _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y):
     pairs, block_expert = group_pairs(expert_ids, num_experts, block_m)
     views = _stack_views(qt) + (_stack_views(qt_up) if qt_up is not None else _stack_views(qt))
     moe_grouped_kernel[(triton.cdiv(N, block_n), block_expert.shape[0])](
-        x, pairs, block_expert, token_ids, *views, y,
+        x, pairs, block_expert, token_ids if token_ids is not None else pairs, *views, y,
         N, K, num_experts, x.stride(0), y.stride(0), data.shape[-1] * data.element_size(),
         qt.scales.stride(-2) if qt.scales is not None else 0, nblocks,
         FMT=FORMAT_IDS[qt.format], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=qt.bits or 0,
         BLOCK_M=block_m, BLOCK_N=block_n, DUAL=qt_up is not None,
-        DOT_F32=interpreter_mode() or x.dtype == torch.float32, num_warps=warps, num_stages=1)
+        DOT_F32=interpreter_mode() or x.dtype == torch.float32, TOP_K=top_k, HAS_TOKEN=token_ids is not None,
+        num_warps=warps, num_stages=1)
     return y
 
 
@@ -293,14 +364,18 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate:
     synchronisation, so it runs inside CUDA graphs (the ids are not range-checked here: moe_route makes them).
     gate, up: [E, F, K] (or [E * F, K]); down: [E, K, F]. Returns [T, K] in x's dtype."""
     T, k = experts.shape
-    e = experts.reshape(-1).contiguous()
-    tok = torch.arange(T, dtype=torch.int32, device=x.device).repeat_interleave(k)
+    e = experts.reshape(-1).contiguous()  # token t's experts are pairs t * k .. t * k + k - 1
     F = _check_stack("gate", gate, num_experts)
     if (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size):
-        h = _launch(x, gate, up, F, num_experts, e, tok)
+        h = _launch(x, gate, up, F, num_experts, e, None, k)
     else:
-        g = _launch(x, gate, None, F, num_experts, e, tok).float()
-        h = (g * torch.sigmoid(g) * _launch(x, up, None, F, num_experts, e, tok).float()).to(x.dtype)
+        g = _launch(x, gate, None, F, num_experts, e, None, k).float()
+        h = (g * torch.sigmoid(g) * _launch(x, up, None, F, num_experts, e, None, k).float()).to(x.dtype)
     H = _check_stack("down", down, num_experts)
-    y = _launch(h, down, None, H, num_experts, e, torch.arange(T * k, dtype=torch.int32, device=x.device))
-    return (y.view(T, k, H).float() * weights.view(T, k, 1)).sum(1).to(x.dtype)
+    y = _launch(h, down, None, H, num_experts, e, None)
+    out = empty(T, H, dtype=x.dtype, device=x.device)
+    if T:
+        block_h = min(1024, triton.next_power_of_2(H))
+        moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, weights.float().contiguous(), out, H, TOP_K=k,
+                                                         BLOCK_H=block_h, num_warps=4)
+    return out
