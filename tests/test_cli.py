@@ -105,3 +105,12 @@ def test_info_prints_a_gemv_route():
     assert r.returncode == 2 and "GGUF format" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = _cli("info", "--route", "q4_k", "one", "2", "3")
     assert r.returncode == 2 and "integer M, N, K" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_memcheck_refuses_an_unknown_part():
+    """tools/memcheck.py takes nothing, "tp" or "moe"; anything else is one line on stderr and a non-zero exit."""
+    from pathlib import Path
+
+    tool = Path(__file__).parents[1] / "tools" / "memcheck.py"
+    r = subprocess.run([sys.executable, str(tool), "everything"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "usage: python tools/memcheck.py [tp | moe], got 'everything'" in r.stderr

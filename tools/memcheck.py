@@ -401,4 +401,8 @@ if __name__ == "__main__":
     import sys
 
     # "tp": tensor parallelism alone (2 GPUs); "moe": the MoE kernels alone; no argument: every single-GPU kernel
-    {"tp": tp_cases, "moe": moe_cases}.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()
+    parts = {"": main, "tp": tp_cases, "moe": moe_cases}
+    part = sys.argv[1] if len(sys.argv) > 1 else ""
+    if part not in parts or len(sys.argv) > 2:
+        sys.exit(f"usage: python tools/memcheck.py [tp | moe], got {' '.join(sys.argv[1:])!r}")
+    parts[part]()

@@ -174,10 +174,8 @@ def route_table(qt: QuantizedTensor, dtype: torch.dtype, ops=("gemv", "lanes", "
     routes out with ``run_route``; the ``route.override`` blocks active at this call apply."""
     data, scales, biases, fmt, N, K, bits, group_size = _qt_args(qt)
     t = target(data.device)
-    o = route.Operands(aligned=data.data_ptr() % 16 == 0, contiguous=data.is_contiguous(),
-                       dense_rows=data.shape[-1] == K * torch.empty((), dtype=dtype).element_size(),
-                       tc_scales=scales is None or (scales.stride(-1) == 1 and biases.stride(-1) == 1
-                                                    and scales.stride(0) == biases.stride(0)))
+    x = torch.empty(1, K, dtype=dtype, device=data.device)  # a fresh row: laid out as every kernel wants it
+    o = operands("gemv", x, None, data, None, scales, biases, fmt, bits, K)
     return {(op, act): tuple(route.choose(op, fmt, M, N, K, dtype, act, bits=bits, group_size=group_size,
                                           operands=o, target=t) for M in range(1, route.MID_M + 2))
             for op in ops for act in (False, True)}

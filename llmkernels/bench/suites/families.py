@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from ..harness import Row
-from .llamacpp import BATCHES, ENV, FORMAT, llama_batched_bench
+from .llamacpp import BATCHES, ENV, FORMAT, cached_file, llama_batched_bench, llama_bench
 
 FAMILIES = {
     "qwen3-30b-a3b": dict(
@@ -107,25 +107,7 @@ def write_family_gguf(path: str, name: str, fmt: str = FORMAT, spec: dict | None
 
 def family_gguf(folder: str, name: str, fmt: str = FORMAT) -> str:
     """Path of ``write_family_gguf``'s file in ``folder``, or reused from ``$LLMK_BENCH_CACHE``."""
-    cache = os.environ.get("LLMK_BENCH_CACHE")
-    folder = cache or folder
-    path = os.path.join(folder, f"synthetic-{name}-{fmt}.gguf")
-    if not (cache and os.path.exists(path)):
-        os.makedirs(folder, exist_ok=True)
-        write_family_gguf(path + ".part", name, fmt)
-        os.replace(path + ".part", path)
-    return path
-
-
-def llama_tg128(bin_dir: str, path: str) -> float:
-    """llama-bench's tg128 tokens/s (-ngl 99 -fa 1, no prompt run)."""
-    import json
-
-    from .llamacpp import _run
-
-    out = _run([os.path.join(bin_dir, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128",
-                "-r", "3", "-o", "json"])
-    return float(json.loads(out[out.index("["):out.rindex("]") + 1])[0]["avg_ts"])
+    return cached_file(folder, f"synthetic-{name}-{fmt}.gguf", lambda p: write_family_gguf(p, name, fmt))
 
 
 def _decode_rows(llm, label: str, bound: float, anchors_of) -> list:
@@ -164,9 +146,9 @@ def _family_case(ctx, name: str, bin_dir: str | None):
             tg, batched, error = None, {}, ""
             if bin_dir:
                 try:
-                    tg = llama_tg128(bin_dir, path)
+                    tg = llama_bench(bin_dir, path, prompts="0")["tg128"]
                     batched = llama_batched_bench(bin_dir, path)
-                except (RuntimeError, OSError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
+                except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
                     error = f"llama.cpp failed: {e}"
                     print(error, flush=True)
             llm = _load(path, BATCHES)

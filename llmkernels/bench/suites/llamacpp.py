@@ -78,12 +78,18 @@ def write_synthetic_gguf(path: str, fmt: str = FORMAT, layers: int = 32, vocab: 
 def synthetic_gguf(folder: str, fmt: str = FORMAT, vocab: bool = False, shape: str = "8b") -> str:
     """Path of ``write_synthetic_gguf``'s file, written into ``folder``; with ``$LLMK_BENCH_CACHE`` set, written once
     into that folder and reused by later suites and runs (the weights are seeded, so the file is the same)."""
+    return cached_file(folder, f"synthetic-llama3-{shape}-{fmt}{'-vocab' if vocab else ''}.gguf",
+                       lambda p: write_synthetic_gguf(p, fmt, vocab=vocab, shape=shape))
+
+
+def cached_file(folder: str, name: str, write) -> str:
+    """``folder/name`` made by ``write(path)``; with ``$LLMK_BENCH_CACHE`` set, made once in that folder and reused."""
     cache = os.environ.get("LLMK_BENCH_CACHE")
     folder = cache or folder
-    path = os.path.join(folder, f"synthetic-llama3-{shape}-{fmt}{'-vocab' if vocab else ''}.gguf")
+    path = os.path.join(folder, name)
     if not (cache and os.path.exists(path)):
         os.makedirs(folder, exist_ok=True)
-        write_synthetic_gguf(path + ".part", fmt, vocab=vocab, shape=shape)
+        write(path + ".part")
         os.replace(path + ".part", path)
     return path
 
@@ -95,9 +101,10 @@ def _run(cmd: list[str], timeout: int = 900) -> str:
     return r.stdout + "\n" + r.stderr
 
 
-def llama_bench(bin_dir: str, path: str) -> dict:
-    """{"pp512": tok/s, "pp4096": ..., "tg128": ...} from llama-bench (-ngl 99 -fa 1, JSON output)."""
-    out = _run([os.path.join(bin_dir, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", "512,4096",
+def llama_bench(bin_dir: str, path: str, prompts: str = "512,4096") -> dict:
+    """{"pp512": tok/s, "pp4096": ..., "tg128": ...} from llama-bench (-ngl 99 -fa 1, JSON output); ``prompts``
+    "0": tg128 alone."""
+    out = _run([os.path.join(bin_dir, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", prompts,
                 "-n", "128", "-r", "3", "-o", "json"])
     start = out.index("[")
     res = {}
