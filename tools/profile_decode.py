@@ -1,23 +1,33 @@
-"""Where a decode step's time goes: kernel times of CUDA-graph decode steps of a synthetic Llama-3-8B-shaped model.
+"""Where a decode step's time goes: kernel times of CUDA-graph decode steps.
 
-    python tools/profile_decode.py [fmt] [batch] [layers]     # e.g. q4_k 1 32
+    python tools/profile_decode.py [fmt] [batch] [layers]     # synthetic Llama-3-8B shape, e.g. q4_k 1 32
+    python tools/profile_decode.py FAMILY [batch]             # a families-suite model, e.g. qwen3-30b-a3b 1
 """
 import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_model
+from llmkernels.bench.suites.families import FAMILIES, _load, family_gguf
 from llmkernels.engine import LLM, SamplingParams
 
 
+def _engine(what: str, batch: int, layers: int, tmp: str):
+    if what in FAMILIES:
+        return _load(family_gguf(tmp, what), (batch,))
+    model = synthetic_model(what, llama3_8b_config(layers))
+    return LLM.from_model(model, max_num_seqs=max(batch, 1), max_model_len=1024)
+
+
 def main():
-    fmt = sys.argv[1] if len(sys.argv) > 1 else "q4_k"
+    what = sys.argv[1] if len(sys.argv) > 1 else "q4_k"
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     layers = int(sys.argv[3]) if len(sys.argv) > 3 else 32
-    model = synthetic_model(fmt, llama3_8b_config(layers))
-    llm = LLM.from_model(model, max_num_seqs=max(batch, 1), max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _engine(what, batch, layers, tmp)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     for _ in range(batch):
         llm.add_request(list(range(1, 513)), params)
     for _ in range(20):  # prefill, graph capture, warm-up
@@ -35,9 +45,19 @@ def main():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         rows[e.key] = (t / steps, e.count // steps)
     total = sum(t for t, _ in rows.values())
-    print(f"{fmt} batch {batch}, {layers} layers: {total / 1e3:.3f} ms of kernels per step")
-    for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:14]:
+    launches = sum(n for _, n in rows.values())
+    print(f"{what} batch {batch}: {total / 1e3:.3f} ms of kernels per step, {launches} launches")
+    for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:20]:
         print(f"  {t / 1e3:8.3f} ms  {100 * t / total:5.1f}%  x{n:<4d} {k[:90]}")
+    # Wall time per step against kernel time: the difference is launch gaps and host work.
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        llm.step()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"wall {start.elapsed_time(end) / steps:.3f} ms per step")
 
 
 if __name__ == "__main__":
