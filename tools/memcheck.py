@@ -228,7 +228,7 @@ def tp_cases():
     from llmkernels.bench.suites.families import write_family_gguf
     from llmkernels.engine import LLM, SamplingParams
 
-    spec = dict(arch="llama", layers=3, hidden=1024, ffn=2816, heads=8, kv_heads=2, head_dim=128, vocab=1000,
+    spec = dict(arch="llama", layers=3, hidden=1024, ffn=3072, heads=8, kv_heads=2, head_dim=128, vocab=1000,
                 meta={"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 2048})
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tp.gguf")

@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("suites", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
     p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.add_argument("-k", "--case", metavar="TEXT", default=None,
+                   help="run only the cases whose name contains TEXT (e.g. -k 70b); default: every case")
     p.add_argument("--llama-cpp", metavar="DIR", default=None,
                    help="folder of a llama.cpp build for the peer rows: llama-bench and llama-batched-bench for the "
                         "llamacpp suite, llama-server for the serve suite (default: $LLMK_LLAMA_CPP)")
@@ -62,7 +64,10 @@ def main(argv=None) -> int:
     cases = []
     for name in suites:
         mod = importlib.import_module(SUITES[name])
-        cases += [(name, case, thunk) for case, thunk in mod.cases(ctx)]
+        cases += [(name, case, thunk) for case, thunk in mod.cases(ctx) if args.case is None or args.case in case]
+    if not cases:
+        print(f"no case of {suites} has {args.case!r} in its name", file=sys.stderr)
+        return 2
     rows, failures, path = [], 0, None
     for suite, case, thunk in tqdm(cases, desc="bench", unit="case", file=sys.stderr, mininterval=2):
         try:

@@ -127,7 +127,6 @@ class Peers:
             except (BrokenPipeError, EOFError, OSError):
                 pass
         if self.own_group and dist.is_initialized():
-            # NCCL's teardown can wait on the other ranks' own teardown: leaving after they have exited can hang
             _leave_group(min(TIMEOUT_S, 60.0))
         self.own_group = False
         for p in self.procs:
@@ -140,14 +139,24 @@ class Peers:
         self.procs, self.conns = [], []
 
 
+def _end_group() -> None:
+    """Leave the process group. NCCL groups are aborted: a graceful destroy can hang for good once CUDA graphs have
+    captured NCCL work (pytorch/pytorch#115388, seen here at close), and at close nothing in flight is needed."""
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.get_backend() == "nccl":
+        abort()
+    else:
+        dist.destroy_process_group()
+
+
 def _leave_group(timeout: float) -> None:
-    """destroy_process_group, given up (with a warning) after ``timeout`` seconds rather than hanging the caller."""
+    """``_end_group``, given up (with a warning) after ``timeout`` seconds rather than hanging the caller."""
     import threading
     import warnings
 
-    import torch.distributed as dist
-
-    t = threading.Thread(target=dist.destroy_process_group, daemon=True, name="llmkernels-tp-teardown")
+    t = threading.Thread(target=_end_group, daemon=True, name="llmkernels-tp-teardown")
     t.start()
     t.join(timeout)
     if t.is_alive():
@@ -186,4 +195,4 @@ def worker_main(rank: int, world: int, init_method: str, backend: str, path: str
         raise SystemExit(1) from e
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _end_group()

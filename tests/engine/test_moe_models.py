@@ -53,15 +53,19 @@ def test_moe_config_errors(model_files):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,fmt", [("qwen3moe", "q4_k"), ("mixtral", "q8_0")])
 def test_gpu_moe_models(model_files, arch, fmt):
-    """Compiled kernels, CUDA graphs for decode: the tokens of the eager engine and logits near transformers'."""
+    """Compiled kernels, CUDA graphs for decode: logits near transformers' in fp16, and in both dtypes the tokens of
+    the eager engine. Against the float64 reference bf16 is too coarse: its rounding flips near-tied router choices
+    (the pure-torch bf16 forward of the qwen3moe model: 5 of 84 rows off by more than 0.06, fp16: none)."""
     kw = dict(MOE, hidden=512, ffn=256, head_dim=128)
     d, path, _ = model_files(arch, fmt, **kw)
-    eager = LLM(path, progress=False, cuda_graphs=False, num_splits=2, max_num_batched_tokens=64)
-    ids = eager.tokenizer.encode(PROMPTS[1] * 4)
     same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
-    assert rel_err(eager.logits(ids).cpu(), hf_logits(same, ids)) < ACT_TOL[eager.dtype]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = [o.token_ids for o in eager.generate([ids, PROMPTS[0]], params)]
-    graphs = LLM(path, progress=False, num_splits=2, max_num_batched_tokens=64)
-    assert [o.token_ids for o in graphs.generate([ids, PROMPTS[0]], params)] == want
-    assert graphs.stats.graph_steps > 0
+    for dtype in (torch.float16, torch.bfloat16):
+        eager = LLM(path, progress=False, cuda_graphs=False, num_splits=2, max_num_batched_tokens=64, dtype=dtype)
+        ids = eager.tokenizer.encode(PROMPTS[1] * 4)
+        if dtype == torch.float16:
+            assert rel_err(eager.logits(ids).cpu(), hf_logits(same, ids)) < ACT_TOL[dtype]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        want = [o.token_ids for o in eager.generate([ids, PROMPTS[0]], params)]
+        graphs = LLM(path, progress=False, num_splits=2, max_num_batched_tokens=64, dtype=dtype)
+        assert [o.token_ids for o in graphs.generate([ids, PROMPTS[0]], params)] == want
+        assert graphs.stats.graph_steps > 0

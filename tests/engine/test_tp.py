@@ -122,17 +122,35 @@ def test_tp_sharded_sizes(model_files):
         assert abs(two.model.weight_bytes * 2 - one.model.weight_bytes) <= 0.02 * one.model.weight_bytes
 
 
+def _margins(llm, outs):
+    """For each output, the top-2 logit gap at each of its greedy steps (teacher-forced on its own tokens)."""
+    gaps = []
+    for o in outs:
+        lg = llm.logits(o.prompt_token_ids + o.token_ids[:-1])[len(o.prompt_token_ids) - 1:]
+        top = lg.topk(2, dim=-1).values
+        gaps.append((top[:, 0] - top[:, 1]).cpu())
+    return gaps
+
+
 def _gpu_run(path, tp, graphs=True):
     with LLM(path, progress=False, tensor_parallel_size=tp, cuda_graphs=graphs, num_splits=2,
              max_num_batched_tokens=64, max_graph_batch=4) as llm:
         ids = llm.tokenizer.encode(PROMPTS[1] * 8)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = llm.generate([PROMPTS[0], PROMPTS[1] * 8, PROMPTS[2]], params)
-        alone = llm.generate([PROMPTS[1] * 8 + PROMPTS[0]], params)[0]  # one sequence: the prompt-chunk graphs
+        outs.append(llm.generate([PROMPTS[1] * 8 + PROMPTS[0]], params)[0])  # one sequence: the prompt-chunk graphs
         n = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2))[0]
         why = llm.model._all_reduce.why if tp > 1 else ""
-        return [o.token_ids for o in outs] + [alone.token_ids], [o.token_ids for o in n.outputs], \
-            llm.logits(ids).cpu(), llm.stats.graph_steps, why
+        return ([o.token_ids for o in outs], [o.token_ids for o in n.outputs], llm.logits(ids).cpu(),
+                llm.stats.graph_steps, why, _margins(llm, outs) if tp == 1 else None)
+
+
+def assert_same_greedy(want, got, gaps, tol):
+    """Greedy tokens agree up to the end, or up to a step where the reference's top two logits were within ``tol``
+    (a near tie that a different summation order may break the other way; the tokens after it are free)."""
+    for w, g, gap in zip(want, got, gaps):
+        j = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None)
+        assert len(w) == len(g) and (j is None or gap[j] <= tol), (w, g, j, gap.tolist())
 
 
 _TP1 = {}
@@ -141,8 +159,9 @@ _TP1 = {}
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp,mode", [(2, "nccl"), (2, "symm"), (4, "nccl"), (4, "symm")])
 def test_gpu_tp_equals_tp1(model_files, monkeypatch, tp, mode):
-    """On tp GPUs (NCCL, all-reduce by NCCL or symmetric memory, CUDA graphs for decode and prompt chunks): greedy
-    tokens and logits as on one GPU (q4_k and a q8_0 model whose 2 KV heads are replicated at TP = 4)."""
+    """On tp GPUs (NCCL, all-reduce by NCCL or symmetric memory, CUDA graphs for decode and prompt chunks): logits
+    as on one GPU, and greedy tokens too except after a near tie (the ranks round their bf16 partial sums before
+    adding them; q4_k and a q8_0 model whose 2 KV heads are replicated at TP = 4)."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     monkeypatch.setenv("LLMK_ALLREDUCE", mode)
@@ -153,8 +172,10 @@ def test_gpu_tp_equals_tp1(model_files, monkeypatch, tp, mode):
             _TP1[path] = _gpu_run(path, 1)
         one, many = _TP1[path], _gpu_run(path, tp)
         assert many[3] > 0 and ("symmetric" in many[4]) == (mode == "symm")
-        assert one[0] == many[0] and one[1] == many[1]
-        assert (one[2] - many[2]).abs().max() <= 1e-2 * one[2].abs().max()
+        scale = one[2].abs().max()
+        assert (one[2] - many[2]).abs().max() <= 1e-2 * scale
+        assert_same_greedy(one[0], many[0], one[5], 2e-2 * scale)
+        assert_same_greedy(one[1], many[1], [one[5][0]] * 2, 2e-2 * scale)  # n=2 greedy: PROMPTS[0]'s steps
 
 
 def test_all_reduce_mode_is_checked(monkeypatch):
