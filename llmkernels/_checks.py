@@ -70,9 +70,9 @@ def check_device(**tensors) -> torch.device:
 _VALIDATED: dict = {}
 
 
-def _validated_state(t: torch.Tensor, total):
+def _version(t: torch.Tensor):
     try:
-        return t._version, total
+        return t._version
     except RuntimeError:  # inference tensors track no version: never cached
         return None
 
@@ -90,9 +90,10 @@ def check_cu_seqlens(name: str, t, batch: int | None = None, total: int | None =
     if batch is not None and t.shape[0] != batch + 1:
         raise ValueError(f"{name} must have shape ({batch + 1},) (batch+1), got {tuple(t.shape)}")
     if validate_values and not _capturing():
-        state = _validated_state(t, (total, max_len))
-        seen = _VALIDATED.get(id(t))
-        if state is not None and seen is not None and seen[0]() is t and seen[1:] == state:
+        # one entry per (tensor, condition): the same tensor is often both cu_seqlens_q and cu_seqlens_k
+        key, version = (id(t), total, max_len[1] if max_len else None), _version(t)
+        seen = _VALIDATED.get(key)
+        if version is not None and seen is not None and seen[0]() is t and seen[1] == version:
             return t
         v = t.cpu()
         if int(v[0]) != 0:
@@ -106,10 +107,10 @@ def check_cu_seqlens(name: str, t, batch: int | None = None, total: int | None =
             if longest > max_len[1]:
                 raise ValueError(f"{max_len[0]} is {max_len[1]} but {name} holds a sequence of {longest} tokens: it "
                                  f"must be at least the longest length")
-        if state is not None:
+        if version is not None:
             if len(_VALIDATED) >= 1024:  # dead entries are few in practice; bound the table anyway
                 _VALIDATED.clear()
-            _VALIDATED[id(t)] = (weakref.ref(t),) + state
+            _VALIDATED[key] = (weakref.ref(t), version)
     return t
 
 

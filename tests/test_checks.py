@@ -69,3 +69,20 @@ def test_max_seqlen_smaller_than_a_sequence_is_refused():
         lk.paged_attention(qp, kc, vc, pt, sl, cuq, 3)
     with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative int"):
         lk.paged_attention(qp, kc, vc, pt, sl, cuq, 4.0)
+
+
+def test_one_cu_seqlens_for_q_and_k_is_copied_once(monkeypatch):
+    """The usual self-attention call passes one tensor as both cu_seqlens: its checks are remembered for both roles,
+    so repeated calls make no host copy (a copy is a sync, which would cost more than a short prefill)."""
+    import llmkernels as lk
+
+    q, k, v = (torch.randn(12, 2, 32, dtype=torch.float16) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
+    lk.flash_attn_varlen(q, k, v, cu, cu, 7, 8, causal=True)  # max_seqlen_k differs: checked in both roles
+    assert len(copies) == 2
+    for _ in range(3):
+        lk.flash_attn_varlen(q, k, v, cu, cu, 7, 8, causal=True)
+    assert len(copies) == 2

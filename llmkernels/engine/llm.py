@@ -192,6 +192,10 @@ class LLM:
         """Stop the other tensor-parallel ranks (nothing to do on one GPU); the engine is unusable after."""
         peers, self._peers = getattr(self, "_peers", None), None
         if peers is not None:
+            if getattr(self, "runner", None) is not None:
+                if self.runner.device.type == "cuda":
+                    torch.cuda.synchronize(self.runner.device)
+                self.runner.release_graphs()
             peers.stop()
             if getattr(self, "runner", None) is not None:
                 self.runner.peers = None

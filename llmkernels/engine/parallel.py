@@ -140,8 +140,8 @@ class Peers:
 
 
 def _end_group() -> None:
-    """Leave the process group. NCCL groups are aborted: a graceful destroy can hang for good once CUDA graphs have
-    captured NCCL work (pytorch/pytorch#115388, seen here at close), and at close nothing in flight is needed."""
+    """Leave the process group (the captured graphs released first: see ModelRunner.release_graphs). NCCL groups
+    are aborted, which does not wait on the other ranks: at close nothing in flight is needed."""
     import torch.distributed as dist
 
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

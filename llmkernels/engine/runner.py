@@ -172,6 +172,13 @@ class ModelRunner:
         for t in extend_sizes:
             self._extend_for(t)
 
+    def release_graphs(self) -> None:
+        """Free the captured graphs. A process group whose NCCL work some live graph captured cannot be torn down
+        (destroy and abort hang: pytorch/pytorch#115388), so tensor-parallel ranks call this before leaving it."""
+        for g in (*self.graphs.values(), *self.extend_graphs.values()):
+            g.graph.reset()
+        self.graphs, self.extend_graphs = {}, {}
+
     def serve_steps(self, conn) -> None:
         """On a rank other than 0: run what rank 0 sends through ``conn`` (steps, page copies, graph captures) until
         it says stop or goes away."""
@@ -194,6 +201,9 @@ class ModelRunner:
             elif cmd[0] == "graphs":
                 self.capture_graphs(cmd[1], cmd[2])
             elif cmd[0] == "stop":
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.release_graphs()
                 return
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {cmd[0]!r}")

@@ -50,12 +50,28 @@ def test_moe_config_errors(model_files):
         LLM(path, progress=False, backend="torch", tensor_parallel_size=2)
 
 
+def rows_before_near_tie(hf, ids, top_k: int, margin: float) -> int:
+    """How many leading positions of ``ids`` route clearly in every layer of the reference: the first position whose
+    k-th and (k+1)-th router logits are within ``margin`` may pick other experts after rounding, and that changes its
+    row (and, through attention, the rows after it) by far more than any tolerance."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    first = len(ids)
+    for logits in out.router_logits:
+        top = logits.double().view(len(ids), -1).sort(-1, descending=True).values
+        close = ((top[:, top_k - 1] - top[:, top_k]) < margin).nonzero()
+        if close.numel():
+            first = min(first, int(close[0]))
+    return first
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,fmt", [("qwen3moe", "q4_k"), ("mixtral", "q8_0")])
 def test_gpu_moe_models(model_files, arch, fmt):
-    """Compiled kernels, CUDA graphs for decode: logits near transformers' in fp16, and in both dtypes the tokens of
-    the eager engine. Against the float64 reference bf16 is too coarse: its rounding flips near-tied router choices
-    (the pure-torch bf16 forward of the qwen3moe model: 5 of 84 rows off by more than 0.06, fp16: none)."""
+    """Compiled kernels, CUDA graphs for decode: logits near transformers' in fp16 up to the first near-tied router
+    choice, and in both dtypes the tokens of the eager engine. (A tie within rounding flips either way: the mixtral
+    model's reference gaps go down to 0.0014, and on the pure-torch forward 4 of 84 rows then differ by more than
+    0.06 in fp16 and 25 in bf16.)"""
     kw = dict(MOE, hidden=512, ffn=256, head_dim=128)
     d, path, _ = model_files(arch, fmt, **kw)
     same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
@@ -63,7 +79,10 @@ def test_gpu_moe_models(model_files, arch, fmt):
         eager = LLM(path, progress=False, cuda_graphs=False, num_splits=2, max_num_batched_tokens=64, dtype=dtype)
         ids = eager.tokenizer.encode(PROMPTS[1] * 4)
         if dtype == torch.float16:
-            assert rel_err(eager.logits(ids).cpu(), hf_logits(same, ids)) < ACT_TOL[dtype]
+            clear = rows_before_near_tie(same, ids, eager.cfg.n_experts_used, 0.01)
+            assert clear >= 16, f"only {clear} positions route clearly: the check would mean little"
+            got, want = eager.logits(ids).cpu(), hf_logits(same, ids)
+            assert rel_err(got[:clear], want[:clear]) < ACT_TOL[dtype]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         want = [o.token_ids for o in eager.generate([ids, PROMPTS[0]], params)]
         graphs = LLM(path, progress=False, num_splits=2, max_num_batched_tokens=64, dtype=dtype)
