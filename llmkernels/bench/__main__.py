@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     suites = args.suites or list(SUITES)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     ctx = Context(read_bw_TBps=measure_read_bandwidth(), copy_bw_TBps=measure_copy_bandwidth(),
-                  matmul_TFLOPs=measure_matmul_tflops(), quick=args.quick, llama_cpp=args.llama_cpp)
+                  matmul_TFLOPs=measure_matmul_tflops(), quick=args.quick, llama_cpp=args.llama_cpp,
+                  case_filter=args.case)
     print(f"measured: read {ctx.read_bw_TBps:.3f} TB/s, copy (read+write) {ctx.copy_bw_TBps:.3f} TB/s, "
           f"bf16 matmul {ctx.matmul_TFLOPs:.1f} TFLOP/s", flush=True)
     cases = []

@@ -139,6 +139,7 @@ class Context:
     matmul_TFLOPs: float
     quick: bool = False
     llama_cpp: str | None = None  # folder of a llama.cpp build (llama-bench, llama-batched-bench, llama-server)
+    case_filter: str | None = None  # ``-k TEXT``: only the cases named with TEXT ran (the file updates some rows)
 
     def bw_pct(self, tbps: float | None) -> float | None:
         return None if tbps is None else 100.0 * tbps / self.read_bw_TBps
@@ -170,6 +171,7 @@ def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: li
         "read_bandwidth_TBps": round(ctx.read_bw_TBps, 4),
         "copy_bandwidth_TBps": round(ctx.copy_bw_TBps, 4),
         "bf16_matmul_TFLOPs": round(ctx.matmul_TFLOPs, 2),
+        **({"case_filter": ctx.case_filter} if ctx.case_filter else {}),
         "rows": [{k: v for k, v in dataclasses.asdict(r).items() if k not in ("note", "time_ratio") or v}
                  for r in rows],
     }

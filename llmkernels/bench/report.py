@@ -1,7 +1,8 @@
 """``python -m llmkernels.bench --report``: bench/RESULTS.md from the committed results files.
 
 For each GPU and suite the newest file holding that suite supplies the table, so the page always shows the latest
-measurement of every suite with the file, commit and date it came from. Files under ``not-adopted/`` are skipped.
+measurement of every suite with the file, commit and date it came from. A newer file of a run limited to some cases
+(``-k TEXT``, recorded as ``case_filter``) replaces just the rows it has. Files under ``not-adopted/`` are skipped.
 """
 from __future__ import annotations
 
@@ -28,12 +29,20 @@ def _fmt(v) -> str:
 
 
 def latest_tables(results_dir: str | Path) -> dict:
-    """{gpu: {suite: (file name, doc, rows)}} with the newest file of each (gpu, suite)."""
+    """{gpu: {suite: (file name, doc, rows)}}: the newest whole run of each (gpu, suite), with the rows of newer
+    case-limited runs in place of (or added to) its rows of the same case; such a row has a ``source`` file name."""
     out: dict = {}
     for name, doc in _load(Path(results_dir)):
         for suite in dict.fromkeys(r["suite"] for r in doc.get("rows", [])):
             rows = [r for r in doc["rows"] if r["suite"] == suite]
-            out.setdefault(doc.get("gpu", "?"), {})[suite] = (name, doc, rows)
+            gpu = doc.get("gpu", "?")
+            if doc.get("case_filter") and suite in out.get(gpu, {}):
+                base_name, base, merged = out[gpu][suite]
+                newer = {r["case"]: dict(r, source=name) for r in rows}
+                merged = [newer.pop(r["case"], r) for r in merged] + list(newer.values())
+                out[gpu][suite] = (base_name, base, merged)
+            else:
+                out.setdefault(gpu, {})[suite] = (name, doc, rows)
     return out
 
 
@@ -54,7 +63,8 @@ def render(results_dir: str | Path) -> str:
             head = ["case", "metric", "ours", "% roof"] + [f"{a} (ratio)" for a in anchors]
             lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for r in rows:
-                cells = [r["case"], r["metric"], _fmt(r.get("value")), _fmt(r.get("roofline_pct"))]
+                case = r["case"] + (f" (`{r['source']}`)" if r.get("source") else "")
+                cells = [case, r["metric"], _fmt(r.get("value")), _fmt(r.get("roofline_pct"))]
                 for a in anchors:
                     v = r.get("anchors", {}).get(a)
                     ratio = f" ({speedup(r['metric'], r['value'], v):.2f}x)" if v and r.get("value") else ""

@@ -91,6 +91,26 @@ def test_report_from_committed_results(tmp_path):
     assert out.read_text() == text
 
 
+def test_report_merges_case_limited_runs(tmp_path):
+    """A run limited with -k updates only its rows: the older whole run's other rows stay, marked rows name their file;
+    a later whole run replaces everything."""
+    import json
+
+    from llmkernels.bench.report import latest_tables
+
+    def write(name, cases, **extra):
+        rows = [{"suite": "tp", "case": c, "metric": "tokens/s", "value": v} for c, v in cases]
+        (tmp_path / name).write_text(json.dumps({"gpu": "G", "rows": rows, **extra}))
+
+    write("20260101-000000-g-tp.json", [("a", 1.0), ("b", 2.0)])
+    write("20260102-000000-g-tp.json", [("b", 3.0), ("c", 4.0)], case_filter="b")
+    name, _, rows = latest_tables(tmp_path)["G"]["tp"]
+    assert name.startswith("20260101") and [(r["case"], r["value"], r.get("source")) for r in rows] == [
+        ("a", 1.0, None), ("b", 3.0, "20260102-000000-g-tp.json"), ("c", 4.0, "20260102-000000-g-tp.json")]
+    write("20260103-000000-g-tp.json", [("a", 5.0)])
+    assert [(r["case"], r["value"]) for r in latest_tables(tmp_path)["G"]["tp"][2]] == [("a", 5.0)]
+
+
 def test_tp_sizes_env(monkeypatch):
     from llmkernels.bench.suites.tp import _sizes
 
