@@ -275,9 +275,7 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
     data = qt.data
     row_bytes = data.shape[-1] * data.element_size()
     nsub, sub, block_bytes, nblocks, _ = route.layout(qt.format, K, qt.group_size)
-    # the generic kernel's M = 1 config: each (token, expert) pair is a GEMV of one row
-    block_n, nb, warps, stages = route.generic_config(target(x.device), qt.format, 1, N, K, qt.bits or 0,
-                                                      qt.group_size or 0)
+    block_n, nb, warps, stages = route.moe_config(target(x.device), qt.format, N, K, qt.bits or 0, qt.group_size or 0)
     views = _stack_views(qt) + (_stack_views(qt_up) if qt_up is not None else _stack_views(qt))
     moe_gemv_kernel[(triton.cdiv(N, block_n), P)](
         x, expert_ids, token_ids if token_ids is not None else expert_ids, *views, y,

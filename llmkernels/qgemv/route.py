@@ -337,6 +337,14 @@ def moe_grouped(pairs: int, num_experts: int) -> bool:
     return pairs > num_experts
 
 
+def moe_config(t: Target, fmt: str, N: int, K: int, bits: int, group_size: int) -> tuple:
+    """(BLOCK_N, NB, num_warps, num_stages) of the per-pair MoE GEMV: the table's ``moe/<family>`` entry (``python -m
+    llmkernels tune moe``), else the generic kernel's M = 1 config, each pair being a GEMV of one row."""
+    family = layout(fmt, K, group_size)[4]
+    entry = None if t.interpreter else lookup("gemv", t.gpu, f"moe/{family}")
+    return tuple(entry) if entry is not None else generic_config(t, fmt, 1, N, K, bits, group_size)
+
+
 def moe_grouped_config(t: Target, block_weights: int, pairs: int, num_experts: int) -> tuple:
     """(BLOCK_M, BLOCK_N, NB, warps) of the grouped MoE kernel. ``block_weights``: weights per format block; NB of
     them make a K step of at least 128. BLOCK_M follows the mean pairs per expert (padding wastes less); BLOCK_N

@@ -344,13 +344,41 @@ def tune_gemv_i8(gpu):
 
 
 # table name -> tuner, or (JSON table it writes into, tuner)
+# per-pair MoE GEMV (qgemv/moe.py) configs (BLOCK_N, NB, warps, stages)
+MOE_CANDIDATES = [(16, 1, 4, 3), (8, 1, 4, 3), (32, 1, 4, 3), (64, 1, 8, 3), (16, 2, 4, 3), (32, 2, 4, 3),
+                  (16, 1, 2, 3), (8, 1, 2, 4), (32, 1, 8, 2), (16, 2, 8, 3), (64, 2, 8, 2), (8, 2, 4, 2)]
+
+
+def tune_moe(gpu):
+    """The per-pair MoE GEMV at batch 1 on Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, expert FFN
+    768): gate/up with SiLU and the down projection, each format family's entry timed on one format of it."""
+    from ..qgemv.moe import moe_ffn
+    from ..quant.formats import GGUF_FORMATS
+    from ..testing.random_weights import random_qtensor
+
+    E, k, H, F = 128, 8, 2048, 768
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    # six expert sets, so the timed reads (6 x 8 experts) overflow L2
+    ids = [torch.randperm(E, generator=g)[:k].to(torch.int32).view(1, k).cuda() for _ in range(6)]
+    w = torch.full((1, k), 1.0 / k, device="cuda")
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    for fmt in ("q4_k", "q8_0", "f16"):
+        gate, up = (random_qtensor(fmt, E * F, H, "cuda") for _ in range(2))
+        down = random_qtensor(fmt, E * H, F, "cuda")
+        works = [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]]
+        key = f"moe/{GGUF_FORMATS[fmt].family}"
+        out[key] = _best("gemv", key, MOE_CANDIDATES, works)
+    return out
+
+
 TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "decode_few": ("paged", tune_decode_few),
           "gemv": tune_gemv, "gemv_m1": ("gemv", tune_gemv_m1),
           "gemv_lanes": ("gemv", tune_gemv_lanes),
-          "gemv_i8": ("gemv", tune_gemv_i8)}
+          "gemv_i8": ("gemv", tune_gemv_i8), "moe": ("gemv", tune_moe)}
 
 
-SUITES = ["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes", "gemv_i8"]
+SUITES = ["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes", "gemv_i8", "moe"]
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -123,3 +123,22 @@ def test_route_table_holds_what_choose_says(fmt, N, K):
         held = route_table(qt, torch.float16)
     assert {r.kernel for rs in held.values() for r in rs} <= {"generic", "i8", "dequant"}
     assert {r.kernel for rs in table.values() for r in rs} != {r.kernel for rs in held.values() for r in rs}
+
+
+def test_moe_config_reads_the_table_then_falls_back():
+    """The per-pair MoE GEMV takes its own tuned entry (``tune moe``) when the table has one, else the generic
+    kernel's M = 1 config; the interpreter never reads the tables."""
+    from llmkernels.tuning import OVERRIDES
+
+    gpu = route.Target("NVIDIA H200")
+    generic = route.generic_config(gpu, "q4_k", 1, 768, 2048, 0, 0)
+    assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == generic
+    OVERRIDES[("gemv", "moe/kquant")] = [32, 2, 8, 2]
+    try:
+        assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == (32, 2, 8, 2)
+        assert route.moe_config(gpu, "q8_0", 768, 2048, 0, 0) == route.generic_config(gpu, "q8_0", 1, 768, 2048, 0, 0)
+        interp = route.Target("cpu", interpreter=True)
+        assert route.moe_config(interp, "q4_k", 768, 2048, 0, 0) == route.generic_config(interp, "q4_k", 1, 768, 2048,
+                                                                                          0, 0)
+    finally:
+        OVERRIDES.pop(("gemv", "moe/kquant"), None)
