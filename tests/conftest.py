@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
 
 HAS_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
+# pytest-xdist workers share the cores: one torch thread pool per core, not per worker
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_GPU:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
