@@ -224,7 +224,8 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
                    BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, ROWS_T: tl.constexpr, R: tl.constexpr,
                    BITS: tl.constexpr, MR: tl.constexpr, UNPACK: tl.constexpr, FIXUP: tl.constexpr,
                    SILU: tl.constexpr, KT: tl.constexpr = 1, H: tl.constexpr = 1, EVEN: tl.constexpr = True,
-                   PDL: tl.constexpr = False, XP: tl.constexpr = False, GLU: tl.constexpr = False):
+                   PDL: tl.constexpr = False, XP: tl.constexpr = False, GLU: tl.constexpr = False,
+                   EXPERT=None, n_experts=1, TOPK: tl.constexpr = 0):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N = ROWS_T * R rows.
 
     The bytes of a step form a tile [C, ROWS_T, NB, R, U // V, V] (C chunks of U bytes per block, V = 8). Triton's
@@ -260,7 +261,11 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     both sums end in one thread; a program makes BLOCK_N // 2 outputs.
 
     PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let the next one
-    launch after their loop."""
+    launch after their loop.
+
+    TOPK > 0 (mixture of experts, MR = 1, one K split): W8 (and WU) stack n_experts matrices of N rows; the third
+    grid axis runs over (token, expert) pairs, pair p reading the rows of expert EXPERT[p] and activation row
+    p // TOPK, and writing output row p."""
     ROWS_G: tl.constexpr = ROWS_T // KT  # distinct rows per rep
     BLOCK_N: tl.constexpr = ROWS_G * R
     STEP: tl.constexpr = NB * KT  # blocks per step
@@ -269,17 +274,24 @@ def gemv_m1_kernel(X, XW, W8, W16, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, s
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # MR activation rows per program along the third grid axis
     pdl_wait(PDL)
-    X += pid_m * MR * stride_xm
-    XW += pid_m * MR * (stride_xm // 2)
+    if TOPK > 0:
+        # ids are checked on the host, but not under CUDA-graph capture: stay inside the stack regardless
+        e_off = tl.minimum(tl.maximum(tl.load(EXPERT + pid_m).to(tl.int64), 0), n_experts - 1) * N
+        X += (pid_m // TOPK) * stride_xm
+        XW += (pid_m // TOPK) * (stride_xm // 2)
+    else:
+        e_off = 0
+        X += pid_m * MR * stride_xm
+        XW += pid_m * MR * (stride_xm // 2)
     rt = tl.arange(0, ROWS_T)[None, :, None, None]
     rr = tl.arange(0, R)[None, None, None, :]
     # rows past N read row N - 1 (in bounds, never stored), so the weight loads need no mask
     if GLU:  # slots r and r + R // 2 read the gate and up rows of one output
         tl.static_assert(FMT == 10 and R % 2 == 0, "GLU is built for q4_k with an even R")
-        rows4 = tl.minimum(pid_n * (BLOCK_N // 2) + (rr % (R // 2)) * ROWS_G + rt // KT, N - 1).to(tl.int64)
+        rows4 = tl.minimum(pid_n * (BLOCK_N // 2) + (rr % (R // 2)) * ROWS_G + rt // KT, N - 1).to(tl.int64) + e_off
         wbase = tl.where(rr >= R // 2, WU, W8)  # [1, 1, 1, R] pointers
     else:
-        rows4 = tl.minimum(pid_n * BLOCK_N + rr * ROWS_G + rt // KT, N - 1).to(tl.int64)  # [1, ROWS_T, 1, R]
+        rows4 = tl.minimum(pid_n * BLOCK_N + rr * ROWS_G + rt // KT, N - 1).to(tl.int64) + e_off  # [1, ROWS_T, 1, R]
         wbase = W8
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
@@ -619,7 +631,7 @@ def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,
               waves: int = 2, fixup: bool = True, scales=None, biases=None, bits: int = 0, group_size: int = 0,
               rows_per_program: int = 4, x2=None, pdl: bool = False, x_perm: bool = False, up=None,
-              fast_silu: bool = True):
+              fast_silu: bool = True, experts=None, top_k: int = 1, n_experts: int = 1):
     """Run gemv_m1_kernel for x [M, K] and a weight buffer (GGUF blocks, or MLX words with ``scales``/``biases``);
     returns y [split, M, N] (float32 partials when split > 1, for ops._finish to sum), and with return_kernel the
     compiled kernel too. ``config`` is (R, NB, num_warps, num_stages[, KT[, H[, waves]]]) with R rows per thread
@@ -632,7 +644,10 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     lanes_width(K)], see lane_order): q4_k with KT = 8, NB = 1, H = 1 only.
 
     With ``up`` (q4_k weights of the up projection, [N, K] like ``data``, 16-byte aligned) the kernel computes
-    silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N]."""
+    silu(x W^T) * (x up^T) (GLU, one K split, the config's R even) and returns y [1, M, N].
+
+    With ``experts`` (int32 [P], the pairs' experts) ``data`` (and ``up``) stack ``n_experts`` matrices of N rows:
+    y [1, P, N] holds pair p's product of x row p // ``top_k`` with its expert's rows (one K split)."""
     import torch
 
 
@@ -664,9 +679,11 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
     row_bytes = data.shape[-1] * data.element_size()
     nblocks = K // BS
     programs_n = triton.cdiv(N, block_n)
-    M = x.shape[0]
+    M = x.shape[0] if experts is None else experts.shape[0]
     # 3 rows run as 4 (one repeated, not stored): the MR=3 build measured slower than MR=4 on an H100
-    mr = max(1, min(4 if M == 3 else M, rows_per_program, 4))
+    mr = 1 if experts is not None else max(1, min(4 if M == 3 else M, rows_per_program, 4))
+    if experts is not None:
+        waves = 0  # one K split: an expert's rows are few, and pairs fill the grid
     grid_m = triton.cdiv(M, mr)
     split, per_split = split_k(programs_n * grid_m, nblocks, nb * kt, sms, waves)
     even = per_split % (nb * kt) == 0 and nblocks % (nb * kt) == 0
@@ -684,6 +701,6 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         up.view(torch.uint8) if up is not None else w8,
         FMT=fid, NB=nb, C=C, U=U, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=rows_t, R=reps, BITS=bits, MR=mr,
         UNPACK=unpack, FIXUP=counters is not None, SILU=silu, KT=kt, H=h, EVEN=even, PDL=pdl, XP=x_perm,
-        GLU=up is not None,
+        GLU=up is not None, EXPERT=experts, n_experts=n_experts, TOPK=top_k if experts is not None else 0,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y

@@ -7,6 +7,9 @@ is [n_expert * N, K], expert e's matrix being rows e * N .. (e + 1) * N. A route
 expert rows in registers (the generic kernel's ``dequant_tile``, so every GGUF format and MLX affine work) and
 multiplies it with its token's activations. Experts that no token chose are never read. Gate and up can run fused
 (``silu(x W_gate^T) * (x W_up^T)`` in one pass over both), so an MoE FFN is two launches plus the weighted sum.
+q4_k, q5_k and q6_k pairs in the router's order (no token_ids) run the m1 kernel instead (qgemv/m1.py, its third grid
+axis over the pairs, each reading its expert's rows; q4_k's gate and up fused as its GLU), with the block scales
+factored out of the inner loop.
 
 Prefill has many pairs per expert, and a GEMV per pair would read each expert's weights once per pair. There the
 pairs are grouped by expert instead (sorted and padded to whole blocks of ``BLOCK_M`` pairs of one expert, on the
@@ -25,6 +28,7 @@ from .._runtime import empty
 from ..quant.tensor import QuantizedTensor
 from .common import _views
 from .dequant import dequant_tile
+from .m1 import launch_m1, m1_supports
 from . import route
 from .ops import FORMAT_IDS, X_DTYPES, target
 
@@ -266,11 +270,26 @@ def _stack_views(qt) -> tuple:
 def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
     """The pairs' products; ``token_ids`` None: pair p reads row p // top_k of x."""
     P = expert_ids.shape[0]
+    if P and route.moe_grouped(P, num_experts):
+        return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids,
+                               empty(P, N, dtype=x.dtype, device=x.device), top_k)
+    if P and token_ids is None and route.moe_m1(qt.format, qt_up is not None, x.dtype) and m1_supports(
+            x, qt.data, qt.format) and (qt_up is None or qt_up.data.data_ptr() % 16 == 0):
+        t = target(x.device)
+        config = route.m1_config(t, qt.format, 1, small=t.interpreter and N < 128)
+        if qt_up is not None and config[0] % 2:  # GLU: a gate and an up row per thread
+            config = (config[0] + 1,) + tuple(config[1:])
+        kt, nblocks = (config[4] if len(config) > 4 else 1), route.layout(qt.format, qt.shape[-1], 0)[3]
+        while kt > 1 and nblocks < kt:  # an expert's K may be a few blocks (768: 3): fewer lanes along K
+            kt //= 2
+        if len(config) > 4:
+            config = config[:4] + (kt,) + tuple(config[5:])
+        return launch_m1(x, qt.data, qt.format, N, qt.shape[-1], config, 0, 1 if interpreter_mode() else 2,
+                         up=qt_up.data if qt_up is not None else None, experts=expert_ids, top_k=top_k,
+                         n_experts=num_experts)[0]
     y = empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    if route.moe_grouped(P, num_experts):
-        return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids, y, top_k)
     K = qt.shape[-1]
     data = qt.data
     row_bytes = data.shape[-1] * data.element_size()

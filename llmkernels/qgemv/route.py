@@ -32,7 +32,9 @@ from ..tuning import lookup
 
 OPS = ("gemv", "silu_mul", "gate_up", "lanes")  # y = x W^T; silu(x) * x2 then W; silu(x G^T) * (x U^T); x in lanes
 KERNELS = ("cublas", "dequant", "lanes", "glu", "i8", "i8_lanes", "tc", "m1", "planes", "generic")
-MOE_KERNELS = ("moe_gemv", "moe_grouped")  # qgemv.moe: a GEMV per (token, expert) pair; pairs grouped by expert
+# qgemv.moe: a GEMV per (token, expert) pair (the m1 kernel where it reads the format, else the generic one); pairs
+# grouped by expert
+MOE_KERNELS = ("moe_gemv", "moe_m1", "moe_grouped")
 
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
@@ -335,6 +337,15 @@ def moe_grouped(pairs: int, num_experts: int) -> bool:
     if "moe_grouped" in excluded or "moe_gemv" in excluded:
         return "moe_grouped" not in excluded
     return pairs > num_experts
+
+
+def moe_m1(fmt: str, dual: bool, dtype: torch.dtype) -> bool:
+    """Whether the per-pair MoE GEMV runs the m1 kernel over the stacked experts (q4_k, q5_k, q6_k with fp16/bf16
+    activations; gate and up fused only for q4_k, as its GLU) rather than the generic kernel, whose dequantized tiles
+    moved about 0.7 TB/s at Qwen3-30B-A3B's expert shapes (bench/NOTES.md)."""
+    if "moe_m1" in _excluded():
+        return False
+    return fmt in M1_FORMATS and (not dual or fmt == "q4_k") and dtype in (torch.float16, torch.bfloat16)
 
 
 def moe_config(t: Target, fmt: str, N: int, K: int, bits: int, group_size: int) -> tuple:

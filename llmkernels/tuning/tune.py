@@ -350,8 +350,9 @@ MOE_CANDIDATES = [(16, 1, 4, 3), (8, 1, 4, 3), (32, 1, 4, 3), (64, 1, 8, 3), (16
 
 
 def tune_moe(gpu):
-    """The per-pair MoE GEMV at batch 1 on Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, expert FFN
-    768): gate/up with SiLU and the down projection, each format family's entry timed on one format of it."""
+    """The generic per-pair MoE GEMV at batch 1 on Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048,
+    expert FFN 768): moe_ffn, each format family's entry timed on one format of it. (q4_k, q5_k and q6_k products run
+    the m1 kernel, except gate/up fused in q5_k / q6_k: q5_k stands for the K-quants here.)"""
     from ..qgemv.moe import moe_ffn
     from ..quant.formats import GGUF_FORMATS
     from ..testing.random_weights import random_qtensor
@@ -363,7 +364,7 @@ def tune_moe(gpu):
     ids = [torch.randperm(E, generator=g)[:k].to(torch.int32).view(1, k).cuda() for _ in range(6)]
     w = torch.full((1, k), 1.0 / k, device="cuda")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-    for fmt in ("q4_k", "q8_0", "f16"):
+    for fmt in ("q5_k", "q8_0", "f16"):
         gate, up = (random_qtensor(fmt, E * F, H, "cuda") for _ in range(2))
         down = random_qtensor(fmt, E * H, F, "cuda")
         works = [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]]

@@ -185,11 +185,18 @@ def test_fused_route_matches_torch(T, E, k, device):
         assert torch.allclose(same, torch.gather(torch.softmax(logits.float(), -1), 1, re.long()), atol=1e-7)
 
 
-def test_moe_ffn_decode_matches_per_pair_reference(device):
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k"])
+def test_moe_ffn_decode_matches_per_pair_reference(fmt, device, monkeypatch):
     """moe_ffn at decode sizes (a GEMV per pair, tokens implied by the pair index, the weighted sum in one
-    kernel): 3 tokens x top 2 of 7 experts against float64 per-pair products; the output starts as NaN."""
+    kernel): 3 tokens x top 2 of 7 experts against float64 per-pair products; the output starts as NaN. The
+    K-quants run the m1 kernel over the stacked experts (q4_k's gate and up fused, as its GLU; q6_k's down)."""
+    import llmkernels.qgemv.moe as moe
+
+    calls = []
+    real = moe.launch_m1
+    monkeypatch.setattr(moe, "launch_m1", lambda *a, **kw: calls.append(kw["up"] is not None) or real(*a, **kw))
     E, F, H, T, k = 7, 256, 256, 3, 2
-    gate, up, down = (stacked("q8_0", {}, E, n, kk, device) for n, kk in ((F, H), (F, H), (H, F)))
+    gate, up, down = (stacked(fmt, {}, E, n, kk, device) for n, kk in ((F, H), (F, H), (H, F)))
     x = torch.randn(T, H, dtype=torch.float16, device=device)
     w, e = moe_route(torch.randn(T, E, device=device), top_k=k)
     assert not route.moe_grouped(T * k, E)
@@ -197,3 +204,4 @@ def test_moe_ffn_decode_matches_per_pair_reference(device):
     h = moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok).to(torch.float16)
     ref = (moe_gemv_ref(h, down, E, e.flatten()).view(T, k, -1).double() * w.view(T, k, 1).double()).sum(1)
     rel_close(moe_ffn(x, w, e, gate, up, down, E), ref, torch.float16)
+    assert calls == {"q8_0": [], "q4_k": [True, False], "q6_k": [False]}[fmt]
