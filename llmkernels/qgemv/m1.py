@@ -704,3 +704,30 @@ def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, 
         GLU=up is not None, EXPERT=experts, n_experts=n_experts, TOPK=top_k if experts is not None else 0,
         num_warps=warps, num_stages=stages, **pdl_options(pdl))
     return (y, kernel) if return_kernel else y
+
+
+def compile_sm90(fmt: str, config: tuple, top_k: int = 0, glu: bool = False, dtype: str = "bf16"):
+    """gemv_m1_kernel compiled for sm_90 without a GPU (ptxas ships with Triton; set TRITON_INTERPRET=0 before
+    importing llmkernels): ``config`` as launch_m1 takes it, ``top_k`` > 0 the mixture-of-experts build. For tests
+    and for reading the code the compiler makes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fid, C, U, P, BS, BB = m1_layout(fmt)
+    reps, nb, warps, stages = config[:4]
+    kt = config[4] if len(config) > 4 else 1
+    h = config[5] if len(config) > 5 else 1
+    sig = {"X": f"*{dtype}", "XW": f"*{dtype}", "W8": "*u8", "W16": "*fp16", "WS": "*u8", "WB": "*u8",
+           "Y": f"*{dtype}", "PART": f"*{dtype}", "COUNT": f"*{dtype}", "WU": "*u8"}
+    sig.update({name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_ys", "stride_ym", "row_bytes",
+                                          "scale_stride", "nblocks", "blocks_per_split", "split", "x2_off")})
+    consts = dict(FMT=fid, NB=nb, C=C * h, U=U // h, P=P, BS=BS, BLOCK_BYTES=BB, ROWS_T=32 // (C * h) * warps, R=reps,
+                  BITS=0, MR=1, UNPACK=2, FIXUP=False, SILU=0, KT=kt, H=h, EVEN=False, PDL=False, XP=False, GLU=glu,
+                  TOPK=top_k)
+    if top_k:
+        sig.update(EXPERT="*i32", n_experts="i32")
+    else:
+        consts.update(EXPERT=None, n_experts=1)
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(ASTSource(gemv_m1_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
