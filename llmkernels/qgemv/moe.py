@@ -275,15 +275,7 @@ def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
                                empty(P, N, dtype=x.dtype, device=x.device), top_k)
     if P and token_ids is None and route.moe_m1(qt.format, qt_up is not None, x.dtype) and m1_supports(
             x, qt.data, qt.format) and (qt_up is None or qt_up.data.data_ptr() % 16 == 0):
-        t = target(x.device)
-        config = route.m1_config(t, qt.format, 1, small=t.interpreter and N < 128)
-        if qt_up is not None and config[0] % 2:  # GLU: a gate and an up row per thread
-            config = (config[0] + 1,) + tuple(config[1:])
-        kt, nblocks = (config[4] if len(config) > 4 else 1), route.layout(qt.format, qt.shape[-1], 0)[3]
-        while kt > 1 and nblocks < kt:  # an expert's K may be a few blocks (768: 3): fewer lanes along K
-            kt //= 2
-        if len(config) > 4:
-            config = config[:4] + (kt,) + tuple(config[5:])
+        config = route.moe_m1_config(target(x.device), qt.format, N, qt.shape[-1], qt_up is not None)
         return launch_m1(x, qt.data, qt.format, N, qt.shape[-1], config, 0, 1 if interpreter_mode() else 2,
                          up=qt_up.data if qt_up is not None else None, experts=expert_ids, top_k=top_k,
                          n_experts=num_experts)[0]

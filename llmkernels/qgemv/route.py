@@ -348,6 +348,22 @@ def moe_m1(fmt: str, dual: bool, dtype: torch.dtype) -> bool:
     return fmt in M1_FORMATS and (not dual or fmt == "q4_k") and dtype in (torch.float16, torch.bfloat16)
 
 
+def moe_m1_config(t: Target, fmt: str, N: int, K: int, glu: bool) -> tuple:
+    """The m1 kernel's config for MoE pairs: the table's ``moe_m1/<format>`` entry (``python -m llmkernels tune
+    moe``), else the dense M = 1 entry; GLU takes an even R, and the lanes along K are no more than an expert's
+    blocks (K = 768 is 3 super-blocks)."""
+    entry = None if t.interpreter else lookup("gemv", t.gpu, f"moe_m1/{fmt}")
+    config = tuple(entry) if entry is not None else m1_config(t, fmt, 1, small=t.interpreter and N < 128)
+    if glu and config[0] % 2:  # a gate and an up row per thread
+        config = (config[0] + 1,) + config[1:]
+    if len(config) > 4:
+        kt, nblocks = config[4], layout(fmt, K, 0)[3]
+        while kt > 1 and nblocks < kt:
+            kt //= 2
+        config = config[:4] + (kt,) + config[5:]
+    return config
+
+
 def moe_config(t: Target, fmt: str, N: int, K: int, bits: int, group_size: int) -> tuple:
     """(BLOCK_N, NB, num_warps, num_stages) of the per-pair MoE GEMV: the table's ``moe/<family>`` entry (``python -m
     llmkernels tune moe``), else the generic kernel's M = 1 config, each pair being a GEMV of one row."""

@@ -349,11 +349,17 @@ MOE_CANDIDATES = [(16, 1, 4, 3), (8, 1, 4, 3), (32, 1, 4, 3), (64, 1, 8, 3), (16
                   (16, 1, 2, 3), (8, 1, 2, 4), (32, 1, 8, 2), (16, 2, 8, 3), (64, 2, 8, 2), (8, 2, 4, 2)]
 
 
+# the m1 kernel's MoE configs for q4_k (R even: gate/up run as its GLU)
+MOE_M1_Q4K_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 4, 3, 4, 1, 1), (2, 1, 4, 3, 2, 1, 1), (2, 1, 4, 3, 1, 1, 1),
+                         (4, 1, 4, 3, 8, 1, 1), (4, 1, 4, 3, 2, 1, 1), (2, 1, 8, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1),
+                         (4, 1, 4, 3, 4, 2, 1), (2, 1, 4, 4, 8, 1, 1)]
+
+
 def tune_moe(gpu):
     """The generic per-pair MoE GEMV at batch 1 on Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048,
     expert FFN 768): moe_ffn, each format family's entry timed on one format of it. (q4_k, q5_k and q6_k products run
     the m1 kernel, except gate/up fused in q5_k / q6_k: q5_k stands for the K-quants here.)"""
-    from ..qgemv.moe import moe_ffn
+    from ..qgemv.moe import moe_ffn, moe_gemv
     from ..quant.formats import GGUF_FORMATS
     from ..testing.random_weights import random_qtensor
 
@@ -370,6 +376,14 @@ def tune_moe(gpu):
         works = [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]]
         key = f"moe/{GGUF_FORMATS[fmt].family}"
         out[key] = _best("gemv", key, MOE_CANDIDATES, works)
+    # the m1 kernel's MoE builds: q4_k gate/up (GLU) and down, q6_k down (the Q4_K_M mix's more-bits layers)
+    gate, up, down = (random_qtensor("q4_k", n, kk, "cuda") for n, kk in ((E * F, H), (E * F, H), (E * H, F)))
+    out["moe_m1/q4_k"] = _best("gemv", "moe_m1/q4_k", MOE_M1_Q4K_CANDIDATES,
+                               [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]])
+    down6 = random_qtensor("q6_k", E * H, F, "cuda")
+    h = torch.randn(k, F, device="cuda", dtype=torch.bfloat16)
+    out["moe_m1/q6_k"] = _best("gemv", "moe_m1/q6_k", Q6_M1_CANDIDATES,
+                               [[lambda e=e: moe_gemv(h, down6, E, e.view(-1)) for e in ids]])
     return out
 
 

@@ -142,3 +142,18 @@ def test_moe_config_reads_the_table_then_falls_back():
                                                                                           0, 0)
     finally:
         OVERRIDES.pop(("gemv", "moe/kquant"), None)
+
+
+def test_moe_m1_config():
+    """The m1 kernel's MoE config: a tuned moe_m1 entry first, else the dense M = 1 one; GLU gets an even R, and the
+    lanes along K shrink to an expert's block count."""
+    from llmkernels.tuning import OVERRIDES
+
+    gpu = route.Target("NVIDIA H200")
+    OVERRIDES[("gemv", "moe_m1/q4_k")] = [3, 1, 4, 3, 8, 1, 1]
+    try:
+        assert route.moe_m1_config(gpu, "q4_k", 768, 2048, glu=True) == (4, 1, 4, 3, 8, 1, 1)
+        assert route.moe_m1_config(gpu, "q4_k", 2048, 768, glu=False) == (3, 1, 4, 3, 2, 1, 1)  # 3 blocks: 2 lanes
+    finally:
+        OVERRIDES.pop(("gemv", "moe_m1/q4_k"), None)
+    assert route.moe_m1_config(gpu, "q6_k", 2048, 768, glu=False)[:4] == route.m1_config(gpu, "q6_k", 1)[:4]
