@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--report", action="store_true",
                    help="write bench/RESULTS.md from the newest results file of each GPU and suite, and exit")
     args = p.parse_args(argv)
+    if args.case is not None and not args.case.strip():
+        p.error("-k/--case needs a non-empty TEXT (part of a case name)")
 
     from .harness import Context, format_table, measure_copy_bandwidth, measure_matmul_tflops, \
         measure_read_bandwidth, plot, write_results

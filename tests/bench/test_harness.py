@@ -111,6 +111,24 @@ def test_report_merges_case_limited_runs(tmp_path):
     assert [(r["case"], r["value"]) for r in latest_tables(tmp_path)["G"]["tp"][2]] == [("a", 5.0)]
 
 
+def test_case_filter_that_matches_nothing_is_refused(monkeypatch, capsys):
+    """bench -k TEXT: an empty TEXT is a usage error; a TEXT no case name holds says so and exits 2 before anything
+    is timed (the GPU and its measured ceilings are stood in for)."""
+    import torch
+
+    from llmkernels.bench import __main__ as bench, harness
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["tp", "-k", " "])
+    assert e.value.code == 2 and "-k/--case needs a non-empty TEXT" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    for name in ("measure_read_bandwidth", "measure_copy_bandwidth", "measure_matmul_tflops"):
+        monkeypatch.setattr(harness, name, lambda: 1.0)
+    assert bench.main(["tp", "-k", "no-such-case"]) == 2
+    assert "no case of ['tp'] has 'no-such-case' in its name" in capsys.readouterr().err
+
+
 def test_tp_sizes_env(monkeypatch):
     from llmkernels.bench.suites.tp import _sizes
 
