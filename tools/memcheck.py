@@ -11,8 +11,8 @@ import llmkernels as lk
 
 
 def ws_cases(dev="cuda"):
-    """The Gluon prefill kernel (sm_90) at every tuning candidate: odd lengths, q_len != k_len, an empty sequence,
-    group 7, LSE written."""
+    """The Gluon prefill kernel (sm_90) at every tuning candidate, bf16 and fp8 (V^T tiles, per-head descales): odd
+    lengths, q_len != k_len, an empty sequence, group 7, LSE written."""
     from llmkernels.attention import prefill
     from llmkernels.tuning import OVERRIDES
 
@@ -21,13 +21,20 @@ def ws_cases(dev="cuda"):
     prefill.WS_MIN_WORK = 0
     cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
     ck = torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev)
-    for D in (64, 128, 256):
-        q = torch.randn(250, 14, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(190, 2, D, device=dev, dtype=torch.bfloat16)
-        for cfg in ((64, 2), (32, 3)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4)):
-            for causal in (False, True):
-                OVERRIDES[("prefill", f"bfloat16/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)
-                lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True)
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float8_e4m3fn, "float8_e4m3fn")):
+        fp8 = dtype == torch.float8_e4m3fn
+        ds = dict(q_descale=torch.rand(14, device=dev) + 0.5, k_descale=0.5, v_descale=torch.rand(2, device=dev) + 0.5)
+        for D in (64, 128, 256):
+            q = torch.randn(250, 14, D, device=dev).to(dtype)
+            k = torch.randn(190, 2, D, device=dev).to(dtype)
+            cfgs = ((64, 2), (32, 3)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4))
+            if fp8:
+                cfgs = ((64, 2), (64, 3), (128, 2)) if D == 256 else ((128, 3), (128, 4), (64, 4))
+            for cfg in cfgs:
+                for causal in (False, True):
+                    OVERRIDES[("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)
+                    lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True,
+                                         **(ds if fp8 else {}))
     for key in [k for k in OVERRIDES if k[1].endswith("/ws")]:
         del OVERRIDES[key]
 
@@ -400,9 +407,10 @@ def main():
 if __name__ == "__main__":
     import sys
 
-    # "tp": tensor parallelism alone (2 GPUs); "moe": the MoE kernels alone; no argument: every single-GPU kernel
-    parts = {"": main, "tp": tp_cases, "moe": moe_cases}
+    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws": those kernels alone; no argument: every
+    # single-GPU kernel
+    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
-        sys.exit(f"usage: python tools/memcheck.py [tp | moe], got {' '.join(sys.argv[1:])!r}")
+        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws], got {' '.join(sys.argv[1:])!r}")
     parts[part]()

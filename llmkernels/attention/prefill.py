@@ -68,8 +68,10 @@ WS_MIN_WORK = 1 << 26
 
 
 def _ws_eligible(q, D, left, right, causal, softcap, sinks, work) -> bool:
-    """The Gluon kernel serves head dims 64, 128 and 256 without a window, softcap or sinks, on sm_90 GPUs."""
-    if interpreter_mode() or not q.is_cuda or D not in (64, 128, 256) or q.dtype not in _DTYPES or work < WS_MIN_WORK:
+    """The Gluon kernel serves head dims 64, 128 and 256 (fp16, bf16 or fp8 e4m3) without a window, softcap or
+    sinks, on sm_90 GPUs."""
+    if (interpreter_mode() or not q.is_cuda or D not in (64, 128, 256) or q.dtype not in (*_DTYPES, FP8)
+            or work < WS_MIN_WORK):
         return False
     if left >= 0 or (right >= 0 and not causal) or softcap > 0 or sinks is not None:
         return False
@@ -171,7 +173,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         descs = ws_descriptors(q, k, v, ws[0])
         if descs is not None:  # None: heads not packed or rows not 16-byte aligned; the Triton kernel takes it
             launch_ws(descs, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, Hq, Hq // Hkv,
-                      scale * 1.4426950408889634, causal, *ws)
+                      scale * 1.4426950408889634, causal, *ws, descales=descales)
             return
     BLOCK_M, BLOCK_N, num_warps, num_stages, fold, tma = prefill_config(q.dtype, D, causal)
     BLOCK_D = max(16, triton.next_power_of_2(D))
@@ -193,9 +195,11 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         num_warps=num_warps, num_stages=num_stages)
 
 
-def _descales(q, fp8, q_descale, k_descale, v_descale):
-    """float32 [3] (q, k, v descale) on q's device for fp8 inputs, else None; descales with fp16/bf16 inputs are an
-    error (they would be ignored)."""
+def _descales(q, k, fp8, q_descale, k_descale, v_descale):
+    """float32 [Hq + 2 * Hkv] on q's device for fp8 inputs (the q descale of each query head, then the k and the v
+    descale of each kv head), else None; descales with fp16/bf16 inputs are an error (they would be ignored).
+    Each is a float, a 1-element tensor (per tensor) or a tensor with one value per head ([Hq] for q, [Hkv] for
+    k and v)."""
     given = {n: d for n, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
              if d is not None}
     if not fp8:
@@ -204,13 +208,24 @@ def _descales(q, fp8, q_descale, k_descale, v_descale):
         return None
     from ..kv_cache import as_scale_tensor
 
-    if any(isinstance(d, torch.Tensor) for d in given.values()):  # stays on the device: no sync, graph-safe
-        return torch.cat([as_scale_tensor(n, given.get(n, 1.0), q.device)
-                          for n in ("q_descale", "k_descale", "v_descale")])
-    for n, d in given.items():
-        as_scale_tensor(n, d, "cpu")  # value checks
-    return torch.tensor([float(given.get(n, 1.0)) for n in ("q_descale", "k_descale", "v_descale")],
-                        dtype=torch.float32, device=q.device)
+    heads = {"q_descale": q.shape[1], "k_descale": k.shape[-2], "v_descale": k.shape[-2]}
+    parts = []
+    for n in ("q_descale", "k_descale", "v_descale"):
+        d = given.get(n, 1.0)
+        if isinstance(d, torch.Tensor) and d.numel() != 1:  # per head
+            check_tensor(n, d, dtypes=(torch.float32,), shape=(heads[n],))
+            check_device(q=q, **{n: d})
+            parts.append(d)
+        elif isinstance(d, torch.Tensor):  # stays on the device: no sync, graph-safe
+            parts.append(as_scale_tensor(n, d, q.device).expand(heads[n]))
+        else:
+            as_scale_tensor(n, d, "cpu")  # value checks
+            parts.append(float(d))
+    if all(isinstance(p, float) for p in parts):
+        return torch.tensor([p for p, n in zip(parts, heads.values()) for _ in range(n)], dtype=torch.float32,
+                            device=q.device)
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.full((n,), p, device=q.device)
+                      for p, n in zip(parts, heads.values())])
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -252,7 +267,10 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
             (sink included); -inf for a query that sees nothing.
         out: optional [total_q, Hq, D] output buffer of q's dtype (bf16 for fp8 inputs).
         q_descale, k_descale, v_descale: with fp8 (``torch.float8_e4m3fn``) q, k and v, which hold q / q_descale
-            and so on: per-tensor factors, floats or 1-element float32 tensors (default 1.0). The output is bf16.
+            and so on: per-tensor factors (floats or 1-element float32 tensors, default 1.0) or per-head float32
+            tensors ([Hq] for q, [Hkv] for k and v). The output is bf16. On sm_90 both products run on fp8 tensor
+            cores, with the softmax probabilities rounded to e4m3 (about 2% relative RMS error in o, see
+            bench/NOTES.md); elsewhere they are widened to fp16.
 
     Returns o [total_q, Hq, D] (and lse). D in (32, 64, 80, 96, 128, 192, 256).
 
@@ -265,7 +283,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
     fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8
     Hq, Hkv, D = check_attention_inputs(q, k, v, sinks=sinks, q_dtypes=(*_DTYPES, FP8),
                                         kv_dtypes=(FP8,) if fp8 else _DTYPES)
-    descales = _descales(q, fp8, q_descale, k_descale, v_descale)
+    descales = _descales(q, k, fp8, q_descale, k_descale, v_descale)
     if k.dim() != 3:
         raise ValueError(f"k must be [total_k, num_kv_heads, head_dim], got shape {tuple(k.shape)}")
     if D not in HEAD_DIMS:

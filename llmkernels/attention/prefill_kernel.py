@@ -79,9 +79,9 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, DESCALE
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, FOLD_SCALE: tl.constexpr,
                      USE_TMA: tl.constexpr, FP8: tl.constexpr = 0):
-    """FP8: q, k, v are e4m3 holding values / descale; DESCALES -> float32 [q, k, v descale]. They are widened to
-    fp16 where loaded (exact), the dots run in fp16, q_descale * k_descale joins the score scale and v_descale the
-    output."""
+    """FP8: q, k, v are e4m3 holding values / descale; DESCALES -> float32 [Hq + 2 * Hkv], the q descale of each
+    query head, then the k and v descales of each kv head. They are widened to fp16 where loaded (exact), the dots
+    run in fp16, q_descale * k_descale joins the score scale and v_descale the output."""
     # One grid axis, query blocks fastest: the programs that run at the same time share a (sequence, head), and the
     # heads of one KV group are neighbours, so K/V tiles are read from DRAM once and then hit L2 for the other query
     # blocks. (Heads fastest, as before, spread the resident programs over all heads: at S=16384 the L2 hit rate was
@@ -111,8 +111,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, DESCALE
     v_descale = 1.0
     if FP8:
         q = q.to(tl.float16)
-        qk_scale = qk_scale * tl.load(DESCALES) * tl.load(DESCALES + 1)
-        v_descale = tl.load(DESCALES + 2)
+        qk_scale = qk_scale * tl.load(DESCALES + h) * tl.load(DESCALES + num_heads + hk)
+        v_descale = tl.load(DESCALES + num_heads + num_heads // group + hk)
     k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
 

@@ -20,7 +20,9 @@ Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64, 128 or 25
 Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel serves everything
 else, and the interpreter.
 """
+import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -30,13 +32,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon import LN2, row_descriptor, tile_desc_type
+from ._gluon import LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
 
 
 @gluon.jit
 def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-            q_row, q_col, k_row, k_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            q_row, q_col, k_row, k_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr):
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_ready, q_smem.index(0))
@@ -48,7 +50,10 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_
         mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_k, [k_row + j * BLOCK_N, k_col], k_ready.index(s), k_smem.index(s))
         mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [k_row + j * BLOCK_N, k_col], v_ready.index(s), v_smem.index(s))
+        if VT:  # V^T [kv heads * D, tokens]: the tile is [D, BLOCK_N] at the head's rows
+            tma.async_copy_global_to_shared(desc_v, [k_col, k_row + j * BLOCK_N], v_ready.index(s), v_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(desc_v, [k_row + j * BLOCK_N, k_col], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -56,8 +61,16 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
           s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One key block from ring use j (slot j % STAGES), keys key0.. (masked at k_len, and causally at q_pos):
-    S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V."""
+    S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V.
+
+    fp8 (e4m3 tiles): P is rounded to e4m3 for the PV product, taken as 2^P_SHIFT * p (<= 256, inside e4m3's range)
+    so that small probabilities keep their mantissa instead of falling into e4m3's subnormals; the row sums carry
+    the same factor and it cancels in O / l. The V tiles are V^T ([D, BLOCK_N], keys contiguous): fp8 wgmma reads
+    its B operand K-major only."""
     HALF: gl.constexpr = q.shape[0]
+    FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+    K_WIDTH: gl.constexpr = 4 if FP8 else 2  # 32 bits of A operand per register
     s = j % STAGES
     ph = (j // STAGES) & 1
     mbarrier.wait(k_ready.index(s), ph)
@@ -72,32 +85,40 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
         sc = gl.where(ok, qk * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = gl.exp2(sc - m_safe[:, None])
+        p = gl.exp2(sc - (m_safe - P_SHIFT)[:, None])
         alpha = gl.exp2(m_i - m_safe)
     else:  # every row sees every key: the new maximum is finite, the scale rides in the exponent's FMA
         m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        p = gl.exp2(qk * qk_scale - (m_new - P_SHIFT)[:, None])
         alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p16 = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    p16 = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                                    k_width=K_WIDTH))
     mbarrier.wait(v_ready.index(s), ph)
-    acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+    if FP8:
+        acc = warpgroup_mma(p16, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+    else:
+        acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(kv_empty.index(s), count=1)
     return acc, l_i, m_new
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, stride_ot, stride_oh,
-              q_start, q_len, k_len, m0, h, num_heads, n_full, n_blocks, qk_scale,
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot, stride_oh,
+              q_start, q_len, k_len, m0, h, hk, num_heads, num_kv_heads, n_full, n_blocks, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     HALF: gl.constexpr = q_smem.shape[1]
+    FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8
+    KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, KW])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM, KW])
+    if FP8:  # per-head descales: [q heads | kv heads (K) | kv heads (V)]
+        qk_scale = qk_scale * gl.load(DESCALES + h) * gl.load(DESCALES + num_heads + hk)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     r0 = m0 + HALF_ID * HALF
@@ -117,18 +138,21 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
     empty = l_i == 0.0  # a query that sees no key: o = 0, lse = -inf
     l_safe = gl.where(empty, 1.0, l_i)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    if FP8:
+        o = o * gl.load(DESCALES + num_heads + num_kv_heads + hk)
     rows = r0 + gl.arange(0, HALF, layout=row_o)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
     gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
     if WRITE_LSE:
         rows_s = r0 + gl.arange(0, HALF, layout=row_s)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # (_step's factor on p and l)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - P_SHIFT) * LN2)
         gl.store(LSE + (q_start + rows_s).to(gl.int64) * num_heads + h, lse, mask=rows_s < q_len)
 
 
 @gluon.jit(do_not_specialize=["num_m_blocks"])  # follows max_seqlen_q: a new length never recompiles
-def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
+def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
                         num_m_blocks, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     HALF: gl.constexpr = desc_q.block_type.shape[0]
@@ -157,9 +181,12 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, s
         n_full = full_hi // BLOCK_N
 
         dtype: gl.constexpr = desc_k.dtype
+        VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
+        V_ROWS: gl.constexpr = desc_v.block_type.shape[0]
+        V_COLS: gl.constexpr = desc_v.block_type.shape[1]
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], desc_q.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], desc_v.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -172,45 +199,84 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K, stride_ot, s
 
         gl.warp_specialize([
             (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                       q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, n_blocks, BLOCK_N, STAGES)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, stride_ot, stride_oh,
-                         q_start, q_len, k_len, m0, h, num_heads, n_full, n_blocks, qk_scale, CAUSAL, WRITE_LSE, 0,
-                         BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, stride_ot, stride_oh,
-                         q_start, q_len, k_len, m0, h, num_heads, n_full, n_blocks, qk_scale, CAUSAL, WRITE_LSE, 1,
-                         BLOCK_N, HEAD_DIM, STAGES)),
+                       q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, n_blocks, BLOCK_N, STAGES, VT)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
+                         stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
+                         qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
+                         stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
+                         qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4], [240, 240])
+
+
+@triton.jit
+def _transpose_v_kernel(V, VT, T, stride_vt, stride_vh, t_pad, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """v [T, kv heads, D] (bytes) -> vt [kv heads, D, t_pad], columns T..t_pad zero (TMA may read them; p is 0
+    there, and 0 times a NaN byte pattern would not be)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    tile = tl.load(V + t.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :], mask=(t < T)[:, None],
+                   other=0)
+    dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * t_pad + t[None, :]
+    tl.store(dst, tl.trans(tile), mask=(t < t_pad)[None, :])
+
+
+def transpose_v(v):
+    """fp8 v [T, kv heads, D] -> V^T [kv heads * D, T rounded up to 16] (contiguous; TMA wants 16-byte row
+    strides), the layout the fp8 PV product reads."""
+    T, H, D = v.shape
+    t_pad = (T + 15) // 16 * 16
+    vt = torch.empty(H * D, t_pad, dtype=v.dtype, device=v.device)
+    _transpose_v_kernel[(triton.cdiv(t_pad, 64), H)](v.view(torch.uint8), vt.view(torch.uint8), T, v.stride(0),
+                                                      v.stride(1), t_pad, HEAD_DIM=D, BLOCK_T=64, num_warps=4)
+    return vt
 
 
 def ws_descriptors(q, k, v, block_n):
     """Gluon TMA descriptors over Q, K, V viewed as [tokens, heads * D] (64-row Q tiles, block_n-row K/V tiles),
-    or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens."""
+    or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens.
+    fp8: V is read as V^T (``transpose_v``, a copy) in [D, block_n] tiles."""
     D = q.shape[2]
     descs = []
     for t, rows in ((q, 64), (k, block_n), (v, block_n)):
         if (t.stride(2) != 1 or t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
                 or t.shape[0] == 0):
             return None
+    for t, rows in ((q, 64), (k, block_n)):
         descs.append(row_descriptor(t, [t.shape[0], t.shape[1] * D], t.stride(0), rows))
+    if v.dtype == torch.float8_e4m3fn:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        vt = transpose_v(v)
+        descs.append(TensorDescriptor(vt, list(vt.shape), [vt.shape[1], 1], [D, block_n],
+                                      smem_layout(D, block_n, v.dtype)))
+    else:
+        descs.append(row_descriptor(v, [v.shape[0], v.shape[1] * D], v.stride(0), block_n))
     return descs
 
 
-def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages):
-    """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e)."""
+def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
+              descales=None):
+    """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
+    (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head."""
     D = out.shape[2]
     num_m = triton.cdiv(max_seqlen_q, 128)
     batch = cu_q.shape[0] - 1
     flash_fwd_ws_kernel[(num_m * batch * num_heads,)](
-        *descs, out, lse if lse is not None else out, cu_q, cu_k, out.stride(0), out.stride(1), num_heads, group,
-        num_m, qk_scale, CAUSAL=bool(causal), WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D,
-        STAGES=stages, num_warps=4)
+        *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k,
+        out.stride(0), out.stride(1), num_heads, group, num_m, qk_scale, CAUSAL=bool(causal),
+        WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, num_warps=4)
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"):
-    """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90)."""
+    """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
+    "fp8e4nv" (V^T tiles, bf16 output)."""
+    fp8 = dtype == "fp8e4nv"
     kv_desc = tile_desc_type(dtype, block_n, head_dim)
-    sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc, "desc_v": kv_desc, "O": f"*{dtype}",
-           "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32", "num_heads": "i32",
-           "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
+    sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc,
+           "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
+           "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
+           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

@@ -96,6 +96,33 @@ def tune_prefill(gpu):
     return out
 
 
+def tune_prefill_fp8(gpu):
+    """The Gluon kernel's (BLOCK_N, STAGES) for fp8 e4m3 q/k/v per head dim ([0, 0]: the Triton kernel, which widens
+    to fp16), on the dense shapes of tune_prefill."""
+    from ..attention import flash_attn_varlen
+    from ..bench.suites.prefill import dense_inputs
+
+    if torch.cuda.get_device_capability() != (9, 0) or not gluon_supported():
+        return {}
+    out = {}
+    shapes = {64: [(4, 16, 16, 4096), (1, 16, 16, 8192)], 128: [(1, 32, 32, 4096), (1, 32, 8, 8192)],
+              256: [(1, 16, 16, 4096), (1, 16, 16, 8192)]}
+    for D, works in shapes.items():
+        inputs = []
+        for B, Hq, Hkv, S in works:
+            q, k, v, cu = dense_inputs(B, Hq, Hkv, S, D)
+            inputs.append((*(t.to(torch.float8_e4m3fn) for t in (q, k, v)), cu, S))
+        # fp8 tiles are half the bytes of bf16 ones: deeper rings and wider key blocks fit
+        cands = ([(0, 0), (64, 2), (64, 3), (128, 2)] if D == 256 else
+                 [(0, 0), (128, 2), (128, 3), (128, 4), (64, 4)])
+        for causal in (False, True):
+            key = f"float8_e4m3fn/{D}/{'causal' if causal else 'full'}/ws"
+            fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
+                   for q, k, v, cu, S in inputs]
+            out[key] = _best("prefill", key, cands, fns)
+    return out
+
+
 class _DecodeWork:
     """One decode batch; re-plans when the candidate under test changes (tile sizes are read at plan time)."""
 
@@ -390,10 +417,11 @@ def tune_moe(gpu):
 TUNERS = {"prefill": tune_prefill, "decode": ("paged", tune_decode), "decode_few": ("paged", tune_decode_few),
           "gemv": tune_gemv, "gemv_m1": ("gemv", tune_gemv_m1),
           "gemv_lanes": ("gemv", tune_gemv_lanes),
-          "gemv_i8": ("gemv", tune_gemv_i8), "moe": ("gemv", tune_moe)}
+          "gemv_i8": ("gemv", tune_gemv_i8), "moe": ("gemv", tune_moe),
+          "prefill_fp8": ("prefill", tune_prefill_fp8)}
 
 
-SUITES = ["prefill", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes", "gemv_i8", "moe"]
+SUITES = ["prefill", "prefill_fp8", "decode", "decode_few", "gemv", "gemv_m1", "gemv_lanes", "gemv_i8", "moe"]
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
