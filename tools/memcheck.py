@@ -29,7 +29,7 @@ def ws_cases(dev="cuda"):
             k = torch.randn(190, 2, D, device=dev).to(dtype)
             cfgs = ((64, 2), (32, 3)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4))
             if fp8:
-                cfgs = ((64, 2), (64, 3), (128, 2)) if D == 256 else ((128, 3), (128, 4), (64, 4))
+                cfgs = ((64, 2), (64, 3)) if D == 256 else ((128, 3), (128, 4), (256, 2))
             for cfg in cfgs:
                 for causal in (False, True):
                     OVERRIDES[("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)

@@ -170,7 +170,8 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
     if ws is not None:
         from .prefill_ws import launch_ws, ws_descriptors
 
-        descs = ws_descriptors(q, k, v, ws[0])
+        descs = ws_descriptors(q, k, v, ws[0], cu_seqlens_k,
+                               max_seqlen_k if max_seqlen_k is not None else max_seqlen_q)
         if descs is not None:  # None: heads not packed or rows not 16-byte aligned; the Triton kernel takes it
             launch_ws(descs, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, Hq, Hq // Hkv,
                       scale * 1.4426950408889634, causal, *ws, descales=descales)

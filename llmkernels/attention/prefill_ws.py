@@ -38,7 +38,8 @@ from ._gluon import compile_sm90 as _compile_sm90
 
 @gluon.jit
 def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-            q_row, q_col, k_row, k_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr):
+            q_row, q_col, k_row, k_col, v_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            VT: gl.constexpr):
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_ready, q_smem.index(0))
@@ -51,7 +52,7 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_
         tma.async_copy_global_to_shared(desc_k, [k_row + j * BLOCK_N, k_col], k_ready.index(s), k_smem.index(s))
         mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
         if VT:  # V^T [kv heads * D, tokens]: the tile is [D, BLOCK_N] at the head's rows
-            tma.async_copy_global_to_shared(desc_v, [k_col, k_row + j * BLOCK_N], v_ready.index(s), v_smem.index(s))
+            tma.async_copy_global_to_shared(desc_v, [k_col, v_row + j * BLOCK_N], v_ready.index(s), v_smem.index(s))
         else:
             tma.async_copy_global_to_shared(desc_v, [k_row + j * BLOCK_N, k_col], v_ready.index(s), v_smem.index(s))
 
@@ -179,9 +180,12 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
             full_hi = gl.maximum(gl.minimum(full_hi, first_pos + 1), 0)
         n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
         n_full = full_hi // BLOCK_N
-
         dtype: gl.constexpr = desc_k.dtype
         VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
+        v_row = k_start
+        if VT:  # the sequence's first V^T column (v_col0)
+            v_row = (k_start + 15) // 16 * 16 + 16 * b
+
         V_ROWS: gl.constexpr = desc_v.block_type.shape[0]
         V_COLS: gl.constexpr = desc_v.block_type.shape[1]
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], desc_q.layout)
@@ -199,7 +203,7 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
 
         gl.warp_specialize([
             (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                       q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, n_blocks, BLOCK_N, STAGES, VT)),
+                       q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, v_row, n_blocks, BLOCK_N, STAGES, VT)),
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
                          stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
                          qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES)),
@@ -210,33 +214,49 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
 
 
 @triton.jit
-def _transpose_v_kernel(V, VT, T, stride_vt, stride_vh, t_pad, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """v [T, kv heads, D] (bytes) -> vt [kv heads, D, t_pad], columns T..t_pad zero (TMA may read them; p is 0
-    there, and 0 times a NaN byte pattern would not be)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
-    tile = tl.load(V + t.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :], mask=(t < T)[:, None],
-                   other=0)
-    dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * t_pad + t[None, :]
-    tl.store(dst, tl.trans(tile), mask=(t < t_pad)[None, :])
+def v_col0(k_start, b):
+    """The first V^T column of sequence b: TMA wants a tile's innermost start 16-byte aligned, so each sequence
+    starts at a multiple of 16, after at least the previous one's tokens (ceil16(x) - ceil16(y) + 16 > x - y)."""
+    return (k_start + 15) // 16 * 16 + 16 * b
 
 
-def transpose_v(v):
-    """fp8 v [T, kv heads, D] -> V^T [kv heads * D, T rounded up to 16] (contiguous; TMA wants 16-byte row
-    strides), the layout the fp8 PV product reads."""
+@triton.jit
+def _transpose_v_kernel(V, VT, CU_K, stride_vt, stride_vh, width, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Sequence b's v rows [T, kv heads, D] (bytes) -> columns v_col0(b) .. v_col0(b + 1) of vt [kv heads * D,
+    width]: its tokens, then zeros up to the next sequence (the kernel's last tile reads them; p is 0 there, and 0
+    times a NaN byte pattern would not be)."""
+    c = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    k_start = tl.load(CU_K + b)
+    k_len = tl.load(CU_K + b + 1) - k_start
+    col0 = v_col0(k_start, b)
+    n = v_col0(k_start + k_len, b + 1) - col0
+    if tl.program_id(0) * BLOCK_T < n:
+        d = tl.arange(0, HEAD_DIM)
+        tile = tl.load(V + (k_start + c).to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :],
+                       mask=(c < k_len)[:, None], other=0)
+        dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * width + (col0 + c)[None, :]
+        tl.store(dst, tl.trans(tile), mask=(c < n)[None, :])
+
+
+def transpose_v(v, cu_k, max_seqlen_k):
+    """fp8 v [T, kv heads, D] -> V^T [kv heads * D, ceil16(T) + 16 * batch], keys contiguous (the layout fp8 wgmma
+    reads its B operand in), sequence b from column ``v_col0`` on; a copy."""
     T, H, D = v.shape
-    t_pad = (T + 15) // 16 * 16
-    vt = torch.empty(H * D, t_pad, dtype=v.dtype, device=v.device)
-    _transpose_v_kernel[(triton.cdiv(t_pad, 64), H)](v.view(torch.uint8), vt.view(torch.uint8), T, v.stride(0),
-                                                      v.stride(1), t_pad, HEAD_DIM=D, BLOCK_T=64, num_warps=4)
+    batch = cu_k.shape[0] - 1
+    width = (T + 15) // 16 * 16 + 16 * batch
+    vt = torch.empty(H * D, width, dtype=v.dtype, device=v.device)
+    grid = (triton.cdiv(max_seqlen_k + 31, 64), batch, H)  # a sequence spans at most its length + 31 columns
+    _transpose_v_kernel[grid](v.view(torch.uint8), vt.view(torch.uint8), cu_k, v.stride(0), v.stride(1), width,
+                              HEAD_DIM=D, BLOCK_T=64, num_warps=4)
     return vt
 
 
-def ws_descriptors(q, k, v, block_n):
+def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
     """Gluon TMA descriptors over Q, K, V viewed as [tokens, heads * D] (64-row Q tiles, block_n-row K/V tiles),
     or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens.
-    fp8: V is read as V^T (``transpose_v``, a copy) in [D, block_n] tiles."""
+    fp8: V is read as V^T (``transpose_v`` over cu_k, a copy) in [D, block_n] tiles."""
     D = q.shape[2]
     descs = []
     for t, rows in ((q, 64), (k, block_n), (v, block_n)):
@@ -248,7 +268,7 @@ def ws_descriptors(q, k, v, block_n):
     if v.dtype == torch.float8_e4m3fn:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        vt = transpose_v(v)
+        vt = transpose_v(v, cu_k, max_seqlen_k)
         descs.append(TensorDescriptor(vt, list(vt.shape), [vt.shape[1], 1], [D, block_n],
                                       smem_layout(D, block_n, v.dtype)))
     else:

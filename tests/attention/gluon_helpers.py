@@ -34,6 +34,26 @@ def sm90_compile_report(call: str, checks: dict) -> dict:
     return {name: sub in ptx for name, sub in checks.items()}
 
 
+def sm90_spill_bytes(call: str) -> int:
+    """``k = <call>`` compiled as in sm90_compile_text, its PTX assembled again by Triton's ptxas with -v -> the
+    bytes of spill stores (register spills happen in ptxas, after the PTX; 0 is what the kernels are written for)."""
+    import re
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = sm90_compile_text(call, "ptx")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+                             capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = re.findall(r"(\d+) bytes spill stores", res.stdout + res.stderr)
+    assert found, res.stdout + res.stderr
+    return sum(int(n) for n in found)
+
+
 def need_sm90():
     from llmkernels.supported import gluon_supported
 

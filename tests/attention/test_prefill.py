@@ -5,7 +5,7 @@ import torch
 import llmkernels as lk
 from llmkernels.testing import assert_close, flash_attn_varlen_ref, poison
 
-from .gluon_helpers import need_sm90, sm90_compile_report, spy
+from .gluon_helpers import need_sm90, sm90_compile_report, sm90_spill_bytes, spy
 
 # (q_lens, k_lens, Hq, Hkv, D, causal, window, softcap, sinks)
 CPU_CASES = [
@@ -227,9 +227,10 @@ def test_ws_config_reads_the_table(monkeypatch):
 def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal):
     # compiled for sm_90 on any machine (ptxas ships with Triton): catches a kernel that no longer builds, or one
     # that uses local memory (spills), where CI has no GPU
-    got = sm90_compile_report(f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal})",
-                              {"wgmma": "wgmma.mma_async", "setmaxnreg": "setmaxnreg", "local": ".local"})
+    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal})"
+    got = sm90_compile_report(call, {"wgmma": "wgmma.mma_async", "setmaxnreg": "setmaxnreg", "local": ".local"})
     assert got == {"wgmma": True, "setmaxnreg": True, "local": False}
+    assert sm90_spill_bytes(call) == 0
 
 
 @pytest.mark.gpu
@@ -343,18 +344,21 @@ def test_fp8_inputs_gpu(causal, device, monkeypatch):
     assert_close(out, ro, torch.bfloat16, "o", atol=tol, rtol=tol)
 
 
-def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills():
-    # both products on e4m3 tensor cores (V read as V^T tiles), at every head dim the table sends there
-    for block_n, stages, head_dim in ((128, 3, 128), (128, 2, 256), (128, 4, 64)):
-        got = sm90_compile_report(f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, True, 'fp8e4nv')",
-                                  {"fp8": f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3",
-                                   "local": ".local"})
-        assert got == {"fp8": True, "local": False}, (block_n, stages, head_dim)
+@pytest.mark.parametrize("block_n, stages, head_dim, causal", [(128, 3, 128, True), (256, 2, 128, False),
+                                                               (64, 2, 256, True), (128, 4, 64, True)])
+def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal):
+    # both products on e4m3 tensor cores (V read as V^T tiles), no register spills (ptxas -v), for the configs
+    # the sm90 table and the tuner use
+    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, 'fp8e4nv')"
+    got = sm90_compile_report(call, {"qk": f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3",
+                                     "pv": f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3"})
+    assert got == {"qk": True, "pv": True}
+    assert sm90_spill_bytes(call) == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
-                                          for cfg in ([(64, 2), (128, 2)] if c[4] == 256 else [(128, 3), (64, 4)])],
+                                          for cfg in ([(64, 2), (64, 3)] if c[4] == 256 else [(128, 3), (256, 2)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
                          f"{c[0]}/{c[1]}")
 def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
@@ -379,15 +383,34 @@ def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
     assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.gpu
-def test_fp8_transpose_v_pads_with_zeros(device):
-    from llmkernels.attention.prefill_ws import transpose_v
+def test_fp8_transpose_v_aligns_sequences_and_zero_fills(device, monkeypatch):
+    # V^T for the fp8 kernel: each sequence from a 16-byte aligned column (TMA refuses a misaligned innermost
+    # start: an illegal instruction), the gaps zero (the last tile reads them). The buffer starts as NaN bytes.
+    from llmkernels.attention import prefill_ws
 
-    v = torch.randn(37, 3, 64, device=device).to(torch.float8_e4m3fn)
-    vt = transpose_v(v)
-    assert vt.shape == (3 * 64, 48)
-    assert torch.equal(vt[:, :37].view(torch.uint8), v.permute(1, 2, 0).reshape(3 * 64, 37).view(torch.uint8))
-    assert not vt[:, 37:].view(torch.uint8).any()
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        t.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        return t
+
+    monkeypatch.setattr(prefill_ws.torch, "empty", nan_empty)
+
+    lens = [37, 0, 5, 16, 100]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(device)
+    T, H, D = sum(lens), 3, 32
+    v = torch.randn(T, H, D, device=device).to(torch.float8_e4m3fn)
+    vt = prefill_ws.transpose_v(v, cu, max(lens))
+    width = (T + 15) // 16 * 16 + 16 * len(lens)
+    assert vt.shape == (H * D, width)
+    want = torch.zeros(H * D, width, dtype=torch.uint8)
+    starts = [(int(cu[b]) + 15) // 16 * 16 + 16 * b for b in range(len(lens) + 1)]
+    for b, n in enumerate(lens):
+        assert starts[b] % 16 == 0 and starts[b + 1] - starts[b] >= n
+        want[:, starts[b]:starts[b] + n] = v[int(cu[b]):int(cu[b + 1])].cpu().permute(1, 2, 0).reshape(H * D, n).view(
+            torch.uint8)
+    assert torch.equal(vt.cpu().view(torch.uint8), want)
 
 
 @pytest.mark.gpu
