@@ -324,9 +324,16 @@ def test_fp8_bad_input(device):
         lk.flash_attn_varlen(q8, k8, v8, cq, ck, mq, mk, q_descale=torch.ones(2, device=device, dtype=torch.float16))
 
 
-# P rounded to e4m3 (3 mantissa bits) for the PV product: about 2% relative RMS error in o on random inputs,
-# measured against float64 with the rounding emulated (bench/NOTES.md), so a wider bound than bf16's 1.6%
-FP8_PV_TOL = 4e-2
+# fp8 tensor-core attention rounds P to e4m3 (3 mantissa bits) for the PV product: about 2% relative RMS error in o on
+# random inputs (2.0-2.5% measured on the H200 against float64, emulated rounding agrees; bench/NOTES.md), and
+# single elements of rows that see few keys off by up to ~6% of |v|: the fp8 row of the tolerance table, and an RMS
+# bound that a wrong tile would break
+def assert_fp8_pv_close(o, ref):
+    assert_close(o, ref, torch.float8_e4m3fn, "o")
+    o, ref = o.double().cpu(), ref.double().cpu()
+    ok = torch.isfinite(ref)
+    rel_rms = ((o - ref)[ok].pow(2).mean() / ref[ok].pow(2).mean()).sqrt().item()
+    assert rel_rms < 0.03, f"o: relative RMS error {rel_rms:.4f}"
 
 
 @pytest.mark.gpu
@@ -340,8 +347,10 @@ def test_fp8_inputs_gpu(causal, device, monkeypatch):
     lk.flash_attn_varlen(q8, k8, v8, cq, ck, mq, mk, causal=causal, out=out, q_descale=ds[0], k_descale=ds[1],
                          v_descale=ds[2])
     ro, _ = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
-    tol = FP8_PV_TOL if launches else None  # the Triton kernel widens to fp16: bf16's bound
-    assert_close(out, ro, torch.bfloat16, "o", atol=tol, rtol=tol)
+    if launches:
+        assert_fp8_pv_close(out, ro)
+    else:  # the Triton kernel widens to fp16: bf16's bound
+        assert_close(out, ro, torch.bfloat16, "o")
 
 
 @pytest.mark.parametrize("block_n, stages, head_dim, causal", [(128, 3, 128, True), (256, 2, 128, False),
@@ -379,7 +388,7 @@ def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
                                   q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
     assert launches, "the call did not take the Gluon kernel"
     ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
-    assert_close(o, ro, torch.bfloat16, "o", atol=FP8_PV_TOL, rtol=FP8_PV_TOL)
+    assert_fp8_pv_close(o, ro)
     assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
 
 
