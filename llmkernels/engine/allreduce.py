@@ -14,6 +14,24 @@ import os
 import torch
 
 SYMM_MAX_BYTES = 1 << 20  # decode steps up to batch 128 at hidden 4096 in bf16
+MODES = ("auto", "nccl", "symm")
+_symm_used = False  # this process has entered a symmetric-memory rendezvous (see engine_mode)
+
+
+def engine_mode(requested: str | None = None) -> tuple[str, str]:
+    """(mode, note) that every rank of a new tensor-parallel engine uses, decided on rank 0 (the workers get it
+    with their spec). torch numbers its symmetric-memory rendezvous exchanges per process, and an engine's workers
+    are new processes: after an earlier engine in this process rendezvoused, rank 0 would wait on keys no worker
+    writes. There ``auto`` takes NCCL and ``symm`` is refused."""
+    mode = requested or os.environ.get("LLMK_ALLREDUCE", "auto")
+    if mode not in MODES:
+        raise ValueError(f"LLMK_ALLREDUCE must be auto, nccl or symm, got {mode!r}")
+    if _symm_used and mode != "nccl":
+        note = "symmetric memory was set up by an earlier engine in this process, which torch allows once"
+        if mode == "symm":
+            raise RuntimeError(f"LLMK_ALLREDUCE=symm: {note}; use auto or nccl, or one engine per process")
+        return "nccl", note
+    return mode, ""
 
 
 def _group_name(group) -> str:
@@ -26,13 +44,13 @@ class AllReduce:
     """Sum over the ranks of ``group`` of a tensor: ``ar(x)`` returns the sum (``x`` itself, summed in place, or a new
     tensor); callers use the returned tensor."""
 
-    def __init__(self, group, device: torch.device, dtype: torch.dtype, mode: str | None = None):
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, mode: str | None = None, note: str = ""):
         self.group = group
         self.mode = mode or os.environ.get("LLMK_ALLREDUCE", "auto")
-        if self.mode not in ("auto", "nccl", "symm"):
+        if self.mode not in MODES:
             raise ValueError(f"LLMK_ALLREDUCE must be auto, nccl or symm, got {self.mode!r}")
         self.buf = None
-        self.why = "torch.distributed.all_reduce" + (" (asked for)" if self.mode == "nccl" else "")
+        self.why = "torch.distributed.all_reduce" + (f" ({note or 'asked for'})" if self.mode == "nccl" else "")
         if self.mode != "nccl" and device.type == "cuda":
             try:
                 self._setup_symm(device, dtype)
@@ -53,6 +71,8 @@ class AllReduce:
         self.op = ops.one_shot_all_reduce
         buf = symm_mem.empty(SYMM_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         buf.zero_()
+        global _symm_used
+        _symm_used = True  # from here on this process's rendezvous count has moved, whatever happens next
         symm_mem.rendezvous(buf, self.name)
         self.buf = buf
 

@@ -2,6 +2,8 @@
 runner with its KV cache. ``LLM`` and the tensor-parallel worker processes (parallel.py) both build through here."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..quant.gguf_io import read_gguf
@@ -23,6 +25,7 @@ def load_model(f, device, spec: dict, progress: bool, shard=None) -> Model:
         progress_fn = tqdm
     tensors, mcfg = f, cfg
     if shard is not None and shard.active:
+        shard = dataclasses.replace(shard, allreduce=tuple(spec.get("allreduce", ("auto", ""))))
         expect_shapes(cfg, f)  # the whole file first: errors name the file's tensors, not a shard's
         tensors, mcfg = shard_tensors(f, cfg, shard), local_config(cfg, shard)
     model_cls = TorchModel if spec["backend"] == "torch" else Model

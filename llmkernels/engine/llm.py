@@ -153,8 +153,11 @@ class LLM:
                 from .parallel import Peers
                 from .tp import plan_shards
 
-                # the checks (heads, K blocks) raise here, before any process starts
+                from .allreduce import engine_mode
+
+                # the checks (heads, K blocks, all-reduce mode) raise here, before any process starts
                 shard = plan_shards(ModelConfig.from_gguf(f.metadata, f.keys()), tp_size, f)[0]
+                spec["allreduce"] = engine_mode()
                 self._peers = Peers.start(os.fspath(model), tp_size, self.device, spec)
             try:
                 _model = load_model(f, self.device, spec, progress, shard)

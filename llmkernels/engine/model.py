@@ -352,7 +352,7 @@ class Model:
         """The sum over ranks of a row-parallel product's partials."""
         if self.tp is not None:
             if getattr(self, "_all_reduce", None) is None:  # made at the first step, once the group exists
-                self._all_reduce = AllReduce(self.tp.group, self.device, self.dtype)
+                self._all_reduce = AllReduce(self.tp.group, self.device, self.dtype, *self.tp.allreduce)
             return self._all_reduce(x)
         return x
 

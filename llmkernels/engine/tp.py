@@ -37,6 +37,7 @@ class TPShard:
     vocab: tuple  # (first, stop) of the vocabulary rows (stop - first = vocab_per_rank, the last padded)
     vocab_per_rank: int
     group: object = None  # the torch.distributed process group (None: the default group)
+    allreduce: tuple = ("auto", "")  # (mode, note) of its all-reduces, as rank 0 decided (allreduce.engine_mode)
 
     @property
     def active(self) -> bool:

@@ -3,6 +3,10 @@ giving what it gives at TP = 1."""
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +149,20 @@ def _gpu_run(path, tp, graphs=True):
                 llm.stats.graph_steps, why, _margins(llm, outs) if tp == 1 else None)
 
 
+def _gpu_run_fresh(path, tp, mode):
+    """``_gpu_run`` in a new process with LLMK_ALLREDUCE=mode: torch rendezvouses symmetric memory once per
+    process (allreduce.engine_mode), and each symm case needs its own."""
+    root = str(Path(__file__).resolve().parents[2])
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "res.pt")
+        code = (f"import sys, torch; sys.path.insert(0, {root!r}); from tests.engine.test_tp import _gpu_run; "
+                f"torch.save(_gpu_run({str(path)!r}, {tp}), {out!r})")
+        res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LLMK_ALLREDUCE=mode),
+                             capture_output=True, text=True, timeout=400, check=False)
+        assert res.returncode == 0, res.stderr[-4000:]
+        return torch.load(out, weights_only=False)
+
+
 def assert_same_greedy(want, got, gaps, tol):
     """Greedy tokens agree up to the end, or up to a step where the reference's top two logits were within ``tol``
     (a near tie that a different summation order may break the other way; the tokens after it are free)."""
@@ -170,13 +188,65 @@ def test_gpu_tp_equals_tp1(model_files, monkeypatch, tp, mode):
         _, path, _ = model_files("llama", fmt, **kw)
         if path not in _TP1:  # one GPU's answers, shared by every (tp, mode) case
             _TP1[path] = _gpu_run(path, 1)
-        one, many = _TP1[path], _gpu_run(path, tp)
+        one, many = _TP1[path], (_gpu_run_fresh(path, tp, mode) if mode == "symm" else _gpu_run(path, tp))
         assert many[3] > 0 and ("symmetric" in many[4]) == (mode == "symm")
         scale = one[2].abs().max()
         # bf16 logits: a few units in the last place of the largest (measured on 2 H200s: 0.19 at 18.4, 3 units)
         assert (one[2] - many[2]).abs().max() <= 3e-2 * scale
         assert_same_greedy(one[0], many[0], one[5], 2e-2 * scale)
         assert_same_greedy(one[1], many[1], [one[5][0]] * 2, 2e-2 * scale)  # n=2 greedy: PROMPTS[0]'s steps
+
+
+@pytest.mark.gpu
+def test_gpu_second_symm_engine_in_a_process(model_files):
+    """In one process: a symm engine, then a second symm engine refused at construction (no worker started, no
+    hang), then an auto engine that takes NCCL and says why."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _, path, _ = model_files("llama", "q8_0", **dict(TP_MODEL, hidden=1024, heads=8, kv_heads=2, head_dim=128,
+                                                       ffn=2048))
+    root = str(Path(__file__).resolve().parents[2])
+    code = f"""
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from llmkernels.engine import LLM, SamplingParams
+kw = dict(progress=False, tensor_parallel_size=2, max_num_batched_tokens=64, max_graph_batch=4)
+p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+os.environ["LLMK_ALLREDUCE"] = "symm"
+with LLM({str(path)!r}, **kw) as llm:
+    first = llm.generate(["Hello"], p)[0].token_ids
+    assert "symmetric" in llm.model._all_reduce.why
+try:
+    LLM({str(path)!r}, **kw)
+    raise SystemExit("a second symm engine was built")
+except RuntimeError as e:
+    assert "earlier engine in this process" in str(e), e
+os.environ["LLMK_ALLREDUCE"] = "auto"
+with LLM({str(path)!r}, **kw) as llm:
+    assert llm.generate(["Hello"], p)[0].token_ids == first
+    assert "earlier engine in this process" in llm.model._all_reduce.why, llm.model._all_reduce.why
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-4000:]
+
+
+def test_engine_mode_after_a_symm_rendezvous(monkeypatch):
+    from llmkernels.engine import allreduce
+    from llmkernels.engine.allreduce import AllReduce, engine_mode
+
+    monkeypatch.delenv("LLMK_ALLREDUCE", raising=False)
+    assert engine_mode() == ("auto", "") and engine_mode("symm") == ("symm", "")
+    monkeypatch.setattr(allreduce, "_symm_used", True)
+    mode, note = engine_mode()
+    assert mode == "nccl" and "earlier engine in this process" in note
+    assert engine_mode("nccl") == ("nccl", "")
+    with pytest.raises(RuntimeError, match="LLMK_ALLREDUCE=symm: symmetric memory was set up by an earlier engine"):
+        engine_mode("symm")
+    monkeypatch.setenv("LLMK_ALLREDUCE", "symm")
+    with pytest.raises(RuntimeError, match="one engine per process"):
+        engine_mode()
+    assert note in AllReduce(None, torch.device("cpu"), torch.bfloat16, mode, note).why
 
 
 def test_all_reduce_mode_is_checked(monkeypatch):
