@@ -16,9 +16,14 @@ Key blocks every row of the 128-row block sees take a loop with no mask and no -
 causal diagonal) are masked. A tile near a sequence end reads rows of the next sequence (or TMA's zero fill past the
 last one); they are masked out of the scores, and their V rows are multiplied by p = 0.
 
-Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64, 128 or 256, fp16/bf16, no window, softcap or sinks,
-Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel serves everything
-else, and the interpreter.
+fp8 e4m3 inputs run both products on fp8 wgmma, which reads its B operand K-major only: S = Q K^T reads K tiles as
+the 16-bit path does, P V reads [D, BLOCK_N] tiles of V^T, a transposed copy made before the launch
+(``transpose_v``), and P is rounded to e4m3 in registers. Descales (per tensor or per head) join the score scale and
+the output.
+
+Scope (``_ws_eligible`` and ``ws_config`` in prefill.py): head dim 64, 128 or 256, fp16/bf16/fp8 e4m3, no window,
+softcap or sinks, Q/K/V with packed heads whose rows are 16-byte aligned (``ws_descriptors``). The Triton kernel
+serves everything else, and the interpreter.
 """
 import torch
 import triton
