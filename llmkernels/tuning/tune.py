@@ -46,20 +46,33 @@ def _best(table, key, candidates, workloads):
     return list(best[1])
 
 
+# per head dim, the (batch, q heads, kv heads, length) workloads of the prefill tuners, geometric mean. One short and
+# one long: S=4096 alone measured bimodal on the H100 (about 290 or 370 TFLOP/s for one config from run to run), and
+# at D=256 it picked a config 10% slower at 8192
+PREFILL_SHAPES = {64: [(4, 16, 16, 4096), (1, 16, 16, 8192)], 128: [(1, 32, 32, 4096), (1, 32, 8, 8192)],
+                  256: [(1, 16, 16, 4096), (1, 16, 16, 8192)]}
+
+
+def _prefill_inputs(D, dtype=None):
+    """[(q, k, v, cu_seqlens, S)] of PREFILL_SHAPES[D] (bf16, or cast to ``dtype``)."""
+    from ..bench.suites.prefill import dense_inputs
+
+    inputs = []
+    for B, Hq, Hkv, S in PREFILL_SHAPES[D]:
+        q, k, v, cu = dense_inputs(B, Hq, Hkv, S, D)
+        if dtype is not None:
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        inputs.append((q, k, v, cu, S))
+    return inputs
+
+
 def tune_prefill(gpu):
     from ..attention import flash_attn_varlen
-    from ..bench.suites.prefill import dense_inputs, varlen_lengths
+    from ..bench.suites.prefill import varlen_lengths
 
     out = {}
-    # per head dim, the (batch, q heads, kv heads, length) workloads, geometric mean. One short and one long: S=4096
-    # alone measured bimodal on the H100 (about 290 or 370 TFLOP/s for one config from run to run), and at D=256 it
-    # picked a config 10% slower at 8192
-    shapes = {64: [(4, 16, 16, 4096), (1, 16, 16, 8192)], 128: [(1, 32, 32, 4096), (1, 32, 8, 8192)],
-              256: [(1, 16, 16, 4096), (1, 16, 16, 8192)]}
-    for D, works in shapes.items():
-        inputs = []
-        for B, Hq, Hkv, S in works:
-            inputs.append((*dense_inputs(B, Hq, Hkv, S, D), S))
+    for D in PREFILL_SHAPES:
+        inputs = _prefill_inputs(D)
         if D == 128:
             # a ragged batch (16 sequences of 100..8000 tokens, not the suite's): it favours other tiles than dense
             # shapes do (BLOCK_M 128 ran it at 345 TFLOP/s, BLOCK_M 64 at 190, both causal)
@@ -100,18 +113,12 @@ def tune_prefill_fp8(gpu):
     """The Gluon kernel's (BLOCK_N, STAGES) for fp8 e4m3 q/k/v per head dim ([0, 0]: the Triton kernel, which widens
     to fp16), on the dense shapes of tune_prefill."""
     from ..attention import flash_attn_varlen
-    from ..bench.suites.prefill import dense_inputs
 
     if torch.cuda.get_device_capability() != (9, 0) or not gluon_supported():
         return {}
     out = {}
-    shapes = {64: [(4, 16, 16, 4096), (1, 16, 16, 8192)], 128: [(1, 32, 32, 4096), (1, 32, 8, 8192)],
-              256: [(1, 16, 16, 4096), (1, 16, 16, 8192)]}
-    for D, works in shapes.items():
-        inputs = []
-        for B, Hq, Hkv, S in works:
-            q, k, v, cu = dense_inputs(B, Hq, Hkv, S, D)
-            inputs.append((*(t.to(torch.float8_e4m3fn) for t in (q, k, v)), cu, S))
+    for D in PREFILL_SHAPES:
+        inputs = _prefill_inputs(D, torch.float8_e4m3fn)
         # fp8 tiles are half the bytes of bf16 ones: deeper rings and wider key blocks fit
         # (at D=256, 128 keys spill a few registers and still ran fastest on the H200)
         cands = [(0, 0), (64, 2), (64, 3), (128, 2)] if D == 256 else [(0, 0), (128, 2), (128, 3), (128, 4), (256, 2)]
