@@ -113,4 +113,4 @@ def test_memcheck_refuses_an_unknown_part():
 
     tool = Path(__file__).parents[1] / "tools" / "memcheck.py"
     r = subprocess.run([sys.executable, str(tool), "everything"], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "usage: python tools/memcheck.py [tp | moe], got 'everything'" in r.stderr
+    assert r.returncode != 0 and "usage: python tools/memcheck.py [tp | moe | prefill_ws], got 'everything'" in r.stderr
