@@ -125,26 +125,25 @@ def test_route_table_holds_what_choose_says(fmt, N, K):
     assert {r.kernel for rs in table.values() for r in rs} != {r.kernel for rs in held.values() for r in rs}
 
 
-def test_moe_config_reads_the_table_then_falls_back():
-    """The per-pair MoE GEMV takes its own tuned entry (``tune moe``) when the table has one, else the generic
-    kernel's M = 1 config; the interpreter never reads the tables."""
-    from llmkernels.tuning import OVERRIDES
+def test_moe_config_reads_the_table_then_falls_back(monkeypatch):
+    """The per-pair MoE GEMV takes its own tuned entry (``tune moe``: shipped for sm90, an override first), else the
+    generic kernel's M = 1 config; the interpreter never reads the tables."""
+    from llmkernels.tuning import OVERRIDES, lookup
 
     gpu = route.Target("NVIDIA H200")
-    generic = route.generic_config(gpu, "q4_k", 1, 768, 2048, 0, 0)
-    assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == generic
-    OVERRIDES[("gemv", "moe/kquant")] = [32, 2, 8, 2]
-    try:
-        assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == (32, 2, 8, 2)
-        assert route.moe_config(gpu, "q8_0", 768, 2048, 0, 0) == route.generic_config(gpu, "q8_0", 1, 768, 2048, 0, 0)
-        interp = route.Target("cpu", interpreter=True)
-        assert route.moe_config(interp, "q4_k", 768, 2048, 0, 0) == route.generic_config(interp, "q4_k", 1, 768, 2048,
-                                                                                          0, 0)
-    finally:
-        OVERRIDES.pop(("gemv", "moe/kquant"), None)
+    assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == tuple(lookup("gemv", gpu.gpu, "moe/kquant"))
+    monkeypatch.setitem(OVERRIDES, ("gemv", "moe/kquant"), [32, 2, 8, 2])
+    assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == (32, 2, 8, 2)
+    assert route.moe_config(gpu, "q8_0", 768, 2048, 0, 0) == tuple(lookup("gemv", gpu.gpu, "moe/legacy"))
+    interp = route.Target("cpu", interpreter=True)
+    assert route.moe_config(interp, "q4_k", 768, 2048, 0, 0) == route.generic_config(interp, "q4_k", 1, 768, 2048, 0,
+                                                                                      0)
+    real = route.lookup
+    monkeypatch.setattr(route, "lookup", lambda table, g, key: None if key.startswith("moe") else real(table, g, key))
+    assert route.moe_config(gpu, "q8_0", 768, 2048, 0, 0) == route.generic_config(gpu, "q8_0", 1, 768, 2048, 0, 0)
 
 
-def test_moe_m1_config():
+def test_moe_m1_config(monkeypatch):
     """The m1 kernel's MoE config: a tuned moe_m1 entry first, else the dense M = 1 one; GLU gets an even R, and the
     lanes along K shrink to an expert's block count."""
     from llmkernels.tuning import OVERRIDES
@@ -156,4 +155,6 @@ def test_moe_m1_config():
         assert route.moe_m1_config(gpu, "q4_k", 2048, 768, glu=False) == (3, 1, 4, 3, 2, 1, 1)  # 3 blocks: 2 lanes
     finally:
         OVERRIDES.pop(("gemv", "moe_m1/q4_k"), None)
+    real = route.lookup
+    monkeypatch.setattr(route, "lookup", lambda table, g, key: None if key.startswith("moe") else real(table, g, key))
     assert route.moe_m1_config(gpu, "q6_k", 2048, 768, glu=False)[:4] == route.m1_config(gpu, "q6_k", 1)[:4]
