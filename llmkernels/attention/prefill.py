@@ -210,23 +210,18 @@ def _descales(q, k, fp8, q_descale, k_descale, v_descale):
     from ..kv_cache import as_scale_tensor
 
     heads = {"q_descale": q.shape[1], "k_descale": k.shape[-2], "v_descale": k.shape[-2]}
+    # floats alone are gathered on the host and copied once; a tensor keeps them all on the device (no sync)
+    host = not any(isinstance(d, torch.Tensor) for d in given.values())
     parts = []
-    for n in ("q_descale", "k_descale", "v_descale"):
+    for n, count in heads.items():
         d = given.get(n, 1.0)
         if isinstance(d, torch.Tensor) and d.numel() != 1:  # per head
-            check_tensor(n, d, dtypes=(torch.float32,), shape=(heads[n],))
+            check_tensor(n, d, dtypes=(torch.float32,), shape=(count,))
             check_device(q=q, **{n: d})
-            parts.append(d)
-        elif isinstance(d, torch.Tensor):  # stays on the device: no sync, graph-safe
-            parts.append(as_scale_tensor(n, d, q.device).expand(heads[n]))
-        else:
-            as_scale_tensor(n, d, "cpu")  # value checks
-            parts.append(float(d))
-    if all(isinstance(p, float) for p in parts):
-        return torch.tensor([p for p, n in zip(parts, heads.values()) for _ in range(n)], dtype=torch.float32,
-                            device=q.device)
-    return torch.cat([p if isinstance(p, torch.Tensor) else torch.full((n,), p, device=q.device)
-                      for p, n in zip(parts, heads.values())])
+        else:  # per tensor (value checks for floats)
+            d = as_scale_tensor(n, d, "cpu" if host else q.device)
+        parts.append(d.expand(count))
+    return torch.cat(parts).to(q.device)
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
