@@ -264,7 +264,7 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
     fp8: V is read as V^T (``transpose_v`` over cu_k, a copy) in [D, block_n] tiles."""
     D = q.shape[2]
     descs = []
-    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
+    for t in (q, k, v):
         if (t.stride(2) != 1 or t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
                 or t.shape[0] == 0):
             return None
