@@ -54,13 +54,23 @@ def _paged_cache(lens, ps, Hkv, D, kv, dev):
 
 
 def ws_decode_cases(dev="cuda"):
-    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 32 / 64 / 128 (TMA) and 1 / 3 (rows gathered
-    with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded heads), bf16 and fp8 caches (the fp8 dots and
-    the converter partition), the balanced split."""
-    from llmkernels.attention import plan as plan_mod
+    """The Gluon decode kernel (sm_90) with one and with two consumer warp groups: odd lengths, pages 8 / 16 / 32 /
+    64 / 128 (TMA) and 1 / 3 (rows gathered with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded
+    heads), bf16 and fp8 caches (the fp8 dots and the converter partition), the balanced split."""
+    from llmkernels.attention import paged_ws, schedule
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
+    shipped = paged_ws.CONSUMERS, schedule.FP8_CONSUMERS
+    for n in (1, 2):
+        paged_ws.CONSUMERS = schedule.FP8_CONSUMERS = n
+        _ws_decode_cases(dev)
+    paged_ws.CONSUMERS, schedule.FP8_CONSUMERS = shipped
+
+
+def _ws_decode_cases(dev):
+    from llmkernels.attention import plan as plan_mod
+
     plan_mod.WS_DECODE_MIN_BYTES = 0
     for ps, Hq, Hkv, D, splits, kv in ((16, 28, 4, 128, 0, torch.bfloat16), (8, 8, 1, 128, 1, torch.bfloat16),
                                        (128, 16, 2, 64, 3, torch.bfloat16), (16, 28, 4, 128, 0, torch.float8_e4m3fn),
@@ -407,10 +417,11 @@ def main():
 if __name__ == "__main__":
     import sys
 
-    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws": those kernels alone; no argument: every
-    # single-GPU kernel
-    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases}
+    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "decode_ws": those kernels alone; no argument:
+    # every single-GPU kernel
+    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "decode_ws": ws_decode_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
-        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws], got {' '.join(sys.argv[1:])!r}")
+        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | decode_ws], "
+                 f"got {' '.join(sys.argv[1:])!r}")
     parts[part]()

@@ -46,6 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .._pdl import pdl_options
 from ._gluon import _SIG_DTYPES, LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
+from . import schedule
 from .schedule import FP8_STAGES, FP8_STAGES16, tma_pages
 
 
@@ -353,7 +354,7 @@ def _stage_q(q, q_smem, qk_scale, cs_layout: gl.constexpr):
 @gluon.jit
 def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, qk_scale,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False):
+            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False, STEP: gl.constexpr = 1):
     """The online softmax of one unit's query heads q (_load_q) over keys [lo, hi): K tiles from the
     (k_smem, k_ready, k_empty) ring, V tiles from the (v_smem, ...) ring (the same ring for 16-bit caches; for fp8,
     the fp8 ring and the converter's fp16 ring), counted by c. -> (O [GP, HEAD_DIM] unnormalized in o_layout, row
@@ -365,7 +366,8 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
     Software-pipelined: step i issues tile i - 1's P V and tile i + 1's S, runs tile i's softmax beside them, then
     waits for both, frees what they read and rescales O. No wgmma stays in flight across steps (ptxas answers that
     by serializing every wgmma). lo is a multiple of BLOCK_N, so only the last tile has keys past hi to mask. KF / VF:
-    the K / V tiles came by cp.async (proxy fence after each wait, see _scores)."""
+    the K / V tiles came by cp.async (proxy fence after each wait, see _scores). STEP: this consumer takes every
+    STEP-th tile from lo (ring uses c, c + STEP, ...; see _consumer's CONSUMERS)."""
     GP: gl.constexpr = q_smem.shape[1]
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -377,15 +379,16 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
     m_i = gl.full([GP], float("-inf"), gl.float32, col)
     l_p = gl.zeros([BLOCK_N, GP], gl.float32, st_layout)
     acc = gl.zeros([HEAD_DIM, GP], gl.float32, ot_layout)
-    n = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    TS: gl.constexpr = STEP * BLOCK_N  # keys from one of this consumer's tiles to its next
+    n = (hi - lo + TS - 1) // TS
     if n > 0:
         st = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, c, st_layout, BLOCK_N, K_STAGES, GP, KF),))
         mbarrier.arrive(k_empty.index(c % K_STAGES), count=1)
         if n > 1:
-            nxt = _scores(q_smem, k_smem, k_ready, c + 1, st_layout, BLOCK_N, K_STAGES, GP, KF)
+            nxt = _scores(q_smem, k_smem, k_ready, c + STEP, st_layout, BLOCK_N, K_STAGES, GP, KF)
             p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
             st = warpgroup_mma_wait(0, deps=(nxt,))
-            mbarrier.arrive(k_empty.index((c + 1) % K_STAGES), count=1)
+            mbarrier.arrive(k_empty.index((c + STEP) % K_STAGES), count=1)
         else:
             p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, st_layout, BLOCK_N, True)
         p_smem.index(0).store(p.to(p_smem.dtype))
@@ -393,41 +396,76 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
         gl.thread_barrier()
         for i in range(1, n - 1):
             pv = _pv(p_smem.index((i - 1) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
-            nxt = _scores(q_smem, k_smem, k_ready, c + 2, st_layout, BLOCK_N, K_STAGES, GP, KF)
+            nxt = _scores(q_smem, k_smem, k_ready, c + 2 * STEP, st_layout, BLOCK_N, K_STAGES, GP, KF)
             p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
             p_smem.index(i % 2).store(p.to(p_smem.dtype))
             acc, st = warpgroup_mma_wait(0, deps=(pv, nxt))
             mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
-            mbarrier.arrive(k_empty.index((c + 2) % K_STAGES), count=1)
+            mbarrier.arrive(k_empty.index((c + 2 * STEP) % K_STAGES), count=1)
             fence_async_shared()
             gl.thread_barrier()
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout))[None, :]
-            c += 1
+            c += STEP
         if n > 1:
             pv = _pv(p_smem.index((n - 2) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * BLOCK_N, hi, st_layout, BLOCK_N, True)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * TS, hi, st_layout, BLOCK_N, True)
             p_smem.index((n - 1) % 2).store(p.to(p_smem.dtype))
             acc = warpgroup_mma_wait(0, deps=(pv,))
             mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
             fence_async_shared()
             gl.thread_barrier()
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout))[None, :]
-            c += 1
+            c += STEP
         acc = warpgroup_mma_wait(0, deps=(_pv(p_smem.index((n - 1) % 2), acc, v_smem, v_ready, c, V_STAGES, VF),))
         mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
-        c += 1
+        c += STEP
     row: gl.constexpr = gl.SliceLayout(1, o_layout)
     return (gl.convert_layout(gl.permute(acc, (1, 0)), o_layout), gl.convert_layout(m_i, row),
             gl.convert_layout(gl.sum(l_p, axis=0), row), c)
 
 
 @gluon.jit
-def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, SEQ_LENS,
+def _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, k, o_layout: gl.constexpr, WG: gl.constexpr):
+    """The second consumer's (O, row max, row sum) of one unit -> the first, through x_o [GP, HEAD_DIM] and x_ml
+    [2, GP, 1] (float32): -> for the first, both halves merged (for the second, its own values, unused). k counts the
+    hand-offs (x_ready / x_free phases)."""
+    if WG == 1:
+        mbarrier.wait(x_free, (k & 1) ^ 1)
+        x_o.store(acc)
+        x_ml.index(0).store(m_i[:, None])
+        x_ml.index(1).store(l_i[:, None])
+        gl.thread_barrier()
+        mbarrier.arrive(x_ready, count=1)
+    else:
+        mbarrier.wait(x_ready, k & 1)
+        acc1 = x_o.load(o_layout)
+        m1 = gl.sum(x_ml.index(0).load(o_layout), axis=1)  # [GP, 1] -> [GP] in the rows' slice
+        l1 = gl.sum(x_ml.index(1).load(o_layout), axis=1)
+        gl.thread_barrier()
+        mbarrier.arrive(x_free, count=1)
+        m = gl.maximum(m_i, m1)
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        a0 = gl.exp2(m_i - m_safe)
+        a1 = gl.exp2(m1 - m_safe)
+        acc = acc * a0[:, None] + acc1 * a1[:, None]
+        l_i = l_i * a0 + l1 * a1
+        m_i = m
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, SEQ_LENS,
               TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot,
               stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits, qk_scale, k_scale,
               v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
               V_STAGES: gl.constexpr, SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr,
-              MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr):
+              MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr, x_o, x_ml, x_ready,
+              x_free, CONSUMERS: gl.constexpr, q_smem, p_smem, WG: gl.constexpr):
+    """Consumer WG of CONSUMERS (1 or 2): with two, each unit's (or balanced piece's) key tiles alternate between
+    them (ring uses of the same parity as WG), each runs its own online softmax, and the second hands its
+    (O, max, sum) to the first (_pair), which merges them and writes the output. Two independent chains of wgmma,
+    softmax and barriers per SM: one chain's per-tile latency is what bounds an fp8 cache's tiles (half the bytes
+    of a 16-bit tile in about the same consumer work)."""
     if SCALE_PTRS:  # fp8: K = k_scale * cache, V = v_scale * cache; k_scale rides in the score scale
         k_scale = gl.load(K_SCALE).to(gl.float32)
         v_scale = gl.load(V_SCALE).to(gl.float32)
@@ -438,6 +476,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
     orow = gl.arange(0, M, layout=row_o)
     ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     c = 0
+    kx = 0  # hand-offs between the two consumers (CONSUMERS = 2)
     if BALANCED:
         g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
         g0 = g
@@ -450,32 +489,38 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
             t = gl.load(CU_Q + b).to(gl.int64)
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
             q = _load_q(Q, t, hk, True, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
-            acc, m_i, l_i, c = _attend(q, t0 * BLOCK_N, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem,
-                                       v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, o_layout, KF,
-                                       VF)
-            o = acc * (v_scale / l_i)[:, None]  # every piece holds a key: l_i > 0
-            head_o = hk * GROUP + orow
-            idx = ti * num_kv_heads + hk
-            if gl.load(UPIECES + idx) == 1:  # a whole unit
-                gl.store(OUT + t * stride_fot + head_o[:, None] * stride_foh + ocol[None, :],
-                         o.to(OUT.dtype.element_ty), mask=(orow < GROUP)[:, None])
-            else:
-                # slots 2 pid (the range's first unit) and 2 pid + 1 (its last, when that is another unit)
-                slot = 2 * gl.program_id(0) + (g0 < u0).to(gl.int32)
-                gl.store(O + slot * stride_os + head_o[:, None] * stride_oh + ocol[None, :], o,
-                         mask=(orow < GROUP)[:, None])
-                gl.store(LSE + slot * stride_ls + head_o, (m_i + gl.log2(l_i)) * LN2, mask=orow < GROUP)
-                first = gl.where(first < 0, idx, first)
-                last = gl.where(first != idx, idx, last)
+            acc, m_i, l_i, _ = _attend(q, (t0 + WG) * BLOCK_N, hi, c + WG, q_smem, p_smem, k_smem, k_ready, k_empty,
+                                       v_smem, v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES,
+                                       o_layout, KF, VF, CONSUMERS)
+            c += (hi - t0 * BLOCK_N + BLOCK_N - 1) // BLOCK_N
+            if CONSUMERS > 1:
+                acc, m_i, l_i = _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, kx, o_layout, WG)
+                kx += 1
+            if WG == 0:
+                o = acc * (v_scale / l_i)[:, None]  # every piece holds a key: l_i > 0
+                head_o = hk * GROUP + orow
+                idx = ti * num_kv_heads + hk
+                if gl.load(UPIECES + idx) == 1:  # a whole unit
+                    gl.store(OUT + t * stride_fot + head_o[:, None] * stride_foh + ocol[None, :],
+                             o.to(OUT.dtype.element_ty), mask=(orow < GROUP)[:, None])
+                else:
+                    # slots 2 pid (the range's first unit) and 2 pid + 1 (its last, when that is another unit)
+                    slot = 2 * gl.program_id(0) + (g0 < u0).to(gl.int32)
+                    gl.store(O + slot * stride_os + head_o[:, None] * stride_oh + ocol[None, :], o,
+                             mask=(orow < GROUP)[:, None])
+                    gl.store(LSE + slot * stride_ls + head_o, (m_i + gl.log2(l_i)) * LN2, mask=orow < GROUP)
+                    first = gl.where(first < 0, idx, first)
+                    last = gl.where(first != idx, idx, last)
             g += nt
             ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
         # arrivals after the range, so that no piece waits on an atomic's round trip while its copies are in flight
-        if first >= 0:
-            _merge_unit(O, LSE, OUT, COUNT, TABLES, cap, first, TILE_SEQ, CU_Q, num_kv_heads, stride_os, stride_oh,
-                        stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
-        if last >= 0:
-            _merge_unit(O, LSE, OUT, COUNT, TABLES, cap, last, TILE_SEQ, CU_Q, num_kv_heads, stride_os, stride_oh,
-                        stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
+        if WG == 0:
+            if first >= 0:
+                _merge_unit(O, LSE, OUT, COUNT, TABLES, cap, first, TILE_SEQ, CU_Q, num_kv_heads, stride_os,
+                            stride_oh, stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
+            if last >= 0:
+                _merge_unit(O, LSE, OUT, COUNT, TABLES, cap, last, TILE_SEQ, CU_Q, num_kv_heads, stride_os,
+                            stride_oh, stride_ls, stride_fot, stride_foh, GROUP, GROUP_P2, HEAD_DIM, MERGE_PB)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         per_tile = num_kv_heads * num_splits
@@ -504,17 +549,23 @@ def _consumer(Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, k_empty, v
             b3 = _unit_seq(u + 3 * P, n_units, TILE_SEQ, per_tile)
             hk, split, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
             t = t0
-            acc, m_i, l_i, c = _attend(q0, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready,
-                                       v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, o_layout, KF, VF)
-            empty = l_i == 0.0
-            l_safe = gl.where(empty, 1.0, l_i)
-            o = acc * (v_scale / l_safe)[:, None]
-            head_o = hk * GROUP + orow
-            o_ptrs = O + split * stride_os + t * stride_ot + head_o[:, None] * stride_oh + ocol[None, :]
-            gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(orow < GROUP)[:, None])
-            if SPLIT:
-                lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-                gl.store(LSE + split * stride_ls + t * num_heads + head_o, lse, mask=orow < GROUP)
+            acc, m_i, l_i, _ = _attend(q0, lo + WG * BLOCK_N, hi, c + WG, q_smem, p_smem, k_smem, k_ready, k_empty,
+                                       v_smem, v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES,
+                                       o_layout, KF, VF, CONSUMERS)
+            c += (hi - lo + BLOCK_N - 1) // BLOCK_N
+            if CONSUMERS > 1:
+                acc, m_i, l_i = _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, kx, o_layout, WG)
+                kx += 1
+            if WG == 0:
+                empty = l_i == 0.0
+                l_safe = gl.where(empty, 1.0, l_i)
+                o = acc * (v_scale / l_safe)[:, None]
+                head_o = hk * GROUP + orow
+                o_ptrs = O + split * stride_os + t * stride_ot + head_o[:, None] * stride_oh + ocol[None, :]
+                gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(orow < GROUP)[:, None])
+                if SPLIT:
+                    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+                    gl.store(LSE + split * stride_ls + t * num_heads + head_o, lse, mask=orow < GROUP)
             q0, k0, t0, k1, t1, b2 = q1, k1, t1, k2, t2, b3
 
 
@@ -583,7 +634,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
-                           KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0):
+                           KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -600,7 +651,10 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
 
     PDL (launched with launch_pdl, see _pdl.py): 1, the default warps wait for the previous kernel before the
     partitions start (the partitions' warps begin after them), so the launch and the shared-memory setup overlap
-    that kernel's end; 2, the next kernel may also launch then."""
+    that kernel's end; 2, the next kernel may also launch then.
+
+    CONSUMERS: consumer warp groups (1 or 2), each with its own q and P^T buffers; two take alternate key tiles of
+    every unit and merge (see _consumer, _pair)."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
@@ -621,38 +675,97 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     if PDL > 1:
         gdc_launch_dependents()
     p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
+    TERMS: gl.constexpr = 3 if FP8 else 1
+    q_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
+    q_smem = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
+    # the two consumers' hand-off (_pair); 4 KB at GROUP 8, allocated for one consumer too
+    x_o = gl.allocate_shared_memory(gl.float32, [GP, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_ml = gl.allocate_shared_memory(gl.float32, [2, GP, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_ready = x_bars.index(0)
+    x_free = x_bars.index(1)
+    mbarrier.init(x_ready, count=1)
+    mbarrier.init(x_free, count=1)
+    # the ring the consumers read V from: for fp8 a second ring of widened tiles, filled by the converter partition
+    V_STAGES: gl.constexpr = STAGES16 if FP8 else STAGES
+    VF: gl.constexpr = GATHER and not FP8
     if FP8:
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [3, GP, HEAD_DIM], Q_LAYOUT)
-        # a second ring of widened V tiles between the converter partition and the consumer
-        v16 = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
-        v16_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
-        v16_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        v_ring = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
+        v_ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
+        v_ring_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES16):
-            mbarrier.init(v16_ready.index(i), count=1)
-            mbarrier.init(v16_empty.index(i), count=1)
-        gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
-            (_converter, (v_smem, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES,
-                          cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, kv_empty, v16, v16_ready, v16_empty,
-                         SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh,
-                         stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads,
-                         num_splits, qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, STAGES16, SPLIT,
-                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, False)),
-        ], [4, 4], [96, 232])
+            mbarrier.init(v_ring_ready.index(i), count=1)
+            mbarrier.init(v_ring_empty.index(i), count=1)
     else:
-        q_smem = gl.allocate_shared_memory(dtype, [1, GP, HEAD_DIM], Q_LAYOUT)
+        v_ring = v_smem
+        v_ring_ready = v_ready
+        v_ring_empty = kv_empty
+    if CONSUMERS == 2:
+        q_smem1 = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
+        p_smem1 = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
+    if FP8 and CONSUMERS == 2:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
                        HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, q_smem, p_smem, k_smem, k_ready, kv_empty, v_smem, v_ready, kv_empty,
-                         SEQ_LENS, TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh,
-                         stride_os, stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads,
-                         num_splits, qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, STAGES, SPLIT,
-                         BALANCED, GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, GATHER)),
+            (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
+                          TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
+                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
+                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
+                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
+                         p_smem, 0)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
+                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
+                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
+                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
+                         p_smem1, 1)),
+        ], [4, 4, 4], [88, 176, 176])
+    elif FP8:
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
+            (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
+                          TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
+                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
+                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
+                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
+                         p_smem, 0)),
+        ], [4, 4], [96, 232])
+    elif CONSUMERS == 2:
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
+                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
+                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
+                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
+                         p_smem, 0)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
+                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
+                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
+                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
+                         p_smem1, 1)),
+        ], [4, 4], [176, 176])
+    else:
+        gl.warp_specialize([
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
+            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
+                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
+                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
+                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
+                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
+                         p_smem, 0)),
         ], [4], [232])
 
 
@@ -682,9 +795,10 @@ def gather_caches(k_cache, v_cache):
 
 
 STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
+CONSUMERS = 1  # consumer warp groups, 16-bit caches (fp8: schedule.FP8_CONSUMERS)
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
-                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0):
+                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -700,7 +814,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     ``gather``: ``descs`` are the caches themselves (same strides, last dim contiguous, 16-byte aligned rows), read
     one row per key with cp.async (page sizes TMA cannot copy by pages).
 
-    ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl."""
+    ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl.
+    ``consumers``: consumer warp groups (default schedule.FP8_CONSUMERS for fp8 caches, else CONSUMERS)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
@@ -709,11 +824,17 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if stages is None:
         stages = FP8_STAGES if fp8 else STAGES
+    if consumers is None:
+        consumers = schedule.FP8_CONSUMERS if fp8 else CONSUMERS
+    # a consumer holds up to three ring slots at once (the previous tile's V, its tile, the next one's K): with two
+    # consumers on alternate tiles a ring of fewer than six slots deadlocks
+    stages = max(stages, 3 * consumers)
     ptrs = isinstance(k_scale, torch.Tensor)
     scales = dict(SCALE_PTRS=ptrs, STAGES16=FP8_STAGES16,
                   F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None,
                   **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
                   GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None, PDL=pdl,
+                  CONSUMERS=consumers,
                   **pdl_options(pdl > 0))
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
@@ -758,7 +879,7 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0):
+                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -783,6 +904,7 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(block_n, head_dim, torch.float16) if kv else None,
               "STAGES16": FP8_STAGES16,
               **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
-              "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl}
+              "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl,
+              "CONSUMERS": consumers}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

@@ -6,7 +6,7 @@ import torch
 import llmkernels as lk
 from llmkernels.testing import assert_close, paged_attention_ref, poison
 
-from .gluon_helpers import need_sm90, sm90_compile_report, sm90_compile_text
+from .gluon_helpers import need_sm90, sm90_compile_report, sm90_compile_text, sm90_spill_bytes
 from .paged_helpers import build, tree_mask
 
 FP8 = torch.float8_e4m3fn
@@ -343,15 +343,20 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
         p.update(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([40, 900], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("page_size, head_dim, split, balanced, kv", [
-    (16, 128, False, False, ""), (128, 64, True, False, ""), (16, 128, False, True, ""),
-    (16, 128, True, False, "fp8e4nv"), (64, 64, False, True, "fp8e5"),
-    (1, 128, False, False, ""), (3, 64, True, True, "fp8e4nv")])  # rows gathered with cp.async
-def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced, kv):
+@pytest.mark.parametrize("page_size, head_dim, split, balanced, kv, consumers", [
+    (16, 128, False, False, "", 1), (128, 64, True, False, "", 1), (16, 128, False, True, "", 1),
+    (16, 128, True, False, "fp8e4nv", 1), (64, 64, False, True, "fp8e5", 1),
+    (1, 128, False, False, "", 1), (3, 64, True, True, "fp8e4nv", 1),  # rows gathered with cp.async
+    (16, 128, True, False, "fp8e4nv", 2), (16, 128, False, True, "fp8e4nv", 2), (16, 128, False, True, "", 2),
+    (1, 128, True, False, "fp8e5", 2)])
+def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced, kv, consumers):
     # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter; the split builds with PDL 1
     # (wait for the previous kernel before the partitions start), the others without
-    got = sm90_compile_report(f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced}, "
-                              f"kv={kv!r}, pdl={int(split)})",
+    call = (f"paged_ws.compile_sm90({page_size}, {head_dim}, split={split}, balanced={balanced}, kv={kv!r}, "
+            f"pdl={int(split)}, consumers={consumers})")
+    if consumers == 2:  # ptxas's own count (the checks below read the PTX, before register allocation)
+        assert sm90_spill_bytes(call) == 0
+    got = sm90_compile_report(call,
                               {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor",
                                "gather": "cp.async.cg.shared.global", "local": ".local", "cvt": "cvt.rn.f16x2.e",
                                "wait": "griddepcontrol.wait", "trigger": "griddepcontrol.launch_dependents"})
@@ -363,8 +368,8 @@ def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, 
 @pytest.mark.parametrize("kv", ["", "fp8e4nv"])
 def test_ws_decode_consumer_look_ahead_survives_compilation(kv):
     # Triton 3.6 drops a loop-carried value whose only use in the loop is an inner loop's bound (the loop then
-    # reuses its first value; 3.9 keeps it). A converter written that way hung on ragged fp8 batches (bench/NOTES.md,
-    # session 28). The consumer's units loop carries the ring counter and six look-ahead values (two lengths, two
+    # reuses its first value; 3.9 keeps it). A converter written that way hung on ragged fp8 batches
+    # (bench/NOTES.md). The consumer's units loop carries the ring counter and six look-ahead values (two lengths, two
     # query tokens, a sequence id, the next q): all seven must still be there after the optimization passes.
     import re
 
@@ -376,10 +381,14 @@ def test_ws_decode_consumer_look_ahead_survives_compilation(kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
-def test_ws_decode_gpu(case, dtype, device, monkeypatch):
+def test_ws_decode_gpu(case, dtype, consumers, device, monkeypatch):
+    from llmkernels.attention import paged_ws
+
     need_sm90()
+    monkeypatch.setattr(paged_ws, "CONSUMERS", consumers)  # two: alternate key tiles, merged per unit
     launches = _spy_ws(monkeypatch)
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=dtype, device=device)
@@ -407,12 +416,15 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
-def test_ws_decode_fp8_gpu(case, kv_dtype, device, monkeypatch):
+def test_ws_decode_fp8_gpu(case, kv_dtype, consumers, device, monkeypatch):
     from llmkernels.attention import plan as plan_mod
+    from llmkernels.attention import schedule
 
     need_sm90()
+    monkeypatch.setattr(schedule, "FP8_CONSUMERS", consumers)
     launches = _spy_ws(monkeypatch)
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     scales = (0.04, 0.03)
@@ -493,12 +505,17 @@ def test_ws_plan_takes_fp8_caches(monkeypatch):
     assert not ws(16, 4096, torch.float16)  # a 16-bit cache must be q's dtype
 
 
-def test_fp8_ring_deepens_only_for_several_units_per_program():
+def test_fp8_ring_deepens_only_for_several_units_per_program(monkeypatch):
+    from llmkernels.attention import schedule
     from llmkernels.attention.schedule import FP8_STAGES, FP8_STAGES_MULTI, fp8_ring
 
-    assert FP8_STAGES_MULTI > FP8_STAGES
+    monkeypatch.setattr(schedule, "FP8_CONSUMERS", 1)
+    assert FP8_STAGES_MULTI > FP8_STAGES >= 3
     assert fp8_ring(128, 132) == fp8_ring(132, 132) == FP8_STAGES  # e.g. B=1 x 8 heads x 16 splits, B=16 x 8
     assert fp8_ring(133, 132) == fp8_ring(512, 132) == FP8_STAGES_MULTI  # e.g. B=64 x 8 heads
+    # two consumers on alternate tiles hold up to six slots: a smaller ring would deadlock
+    monkeypatch.setattr(schedule, "FP8_CONSUMERS", 2)
+    assert min(fp8_ring(128, 132), fp8_ring(512, 132)) >= 6
 
 
 def test_ws_plan_mixed_batches(monkeypatch):
