@@ -54,21 +54,21 @@ def _paged_cache(lens, ps, Hkv, D, kv, dev):
 
 
 def ws_decode_cases(dev="cuda"):
-    """The Gluon decode kernel (sm_90) with one and with two consumer warp groups: odd lengths, pages 8 / 16 / 32 /
-    64 / 128 (TMA) and 1 / 3 (rows gathered with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded
-    heads), bf16 and fp8 caches (the fp8 dots and the converter partition), the balanced split."""
-    from llmkernels.attention import paged_ws, schedule
+    """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 32 / 64 / 128 (TMA) and 1 / 3 (rows gathered
+    with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded heads), bf16 and fp8 caches (the fp8 dots and
+    the converter partition; one and two consumer warp groups), the balanced split."""
+    from llmkernels.attention import schedule
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
-    shipped = paged_ws.CONSUMERS, schedule.FP8_CONSUMERS
-    for n in (1, 2):
-        paged_ws.CONSUMERS = schedule.FP8_CONSUMERS = n
-        _ws_decode_cases(dev)
-    paged_ws.CONSUMERS, schedule.FP8_CONSUMERS = shipped
+    shipped = schedule.FP8_CONSUMERS
+    for n in (2, 1):
+        schedule.FP8_CONSUMERS = n
+        _ws_decode_cases(dev, fp8_only=n != shipped)
+    schedule.FP8_CONSUMERS = shipped
 
 
-def _ws_decode_cases(dev):
+def _ws_decode_cases(dev, fp8_only=False):
     from llmkernels.attention import plan as plan_mod
 
     plan_mod.WS_DECODE_MIN_BYTES = 0
@@ -79,6 +79,8 @@ def _ws_decode_cases(dev):
                                        # page sizes gathered by rows (cp.async)
                                        (1, 32, 8, 128, 0, torch.bfloat16), (3, 28, 4, 64, 2, torch.float8_e4m3fn),
                                        (1, 16, 2, 128, 0, torch.float8_e5m2)):
+        if fp8_only and kv == torch.bfloat16:
+            continue
         lens = [1, 17, 300, 65, 1000]
         kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, D, kv, dev)
         cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)

@@ -1,12 +1,14 @@
 """fp8-cache decode on the persistent Gluon kernel: what bounds it on this GPU.
 
-    python bench/lab/fp8_decode_lab.py [--consumers 1,2] [--stages 4,6,8] [--stages16 2,4] [--bf16 1,2]
+    python bench/lab/fp8_decode_lab.py [--consumers 1,2] [--stages 6,8] [--stages16 2,4] [--terms 2,3]
+                                       [--conv-warps 4,8] [--bf16]
 
 Times the decode suite's shapes (GQA 32/8, D 128, page 16, e4m3 cache) by CUDA-graph replay for each count of
-consumer warp groups and ring depth (the fp8 TMA ring, the converter's fp16 ring), beside the bf16 cache (with the
-consumer counts given to --bf16). B = 16 is also checked against the float64 reference (max abs error).
+consumer warp groups, ring depth (the fp8 TMA ring, the converter's fp16 ring), e4m3 terms of q and converter
+warps, beside the bf16 cache. B = 16 is also checked against the float64 reference (max abs error).
 """
 import argparse
+import itertools
 
 import torch
 
@@ -20,7 +22,9 @@ def main():
     p.add_argument("--stages", default="4,6,8")
     p.add_argument("--stages16", default="2,4")
     p.add_argument("--shapes", default="")
-    p.add_argument("--bf16", default="", help="consumer counts to time the bf16 cache with (the denominator)")
+    p.add_argument("--bf16", action="store_true", help="also time the bf16 cache (the ratio's denominator)")
+    p.add_argument("--terms", default="3", help="e4m3 terms of the bf16 q (paged_ws.FP8_Q_TERMS_BF16)")
+    p.add_argument("--conv-warps", default="4", help="the converter partition's warps (paged_ws.FP8_CONV_WARPS)")
     args = p.parse_args()
     from llmkernels.attention import paged_attention, paged_ws, plan_paged_attention, schedule
     from llmkernels.bench.harness import copies_for, time_graph_ms
@@ -55,28 +59,26 @@ def main():
                for c in caches]
         return time_graph_ms(fns) * 1e3, err
 
-    for n in [int(x) for x in args.bf16.split(",") if x]:
-        paged_ws.CONSUMERS = n
+    if args.bf16:
         cells = []
         for B, L in shapes:
             us, err = run(B, L, torch.bfloat16)
             cells.append(f"B{B}xL{L} {us:.1f}us" + (f" err {err:.1e}" if err == err else ""))
-        print(f"bf16 consumers={n} | " + " | ".join(cells), flush=True)
-    for n in [int(x) for x in args.consumers.split(",")]:
+        print("bf16 | " + " | ".join(cells), flush=True)
+    for n, terms, warps, s16, st in itertools.product(*[[int(x) for x in a.split(",")] for a in (
+            args.consumers, args.terms, args.conv_warps, args.stages16, args.stages)]):
         schedule.FP8_CONSUMERS = n
-        for s16 in [int(x) for x in args.stages16.split(",")]:
-            paged_ws.FP8_STAGES16 = s16
-            for st in [int(x) for x in args.stages.split(",")]:
-                schedule.FP8_STAGES = schedule.FP8_STAGES_MULTI = st
-                try:
-                    cells = []
-                    for B, L in shapes:
-                        us, err = run(B, L, torch.float8_e4m3fn)
-                        cells.append(f"B{B}xL{L} {us:.1f}us" + (f" err {err:.1e}" if err == err else ""))
-                    print(f"fp8 consumers={n} stages={st} stages16={s16} | " + " | ".join(cells), flush=True)
-                except Exception as e:  # shared memory overflow and the like: reported, not fatal
-                    print(f"fp8 consumers={n} stages={st} stages16={s16}: {type(e).__name__} {str(e)[:150]}",
-                          flush=True)
+        paged_ws.FP8_Q_TERMS_BF16, paged_ws.FP8_CONV_WARPS, paged_ws.FP8_STAGES16 = terms, warps, s16
+        schedule.FP8_STAGES = schedule.FP8_STAGES_MULTI = schedule.FP8_STAGES_PAIR = st
+        name = f"fp8 consumers={n} terms={terms} conv_warps={warps} stages={st} stages16={s16}"
+        try:
+            cells = []
+            for B, L in shapes:
+                us, err = run(B, L, torch.float8_e4m3fn)
+                cells.append(f"B{B}xL{L} {us:.1f}us" + (f" err {err:.1e}" if err == err else ""))
+            print(f"{name} | " + " | ".join(cells), flush=True)
+        except Exception as e:  # shared memory overflow and the like: reported, not fatal
+            print(f"{name}: {type(e).__name__} {str(e)[:150]}", flush=True)
 
 
 if __name__ == "__main__":

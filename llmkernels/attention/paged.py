@@ -66,14 +66,14 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    # fp8 TMA pages: a deeper ring when each program takes several units (counted at the plan's tile capacity);
-    # the row gather (page sizes 1, 3, ...) keeps the default ring, which its tests cover
+    # fp8 TMA pages: schedule.fp8_ring's depth (two consumers; or one taking several units, counted at the plan's
+    # tile capacity); the row gather (page sizes 1, 3, ...) keeps the default ring, which its tests cover
     deep = fp8 and not mixed and not gather
-    stages = fp8_ring(tiles[0].numel() * k_cache.shape[2] * num_splits, sms) if deep else None
+    stages = fp8_ring(tiles[0].numel() * k_cache.shape[2] * num_splits, sms, Hq // k_cache.shape[2]) if deep else None
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
                      tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
                      k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather, stages=stages,
-                     pdl=WS_PDL if pdl else 0)
+                     pdl=WS_PDL if pdl else 0, consumers=1 if mixed else None)
     if split:
         cp = pdl and COMBINE_PDL
         combine_kernel[(total_q, Hq)](

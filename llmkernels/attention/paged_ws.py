@@ -634,7 +634,8 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
-                           KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1):
+                           KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1,
+                           Q_TERMS: gl.constexpr = 3, CONV_WARPS: gl.constexpr = 4):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -653,11 +654,13 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     partitions start (the partitions' warps begin after them), so the launch and the shared-memory setup overlap
     that kernel's end; 2, the next kernel may also launch then.
 
-    CONSUMERS: consumer warp groups (1 or 2), each with its own q and P^T buffers; two take alternate key tiles of
-    every unit and merge (see _consumer, _pair)."""
+    fp8 caches only: CONSUMERS, consumer warp groups (1 or 2), each with its own q and P^T buffers; two take
+    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q).
+    CONV_WARPS: the converter's warps."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    gl.static_assert(FP8 or CONSUMERS == 1, "two consumer warp groups are built for fp8 caches only")
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -675,7 +678,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     if PDL > 1:
         gdc_launch_dependents()
     p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
-    TERMS: gl.constexpr = 3 if FP8 else 1
+    TERMS: gl.constexpr = Q_TERMS if FP8 else 1
     q_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
     q_smem = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
     # the two consumers' hand-off (_pair); 4 KB at GROUP 8, allocated for one consumer too
@@ -700,9 +703,10 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         v_ring = v_smem
         v_ring_ready = v_ready
         v_ring_empty = kv_empty
-    if CONSUMERS == 2:
+    if FP8 and CONSUMERS == 2:
         q_smem1 = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
         p_smem1 = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
+    CONV_REGS: gl.constexpr = 88 if CONV_WARPS == 4 else 48  # eight converter warps: the same register file
     if FP8 and CONSUMERS == 2:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
@@ -722,7 +726,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
                          p_smem1, 1)),
-        ], [4, 4, 4], [88, 176, 176])
+        ], [CONV_WARPS, 4, 4], [CONV_REGS, 176, 176])
     elif FP8:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
@@ -736,25 +740,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
                          p_smem, 0)),
-        ], [4, 4], [96, 232])
-    elif CONSUMERS == 2:
-        gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
-                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
-                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
-                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
-                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0)),
-            (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
-                         TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
-                         stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
-                         qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
-                         GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
-                         p_smem1, 1)),
-        ], [4, 4], [176, 176])
+        ], [CONV_WARPS, 4], [CONV_REGS + 8, 232])
     else:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
@@ -795,7 +781,9 @@ def gather_caches(k_cache, v_cache):
 
 
 STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
-CONSUMERS = 1  # consumer warp groups, 16-bit caches (fp8: schedule.FP8_CONSUMERS)
+# fp8 caches: e4m3 terms of a bf16 q (fp16 q always takes 3; see _stage_q) and the converter's warps
+FP8_Q_TERMS_BF16 = 3
+FP8_CONV_WARPS = 4
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
                      balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None):
@@ -815,7 +803,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     one row per key with cp.async (page sizes TMA cannot copy by pages).
 
     ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl.
-    ``consumers``: consumer warp groups (default schedule.FP8_CONSUMERS for fp8 caches, else CONSUMERS)."""
+    ``consumers``: consumer warp groups (fp8 caches: 1 or 2, default schedule.FP8_CONSUMERS up to groups of 8;
+    16-bit caches: 1)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
@@ -824,8 +813,10 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if stages is None:
         stages = FP8_STAGES if fp8 else STAGES
-    if consumers is None:
-        consumers = schedule.FP8_CONSUMERS if fp8 else CONSUMERS
+    if consumers is None:  # two need a padded group of 8: larger q, P^T and hand-off tiles leave no room
+        consumers = schedule.FP8_CONSUMERS if fp8 and Hq // Hkv <= 8 else 1
+    if consumers not in (1, 2) or (consumers == 2 and not fp8):
+        raise ValueError(f"consumers must be 1, or 2 for an fp8 cache; got {consumers} for a {kv_dtype} cache")
     # a consumer holds up to three ring slots at once (the previous tile's V, its tile, the next one's K): with two
     # consumers on alternate tiles a ring of fewer than six slots deadlocks
     stages = max(stages, 3 * consumers)
@@ -834,7 +825,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
                   F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None,
                   **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
                   GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None, PDL=pdl,
-                  CONSUMERS=consumers,
+                  CONSUMERS=consumers, Q_TERMS=FP8_Q_TERMS_BF16 if q.dtype == torch.bfloat16 else 3,
+                  CONV_WARPS=FP8_CONV_WARPS,
                   **pdl_options(pdl > 0))
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
@@ -879,7 +871,7 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1):
+                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3, conv_warps=4):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -905,6 +897,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "STAGES16": FP8_STAGES16,
               **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
               "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl,
-              "CONSUMERS": consumers}
+              "CONSUMERS": consumers, "Q_TERMS": q_terms, "CONV_WARPS": conv_warps}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

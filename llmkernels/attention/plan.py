@@ -17,6 +17,7 @@ from .._checks import check_positive_int, check_tensor, interpreter_mode
 from .._runtime import gpu_name, num_sms
 from ..kv_cache import FP8_DTYPES
 from ..tuning import lookup
+from . import schedule
 from .schedule import balanced_table_size, balanced_tables, fp8_ring, tma_pages
 
 PAGED_HEAD_DIMS = (64, 96, 128, 256)
@@ -137,9 +138,14 @@ class PagedAttentionPlan:
 
                 units = self.launches[0].capacity * self.num_kv_heads * self.num_splits
                 sms = num_sms(self.device)
-                lines.append(f"  fp8 cache: a ring of {fp8_ring(units, sms)} TMA slots ({units} units "
-                             f"{'>' if units > sms else '<='} {sms} programs: "
-                             f"{'several units' if units > sms else 'at most one unit'} per program)")
+                ring = fp8_ring(units, sms, self.group)
+                if schedule.FP8_CONSUMERS > 1 and self.group <= 8:
+                    lines.append(f"  fp8 cache: a ring of {ring} TMA slots, two consumer warp groups on alternate "
+                                 "key tiles")
+                else:
+                    lines.append(f"  fp8 cache: a ring of {ring} TMA slots ({units} units "
+                                 f"{'>' if units > sms else '<='} {sms} programs: "
+                                 f"{'several units' if units > sms else 'at most one unit'} per program)")
             if self.variant == "mixed":
                 lines.append("  the 'long' launch runs on the Triton kernel in a second stream, beside the Gluon "
                              "kernel" + (f" (capped at {self.ws_maxnreg} registers so that a Triton program fits "

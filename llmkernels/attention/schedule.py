@@ -10,19 +10,25 @@ def tma_pages(page_size: int) -> bool:
     return page_size in (8, 16, 32) or page_size % 64 == 0
 
 
-FP8_STAGES = 4  # fp8 caches: the TMA ring; STAGES16 fp16 slots of widened tiles follow it
+FP8_STAGES = 4  # fp8 caches, one consumer: the TMA ring; STAGES16 fp16 slots of widened tiles follow it
 FP8_STAGES16 = 4
-FP8_CONSUMERS = 2  # consumer warp groups of the fp8 kernel (paged_ws.py: two take alternate key tiles)
 # the fp8 TMA ring of decode batches whose programs take several units each. H100, GQA 32/8, D 128, page 16
 # (bench/NOTES.md; us, 4 / 6 slots): B=64 L=1024 56.1 / 55.0, B=64 L=8192 377.1 / 368.6, B=128 L=2048 198.6 /
 # 195.6, but one unit per program loses: B=1 L=32768 (16 splits) 32.4 / 33.3, B=16 L=4096 52.8 / 54.1
 FP8_STAGES_MULTI = 6
+# consumer warp groups of the fp8 kernel for groups up to 8 (paged_ws.py: two take alternate key tiles; larger
+# groups keep one), and their ring: two hold up to six slots at once; 8 measured faster (H200, GQA 32/8, page 16,
+# B=64 L=8192: 299 us against 313 with 6)
+FP8_CONSUMERS = 2
+FP8_STAGES_PAIR = 8
 
 
-def fp8_ring(units: int, programs: int) -> int:
-    """TMA ring slots for an fp8 cache when ``units`` (sequence, kv head, split) work units go to ``programs``."""
-    # two consumer warp groups hold up to six slots at once (paged_ws.launch_decode_ws)
-    return max(FP8_STAGES_MULTI if units > programs else FP8_STAGES, 3 * FP8_CONSUMERS)
+def fp8_ring(units: int, programs: int, group: int = 8) -> int:
+    """TMA ring slots for an fp8 cache when ``units`` (sequence, kv head, split) work units of ``group`` query heads
+    go to ``programs``."""
+    if FP8_CONSUMERS > 1 and group <= 8:
+        return FP8_STAGES_PAIR
+    return FP8_STAGES_MULTI if units > programs else FP8_STAGES
 
 
 # a range boundary moves onto a unit boundary within this fraction of a share (see balanced_tables). H100, GQA 32/8,

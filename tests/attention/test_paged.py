@@ -347,8 +347,7 @@ def test_ws_plan_refuses_more_than_one_query(monkeypatch):
     (16, 128, False, False, "", 1), (128, 64, True, False, "", 1), (16, 128, False, True, "", 1),
     (16, 128, True, False, "fp8e4nv", 1), (64, 64, False, True, "fp8e5", 1),
     (1, 128, False, False, "", 1), (3, 64, True, True, "fp8e4nv", 1),  # rows gathered with cp.async
-    (16, 128, True, False, "fp8e4nv", 2), (16, 128, False, True, "fp8e4nv", 2), (16, 128, False, True, "", 2),
-    (1, 128, True, False, "fp8e5", 2)])
+    (16, 128, True, False, "fp8e4nv", 2), (16, 128, False, True, "fp8e4nv", 2), (1, 128, True, False, "fp8e5", 2)])
 def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, balanced, kv, consumers):
     # as test_prefill's: compiled for sm_90 in a subprocess without the interpreter; the split builds with PDL 1
     # (wait for the previous kernel before the partitions start), the others without
@@ -381,14 +380,10 @@ def test_ws_decode_consumer_look_ahead_survives_compilation(kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}D{c[5]}")
-def test_ws_decode_gpu(case, dtype, consumers, device, monkeypatch):
-    from llmkernels.attention import paged_ws
-
+def test_ws_decode_gpu(case, dtype, device, monkeypatch):
     need_sm90()
-    monkeypatch.setattr(paged_ws, "CONSUMERS", consumers)  # two: alternate key tiles, merged per unit
     launches = _spy_ws(monkeypatch)
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=dtype, device=device)
@@ -424,7 +419,7 @@ def test_ws_decode_fp8_gpu(case, kv_dtype, consumers, device, monkeypatch):
     from llmkernels.attention import schedule
 
     need_sm90()
-    monkeypatch.setattr(schedule, "FP8_CONSUMERS", consumers)
+    monkeypatch.setattr(schedule, "FP8_CONSUMERS", consumers)  # two: alternate key tiles, merged per unit
     launches = _spy_ws(monkeypatch)
     q_lens, k_lens, ps, Hq, Hkv, D, kw = case
     scales = (0.04, 0.03)
@@ -447,8 +442,8 @@ def test_ws_decode_fp8_gpu(case, kv_dtype, consumers, device, monkeypatch):
         from llmkernels.attention.schedule import fp8_ring
 
         units = p.launches[0].capacity * Hkv * p.num_splits
-        assert f"a ring of {fp8_ring(units, torch.cuda.get_device_properties(device).multi_processor_count)} TMA" \
-            in p.describe()
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        assert f"a ring of {fp8_ring(units, sms, Hq // Hkv)} TMA" in p.describe()
 
 
 @pytest.mark.gpu
@@ -515,7 +510,18 @@ def test_fp8_ring_deepens_only_for_several_units_per_program(monkeypatch):
     assert fp8_ring(133, 132) == fp8_ring(512, 132) == FP8_STAGES_MULTI  # e.g. B=64 x 8 heads
     # two consumers on alternate tiles hold up to six slots: a smaller ring would deadlock
     monkeypatch.setattr(schedule, "FP8_CONSUMERS", 2)
-    assert min(fp8_ring(128, 132), fp8_ring(512, 132)) >= 6
+    assert min(fp8_ring(u, 132, g) for u in (128, 512) for g in (1, 4, 8)) >= 6
+    assert fp8_ring(128, 132, 12) == FP8_STAGES  # larger groups keep one consumer
+
+
+def test_ws_decode_two_consumers_only_for_fp8():
+    from llmkernels.attention import paged_ws
+
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="consumers must be 1, or 2 for an fp8 cache"):
+        paged_ws.launch_decode_ws(q, (cache, cache), q, q, None, None, None, None, None, 4, 16, 1, 1.0, 1,
+                                  gather=True, consumers=2)
 
 
 def test_ws_plan_mixed_batches(monkeypatch):
