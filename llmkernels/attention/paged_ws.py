@@ -325,10 +325,10 @@ def _load_q(Q, t, hk, ok, stride_qt, stride_qh, GROUP: gl.constexpr, GP: gl.cons
 @gluon.jit
 def _stage_q(q, q_smem, qk_scale, cs_layout: gl.constexpr):
     """q (_load_q) into q_smem [terms, GP, HEAD_DIM] -> the per-head score scale (log2 units) in cs_layout. One
-    term: q in the cache's dtype. Three terms (fp8 caches): each head row is scaled by a power of two to at most 256
-    and split into e4m3 terms h + m + l, each the rounded remainder of the ones before (exact in float32), so the
-    sum keeps about 12 significant bits, more than fp16 q has, and K stays fp8: the dots run on the fp8 tensor cores
-    with no widening of K."""
+    term: q in the cache's dtype. Two or three terms (fp8 caches): each head row is scaled by a power of two to at
+    most 256 and split into e4m3 terms h + m (+ l), each the rounded remainder of the ones before (exact in
+    float32), so the sum keeps about 8 (12) significant bits, as many as a bf16 (more than an fp16) q has, and K
+    stays fp8: the dots run on the fp8 tensor cores with no widening of K."""
     GP: gl.constexpr = q_smem.shape[1]
     TERMS: gl.constexpr = q_smem.shape[0]
     q = q.to(gl.float32)
@@ -781,8 +781,11 @@ def gather_caches(k_cache, v_cache):
 
 
 STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
-# fp8 caches: e4m3 terms of a bf16 q (fp16 q always takes 3; see _stage_q) and the converter's warps
-FP8_Q_TERMS_BF16 = 3
+# fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q) and the converter's warps. Two terms carry a
+# bf16 q's 8 bits and spare the consumers a third of the S dots (H200, GQA 32/8, page 16, two consumers: B=64
+# L=8192 285 us against 298, B=128 L=2048 150 against 158, same error against float64); 8 converter warps were
+# slower (305 us)
+FP8_Q_TERMS_BF16 = 2
 FP8_CONV_WARPS = 4
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,

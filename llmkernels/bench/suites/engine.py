@@ -65,12 +65,12 @@ def synthetic_model(fmt: str, cfg: ModelConfig) -> Model:
     return Model(cfg, synthetic_tensors(fmt, cfg), "cuda", torch.bfloat16)
 
 
-def _decode_rate(llm: LLM, batch: int) -> tuple[float, float, int]:
+def _decode_rate(llm: LLM, batch: int, prompt: int = PROMPT) -> tuple[float, float, int]:
     """(decode tokens/s over the steps after every prompt is done, wall seconds of the whole run, steps)."""
-    g = torch.Generator().manual_seed(batch)
+    g = torch.Generator().manual_seed(batch + prompt)
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     for _ in range(batch):
-        llm.add_request(torch.randint(0, llm.cfg.vocab_size, (PROMPT,), generator=g).tolist(), params)
+        llm.add_request(torch.randint(0, llm.cfg.vocab_size, (prompt,), generator=g).tolist(), params)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     # prefill (in chunks) until every sequence has its first token
@@ -110,7 +110,7 @@ def prefill_rows(llm: LLM, label: str, suite: str = "engine", anchors: dict | No
     """Prompt tokens/s of one request of each PREFILL_LENGTHS (the median of 3 after a warm-up)."""
     rows = []
     for n in PREFILL_LENGTHS:
-        # prompts no earlier request had (the decode cases' prompts are seeded 1, 16, 64): no prefix-cache hits
+        # prompts no earlier request had (the decode cases' prompts are seeded batch + length): no prefix-cache hits
         time_to_first_token(llm, n, seed=1000)
         dt = sorted(time_to_first_token(llm, n, seed=1001 + i) for i in range(3))[1]
         row = Row(suite, f"llama3-8b {label} prefill {n} (time to first token)", "tokens/s", n / dt, None,
@@ -168,6 +168,36 @@ def _budget_case(ctx, fmt: str = "q4_k_m"):
     return run
 
 
+def _kv_cache_case(ctx, fmt: str = "q4_k_m", batch: int = 64, context: int = 8192):
+    """Batch-64 decode of 8k-token contexts (prompt 8064, 128 new) on a bf16 and an fp8 e4m3 KV cache, and how
+    many 8k-token sequences each cache holds in the memory the engine gives it (gpu_memory_utilization 0.9; the
+    sequence cap is set high so that memory, not max_num_seqs, sizes the cache). At this length the cache reads
+    (about 34 GB per step in bf16) outweigh the weights (4.9 GB)."""
+    def run():
+        model = synthetic_model(fmt, llama3_8b_config())
+        rows, base = [], None
+        for kv in ("auto", "fp8_e4m3"):
+            llm = LLM.from_model(model, max_num_seqs=1024, max_model_len=context, kv_cache_dtype=kv)
+            llm.capture_graphs([batch])
+            _decode_rate(llm, batch, prompt=64)  # warm-up at this batch size (see _format_case)
+            rate, wall, steps = _decode_rate(llm, batch, prompt=context - GEN)
+            fits = llm.num_pages * llm.page_size // context
+            name = "bf16" if kv == "auto" else kv
+            base = base or rate
+            row = Row("engine", f"llama3-8b {fmt} batch{batch} decode, {context}-token contexts, {name} KV cache",
+                      "tokens/s", rate, None, {"bf16_cache": base} if kv != "auto" else {})
+            row.note = (f"{1e3 * batch / rate:.2f} ms/step; {fits} sequences of {context} tokens fit "
+                        f"({llm.num_pages} pages of {llm.page_size}); whole run {wall:.1f} s (prefill included), "
+                        f"{steps} decode steps, graph replays {llm.stats.graph_steps}, preemptions "
+                        f"{llm.scheduler.num_preemptions}")
+            rows.append(row)
+            del llm
+            torch.cuda.empty_cache()
+        del model
+        return rows
+    return run
+
+
 def cases(ctx):
     fmts = ["q4_k", "q8_0", "bf16", "q4_k_m", "q5_k_m"] if not ctx.quick else ["q4_k"]
     out = [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
@@ -176,4 +206,5 @@ def cases(ctx):
     if not ctx.quick:  # activations rounded to int8 at batch 1 (LLM(act_int8=True))
         for f in ("q4_k", "q8_0", "q4_k_m", "q5_k_m"):
             out.append((f"engine {f} act_int8", _format_case(ctx, f, True)))
+        out.append(("engine q4_k_m kv cache fp8", _kv_cache_case(ctx)))
     return out
