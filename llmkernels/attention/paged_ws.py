@@ -19,9 +19,10 @@ Pages past a sequence's last one read row ``num_pages * page_size``, past the ca
 counts their bytes, so every copy of a tile is issued and the barrier's byte count always matches. Keys past the
 unit's range are masked out of the scores.
 
-fp8 caches: the consumer's S^T dots read K straight from the fp8 ring (fp8 wgmma, q split into three e4m3 terms,
-see _stage_q); a third partition, the converter (4 warps), widens each V tile to fp16 into a second ring that the
-consumer's P V reads (see _converter).
+fp8 caches: the consumer's S^T dots read K straight from the fp8 ring (fp8 wgmma, q split into two or three e4m3
+terms, see _stage_q); a third partition, the converter (4 warps), widens each V tile to fp16 into a second ring that
+the consumer's P V reads (see _converter). An fp8 tile is half a 16-bit tile's bytes for the same consumer work, so
+for groups up to 8 two consumer warp groups take alternate key tiles of each unit and merge (see _consumer).
 
 Other page sizes (1, 3, 24, ...; ``schedule.tma_pages``): the loader gathers one cache row per key with cp.async
 instead (GATHER), every loader thread copying 16-byte pieces and arriving on the slot's barrier when they land.
