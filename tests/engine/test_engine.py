@@ -396,6 +396,29 @@ def test_gpu_act_int8_graphs(model_files, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_gpu_long_context_graphs(model_files, kv, monkeypatch):
+    """Decode steps of a batch with 3-5k-token contexts on the persistent Gluon decode kernel (two consumers on an
+    fp8 cache) replayed from CUDA graphs planned at capture for max_model_len give the eager steps' greedy tokens
+    (planned per step from the real lengths; the same fixed split count)."""
+    from llmkernels.attention import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "WS_DECODE_MIN_BYTES", 0)  # every decode call on the Gluon kernel, eager too
+    kw = dict(layers=2, hidden=1024, ffn=2816, heads=8, kv_heads=2, head_dim=128, vocab=1024)
+    _, path, _ = model_files("llama", "f16", **kw)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (3000, 5200, 4097, 3333, 4800, 3999)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(path, progress=False, cuda_graphs=graphs, max_model_len=8192, max_num_seqs=8, num_splits=2,
+                  kv_cache_dtype=kv)
+        runs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (llm.stats.graph_steps > 0) == graphs
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_kv_cache(model_files):
     """An fp8 e4m3 cache (scale 1) against transformers on the same weights: within 3x the bf16 cache's tolerance."""
     kw = dict(layers=4, hidden=1024, ffn=2816, heads=8, kv_heads=2, head_dim=128, vocab=1024)
