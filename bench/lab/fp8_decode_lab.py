@@ -1,11 +1,11 @@
 """fp8-cache decode on the persistent Gluon kernel: what bounds it on this GPU.
 
     python bench/lab/fp8_decode_lab.py [--consumers 1,2] [--stages 6,8] [--stages16 2,4] [--terms 2,3]
-                                       [--conv-warps 4,8] [--bf16]
+                                       [--bf16]
 
 Times the decode suite's shapes (GQA 32/8, D 128, page 16, e4m3 cache) by CUDA-graph replay for each count of
-consumer warp groups, ring depth (the fp8 TMA ring, the converter's fp16 ring), e4m3 terms of q and converter
-warps, beside the bf16 cache. B = 16 is also checked against the float64 reference (max abs error).
+consumer warp groups, ring depth (the fp8 TMA ring, the converter's fp16 ring) and e4m3 terms of q, beside the
+bf16 cache. B = 16 is also checked against the float64 reference (max abs error).
 """
 import argparse
 import itertools
@@ -24,7 +24,6 @@ def main():
     p.add_argument("--shapes", default="")
     p.add_argument("--bf16", action="store_true", help="also time the bf16 cache (the ratio's denominator)")
     p.add_argument("--terms", default="3", help="e4m3 terms of the bf16 q (paged_ws.FP8_Q_TERMS_BF16)")
-    p.add_argument("--conv-warps", default="4", help="the converter partition's warps (paged_ws.FP8_CONV_WARPS)")
     args = p.parse_args()
     from llmkernels.attention import paged_attention, paged_ws, plan_paged_attention, schedule
     from llmkernels.bench.harness import copies_for, time_graph_ms
@@ -65,12 +64,12 @@ def main():
             us, err = run(B, L, torch.bfloat16)
             cells.append(f"B{B}xL{L} {us:.1f}us" + (f" err {err:.1e}" if err == err else ""))
         print("bf16 | " + " | ".join(cells), flush=True)
-    for n, terms, warps, s16, st in itertools.product(*[[int(x) for x in a.split(",")] for a in (
-            args.consumers, args.terms, args.conv_warps, args.stages16, args.stages)]):
+    for n, terms, s16, st in itertools.product(*[[int(x) for x in a.split(",")] for a in (
+            args.consumers, args.terms, args.stages16, args.stages)]):
         schedule.FP8_CONSUMERS = n
-        paged_ws.FP8_Q_TERMS_BF16, paged_ws.FP8_CONV_WARPS, paged_ws.FP8_STAGES16 = terms, warps, s16
+        paged_ws.FP8_Q_TERMS_BF16, paged_ws.FP8_STAGES16 = terms, s16
         schedule.FP8_STAGES = schedule.FP8_STAGES_MULTI = schedule.FP8_STAGES_PAIR = st
-        name = f"fp8 consumers={n} terms={terms} conv_warps={warps} stages={st} stages16={s16}"
+        name = f"fp8 consumers={n} terms={terms} stages={st} stages16={s16}"
         try:
             cells = []
             for B, L in shapes:

@@ -636,7 +636,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
                            KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1,
-                           Q_TERMS: gl.constexpr = 3, CONV_WARPS: gl.constexpr = 4):
+                           Q_TERMS: gl.constexpr = 3):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -656,8 +656,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     that kernel's end; 2, the next kernel may also launch then.
 
     fp8 caches only: CONSUMERS, consumer warp groups (1 or 2), each with its own q and P^T buffers; two take
-    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q).
-    CONV_WARPS: the converter's warps."""
+    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q)."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
@@ -707,7 +706,6 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     if FP8 and CONSUMERS == 2:
         q_smem1 = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
         p_smem1 = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
-    CONV_REGS: gl.constexpr = 88 if CONV_WARPS == 4 else 48  # eight converter warps: the same register file
     if FP8 and CONSUMERS == 2:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
@@ -727,7 +725,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
                          p_smem1, 1)),
-        ], [CONV_WARPS, 4, 4], [CONV_REGS, 176, 176])
+        ], [4, 4, 4], [88, 176, 176])
     elif FP8:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
@@ -741,7 +739,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
                          p_smem, 0)),
-        ], [CONV_WARPS, 4], [CONV_REGS + 8, 232])
+        ], [4, 4], [96, 232])
     else:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
@@ -782,12 +780,10 @@ def gather_caches(k_cache, v_cache):
 
 
 STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
-# fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q) and the converter's warps. Two terms carry a
-# bf16 q's 8 bits and spare the consumers a third of the S dots (H200, GQA 32/8, page 16, two consumers: B=64
-# L=8192 285 us against 298, B=128 L=2048 150 against 158, same error against float64); 8 converter warps were
-# slower (305 us)
+# fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q). Two carry a bf16 q's 8 bits and spare the
+# consumers a third of the S dots (H200, GQA 32/8, page 16, two consumers: B=64 L=8192 285 us against 298, B=128
+# L=2048 150 against 158, same error against float64)
 FP8_Q_TERMS_BF16 = 2
-FP8_CONV_WARPS = 4
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
                      balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None):
@@ -830,7 +826,6 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
                   **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
                   GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None, PDL=pdl,
                   CONSUMERS=consumers, Q_TERMS=FP8_Q_TERMS_BF16 if q.dtype == torch.bfloat16 else 3,
-                  CONV_WARPS=FP8_CONV_WARPS,
                   **pdl_options(pdl > 0))
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
@@ -875,7 +870,7 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3, conv_warps=4):
+                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -901,6 +896,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "STAGES16": FP8_STAGES16,
               **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
               "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl,
-              "CONSUMERS": consumers, "Q_TERMS": q_terms, "CONV_WARPS": conv_warps}
+              "CONSUMERS": consumers, "Q_TERMS": q_terms}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())
