@@ -180,12 +180,16 @@ class ModelConfig:
                 cfg.attn_scale = float(scale)
             elif cfg.n_layers == GEMMA_27B_LAYERS[arch]:
                 cfg.attn_scale = (cfg.hidden / cfg.n_heads) ** -0.5
-        if cfg.n_heads % cfg.n_kv_heads:
-            raise ModelConfigError(f"head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}")
-        if cfg.head_dim not in ENGINE_HEAD_DIMS:
-            raise ModelConfigError(f"{arch}: head dim {cfg.head_dim} (attention.key_length) is not supported by the "
-                                   f"attention kernels; supported: {', '.join(map(str, ENGINE_HEAD_DIMS))}")
+        cfg.check_limits()
         return cfg
+
+    def check_limits(self) -> None:
+        """ModelConfigError where the engine's kernels cannot run this model (checked at load, not mid-generation)."""
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
+        if self.head_dim not in ENGINE_HEAD_DIMS:
+            raise ModelConfigError(f"{self.arch}: head dim {self.head_dim} (attention.key_length) is not supported by "
+                                   f"the attention kernels; supported: {', '.join(map(str, ENGINE_HEAD_DIMS))}")
 
 
 def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:

@@ -165,6 +165,8 @@ class LLM:
                 self.close()
                 raise
             _tokenizer = Tokenizer(f.metadata) if _tokenizer is None else _tokenizer
+        else:  # a model built by hand skipped from_gguf's checks
+            _model.cfg.check_limits()
         self.backend = getattr(_model, "backend", "triton")
         if backend != self.backend:
             raise ValueError(f"backend {backend!r} was asked for a model built for {self.backend!r}")

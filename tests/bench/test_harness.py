@@ -170,3 +170,30 @@ def test_family_gguf_loads(tmp_path, monkeypatch, name):
     llm = LLM.from_model(Model(cfg, f, "cpu", torch.bfloat16), max_num_batched_tokens=64)
     logits = llm.logits([1, 5, 7, 11])
     assert logits.shape == (4, 300) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_decode_rate_runs_the_whole_batch_or_says_so(monkeypatch, cached):
+    """The engine suite's decode rate is a batch's only if every sequence is still decoding once every prompt is
+    done. Four prompts of 60 tokens prefilled 32 tokens per step give the first sequence its GEN tokens before the
+    fourth's prompt is done: without the prefix-cache warm-up the helper must refuse; with it, all four decode
+    together."""
+    import torch
+
+    from llmkernels.bench.suites import engine as suite
+    from llmkernels.engine import LLM, Model, ModelConfig
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(suite, "GEN", 3)
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=128, ffn=128, n_heads=2, n_kv_heads=1, head_dim=64,
+                      vocab_size=50, rms_eps=1e-5, rope_theta=10000.0, rope_style="interleaved", context_length=128,
+                      eos_ids=())
+    llm = LLM.from_model(Model(cfg, suite.synthetic_tensors("f16", cfg, device="cpu"), "cpu", torch.float16),
+                         max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    if not cached:
+        with pytest.raises(RuntimeError, match="of 4 sequences were decoding"):
+            suite._decode_rate(llm, 4, prompt=60)
+        return
+    rate, wall, steps = suite._decode_rate(llm, 4, prompt=60, cached=True)
+    assert rate > 0 and steps >= 1
+    assert llm.scheduler.cache_hits == 4 * 48  # each prompt's three full pages, found

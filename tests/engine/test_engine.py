@@ -475,6 +475,19 @@ def test_unsupported_head_dim_fails_at_load(model_files):
         LLM(path, progress=False)
 
 
+def test_from_model_checks_kernel_limits():
+    """A Model built by hand (LLM.from_model, as the benchmarks do) gets the same check, before any step."""
+    from llmkernels.bench.suites.engine import synthetic_tensors
+    from llmkernels.engine import Model, ModelConfig, ModelConfigError
+
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=2, n_kv_heads=1, head_dim=32,
+                      vocab_size=50, rms_eps=1e-5, rope_theta=10000.0, rope_style="interleaved", context_length=128,
+                      eos_ids=())
+    model = Model(cfg, synthetic_tensors("f16", cfg, device="cpu"), "cpu", torch.float16)
+    with pytest.raises(ModelConfigError, match="head dim 32"):
+        LLM.from_model(model)
+
+
 def test_convert_reports_fallbacks(tmp_path, capsys):
     """q4_k on matrices whose row length is not a multiple of 256: the fallback to q8_0 is printed per tensor."""
     from llmkernels import read_gguf
