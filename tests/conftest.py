@@ -27,6 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    # LLMK_TEST_TIMES=path: one line per test as it finishes (seconds, outcome, id), written by the process that
+    # collects the reports (xdist's controller), so that a run stopped at a time limit still says where time went
+    path = os.environ.get("LLMK_TEST_TIMES")
+    slow_setup = report.when == "setup" and report.duration > 1.0  # session fixtures building models
+    if path and (report.when == "call" or slow_setup) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"{report.duration:9.2f} {report.when:<5} {report.outcome:<8} {report.nodeid}\n")
+
+
 @pytest.fixture
 def device():
     """Where kernel tests put their tensors: CUDA on the GPU machine, CPU under the interpreter."""
