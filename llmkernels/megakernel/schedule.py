@@ -4,11 +4,11 @@ A decode step of a llama-family model at batch 1-8 becomes a list of instruction
 list in order; an instruction waits until one counter in global memory reaches its target, does its work, then adds
 one to a range of counters. The counters are zeroed before each step. Ops, per layer:
 
-- QKV: rows [lo, hi) of one section (q, k or v) of the fused QKV weight. Recomputes the RMSNorm of the residual
-  stream (a few KB per sequence), runs the GEMV rows, and for k and v rows applies RoPE and stores into the cache.
-  Signals the counter of every KV group its rows belong to.
-- ATTN: one KV head and one key split of every sequence: attention of the group's query heads over its split of
-  the cache, written as a float32 partial with its log-sum-exp. MERGE: one KV head's splits merged into the
+- QKV: rows [lo, hi) of one section (q, k or v) of the fused QKV weight, after the RMSNorm of the residual stream
+  (recomputed by every tile: a few KB per sequence). Signals the counter of every KV group its rows belong to.
+- ATTN: one KV head and one key split of every sequence: RoPE on the group's query heads, attention over its split
+  of the cache, written as a float32 partial with its log-sum-exp; the last split rotates the new token's K and
+  stores it and its V into the cache first. MERGE: one KV head's splits merged into the
   attention output.
 - O: rows of W_o over the attention output, added into the residual stream in place.
 - GATEUP: the same rows of gate and up, after the RMSNorm (recomputed), as SiLU(gate) * up.
@@ -274,22 +274,23 @@ def _check_coverage(instrs: list) -> None:
 
 def _accesses(i: Instr, geo: dict) -> list:
     """[(buffer, "r" or "w", [(lo, hi), ...])] of instruction ``i``. Rows are those of the fused QKV output for
-    ``qkv`` and of each layer's cache (its k and v rows), KV heads for ``attn``, (head, split) slots for ``part``,
-    rows of the hidden, FFN or vocab dimension elsewhere; GEMV ops read their whole input vector."""
+    ``qkv``, KV heads for each layer's cache and for ``attn``, (head, split) slots for ``part``, rows of the hidden,
+    FFN or vocab dimension elsewhere; GEMV ops read their whole input vector. ATTN reads its group's q rows and its
+    head's k and v rows; the last split stores the new token's K and V into a slot no other split reads
+    (``new ...``)."""
     G, D, S, qr, kvr = geo["group"], geo["head_dim"], geo["splits"], geo["q_rows"], geo["kv_rows"]
     whole = [(0, 1 << 40)]
     own = [(i.lo, i.hi)]
-    cache = f"cache {i.layer}"
     if i.op == "EMBED":
         return [("resid", "w", whole)]
     if i.op == "QKV":
-        kv = [(max(i.lo, qr), i.hi)] if i.hi > qr else []
-        return [("resid", "r", whole), ("qkv", "w", own)] + ([(cache, "w", kv)] if kv else [])
+        return [("resid", "r", whole), ("qkv", "w", own)]
     if i.op == "ATTN":
         h = i.lo
-        return [("qkv", "r", [(h * G * D, (h + 1) * G * D)]),
-                (cache, "r", [(qr + h * D, qr + (h + 1) * D), (qr + kvr + h * D, qr + kvr + (h + 1) * D)]),
-                ("part", "w", [(h * S + i.split, h * S + i.split + 1)])]
+        out = [("qkv", "r", [(h * G * D, (h + 1) * G * D), (qr + h * D, qr + (h + 1) * D),
+                             (qr + kvr + h * D, qr + kvr + (h + 1) * D)]),
+               (f"cache {i.layer}", "r", own), ("part", "w", [(h * S + i.split, h * S + i.split + 1)])]
+        return out + ([(f"new {i.layer}", "w", own)] if i.split == S - 1 else [])
     if i.op == "MERGE":
         return [("part", "r", [(i.lo * S, i.hi * S)]), ("attn", "w", own)]
     if i.op == "O":

@@ -1,0 +1,280 @@
+"""A reference executor of the one-kernel decode step's instruction lists (schedule.py), in Triton.
+
+One persistent program per SM walks its list: waits (acquire loads, with a spin limit that records a hang instead of
+wedging the GPU), runs the instruction, then signals (a CTA barrier and release atomics). This version is the
+semantics, not the speed: dense 16-bit weights, plain loads, no prefetch across instructions, interleaved RoPE,
+llama-family layers without biases, QK-norm, soft caps or windows. It checks what the instructions mean, step by
+step against the engine (tests/megakernel); the fast kernel is to run the same lists.
+
+Buffers are float32: the residual stream RESID [B, H], the fused QKV output [B, Nqkv], the attention splits'
+partials PART_O [B, Hq, S, D] / PART_L [B, Hq, S], the attention output [B, Hq * D], the FFN activation [B, F] and
+the logits [B, V]. Each step's new token is at position SEQ_LENS[b] - 1; ATTN's last split stores its rotated K and
+its V into the cache.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .schedule import FIELDS, Program
+
+NF = len(FIELDS)
+
+
+@triton.jit
+def _rms_inv(X, NW, H: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+    acc = tl.zeros([BLOCK_K], tl.float32)
+    for k in range(0, H, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        x = tl.load(X + offs, mask=offs < H, other=0.0)
+        acc += x * x
+    return 1.0 / tl.sqrt(tl.sum(acc, 0) / H + eps)
+
+
+@triton.jit
+def _dot_rows(W, rows, rmask, K: tl.constexpr, X, scale, NW, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k W[rows, k] * x[k] (x = X * scale * NW when HAS_NORM, else X) -> float32 [BLOCK_R]."""
+    acc = tl.zeros([rows.shape[0]], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        km = offs < K
+        x = tl.load(X + offs, mask=km, other=0.0)
+        if HAS_NORM:
+            x = x * scale * tl.load(NW + offs, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(W + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    return acc
+
+
+@triton.jit
+def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
+                qk_scale, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                S: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr):
+    G: tl.constexpr = HQ // HKV
+    D2: tl.constexpr = D // 2
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    gi = tl.arange(0, GP)
+    ii = tl.arange(0, D2)
+    gm = gi < G
+    inv = tl.load(INV_FREQ + ii)
+    for b in range(B):
+        n = tl.load(SEQ_LENS + b)
+        pos = n - 1
+        cos = tl.cos(pos.to(tl.float32) * inv)
+        sin = tl.sin(pos.to(tl.float32) * inv)
+        qrow = QKV + b * NQKV + (h * G + gi)[:, None] * D + 2 * ii[None, :]
+        qe = tl.load(qrow, mask=gm[:, None], other=0.0)
+        qo = tl.load(qrow + 1, mask=gm[:, None], other=0.0)
+        q_e = (qe * cos[None, :] - qo * sin[None, :]) * qk_scale
+        q_o = (qe * sin[None, :] + qo * cos[None, :]) * qk_scale
+        cache_off = (layer.to(tl.int64) * num_pages) * PAGE * HKV * D + h * D
+        if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
+            krow = QKV + b * NQKV + HQ * D + h * D + 2 * ii
+            ke = tl.load(krow)
+            ko = tl.load(krow + 1)
+            page = tl.load(PT + b * pages_per_seq + pos // PAGE)
+            slot = cache_off + (page.to(tl.int64) * PAGE + pos % PAGE) * HKV * D
+            tl.store(KC + slot + 2 * ii, (ke * cos - ko * sin).to(KC.dtype.element_ty))
+            tl.store(KC + slot + 2 * ii + 1, (ke * sin + ko * cos).to(KC.dtype.element_ty))
+            vrow = QKV + b * NQKV + (HQ + HKV) * D + h * D + 2 * ii
+            tl.store(VC + slot + 2 * ii, tl.load(vrow).to(VC.dtype.element_ty))
+            tl.store(VC + slot + 2 * ii + 1, tl.load(vrow + 1).to(VC.dtype.element_ty))
+            tl.debug_barrier()
+        lo = split * n // S
+        hi = (split + 1) * n // S
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc_e = tl.zeros([GP, D2], tl.float32)
+        acc_o = tl.zeros([GP, D2], tl.float32)
+        for k0 in range(lo, hi, BLOCK_N):
+            keys = k0 + tl.arange(0, BLOCK_N)
+            km = keys < hi
+            page = tl.load(PT + b * pages_per_seq + keys // PAGE, mask=km, other=0)
+            row = cache_off + (page.to(tl.int64) * PAGE + keys % PAGE) * HKV * D
+            kp = KC + row[:, None] + 2 * ii[None, :]
+            ke = tl.load(kp, mask=km[:, None], other=0.0).to(tl.float32)
+            ko = tl.load(kp + 1, mask=km[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q_e[:, None, :] * ke[None, :, :] + q_o[:, None, :] * ko[None, :, :], 2)  # [GP, BLOCK_N]
+            s = tl.where(km[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            vp = VC + row[:, None] + 2 * ii[None, :]
+            ve = tl.load(vp, mask=km[:, None], other=0.0).to(tl.float32)
+            vo = tl.load(vp + 1, mask=km[:, None], other=0.0).to(tl.float32)
+            acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
+            acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        has = l_i > 0
+        den = tl.where(has, l_i, 1.0)
+        base = ((b * HQ + h * G + gi) * S + split)
+        tl.store(PART_O + base[:, None] * D + 2 * ii[None, :], acc_e / den[:, None], mask=gm[:, None])
+        tl.store(PART_O + base[:, None] * D + 2 * ii[None, :] + 1, acc_o / den[:, None], mask=gm[:, None])
+        tl.store(PART_L + base, tl.where(has, m_i + tl.log(den), float("-inf")), mask=gm)
+
+
+@triton.jit
+def _merge(h, PART_O, PART_L, ATTN, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+           S: tl.constexpr, SP: tl.constexpr):
+    G: tl.constexpr = HQ // HKV
+    si = tl.arange(0, SP)
+    di = tl.arange(0, D)
+    for b in range(B):
+        for g in range(G):
+            hq = b * HQ + h * G + g
+            lse = tl.load(PART_L + hq * S + si, mask=si < S, other=float("-inf"))
+            m = tl.max(lse, 0)
+            w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
+            o = tl.load(PART_O + (hq * S + si[:, None]) * D + di[None, :], mask=(si < S)[:, None], other=0.0)
+            tl.store(ATTN + hq * D + di, tl.sum(o * w[:, None], 0) / tl.sum(w, 0))
+
+
+@triton.jit
+def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ,
+                       EMB, WQKV, WO, WGU, WD, NORMS, ONORM, WOUT,
+                       RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS,
+                       num_pages, pages_per_seq, eps, qk_scale, spin_limit,
+                       B: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       F: tl.constexpr, V: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, PAGE: tl.constexpr,
+                       GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    NF: tl.constexpr = 9
+    sm = tl.program_id(0)
+    ok = 1
+    for j in range(n_instr):
+        p = PROG + (sm * n_instr + j) * NF
+        op = tl.load(p)
+        layer = tl.load(p + 1)
+        lo = tl.load(p + 2)
+        hi = tl.load(p + 3)
+        split = tl.load(p + 4)
+        wait = tl.load(p + 5)
+        target = tl.load(p + 6)
+        if (ok == 1) & (op != 0) & (wait >= 0):
+            v = tl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+            spins = 0
+            while (v < target) & (spins < spin_limit):
+                v = tl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+                spins += 1
+            if v < target:  # a schedule that cannot finish: the first program to give up says where; all stop
+                if tl.atomic_cas(ERR, 0, 1) == 0:
+                    tl.atomic_xchg(ERR + 1, sm * n_instr + j)
+                ok = 0
+        if (ok == 1) & (op != 0):
+            rows0 = tl.arange(0, BLOCK_R)
+            if op == 1:  # EMBED
+                for b in range(B):
+                    tok = tl.load(IDS + b).to(tl.int64)
+                    for k in range(0, H, BLOCK_K):
+                        offs = k + tl.arange(0, BLOCK_K)
+                        e = tl.load(EMB + tok * H + offs, mask=offs < H, other=0.0)
+                        tl.store(RESID + b * H + offs, e.to(tl.float32), mask=offs < H)
+            elif op == 2:  # QKV
+                nw = NORMS + layer * 2 * H
+                for b in range(B):
+                    inv = _rms_inv(RESID + b * H, nw, H, eps, BLOCK_K)
+                    for r0 in range(lo, hi, BLOCK_R):
+                        rows = r0 + rows0
+                        rm = rows < hi
+                        acc = _dot_rows(WQKV + layer.to(tl.int64) * NQKV * H, rows, rm, H, RESID + b * H, inv, nw,
+                                        True, BLOCK_K)
+                        tl.store(QKV + b * NQKV + rows, acc, mask=rm)
+            elif op == 3:  # ATTN
+                _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages,
+                            pages_per_seq, qk_scale, B, HQ, HKV, D, S, PAGE, BLOCK_N, GP)
+            elif op == 4:  # MERGE
+                _merge(lo, PART_O, PART_L, ATTN, B, HQ, HKV, D, S, SP)
+            elif op == 5:  # O: the residual += W_o rows . attention
+                for b in range(B):
+                    for r0 in range(lo, hi, BLOCK_R):
+                        rows = r0 + rows0
+                        rm = rows < hi
+                        acc = _dot_rows(WO + layer.to(tl.int64) * H * HQ * D, rows, rm, HQ * D, ATTN + b * HQ * D,
+                                        1.0, ATTN, False, BLOCK_K)
+                        r = RESID + b * H + rows
+                        tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
+            elif op == 6:  # GATEUP: SiLU(gate) * up
+                nw = NORMS + layer * 2 * H + H
+                w = WGU + layer.to(tl.int64) * 2 * F * H
+                for b in range(B):
+                    inv = _rms_inv(RESID + b * H, nw, H, eps, BLOCK_K)
+                    for r0 in range(lo, hi, BLOCK_R):
+                        rows = r0 + rows0
+                        rm = rows < hi
+                        g = _dot_rows(w, rows, rm, H, RESID + b * H, inv, nw, True, BLOCK_K)
+                        u = _dot_rows(w, rows + F, rm, H, RESID + b * H, inv, nw, True, BLOCK_K)
+                        tl.store(ACT + b * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
+            elif op == 7:  # DOWN: the residual += W_down rows . activation
+                for b in range(B):
+                    for r0 in range(lo, hi, BLOCK_R):
+                        rows = r0 + rows0
+                        rm = rows < hi
+                        acc = _dot_rows(WD + layer.to(tl.int64) * H * F, rows, rm, F, ACT + b * F, 1.0, ACT, False,
+                                        BLOCK_K)
+                        r = RESID + b * H + rows
+                        tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
+            elif op == 8:  # LOGITS
+                for b in range(B):
+                    inv = _rms_inv(RESID + b * H, ONORM, H, eps, BLOCK_K)
+                    for r0 in range(lo, hi, BLOCK_R):
+                        rows = r0 + rows0
+                        rm = rows < hi
+                        acc = _dot_rows(WOUT, rows, rm, H, RESID + b * H, inv, ONORM, True, BLOCK_K)
+                        tl.store(LOGITS + b * V + rows, acc, mask=rm)
+            tl.debug_barrier()  # every thread's stores issued before the release below
+            sig_lo = tl.load(p + 7)
+            sig_hi = tl.load(p + 8)
+            for c in range(sig_lo, sig_hi):
+                tl.atomic_add(COUNTERS + c, 1, sem="release")
+
+
+class DecodeStep:
+    """Runs a Program (schedule.build_decode_program) over dense 16-bit weights.
+
+    ``weights``: dict of tensors on one device: ``emb`` [V, H], ``wqkv`` [L, (Hq + 2 Hkv) D, H] (q rows, then k,
+    then v, as the engine fuses them), ``wo`` [L, H, Hq D], ``wgu`` [L, 2F, H] (gate rows, then up rows), ``wd``
+    [L, H, F], ``norms`` [L, 2, H] (attention, FFN), ``onorm`` [H], ``wout`` [V, H]. ``k_cache`` / ``v_cache``:
+    [L, num_pages, page_size, Hkv, D] of the weights' dtype."""
+
+    def __init__(self, prog: Program, cfg, weights: dict, k_cache, v_cache, inv_freq, *, batch: int,
+                 spin_limit: int = 1 << 24):
+        self.prog, self.cfg, self.w, self.batch = prog, cfg, weights, batch
+        self.kc, self.vc, self.inv_freq = k_cache, v_cache, inv_freq.float().contiguous()
+        dev = k_cache.device
+        self.table = torch.from_numpy(prog.encode()).to(dev)
+        self.counters = torch.zeros(prog.num_counters, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        B, H, D, S = batch, cfg.hidden, cfg.head_dim, prog.geometry["splits"]
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.resid = torch.empty(B, H, **f32)
+        self.qkv = torch.empty(B, (cfg.n_heads + 2 * cfg.n_kv_heads) * D, **f32)
+        self.part_o = torch.empty(B, cfg.n_heads, S, D, **f32)
+        self.part_l = torch.empty(B, cfg.n_heads, S, **f32)
+        self.attn = torch.empty(B, cfg.n_heads * D, **f32)
+        self.act = torch.empty(B, cfg.ffn, **f32)
+        self.logits = torch.empty(B, cfg.vocab_size, **f32)
+        self.spin_limit = spin_limit
+
+    def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
+        """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
+        int32 [batch] cached tokens including them, ``page_table`` int32 [batch, pages per sequence]."""
+        cfg, w, S = self.cfg, self.w, self.prog.geometry["splits"]
+        self.counters.zero_()
+        G = cfg.n_heads // cfg.n_kv_heads
+        decode_step_kernel[(self.prog.num_sms,)](
+            self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table, self.kc, self.vc,
+            self.inv_freq, w["emb"], w["wqkv"], w["wo"], w["wgu"], w["wd"], w["norms"], w["onorm"], w["wout"],
+            self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
+            self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
+            self.spin_limit, B=self.batch, H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
+            F=cfg.ffn, V=cfg.vocab_size, S=S, SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2],
+            GP=triton.next_power_of_2(G), BLOCK_R=16, BLOCK_K=64, BLOCK_N=16)
+        if int(self.err[0]):
+            n = int(self.err[1])
+            sm, j = divmod(n, self.table.shape[1])
+            i = self.prog.lists[sm][j]
+            raise RuntimeError(f"decode step: SM {sm} waited {self.spin_limit} polls at {i.op} layer {i.layer} "
+                               f"[{i.lo}, {i.hi}) for counter {i.wait} ({self.prog.counter_names[i.wait]}) to "
+                               f"reach {i.target}: the schedule cannot finish")
+        return self.logits
