@@ -235,10 +235,12 @@ class DecodeStep:
     ``weights``: dict of tensors on one device: ``emb`` [V, H], ``wqkv`` [L, (Hq + 2 Hkv) D, H] (q rows, then k,
     then v, as the engine fuses them), ``wo`` [L, H, Hq D], ``wgu`` [L, 2F, H] (gate rows, then up rows), ``wd``
     [L, H, F], ``norms`` [L, 2, H] (attention, FFN), ``onorm`` [H], ``wout`` [V, H]. ``k_cache`` / ``v_cache``:
-    [L, num_pages, page_size, Hkv, D] of the weights' dtype."""
+    [L, num_pages, page_size, Hkv, D] of the weights' dtype. ``spin_limit``: polls of a counter before the step
+    gives up and raises; ``block_r`` / ``block_k`` / ``num_warps``: the GEMV tiles' rows and K chunk, the warps
+    per program."""
 
     def __init__(self, prog: Program, cfg, weights: dict, k_cache, v_cache, inv_freq, *, batch: int,
-                 spin_limit: int = 1 << 24):
+                 spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4):
         self.prog, self.cfg, self.w, self.batch = prog, cfg, weights, batch
         self.kc, self.vc, self.inv_freq = k_cache, v_cache, inv_freq.float().contiguous()
         dev = k_cache.device
@@ -255,6 +257,7 @@ class DecodeStep:
         self.act = torch.empty(B, cfg.ffn, **f32)
         self.logits = torch.empty(B, cfg.vocab_size, **f32)
         self.spin_limit = spin_limit
+        self.tiles = dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
 
     def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
         """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
@@ -269,7 +272,7 @@ class DecodeStep:
             self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
             self.spin_limit, B=self.batch, H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
             F=cfg.ffn, V=cfg.vocab_size, S=S, SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2],
-            GP=triton.next_power_of_2(G), BLOCK_R=16, BLOCK_K=64, BLOCK_N=16)
+            GP=triton.next_power_of_2(G), BLOCK_N=16, **self.tiles)
         if int(self.err[0]):
             n = int(self.err[1])
             sm, j = divmod(n, self.table.shape[1])
