@@ -1,7 +1,7 @@
-"""The reference one-kernel decode step (llmkernels.megakernel.kernel, Triton, dense bf16 weights) on the GPU
-against the engine's kernel-per-op step, both at batch 1 on a Llama-3-8B-shaped model with random weights.
+"""The reference one-kernel decode step (llmkernels.megakernel.kernel, Triton) on the GPU against the engine's
+kernel-per-op step, both at batch 1 on a Llama-3-8B-shaped model with random weights in one format.
 
-    PYTHONPATH=. python bench/lab/megakernel_step.py [--layers 32] [--context 512]
+    PYTHONPATH=. python bench/lab/megakernel_step.py [--fmt q4_k_m] [--layers 32] [--context 512]
 
 Prints each tile configuration's step time and fraction of the weight-bandwidth bound, then the engine's
 batch-1 decode rate on the same shape (CUDA graphs, as the engine suite measures it). The reference executor
@@ -14,8 +14,8 @@ import time
 import torch
 
 from llmkernels.bench.harness import measure_read_bandwidth
-from llmkernels.bench.suites.engine import _decode_rate, llama3_8b_config, synthetic_model
-from llmkernels.engine import LLM
+from llmkernels.bench.suites.engine import _decode_rate, llama3_8b_config, synthetic_tensors
+from llmkernels.engine import LLM, Model
 from llmkernels.engine.config import rope_inv_freq
 from llmkernels.megakernel import build_decode_program, check, describe, simulate
 from llmkernels.megakernel.kernel import DecodeStep
@@ -25,22 +25,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--fmt", default="q4_k_m")
     args = ap.parse_args()
     cfg = llama3_8b_config(args.layers)
     bw = measure_read_bandwidth() * 1e12
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    prog = build_decode_program(cfg, "bf16", batch=1, context=args.context, num_sms=sms, bandwidth=bw)
+    prog = build_decode_program(cfg, args.fmt, batch=1, context=args.context, num_sms=sms, bandwidth=bw)
     check(prog, hazards=False)
     print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
-    L, H, F, V, D = cfg.n_layers, cfg.hidden, cfg.ffn, cfg.vocab_size, cfg.head_dim
-    nqkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * D
-
-    def rnd(*shape):
-        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02)
-
-    w = dict(emb=rnd(V, H), wout=rnd(V, H), onorm=torch.ones(H, device="cuda", dtype=torch.bfloat16),
-             wqkv=rnd(L, nqkv, H), wo=rnd(L, H, cfg.n_heads * D), wgu=rnd(L, 2 * F, H), wd=rnd(L, H, F),
-             norms=torch.ones(L, 2, H, device="cuda", dtype=torch.bfloat16))
+    L, D = cfg.n_layers, cfg.head_dim
+    tensors = synthetic_tensors(args.fmt, cfg)
     page = 16
     pages = -(-(args.context + 1) // page)
     kc = torch.randn(L, pages, page, cfg.n_kv_heads, D, device="cuda", dtype=torch.bfloat16)
@@ -49,8 +43,8 @@ def main():
     ids = torch.ones(1, dtype=torch.int32, device="cuda")
     lens = torch.full((1,), args.context, dtype=torch.int32, device="cuda")
     inv, _ = rope_inv_freq(cfg)
-    for block_r, block_k, warps in ((16, 64, 4), (16, 256, 4), (32, 256, 8), (64, 512, 8)):
-        step = DecodeStep(prog, cfg, w, kc, vc, inv.cuda(), batch=1, block_r=block_r, block_k=block_k,
+    for block_r, block_k, warps in ((16, 64, 4), (16, 256, 4), (32, 256, 8), (64, 256, 8)):
+        step = DecodeStep(prog, cfg, tensors, kc, vc, inv.cuda(), batch=1, block_r=block_r, block_k=block_k,
                           num_warps=warps)
         step(ids, lens, table)
         torch.cuda.synchronize()
@@ -62,9 +56,11 @@ def main():
         dt = (time.perf_counter() - t0) / n
         print(f"reference step, tiles {block_r}x{block_k}, {warps} warps: {dt * 1e3:.2f} ms, "
               f"{100 * prog.weight_bytes / bw / dt:.1f}% of the bound", flush=True)
-    del w, kc, vc
+        del step
+    del kc, vc
     torch.cuda.empty_cache()
-    llm = LLM.from_model(synthetic_model("bf16", cfg), max_num_seqs=1, max_model_len=args.context + 160)
+    llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=1,
+                         max_model_len=args.context + 160)
     llm.capture_graphs([1])
     _decode_rate(llm, 1, prompt=args.context)
     rate, _, _ = _decode_rate(llm, 1, prompt=args.context)

@@ -2,9 +2,14 @@
 
 One persistent program per SM walks its list: waits (acquire loads, with a spin limit that records a hang instead of
 wedging the GPU), runs the instruction, then signals (a CTA barrier and release atomics). This version is the
-semantics, not the speed: dense 16-bit weights, plain loads, no prefetch across instructions, interleaved RoPE,
-llama-family layers without biases, QK-norm, soft caps or windows. It checks what the instructions mean, step by
-step against the engine (tests/megakernel); the fast kernel is to run the same lists.
+semantics, not the speed: weights as stored in the GGUF (f16, bf16, q8_0, q4_k, q6_k: the q4_k_m mix) dequantized
+in registers by the generic GEMV's ``dequant_tile``, plain loads, no prefetch across instructions, interleaved
+RoPE, llama-family layers without biases, QK-norm, soft caps or windows. It checks what the instructions mean,
+step by step against the engine (tests/megakernel); the fast kernel is to run the same lists.
+
+The weights sit in one byte buffer (each matrix's GGUF rows, 16-byte aligned) described by a table int64
+[layers + 1, 7, 3] of (byte offset, bytes per row, format id): per layer attn_q, attn_k, attn_v, ffn_gate, ffn_up,
+attn_output, ffn_down; the last row holds token_embd and output.
 
 Buffers are float32: the residual stream RESID [B, H], the fused QKV output [B, Nqkv], the attention splits'
 partials PART_O [B, Hq, S, D] / PART_L [B, Hq, S], the attention output [B, Hq * D], the FFN activation [B, F] and
@@ -15,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..qgemv.dequant import dequant_tile
+from ..qgemv.ops import FORMAT_IDS
 from .schedule import FIELDS, Program
 
 NF = len(FIELDS)
@@ -31,17 +38,52 @@ def _rms_inv(X, NW, H: tl.constexpr, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(W, rows, rmask, K: tl.constexpr, X, scale, NW, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k W[rows, k] * x[k] (x = X * scale * NW when HAS_NORM, else X) -> float32 [BLOCK_R]."""
-    acc = tl.zeros([rows.shape[0]], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        km = offs < K
-        x = tl.load(X + offs, mask=km, other=0.0)
-        if HAS_NORM:
-            x = x * scale * tl.load(NW + offs, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(W + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+def _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexpr,
+              ROW_OUT: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
+              BB: tl.constexpr):
+    """sum_k W[rows, k] * x[k] for one stored format (x = X * scale * NW when HAS_NORM, else X) -> float32.
+    ROW_OUT: instead, the first row of ``rows`` dequantized into X (an embedding lookup)."""
+    BLOCK_K: tl.constexpr = NB * NSUB * SUB
+    nblocks = (K + NSUB * SUB - 1) // (NSUB * SUB)
+    acc = tl.zeros([rows.shape[0], BLOCK_K], tl.float32)
+    for kb in range(0, nblocks, NB):
+        blk = kb + tl.arange(0, NB)
+        kk = kb * (NSUB * SUB) + tl.arange(0, BLOCK_K)
+        km = kk < K
+        w = dequant_tile(W8 + off, W16 + off // 2, WI8 + off, W16, W16, row_bytes, rows.to(tl.int64), blk, rmask,
+                         blk < nblocks, 0, K, FMT, NB, NSUB, SUB, BB, 0).reshape(rows.shape[0], BLOCK_K)
+        if ROW_OUT:
+            first = tl.arange(0, rows.shape[0]) == 0
+            tl.store(X + kk, tl.sum(tl.where(first[:, None], w, 0.0), 0), mask=km)
+        else:
+            x = tl.load(X + kk, mask=km, other=0.0)
+            if HAS_NORM:
+                x = x * scale * tl.load(NW + kk, mask=km, other=0.0)
+            acc += w * x[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _qdot(W8, W16, WI8, MAT, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexpr, ROW_OUT: tl.constexpr = False):
+    """The same for matrix MAT (a row of the table: offset, bytes per row, format id), dispatched on its format."""
+    off = tl.load(MAT)
+    row_bytes = tl.load(MAT + 1)
+    fmt = tl.load(MAT + 2)
+    if fmt == 10:  # q4_k
+        acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
+                        10, 1, 8, 32, 144)
+    elif fmt == 12:  # q6_k
+        acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
+                        12, 1, 16, 16, 210)
+    elif fmt == 7:  # q8_0
+        acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
+                        7, 8, 1, 32, 34)
+    elif fmt == 2:  # bf16
+        acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
+                        2, 8, 1, 32, 0)
+    else:  # f16
+        acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
+                        1, 8, 1, 32, 0)
     return acc
 
 
@@ -132,7 +174,7 @@ def _merge(h, PART_O, PART_L, ATTN, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.c
 
 @triton.jit
 def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ,
-                       EMB, WQKV, WO, WGU, WD, NORMS, ONORM, WOUT,
+                       W8, W16, WI8, MATS, NORMS, ONORM, n_layers,
                        RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS,
                        num_pages, pages_per_seq, eps, qk_scale, spin_limit,
                        B: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -163,22 +205,22 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 ok = 0
         if (ok == 1) & (op != 0):
             rows0 = tl.arange(0, BLOCK_R)
+            mats = MATS + layer * 21  # this layer's 7 matrices x (offset, bytes per row, format)
             if op == 1:  # EMBED
                 for b in range(B):
-                    tok = tl.load(IDS + b).to(tl.int64)
-                    for k in range(0, H, BLOCK_K):
-                        offs = k + tl.arange(0, BLOCK_K)
-                        e = tl.load(EMB + tok * H + offs, mask=offs < H, other=0.0)
-                        tl.store(RESID + b * H + offs, e.to(tl.float32), mask=offs < H)
-            elif op == 2:  # QKV
+                    tok = tl.load(IDS + b)
+                    _qdot(W8, W16, WI8, MATS + n_layers * 21, tok + tl.arange(0, 2), tl.arange(0, 2) < 1, H,
+                          RESID + b * H, 1.0, ONORM, False, True)
+            elif op == 2:  # QKV: rows of one section (q, k or v; tiles never straddle two)
                 nw = NORMS + layer * 2 * H
+                sec = (lo >= HQ * D).to(tl.int32) + (lo >= (HQ + HKV) * D).to(tl.int32)
+                base = tl.where(sec == 0, 0, tl.where(sec == 1, HQ * D, (HQ + HKV) * D))
                 for b in range(B):
                     inv = _rms_inv(RESID + b * H, nw, H, eps, BLOCK_K)
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _dot_rows(WQKV + layer.to(tl.int64) * NQKV * H, rows, rm, H, RESID + b * H, inv, nw,
-                                        True, BLOCK_K)
+                        acc = _qdot(W8, W16, WI8, mats + sec * 3, rows - base, rm, H, RESID + b * H, inv, nw, True)
                         tl.store(QKV + b * NQKV + rows, acc, mask=rm)
             elif op == 3:  # ATTN
                 _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages,
@@ -190,28 +232,25 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _dot_rows(WO + layer.to(tl.int64) * H * HQ * D, rows, rm, HQ * D, ATTN + b * HQ * D,
-                                        1.0, ATTN, False, BLOCK_K)
+                        acc = _qdot(W8, W16, WI8, mats + 15, rows, rm, HQ * D, ATTN + b * HQ * D, 1.0, ATTN, False)
                         r = RESID + b * H + rows
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 6:  # GATEUP: SiLU(gate) * up
                 nw = NORMS + layer * 2 * H + H
-                w = WGU + layer.to(tl.int64) * 2 * F * H
                 for b in range(B):
                     inv = _rms_inv(RESID + b * H, nw, H, eps, BLOCK_K)
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        g = _dot_rows(w, rows, rm, H, RESID + b * H, inv, nw, True, BLOCK_K)
-                        u = _dot_rows(w, rows + F, rm, H, RESID + b * H, inv, nw, True, BLOCK_K)
+                        g = _qdot(W8, W16, WI8, mats + 9, rows, rm, H, RESID + b * H, inv, nw, True)
+                        u = _qdot(W8, W16, WI8, mats + 12, rows, rm, H, RESID + b * H, inv, nw, True)
                         tl.store(ACT + b * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
             elif op == 7:  # DOWN: the residual += W_down rows . activation
                 for b in range(B):
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _dot_rows(WD + layer.to(tl.int64) * H * F, rows, rm, F, ACT + b * F, 1.0, ACT, False,
-                                        BLOCK_K)
+                        acc = _qdot(W8, W16, WI8, mats + 18, rows, rm, F, ACT + b * F, 1.0, ACT, False)
                         r = RESID + b * H + rows
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 8:  # LOGITS
@@ -220,7 +259,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _dot_rows(WOUT, rows, rm, H, RESID + b * H, inv, ONORM, True, BLOCK_K)
+                        acc = _qdot(W8, W16, WI8, MATS + n_layers * 21 + 3, rows, rm, H, RESID + b * H, inv,
+                                    ONORM, True)
                         tl.store(LOGITS + b * V + rows, acc, mask=rm)
             tl.debug_barrier()  # every thread's stores issued before the release below
             sig_lo = tl.load(p + 7)
@@ -229,21 +269,61 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 tl.atomic_add(COUNTERS + c, 1, sem="release")
 
 
+MATRICES = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "attn_output", "ffn_down")
+FORMATS = ("f16", "bf16", "q8_0", "q4_k", "q6_k")
+
+
+def pack_weights(tensors, cfg, device) -> tuple:
+    """(byte buffer, matrix table int64 [layers + 1, 7, 3], norms float32 [layers, 2, H], output norm float32 [H])
+    from GGUF tensors (``name -> QuantizedTensor``, as ``read_gguf`` gives them; a missing output.weight is the
+    tied embedding)."""
+    from ..quant.tensor import dequantize
+
+    L = cfg.n_layers
+    names = [[f"blk.{i}.{m}.weight" for m in MATRICES] for i in range(L)]
+    out = "output.weight" if "output.weight" in tensors.keys() else "token_embd.weight"
+    names.append(["token_embd.weight", out] + [None] * 5)
+    table = torch.zeros(L + 1, 7, 3, dtype=torch.int64)
+    chunks, off = [], 0
+    for i, row in enumerate(names):
+        for j, name in enumerate(row):
+            if name is None:
+                continue
+            qt = tensors[name]
+            if qt.format not in FORMATS:
+                raise ValueError(f"{name}: format {qt.format} is not one the decode step reads ({', '.join(FORMATS)})")
+            data = qt.data.reshape(qt.shape[0], -1).view(torch.uint8)
+            table[i, j] = torch.tensor([off, data.shape[1], FORMAT_IDS[qt.format]])
+            chunks.append(data.reshape(-1))
+            pad = -data.numel() % 16  # every matrix 16-byte aligned (its f16 fields at even offsets)
+            if pad:
+                chunks.append(torch.zeros(pad, dtype=torch.uint8, device=data.device))
+            off += data.numel() + pad
+    buf = torch.cat([c.to(device) for c in chunks])
+
+    def vec(name):
+        t = tensors[name]
+        return (t.float() if isinstance(t, torch.Tensor) else dequantize(t, torch.float32)).to(device)
+
+    norms = torch.stack([torch.stack([vec(f"blk.{i}.attn_norm.weight"), vec(f"blk.{i}.ffn_norm.weight")])
+                         for i in range(L)])
+    return buf, table.to(device), norms, vec("output_norm.weight")
+
+
 class DecodeStep:
-    """Runs a Program (schedule.build_decode_program) over dense 16-bit weights.
+    """Runs a Program (schedule.build_decode_program) over a model's GGUF tensors.
 
-    ``weights``: dict of tensors on one device: ``emb`` [V, H], ``wqkv`` [L, (Hq + 2 Hkv) D, H] (q rows, then k,
-    then v, as the engine fuses them), ``wo`` [L, H, Hq D], ``wgu`` [L, 2F, H] (gate rows, then up rows), ``wd``
-    [L, H, F], ``norms`` [L, 2, H] (attention, FFN), ``onorm`` [H], ``wout`` [V, H]. ``k_cache`` / ``v_cache``:
-    [L, num_pages, page_size, Hkv, D] of the weights' dtype. ``spin_limit``: polls of a counter before the step
-    gives up and raises; ``block_r`` / ``block_k`` / ``num_warps``: the GEMV tiles' rows and K chunk, the warps
-    per program."""
+    ``tensors``: GGUF name -> QuantizedTensor (f16, bf16, q8_0, q4_k or q6_k matrices; norms in any format or as
+    plain tensors), copied into one buffer on the caches' device. ``k_cache`` / ``v_cache``: [L, num_pages, page_size, Hkv, D], 16-bit.
+    ``spin_limit``: polls of a counter before the step gives up and raises; ``block_r`` / ``block_k`` /
+    ``num_warps``: the GEMV tiles' rows, the norm's K chunk, the warps per program."""
 
-    def __init__(self, prog: Program, cfg, weights: dict, k_cache, v_cache, inv_freq, *, batch: int,
+    def __init__(self, prog: Program, cfg, tensors, k_cache, v_cache, inv_freq, *, batch: int,
                  spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4):
-        self.prog, self.cfg, self.w, self.batch = prog, cfg, weights, batch
+        self.prog, self.cfg, self.batch = prog, cfg, batch
         self.kc, self.vc, self.inv_freq = k_cache, v_cache, inv_freq.float().contiguous()
         dev = k_cache.device
+        self.w8, self.mats, self.norms, self.onorm = pack_weights(tensors, cfg, dev)
         self.table = torch.from_numpy(prog.encode()).to(dev)
         self.counters = torch.zeros(prog.num_counters, dtype=torch.int32, device=dev)
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
@@ -262,14 +342,14 @@ class DecodeStep:
     def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
         """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
         int32 [batch] cached tokens including them, ``page_table`` int32 [batch, pages per sequence]."""
-        cfg, w, S = self.cfg, self.w, self.prog.geometry["splits"]
+        cfg, S = self.cfg, self.prog.geometry["splits"]
         self.counters.zero_()
         G = cfg.n_heads // cfg.n_kv_heads
         decode_step_kernel[(self.prog.num_sms,)](
             self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table, self.kc, self.vc,
-            self.inv_freq, w["emb"], w["wqkv"], w["wo"], w["wgu"], w["wd"], w["norms"], w["onorm"], w["wout"],
-            self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
-            self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
+            self.inv_freq, self.w8, self.w8.view(torch.float16), self.w8.view(torch.int8), self.mats, self.norms,
+            self.onorm, cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act,
+            self.logits, self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
             self.spin_limit, B=self.batch, H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
             F=cfg.ffn, V=cfg.vocab_size, S=S, SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2],
             GP=triton.next_power_of_2(G), BLOCK_N=16, **self.tiles)

@@ -7,29 +7,13 @@ from llmkernels.engine.config import rope_inv_freq
 from llmkernels.megakernel import build_decode_program
 from llmkernels.megakernel.kernel import DecodeStep
 from llmkernels.quant import read_gguf
-from llmkernels.quant.tensor import dequantize
 
 
-def _weights(f, cfg, dtype):
-    def t(name):
-        return dequantize(f[name], torch.float32).to(dtype)
-
-    L = range(cfg.n_layers)
-    out = t("output.weight") if "output.weight" in f.keys() else t("token_embd.weight")
-    return dict(
-        emb=t("token_embd.weight"), wout=out, onorm=t("output_norm.weight"),
-        wqkv=torch.stack([torch.cat([t(f"blk.{i}.attn_{x}.weight") for x in "qkv"]) for i in L]),
-        wo=torch.stack([t(f"blk.{i}.attn_output.weight") for i in L]),
-        wgu=torch.stack([torch.cat([t(f"blk.{i}.ffn_gate.weight"), t(f"blk.{i}.ffn_up.weight")]) for i in L]),
-        wd=torch.stack([t(f"blk.{i}.ffn_down.weight") for i in L]),
-        norms=torch.stack([torch.stack([t(f"blk.{i}.attn_norm.weight"), t(f"blk.{i}.ffn_norm.weight")]) for i in L]))
-
-
-def _setup(model_files, batch, num_sms, device, T=6, **kw):
-    _, path, _ = model_files("llama", "f16")
+def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, **kw):
+    _, path, _ = model_files("llama", fmt)
     f = read_gguf(path)
     cfg = ModelConfig.from_gguf(f.metadata, f.keys())
-    prog = build_decode_program(cfg, "f16", batch=batch, context=16, num_sms=num_sms, **kw)
+    prog = build_decode_program(cfg, fmt, batch=batch, context=16, num_sms=num_sms, **kw)
     page = 4
     pages = -(-T // page)
     num_pages = batch * pages + 3
@@ -38,8 +22,7 @@ def _setup(model_files, batch, num_sms, device, T=6, **kw):
     kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
     table = torch.randperm(num_pages)[:batch * pages].view(batch, pages).to(torch.int32).to(device)  # scattered
     inv, _ = rope_inv_freq(cfg)
-    w = {k: v.to(device) for k, v in _weights(f, cfg, torch.float16).items()}
-    return path, cfg, prog, DecodeStep(prog, cfg, w, kc, vc, inv.to(device), batch=batch), table, T
+    return path, cfg, prog, DecodeStep(prog, cfg, f, kc, vc, inv.to(device), batch=batch), table, T
 
 
 def _match_the_engine(path, cfg, step, table, T, batch, device):
@@ -56,21 +39,25 @@ def _match_the_engine(path, cfg, step, table, T, batch, device):
             assert got[b].argmax() == want.argmax()
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_steps_match_the_engine(model_files, batch):
+@pytest.mark.parametrize("fmt, batch", [("f16", 2), ("q4_k_m", 1), ("q8_0", 1)])
+def test_steps_match_the_engine(model_files, fmt, batch):
     """Every position of ``batch`` prompts decoded one token per step through the cache the steps fill (page size
     4, scattered pages, NaN where nothing was written, 2 key splits): each step's logits match the engine's
-    next-token logits at that position. One program: the interpreter runs programs one after another."""
-    path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", num_splits=2)
+    next-token logits at that position, on the same GGUF (q4_k_m: q4_k with q6_k for attn_v and ffn_down in some
+    layers and for the output). One program: the interpreter runs programs one after another."""
+    path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", fmt, num_splits=2)
+    if fmt == "q4_k_m":  # the mix's two formats are both read
+        f = read_gguf(path)
+        assert {f[n].format for n in f.keys() if n.endswith("weight") and "norm" not in n} == {"q4_k", "q6_k"}
     _match_the_engine(path, cfg, step, table, T, batch, "cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 5])
-def test_gpu_steps_match_the_engine(model_files, batch):
+@pytest.mark.parametrize("fmt, batch", [("f16", 1), ("q4_k_m", 5), ("bf16", 2)])
+def test_gpu_steps_match_the_engine(model_files, fmt, batch):
     """The same with one program per SM, concurrent, waiting on each other's counters."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    path, cfg, prog, step, table, T = _setup(model_files, batch, sms, "cuda", T=9)
+    path, cfg, prog, step, table, T = _setup(model_files, batch, sms, "cuda", fmt, T=9)
     _match_the_engine(path, cfg, step, table, T, batch, "cuda")
 
 
