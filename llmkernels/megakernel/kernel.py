@@ -361,3 +361,24 @@ class DecodeStep:
                                f"[{i.lo}, {i.hi}) for counter {i.wait} ({self.prog.counter_names[i.wait]}) to "
                                f"reach {i.target}: the schedule cannot finish")
         return self.logits
+
+
+def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                 ffn: int = 14336, vocab: int = 128256, splits: int = 16, num_warps: int = 4):
+    """decode_step_kernel compiled for sm_90 without a GPU (set TRITON_INTERPRET=0 before importing llmkernels), for
+    the Llama-3-8B shape by default: for tests and for reading the code the compiler makes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32", SEQ_LENS="*i32", PT="*i32", KC="*bf16",
+                VC="*bf16", INV_FREQ="*fp32", W8="*u8", W16="*fp16", WI8="*i8", MATS="*i64", NORMS="*fp32",
+                ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32", ATTN="*fp32",
+                ACT="*fp32", LOGITS="*fp32")
+    consts = dict(B=batch, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, V=vocab, S=splits,
+                  SP=triton.next_power_of_2(splits), PAGE=16, GP=triton.next_power_of_2(heads // kv_heads),
+                  BLOCK_R=16, BLOCK_K=64, BLOCK_N=16)
+    sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
+           if n not in consts}
+    sig.update({k: "constexpr" for k in consts})
+    return triton.compile(ASTSource(decode_step_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})

@@ -69,3 +69,31 @@ def test_a_schedule_that_cannot_finish_raises(model_files):
     with pytest.raises(RuntimeError, match=r"decode step: SM 0 waited 200 polls at \w+ layer \d+ \[\d+, \d+\) for "
                                            r"counter \d+ \(layer \d+ .*\) to reach \d+: the schedule cannot finish"):
         step(torch.ones(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), table)
+
+
+def test_compiles_for_sm90():
+    """The kernel compiles for sm_90 at the 8B shape (in a subprocess: without a GPU llmkernels turns the
+    interpreter on): its waits are acquire loads, its signals release atomics, and ptxas spills nothing."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    code = ("import sys; from llmkernels.megakernel.kernel import compile_sm90; "
+            "sys.stdout.write(compile_sm90(batch=2).asm['ptx'])")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ptx = res.stdout
+    assert "ld.global.gpu.acquire" in ptx and re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
+                              str(Path(d) / "k.cubin")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr)) == 0
