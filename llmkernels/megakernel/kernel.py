@@ -179,9 +179,9 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                        num_pages, pages_per_seq, eps, qk_scale, spin_limit,
                        B: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        F: tl.constexpr, V: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, PAGE: tl.constexpr,
-                       GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                       GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NF: tl.constexpr):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    NF: tl.constexpr = 9
     sm = tl.program_id(0)
     ok = 1
     for j in range(n_instr):
@@ -352,7 +352,7 @@ class DecodeStep:
             self.logits, self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
             self.spin_limit, B=self.batch, H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
             F=cfg.ffn, V=cfg.vocab_size, S=S, SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2],
-            GP=triton.next_power_of_2(G), BLOCK_N=16, **self.tiles)
+            GP=triton.next_power_of_2(G), BLOCK_N=16, NF=NF, **self.tiles)
         if int(self.err[0]):
             n = int(self.err[1])
             sm, j = divmod(n, self.table.shape[1])
@@ -376,7 +376,7 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
                 ACT="*fp32", LOGITS="*fp32")
     consts = dict(B=batch, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, V=vocab, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=16, GP=triton.next_power_of_2(heads // kv_heads),
-                  BLOCK_R=16, BLOCK_K=64, BLOCK_N=16)
+                  BLOCK_R=16, BLOCK_K=64, BLOCK_N=16, NF=NF)
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})
