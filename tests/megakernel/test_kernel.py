@@ -25,21 +25,32 @@ def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, **kw):
     return path, cfg, prog, DecodeStep(prog, cfg, f, kc, vc, inv.to(device), batch=batch), table, T
 
 
-def _match_the_engine(path, cfg, step, table, T, batch, device):
-    prompts = torch.randint(1, cfg.vocab_size, (batch, T), dtype=torch.int32)
+def _match_the_engine(path, cfg, step, table, T, batch, device, solo=None, lead=0):
+    """Decode ``batch`` prompts one token per step; sequence 0 first runs ``lead`` steps alone through ``solo`` (a
+    batch-1 step on the same caches), so that the batch's sequences sit at different positions."""
+    prompts = [torch.randint(1, cfg.vocab_size, (T + (lead if b == 0 else 0),), dtype=torch.int32)
+               for b in range(batch)]
     llm = LLM(path, progress=False, dtype=torch.float16, device=device)
-    ref = [llm.logits(prompts[b].tolist()) for b in range(batch)]
+    ref = [llm.logits(p.tolist()) for p in prompts]
+
+    def same(b, pos, got):
+        want = ref[b][pos].float()
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        assert err < 2e-2, f"sequence {b} at position {pos}: max error {err:.3g} of the largest logit"
+        assert got.argmax() == want.argmax()
+
+    i32 = dict(dtype=torch.int32, device=device)
+    for t in range(lead):
+        same(0, t, solo(prompts[0][t:t + 1].to(device), torch.full((1,), t + 1, **i32), table[:1])[0])
     for t in range(T):
-        lens = torch.full((batch,), t + 1, dtype=torch.int32, device=device)
-        got = step(prompts[:, t].contiguous().to(device), lens, table).clone()
+        pos = [t + (lead if b == 0 else 0) for b in range(batch)]
+        got = step(torch.tensor([int(prompts[b][pos[b]]) for b in range(batch)], **i32),
+                   torch.tensor([p + 1 for p in pos], **i32), table)
         for b in range(batch):
-            want = ref[b][t].float()
-            err = (got[b] - want).abs().max().item() / want.abs().max().item()
-            assert err < 2e-2, f"step {t}, sequence {b}: max error {err:.3g} of the largest logit"
-            assert got[b].argmax() == want.argmax()
+            same(b, pos[b], got[b])
 
 
-@pytest.mark.parametrize("fmt, batch", [("f16", 2), ("q4_k_m", 1), ("q8_0", 1)])
+@pytest.mark.parametrize("fmt, batch", [("f16", 1), ("q4_k_m", 2), ("q8_0", 1)])
 def test_steps_match_the_engine(model_files, fmt, batch):
     """Every position of ``batch`` prompts decoded one token per step through the cache the steps fill (page size
     4, scattered pages, NaN where nothing was written, 2 key splits): each step's logits match the engine's
@@ -50,6 +61,16 @@ def test_steps_match_the_engine(model_files, fmt, batch):
         f = read_gguf(path)
         assert {f[n].format for n in f.keys() if n.endswith("weight") and "norm" not in n} == {"q4_k", "q6_k"}
     _match_the_engine(path, cfg, step, table, T, batch, "cpu")
+
+
+def test_sequences_at_different_positions(model_files):
+    """A batch whose sequences are at different positions (RoPE angles, split bounds and pages per sequence): the
+    first sequence runs five steps alone first, through a batch-1 step on the same caches. Three key splits."""
+    path, cfg, prog, step, table, T = _setup(model_files, 3, 1, "cpu", T=9, num_splits=3)
+    f = read_gguf(path)
+    solo = DecodeStep(build_decode_program(cfg, "f16", batch=1, context=16, num_sms=1, num_splits=3), cfg, f,
+                      step.kc, step.vc, step.inv_freq, batch=1)
+    _match_the_engine(path, cfg, step, table, 4, 3, "cpu", solo=solo, lead=5)
 
 
 @pytest.mark.gpu
