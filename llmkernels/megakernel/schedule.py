@@ -8,8 +8,8 @@ one to a range of counters. The counters are zeroed before each step. Ops, per l
   (recomputed by every tile: a few KB per sequence). Signals the counter of every KV group its rows belong to.
 - ATTN: one KV head and one key split of every sequence: RoPE on the group's query heads, attention over its split
   of the cache, written as a float32 partial with its log-sum-exp; the last split rotates the new token's K and
-  stores it and its V into the cache first. MERGE: one KV head's splits merged into the
-  attention output.
+  stores it and its V into the cache first.
+- MERGE: one KV head's splits merged into the attention output.
 - O: rows of W_o over the attention output, added into the residual stream in place.
 - GATEUP: the same rows of gate and up, after the RMSNorm (recomputed), as SiLU(gate) * up.
 - DOWN: rows of W_down over the FFN activation, added into the residual stream in place.
