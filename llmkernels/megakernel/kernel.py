@@ -28,7 +28,7 @@ NF = len(FIELDS)
 
 
 @triton.jit
-def _rms_inv(X, NW, H: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+def _rms_inv(X, H: tl.constexpr, eps, BLOCK_K: tl.constexpr):
     acc = tl.zeros([BLOCK_K], tl.float32)
     for k in range(0, H, BLOCK_K):
         offs = k + tl.arange(0, BLOCK_K)
@@ -216,7 +216,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 sec = (lo >= HQ * D).to(tl.int32) + (lo >= (HQ + HKV) * D).to(tl.int32)
                 base = tl.where(sec == 0, 0, tl.where(sec == 1, HQ * D, (HQ + HKV) * D))
                 for b in range(B):
-                    inv = _rms_inv(RESID + b * H, nw, H, eps, BLOCK_K)
+                    inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
@@ -238,7 +238,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
             elif op == 6:  # GATEUP: SiLU(gate) * up
                 nw = NORMS + layer * 2 * H + H
                 for b in range(B):
-                    inv = _rms_inv(RESID + b * H, nw, H, eps, BLOCK_K)
+                    inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
@@ -255,7 +255,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 8:  # LOGITS
                 for b in range(B):
-                    inv = _rms_inv(RESID + b * H, ONORM, H, eps, BLOCK_K)
+                    inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
@@ -320,6 +320,16 @@ class DecodeStep:
 
     def __init__(self, prog: Program, cfg, tensors, k_cache, v_cache, inv_freq, *, batch: int,
                  spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4):
+        if batch != prog.geometry["batch"]:
+            raise ValueError(f"batch must be the program's ({prog.geometry['batch']}), got {batch}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            want = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+            if t.dim() != 5 or (t.shape[0], t.shape[3], t.shape[4]) != want or t.dtype not in (torch.float16,
+                                                                                             torch.bfloat16):
+                raise ValueError(f"{name} must be a 16-bit [layers, pages, page size, kv heads, head dim] tensor with "
+                                 f"layers, kv heads, head dim = {want}; got {t.dtype} {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
         self.prog, self.cfg, self.batch = prog, cfg, batch
         self.kc, self.vc, self.inv_freq = k_cache, v_cache, inv_freq.float().contiguous()
         dev = k_cache.device
@@ -343,6 +353,13 @@ class DecodeStep:
         """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
         int32 [batch] cached tokens including them, ``page_table`` int32 [batch, pages per sequence]."""
         cfg, S = self.cfg, self.prog.geometry["splits"]
+        dev = self.kc.device
+        for name, t, ndim in (("ids", ids, 1), ("seq_lens", seq_lens, 1), ("page_table", page_table, 2)):
+            if t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != self.batch or t.device != dev:
+                raise ValueError(f"{name} must be an int32 tensor with {self.batch} rows and {ndim} dim(s) on {dev}; "
+                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        if not (ids.is_contiguous() and seq_lens.is_contiguous() and page_table.is_contiguous()):
+            raise ValueError("ids, seq_lens and page_table must be contiguous")
         self.counters.zero_()
         G = cfg.n_heads // cfg.n_kv_heads
         decode_step_kernel[(self.prog.num_sms,)](

@@ -65,7 +65,7 @@ class Program:
     counter_names: list  # what each counter counts, for messages
     weight_bytes: int
     kv_bytes: int
-    geometry: dict  # group, head_dim, splits, q_rows, kv_rows (for check)
+    geometry: dict  # group, head_dim, splits, q_rows, kv_rows, batch
 
     @property
     def instructions(self) -> list:
@@ -127,8 +127,20 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     of ``simulate`` (``bandwidth``, ``prefetch_bytes``, ``signal_latency``)."""
     if cfg.n_experts:
         raise ValueError("build_decode_program: mixture-of-experts FFNs are not scheduled yet")
-    if not 1 <= batch <= 8:
-        raise ValueError(f"batch must be 1..8 for the one-kernel decode step, got {batch}")
+    if not isinstance(batch, int) or not 1 <= batch <= 8:
+        raise ValueError(f"batch must be 1..8 for the one-kernel decode step, got {batch!r}")
+    for name, v in (("num_sms", num_sms), ("context", context)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    try:
+        for li in range(cfg.n_layers):
+            for name in ("attn_q", "attn_v", "ffn_down"):
+                GGUF_FORMATS[mix_format(fmt, f"blk.{li}.{name}.weight", cfg.n_layers)]
+        GGUF_FORMATS[mix_format(fmt, "output.weight", cfg.n_layers)]
+    except KeyError:
+        raise ValueError(f"fmt must be a GGUF format or a mix such as q4_k_m, got {fmt!r}") from None
     Hkv, G, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     S = num_splits or max(1, num_sms // Hkv)
     rb = matrix_bytes(cfg, fmt)
@@ -188,7 +200,7 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     gemv("LOGITS", -1, [("logits", 0, cfg.vocab_size, rb[("logits", -1)])], wait, target,
          lambda *a: (done, done + 1))
     weight_bytes = sum(i.nbytes for i in instrs if i.op not in ("ATTN", "MERGE"))
-    geo = dict(group=G, head_dim=D, splits=S, q_rows=cfg.n_heads * D, kv_rows=Hkv * D)
+    geo = dict(group=G, head_dim=D, splits=S, q_rows=cfg.n_heads * D, kv_rows=Hkv * D, batch=batch)
     prog = Program(num_sms, [[] for _ in range(num_sms)], len(names), names, weight_bytes, kv_total, geo)
     _assign(prog, instrs, bandwidth, prefetch_bytes, signal_latency)
     return prog

@@ -117,3 +117,31 @@ def test_compiles_for_sm90():
         out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
                               str(Path(d) / "k.cubin")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_bad_inputs(model_files):
+    """Wrong dtypes, shapes, batch or caches: ValueError naming the argument, before any launch."""
+    path, cfg, prog, step, table, T = _setup(model_files, 2, 1, "cpu")
+    ok = dict(ids=torch.ones(2, dtype=torch.int32), seq_lens=torch.ones(2, dtype=torch.int32), page_table=table)
+    for name, bad in (("ids", torch.ones(2, dtype=torch.int64)), ("seq_lens", torch.ones(3, dtype=torch.int32)),
+                      ("page_table", table[0])):
+        with pytest.raises(ValueError, match=f"{name} must be an int32 tensor with 2 rows"):
+            step(**dict(ok, **{name: bad}))
+    f = read_gguf(path)
+    with pytest.raises(ValueError, match=r"batch must be the program's \(2\), got 1"):
+        DecodeStep(prog, cfg, f, step.kc, step.vc, step.inv_freq, batch=1)
+    with pytest.raises(ValueError, match="k_cache must be a 16-bit"):
+        DecodeStep(prog, cfg, f, step.kc.float(), step.vc, step.inv_freq, batch=2)
+    with pytest.raises(ValueError, match="v_cache must be a 16-bit .* got torch.float16 \\(2, "):
+        DecodeStep(prog, cfg, f, step.kc, step.vc[:, :, :, :1], step.inv_freq, batch=2)
+    # a matrix format the executor does not read
+    from llmkernels.quant import GGUF_FORMATS
+    from llmkernels.quant.tensor import QuantizedTensor
+
+    tensors = {n: f[n] for n in f.keys()}
+    q = tensors["blk.0.attn_q.weight"]
+    K = q.shape[1]
+    tensors["blk.0.attn_q.weight"] = QuantizedTensor(
+        "q4_0", q.shape, torch.zeros(q.shape[0], GGUF_FORMATS["q4_0"].bytes_per_row(K), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight: format q4_0 is not one the decode step reads"):
+        DecodeStep(prog, cfg, tensors, step.kc, step.vc, step.inv_freq, batch=2)

@@ -123,6 +123,12 @@ def test_prefetch_hides_the_gaps():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="batch must be 1..8"):
         S.build_decode_program(_tiny(), "q8_0", batch=9)
+    for kw, msg in ((dict(batch=0), "batch must be 1..8"), (dict(num_sms=0), "num_sms must be an int >= 1, got 0"),
+                    (dict(context=0), "context must be"), (dict(num_splits=0), "num_splits must be None or an int")):
+        with pytest.raises(ValueError, match=msg):
+            S.build_decode_program(_tiny(), "q8_0", **kw)
+    with pytest.raises(ValueError, match="fmt must be a GGUF format or a mix such as q4_k_m, got 'q9_k'"):
+        S.build_decode_program(_tiny(), "q9_k")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         S.build_decode_program(_tiny(n_experts=4, n_experts_used=2, expert_ffn=64), "q8_0")
     assert np.int32 == S.build_decode_program(_tiny(), "q8_0", num_sms=2).encode().dtype

@@ -92,6 +92,9 @@ def _decode_rate(llm: LLM, batch: int, prompt: int = PROMPT, cached: bool = Fals
     t1 = time.perf_counter()
     before = sum(len(s.out_ids) for s in llm.scheduler.running)
     seqs = list(llm.scheduler.running)
+    if len(seqs) < batch:
+        raise RuntimeError(f"only {len(seqs)} of {batch} sequences were decoding once every prompt was done: "
+                           f"the rate would not be batch {batch}'s")
     steps = 0
     while llm.scheduler.has_work():
         llm.step()
@@ -99,9 +102,6 @@ def _decode_rate(llm: LLM, batch: int, prompt: int = PROMPT, cached: bool = Fals
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     made = sum(len(s.out_ids) for s in seqs) - before
-    if len(seqs) < batch:
-        raise RuntimeError(f"only {len(seqs)} of {batch} sequences were decoding once every prompt was done: "
-                           f"the rate would not be batch {batch}'s")
     return made / (t2 - t1), t2 - t0, steps
 
 
