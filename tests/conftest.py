@@ -13,8 +13,9 @@ if not torch.cuda.is_available():
 
 HAS_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
-# pytest-xdist workers share the cores: one torch thread pool per core, not per worker
-if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_GPU:
+# pytest-xdist workers share the cores: one torch thread pool per core, not per worker (on the GPU machine too: 12
+# workers with a pool of every core each spent minutes in CPU-side quantization and compiles)
+if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 

@@ -63,7 +63,7 @@ def test_quantize_act_silu(device):
 
 
 def _run(fmt, N, K, M, config, sms, device, dtype=torch.float16, **kw):
-    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt)
     x = torch.randn(M, K, dtype=dtype, device=device)
     q, ds = quantize_act(x)
     y = _finish(launch_i8(q, ds, qt.data, fmt, N, K, config, sms, not interpreter_mode(), dtype, **kw), dtype)
@@ -152,7 +152,7 @@ def test_i8_q6_kernel(N, K, config, sms, fixup, dtype, device):
 def test_gemv_i8_lanes_op(device):
     """ops.gemv_i8_lanes (activations rounded by the caller) is gemv(act_int8=True); bad operands raise."""
     N, K = 24, 512
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     ql, dsl = quantize_act(x, lanes=True)
     assert torch.equal(gemv_i8_lanes(ql, dsl, qt, torch.float16), lk.gemv(x, qt, act_int8=True))
@@ -161,17 +161,17 @@ def test_gemv_i8_lanes_op(device):
     with pytest.raises(TypeError, match="xq"):
         gemv_i8_lanes(ql.to(torch.int32), dsl, qt, torch.float16)
     with pytest.raises(ValueError, match="q4_k"):
-        gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K) * 0.05, "q8_0").to(device), torch.float16)
+        gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K, device=device) * 0.05, "q8_0"), torch.float16)
     with pytest.raises(TypeError, match="out_dtype"):
         gemv_i8_lanes(ql, dsl, qt, torch.int8)
     with pytest.raises(ValueError, match="q6_k with K a multiple of 2048"):  # q6_k rows must be 16-byte aligned
-        gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K) * 0.05, "q6_k").to(device), torch.float16)
+        gemv_i8_lanes(ql, dsl, lk.quantize(torch.randn(N, K, device=device) * 0.05, "q6_k"), torch.float16)
     K = 2048
-    qt6 = lk.quantize(torch.randn(N, K) * 0.05, "q6_k").to(device)
+    qt6 = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q6_k")
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     ql, dsl = quantize_act(x, lanes=True)
     assert torch.equal(gemv_i8_lanes(ql, dsl, qt6, torch.float16), lk.gemv(x, qt6, act_int8=True))
-    qt5 = lk.quantize(torch.randn(N, K) * 0.05, "q5_k").to(device)
+    qt5 = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q5_k")
     assert torch.equal(gemv_i8_lanes(ql, dsl, qt5, torch.float16), lk.gemv(x, qt5, act_int8=True))
 
 
@@ -182,7 +182,7 @@ def test_gemv_act_int8(fmt, device):
     from llmkernels.qgemv.route import I8_MAX_M
 
     N, K = 40, 2048 if fmt == "q6_k" else 512
-    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt)
     M = I8_MAX_M[fmt]
     x = torch.randn(M + 1, K, dtype=torch.float16, device=device)
     y = lk.gemv(x[:M], qt, act_int8=True)
@@ -207,16 +207,16 @@ def test_gemv_act_int8_fallbacks(device):
     """Formats and shapes without an int8 kernel compute exactly; a non-bool act_int8 is a TypeError."""
     K = 256
     x = torch.randn(2, K, dtype=torch.float16, device=device)  # q5_k at M = 2: exact (route.I8_MAX_M)
-    qt5 = lk.quantize(torch.randn(24, K) * 0.05, "q5_k").to(device)
+    qt5 = lk.quantize(torch.randn(24, K, device=device) * 0.05, "q5_k")
     ref = gemv_ref(x, qt5)
     assert_close(lk.gemv(x, qt5, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
-    qt_short = lk.quantize(torch.randn(24, 288) * 0.05, "q4_0").to(device)  # K not a multiple of 256
+    qt_short = lk.quantize(torch.randn(24, 288, device=device) * 0.05, "q4_0")  # K not a multiple of 256
     assert not i8_supports(qt_short.data, "q4_0", 288)
     xs = torch.randn(1, 288, dtype=torch.float16, device=device)
     ref = gemv_ref(xs, qt_short)
     assert_close(lk.gemv(xs, qt_short, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(),
                  rtol=4e-3)
-    qt6 = lk.quantize(torch.randn(24, 1024) * 0.05, "q6_k").to(device)  # K not a multiple of 2048
+    qt6 = lk.quantize(torch.randn(24, 1024, device=device) * 0.05, "q6_k")  # K not a multiple of 2048
     x6 = torch.randn(1, 1024, dtype=torch.float16, device=device)
     ref = gemv_ref(x6, qt6)
     assert_close(lk.gemv(x6, qt6, act_int8=True), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)

@@ -28,7 +28,7 @@ def _run(fmt, kw, N, K, configs, sms, unpack, dtype, device):
     """Each config on one quantized matrix, a fresh x per config, output checked against the float64 reference."""
     if K % kw.get("group_size", 1):
         pytest.skip("K is not a multiple of the group size")
-    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt, **kw)  # on the GPU: K-quants take seconds on CPU
     for config in (_cfg(fmt, c) for c in configs):
         x = torch.randn(1, K, dtype=dtype, device=device)
         y = _finish(launch_m1(x, qt.data, fmt, N, K, config, sms, unpack, scales=qt.scales, biases=qt.biases,
@@ -61,7 +61,7 @@ def test_m1_rows_per_program(fmt, kw, M, rows_per_program, fixup, device):
     """Several activation rows per program share the unpacked weights; the last program's surplus rows (M not a
     multiple of rows_per_program) read a real row and are not stored."""
     N, K = 45, 512
-    qt = lk.quantize(torch.randn(N, K) * 0.05, fmt, **kw).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt, **kw)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     y = _finish(launch_m1(x, qt.data, fmt, N, K, (1, 1, 1, 1), 8, 1 if interpreter_mode() else 2, fixup=fixup,
                           scales=qt.scales, biases=qt.biases, bits=qt.bits or 0, group_size=qt.group_size or 0,
@@ -71,7 +71,7 @@ def test_m1_rows_per_program(fmt, kw, M, rows_per_program, fixup, device):
 
 
 def test_m1_q6k_needs_two_threads_per_chunk(device):
-    qt = lk.quantize(torch.randn(16, 256) * 0.05, "q6_k").to(device)
+    qt = lk.quantize(torch.randn(16, 256, device=device) * 0.05, "q6_k")
     with pytest.raises(ValueError, match="q6_k needs at least 2 threads per chunk"):
         launch_m1(torch.randn(1, 256, dtype=torch.float16, device=device), qt.data, "q6_k", 16, 256, (1, 1, 1, 1), 4,
                   1)
@@ -103,7 +103,7 @@ def test_m1_split_k_sum_in_kernel_or_after(fixup, device):
     from llmkernels._runtime import split_counters
 
     N, K = 70, 1024
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     for M in (1, 3):
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         for _ in range(2):
@@ -121,7 +121,7 @@ def test_gemv_q4k_weights_not_16_byte_aligned(device):
     from llmkernels.quant.tensor import QuantizedTensor
 
     N, K = 33, 512
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     buf = torch.zeros(qt.data.numel() + 2, dtype=torch.uint8, device=device)
     buf[2:] = qt.data.reshape(-1)
     shifted = QuantizedTensor.from_raw(buf[2:].view(N, -1), "q4_k", (N, K))
@@ -135,7 +135,7 @@ def test_gemv_q4k_weights_not_16_byte_aligned(device):
 def test_gemv_mlx4_activations_not_word_aligned(device):
     """x starting at an odd fp16 element cannot be read as int32 pairs: gemv takes another kernel and stays right."""
     N, K = 40, 256
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "mlx", bits=4, group_size=64).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "mlx", bits=4, group_size=64)
     buf = torch.randn(K + 1, dtype=torch.float16, device=device)
     from llmkernels.qgemv.m1 import m1_supports
 
@@ -176,7 +176,7 @@ def test_m1_lane_order(N, K, config, sms, fixup, device):
     unused tail, output poisoned before the call."""
     from llmkernels.qgemv.m1 import launch_m1
 
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     for dtype in (torch.float16,) if interpreter_mode() else (torch.float16, torch.bfloat16):
         x = torch.randn(1, K, dtype=dtype, device=device)
         y = _finish(launch_m1(_lanes_poisoned(x), qt.data, "q4_k", N, K, config, sms,
@@ -198,7 +198,7 @@ def test_gemv_lanes_routes(device, monkeypatch):
     N, K = 21, 2304
     for fmt, M, dtype, lanes in [("q4_k", 1, torch.float16, True), ("q8_0", 1, torch.float16, False),
                                  ("q4_k", 2, torch.float16, False), ("q4_k", 1, torch.float32, False)]:
-        qt = lk.quantize(torch.randn(N, K) * 0.05, fmt).to(device)
+        qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, fmt)
         x = torch.randn(M, K, dtype=dtype, device=device)
         calls.clear()
         y = ops.gemv_lanes(x, lane_order(x), qt)
@@ -207,7 +207,7 @@ def test_gemv_lanes_routes(device, monkeypatch):
         assert_close(y, ref, dtype, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
     monkeypatch.setattr(route, "LANES_MIN_WEIGHTS", 16)
     calls.clear()
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     ref = gemv_ref(x, qt)
     assert_close(lk.gemv(x, qt), ref, torch.float16, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
@@ -219,7 +219,7 @@ def test_gemv_lanes_bad_input(device):
     from llmkernels.qgemv.ops import gemv_lanes
 
     N, K = 16, 2304
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     x = torch.randn(1, K, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="x_lanes must be"):
         gemv_lanes(x, torch.zeros(1, K, dtype=torch.float16, device=device), qt)
@@ -237,7 +237,7 @@ def test_m1_lane_order_gpu(device):
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K in [(4096, 4096), (1001, 14336), (77, 2304)]:
-        qt = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+        qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
         for config in [(2, 1, 4, 3, 8, 1, 1), (4, 1, 2, 4, 8, 1, 2), (1, 1, 8, 3, 8)]:
             for dtype in (torch.float16, torch.bfloat16):
                 x = torch.randn(1, K, dtype=dtype, device=device)
@@ -286,8 +286,8 @@ def _glu_ref(x, g, u):
 def test_m1_glu(N, K, M, config, lanes, device):
     """silu(x G^T) * (x U^T) with the gate and up rows of each output in one thread (GLU), against float64, output
     poisoned before the call."""
-    g = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
-    u = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    g = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
+    u = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     for dtype in (torch.float16,) if interpreter_mode() else (torch.float16, torch.bfloat16):
         x = torch.randn(M, K, dtype=dtype, device=device)
         y = _finish(launch_m1(_lanes_poisoned(x) if lanes else x, g.data, "q4_k", N, K, config, 4,
@@ -298,7 +298,7 @@ def test_m1_glu(N, K, M, config, lanes, device):
 
 
 def test_m1_glu_bad_config(device):
-    g = lk.quantize(torch.randn(16, 256) * 0.05, "q4_k").to(device)
+    g = lk.quantize(torch.randn(16, 256, device=device) * 0.05, "q4_k")
     x = torch.randn(1, 256, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="even R"):
         launch_m1(x, g.data, "q4_k", 16, 256, (1, 1, 1, 1), 4, 1, up=g.data)
@@ -320,8 +320,8 @@ def test_gate_up_silu_q4k_routes(device, monkeypatch):
 
     monkeypatch.setattr(m1, "launch_m1", spy)
     N, K = 21, 2304
-    g = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
-    u = lk.quantize(torch.randn(N, K) * 0.05, "q4_k").to(device)
+    g = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
+    u = lk.quantize(torch.randn(N, K, device=device) * 0.05, "q4_k")
     for M, min_w, want in [(1, 1 << 62, [(True, False)]), (4, 1 << 62, [(True, False)]), (1, 16, [(True, True)]),
                            (9, 1 << 62, [])]:
         monkeypatch.setattr(route, "LANES_MIN_WEIGHTS", min_w)

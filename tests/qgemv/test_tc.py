@@ -32,7 +32,7 @@ def _check(y, x, qt, dtype):
 def test_tc_kernel(fmt, N, K, M, config, sms, device):
     """q4_k and q5_k (whose 5th bits come from qh: bits 2t, 2t + 1 of the byte for lane chunk t; the weights' spread
     over rows puts codes 0 and 31 in every super-block)."""
-    qt = lk.quantize(torch.randn(N, K) * torch.logspace(-3, 0, N)[:, None], fmt).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * torch.logspace(-3, 0, N, device=device)[:, None], fmt)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     y = launch_tc(x, qt.data, N, K, config, sms, 1 if interpreter_mode() else 2, fmt=fmt)
     _check(_finish(y, x.dtype), x, qt, torch.float16)
@@ -46,7 +46,7 @@ def test_tc_fixup(fmt, K, device):
     from llmkernels._runtime import split_counters
     from llmkernels.qgemv.ops import split_k
 
-    qt = lk.quantize(torch.randn(45, K) * 0.05, fmt).to(device)
+    qt = lk.quantize(torch.randn(45, K, device=device) * 0.05, fmt)
     for M in (1, 5, 17):
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         unpack = 1 if interpreter_mode() else 2
@@ -110,7 +110,7 @@ def test_tc_kernel_q6k(N, K, M, config, sms, device):
     (70, 256, 9, 64, torch.bfloat16),  # bf16 scales with fp16 x
 ])
 def test_tc_kernel_mlx(N, K, M, gs, sdt, device):
-    qt = lk.quantize(torch.randn(N, K) * 0.05, "mlx", bits=4, group_size=gs, scale_dtype=sdt).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * 0.05, "mlx", bits=4, group_size=gs, scale_dtype=sdt)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     y = launch_tc(x, qt.data, N, K, (16, 4, 1, 2), 4, 1 if interpreter_mode() else 2, qt.scales, qt.biases, gs)
     _check(_finish(y, x.dtype), x, qt, torch.float16)
@@ -125,7 +125,7 @@ def test_gemv_takes_tc_for_mlx4(device, monkeypatch):
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for bits, K, M in ((4, 256, 1), (4, 256, 2), (4, 256, 3), (4, 256, 16), (8, 256, 8), (4, 320, 8), (4, 8192, 1)):
-        qt = lk.quantize(torch.randn(24, K) * 0.05, "mlx", bits=bits, group_size=64).to(device)
+        qt = lk.quantize(torch.randn(24, K, device=device) * 0.05, "mlx", bits=bits, group_size=64)
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     assert calls == [(2, 256), (3, 256), (16, 256), (1, 8192)]
@@ -139,7 +139,7 @@ def test_gemv_takes_tc_for_mid_m(device, monkeypatch):
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    qt = lk.quantize(torch.randn(40, 256) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(40, 256, device=device) * 0.05, "q4_k")
     for M in (1, 2, 3, 4, 16, 17, 64, 65):
         x = torch.randn(M, 256, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
@@ -173,7 +173,7 @@ def test_tc_x_in_k_order(fmt, M, config, sms, device):
 
     N, K = 45, 2048
     kw = dict(bits=4, group_size=64) if fmt == "mlx" else {}
-    qt = lk.quantize(torch.randn(N, K) * torch.logspace(-3, 0, N)[:, None], fmt, **kw).to(device)
+    qt = lk.quantize(torch.randn(N, K, device=device) * torch.logspace(-3, 0, N, device=device)[:, None], fmt, **kw)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     xt = tc_order(x, fmt)
     perm = TC_PERMS[TC_FORMATS[fmt]].long().to(device)
@@ -200,13 +200,13 @@ def test_gemv_hands_x_in_k_order(device, monkeypatch):
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((a[0].shape[0], k.get("xt") is not None))
                         or real(*a, **k))
-    qt = lk.quantize(torch.randn(40, 512) * 0.05, "q4_k").to(device)
+    qt = lk.quantize(torch.randn(40, 512, device=device) * 0.05, "q4_k")
     for M in (16, 17, 64):
         x = torch.randn(M, 512, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     lk.silu_mul_gemv(torch.randn(20, 512, dtype=torch.float16, device=device),
                      torch.randn(20, 512, dtype=torch.float16, device=device), qt)
-    q8 = lk.quantize(torch.randn(40, 512) * 0.05, "q8_0").to(device)  # route.TC_XT_NOT_64: up to 32 rows only
+    q8 = lk.quantize(torch.randn(40, 512, device=device) * 0.05, "q8_0")  # route.TC_XT_NOT_64: up to 32 rows only
     for M in (32, 33):
         x = torch.randn(M, 512, dtype=torch.float16, device=device)
         _check(lk.gemv(x, q8), x, q8, torch.float16)
@@ -243,11 +243,11 @@ def test_gemv_takes_tc_for_legacy(device, monkeypatch):
         for K, M in ((256, lo - 1), (256, lo), (512, 16), (256, 64), (256, 65), (320, 8)):
             if M < 1:
                 continue
-            qt = lk.quantize(torch.randn(24, K) * 0.05, fmt).to(device)
+            qt = lk.quantize(torch.randn(24, K, device=device) * 0.05, fmt)
             x = torch.randn(M, K, dtype=torch.float16, device=device)
             _check(lk.gemv(x, qt), x, qt, torch.float16)
         want += [(fmt, lo), (fmt, 16), (fmt, 64), (fmt, 8)]
-        qt = lk.quantize(torch.randn(24, 256) * 0.05, fmt).to(device)
+        qt = lk.quantize(torch.randn(24, 256, device=device) * 0.05, fmt)
         lk.gemv(torch.randn(8, 256, device=device), qt)
         g, u = (torch.randn(8, 256, dtype=torch.float16, device=device) for _ in range(2))
         _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
@@ -270,7 +270,7 @@ def test_silu_mul_gemv_takes_tc(fmt, M, device, monkeypatch):
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append(k.get("x2") is not None) or real(*a, **k))
     kw = dict(bits=4, group_size=64) if fmt == "mlx" else {}
-    qt = lk.quantize(torch.randn(45, 512) * 0.05, fmt, **kw).to(device)
+    qt = lk.quantize(torch.randn(45, 512, device=device) * 0.05, fmt, **kw)
     g, u = (torch.randn(M, 512, dtype=torch.float16, device=device) * 3 for _ in range(2))
     _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
     assert calls == [True]
@@ -317,7 +317,7 @@ def test_gemv_takes_tc_for_kquants(device, monkeypatch):
     want = []
     for fmt, K in (("q5_k", 256), ("q6_k", 2048)):
         lo = route.TC_FIRST_M[fmt]
-        qt = lk.quantize(torch.randn(20, K) * 0.05, fmt).to(device)
+        qt = lk.quantize(torch.randn(20, K, device=device) * 0.05, fmt)
         for M in (lo - 1, lo, 64, 65):
             if M < 1:
                 continue
@@ -326,11 +326,11 @@ def test_gemv_takes_tc_for_kquants(device, monkeypatch):
         g, u = (torch.randn(lo, K, dtype=torch.float16, device=device) for _ in range(2))
         _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
         want += [(fmt, lo), (fmt, 64), (fmt, lo)]
-    qt = lk.quantize(torch.randn(20, 1024) * 0.05, "q6_k").to(device)
+    qt = lk.quantize(torch.randn(20, 1024, device=device) * 0.05, "q6_k")
     x = torch.randn(8, 1024, dtype=torch.float16, device=device)
     _check(lk.gemv(x, qt), x, qt, torch.float16)
     K = route.TC_LONG_K
-    qt = lk.quantize(torch.randn(20, K) * 0.05, "q5_k").to(device)
+    qt = lk.quantize(torch.randn(20, K, device=device) * 0.05, "q5_k")
     lo = route.TC_FIRST_M_LARGE["q5_k"]
     g, u = (torch.randn(lo, K, dtype=torch.float16, device=device) for _ in range(2))
     _check(lk.gemv(g, qt), g, qt, torch.float16)
