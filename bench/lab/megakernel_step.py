@@ -1,7 +1,7 @@
 """The reference one-kernel decode step (llmkernels.megakernel.kernel, Triton) on the GPU against the engine's
 kernel-per-op step, both at batch 1 on a Llama-3-8B-shaped model with random weights in one format.
 
-    PYTHONPATH=. python bench/lab/megakernel_step.py [--fmt q4_k_m] [--layers 32] [--context 512]
+    PYTHONPATH=. python bench/lab/megakernel_step.py [--fmt q4_k_m] [--layers 32] [--context 512] [--tiles 16x64x4,...]
 
 Prints each tile configuration's step time and fraction of the weight-bandwidth bound, then the engine's
 batch-1 decode rate on the same shape (CUDA graphs, as the engine suite measures it). The reference executor
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--fmt", default="q4_k_m")
+    ap.add_argument("--tiles", default="16x64x4,32x256x8",
+                    help="rows x norm chunk x warps per configuration, comma-separated (each compiles for ~30 s)")
     args = ap.parse_args()
     cfg = llama3_8b_config(args.layers)
     bw = measure_read_bandwidth() * 1e12
@@ -43,7 +45,7 @@ def main():
     ids = torch.ones(1, dtype=torch.int32, device="cuda")
     lens = torch.full((1,), args.context, dtype=torch.int32, device="cuda")
     inv, _ = rope_inv_freq(cfg)
-    for block_r, block_k, warps in ((16, 64, 4), (16, 256, 4), (32, 256, 8), (64, 256, 8)):
+    for block_r, block_k, warps in (tuple(map(int, t.split("x"))) for t in args.tiles.split(",")):
         step = DecodeStep(prog, cfg, tensors, kc, vc, inv.cuda(), batch=1, block_r=block_r, block_k=block_k,
                           num_warps=warps)
         step(ids, lens, table)

@@ -37,7 +37,9 @@ def _match_the_engine(path, cfg, step, table, T, batch, device, solo=None, lead=
         want = ref[b][pos].float()
         err = (got - want).abs().max().item() / want.abs().max().item()
         assert err < 2e-2, f"sequence {b} at position {pos}: max error {err:.3g} of the largest logit"
-        assert got.argmax() == want.argmax()
+        # the same greedy token, unless the engine's top two are closer than the error allowed (a near tie)
+        top = want.max().item()
+        assert got.argmax() == want.argmax() or want[got.argmax()].item() >= top - 2e-2 * want.abs().max().item()
 
     i32 = dict(dtype=torch.int32, device=device)
     for t in range(lead):
