@@ -79,3 +79,26 @@ def test_gluon_kernels_only_on_their_triton_api():
     from llmkernels.supported import gluon_supported
 
     assert not gluon_supported("3.9.0") and not gluon_supported("3.5.0")
+
+
+def test_tuner_never_picks_a_candidate_that_computes_wrong_results(monkeypatch):
+    """_best runs the check under each candidate before timing it: the fastest candidate, if wrong, is skipped;
+    when every candidate is wrong the tuner raises instead of writing an entry."""
+    from llmkernels.bench import harness
+    from llmkernels.tuning import OVERRIDES, tune
+
+    times = {(1,): 3.0, (2,): 1.0, (3,): 2.0}  # (2,) is the fastest, and wrong
+    monkeypatch.setattr(harness, "time_ms", lambda fn, **kw: times[tuple(OVERRIDES[("gemv", "k")])])
+
+    def check():
+        assert OVERRIDES[("gemv", "k")] != [2], "wrong"
+
+    assert tune._best("gemv", "k", list(times), [lambda: None], check=check) == [3]
+    assert ("gemv", "k") not in OVERRIDES
+    assert tune._best("gemv", "k", list(times), [lambda: None]) == [2]  # without a check the fastest wins
+
+    def never():
+        raise AssertionError("always wrong")
+
+    with pytest.raises(RuntimeError, match="no candidate both ran and gave right results"):
+        tune._best("gemv", "k", list(times), [lambda: None], check=never)

@@ -21,13 +21,23 @@ from ..supported import gluon_supported
 from . import OVERRIDES, clear_cache, user_dir
 
 
-def _best(table, key, candidates, workloads):
-    """Time every candidate on every workload (geometric mean); -> (best entry, report lines)."""
+def _best(table, key, candidates, workloads, check=None):
+    """Time every candidate on every workload (geometric mean); -> the best entry. ``check``: called under each
+    candidate before it is timed, raises AssertionError if the candidate computes a wrong result (it is then
+    never chosen: a fast wrong kernel must not reach a table)."""
     from ..bench.harness import time_graph_ms, time_ms
 
     results = []
     for cand in candidates:
         OVERRIDES[(table, key)] = list(cand)
+        if check is not None:
+            try:
+                check()
+            except AssertionError as e:
+                print(f"    {key} {cand}: wrong result, skipped ({str(e).splitlines()[0][:160]})", flush=True)
+                results.append((float("inf"), cand))
+                OVERRIDES.pop((table, key), None)
+                continue
         try:
             # a workload is one callable (timed with do_bench) or a list of copies (graph replay, L2 overflowed)
             times = [time_graph_ms(w, reps=10, trials=3) if isinstance(w, list) else time_ms(w, warmup_ms=10,
@@ -41,6 +51,8 @@ def _best(table, key, candidates, workloads):
         OVERRIDES.pop((table, key), None)
     results.sort(key=lambda r: r[0])
     best = results[0]
+    if not math.isfinite(best[0]):
+        raise RuntimeError(f"tuning {table} {key}: no candidate both ran and gave right results")
     print(f"  {table} {key}: best {best[1]} {best[0] * 1e3:.1f} us (worst finite "
           f"{max(r[0] for r in results if math.isfinite(r[0])) * 1e3:.1f} us)", flush=True)
     return list(best[1])
@@ -383,10 +395,42 @@ MOE_CANDIDATES = [(16, 1, 4, 3), (8, 1, 4, 3), (32, 1, 4, 3), (64, 1, 8, 3), (16
                   (16, 1, 2, 3), (8, 1, 2, 4), (32, 1, 8, 2), (16, 2, 8, 3), (64, 2, 8, 2), (8, 2, 4, 2)]
 
 
+# the formats each per-family MoE entry is checked on before it may win
+MOE_CHECK_FORMATS = ["q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "f16"]
+
 # the m1 kernel's MoE configs for q4_k (R even: gate/up run as its GLU)
 MOE_M1_Q4K_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 4, 3, 4, 1, 1), (2, 1, 4, 3, 2, 1, 1), (2, 1, 4, 3, 1, 1, 1),
                          (4, 1, 4, 3, 8, 1, 1), (4, 1, 4, 3, 2, 1, 1), (2, 1, 8, 3, 8, 1, 1), (2, 1, 2, 3, 8, 1, 1),
                          (4, 1, 4, 3, 4, 2, 1), (2, 1, 4, 4, 8, 1, 1)]
+
+
+def _moe_check(formats, m1: bool, products=("gate/up", "down")):
+    """A check for _best: the MoE ``products`` (gate/up fused, and down) on Qwen3-30B-A3B's expert shapes for every
+    format that shares the entry, against float64 references. ``m1``: pairs without token ids (the m1 kernel's
+    route for K-quants), else with them (the generic kernel's)."""
+    from ..qgemv.moe import moe_gate_up_silu, moe_gemv
+    from ..quant import quantize
+    from ..testing import assert_close, moe_gate_up_silu_ref, moe_gemv_ref
+
+    E, P, H, F = 16, 8, 2048, 768
+    g = torch.Generator(device="cuda").manual_seed(1)
+    weights = {f: [quantize(torch.randn(E * n, kk, device="cuda", generator=g) * 0.05, f)
+                   for n, kk in ((F, H), (F, H), (H, F))] for f in formats}
+    e = torch.randint(0, E, (P,), device="cuda", generator=g).to(torch.int32)
+    tok = None if m1 else (torch.arange(P, device="cuda", dtype=torch.int32) % 3)
+
+    def check():
+        for f, (gate, up, down) in weights.items():
+            x = torch.randn(P if m1 else 3, H, device="cuda", dtype=torch.bfloat16, generator=g)
+            h = torch.randn(P if m1 else 3, F, device="cuda", dtype=torch.bfloat16, generator=g)
+            runs = {"gate/up": lambda: (moe_gate_up_silu(x, gate, up, E, e, tok),
+                                        moe_gate_up_silu_ref(x, gate, up, E, e, tok)),
+                    "down": lambda: (moe_gemv(h, down, E, e, tok), moe_gemv_ref(h, down, E, e, tok))}
+            for name in products:
+                y, ref = runs[name]()
+                scale = ref.abs().max().item() + 1e-6
+                assert_close(y, ref, torch.bfloat16, name=f"{f} {name}", atol=2e-2 * scale, rtol=2e-2)
+    return check
 
 
 def tune_moe(gpu):
@@ -408,16 +452,21 @@ def tune_moe(gpu):
         gate, up = (random_qtensor(fmt, E * F, H, "cuda") for _ in range(2))
         down = random_qtensor(fmt, E * H, F, "cuda")
         works = [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]]
-        key = f"moe/{GGUF_FORMATS[fmt].family}"
-        out[key] = _best("gemv", key, MOE_CANDIDATES, works)
+        family = GGUF_FORMATS[fmt].family
+        key = f"moe/{family}"
+        # timed on one format, checked on every format of the family (the entry serves them all)
+        same = [f for f in MOE_CHECK_FORMATS if GGUF_FORMATS[f].family == family]
+        out[key] = _best("gemv", key, MOE_CANDIDATES, works, check=_moe_check(same, m1=False))
     # the m1 kernel's MoE builds: q4_k gate/up (GLU) and down, q6_k down (the Q4_K_M mix's more-bits layers)
     gate, up, down = (random_qtensor("q4_k", n, kk, "cuda") for n, kk in ((E * F, H), (E * F, H), (E * H, F)))
     out["moe_m1/q4_k"] = _best("gemv", "moe_m1/q4_k", MOE_M1_Q4K_CANDIDATES,
-                               [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]])
+                               [[lambda e=e: moe_ffn(x, w, e, gate, up, down, E) for e in ids]],
+                               check=_moe_check(["q4_k"], m1=True))
     down6 = random_qtensor("q6_k", E * H, F, "cuda")
     h = torch.randn(k, F, device="cuda", dtype=torch.bfloat16)
     out["moe_m1/q6_k"] = _best("gemv", "moe_m1/q6_k", Q6_M1_CANDIDATES,
-                               [[lambda e=e: moe_gemv(h, down6, E, e.view(-1)) for e in ids]])
+                               [[lambda e=e: moe_gemv(h, down6, E, e.view(-1)) for e in ids]],
+                               check=_moe_check(["q6_k"], m1=True, products=("down",)))
     return out
 
 
