@@ -369,7 +369,11 @@ def moe_config(t: Target, fmt: str, N: int, K: int, bits: int, group_size: int) 
     llmkernels tune moe``), else the generic kernel's M = 1 config, each pair being a GEMV of one row."""
     family = layout(fmt, K, group_size)[4]
     entry = None if t.interpreter else lookup("gemv", t.gpu, f"moe/{family}")
-    return tuple(entry) if entry is not None else generic_config(t, fmt, 1, N, K, bits, group_size)
+    cfg = tuple(entry) if entry is not None else generic_config(t, fmt, 1, N, K, bits, group_size)
+    if family == "kquant" and cfg[0] < 16:
+        # 8-row tiles gave wrong q4_k gate/up products on the H200 (tune moe's check caught them in the table)
+        cfg = (16,) + cfg[1:]
+    return cfg
 
 
 def moe_grouped_config(t: Target, block_weights: int, pairs: int, num_experts: int) -> tuple:

@@ -136,6 +136,8 @@ def test_moe_config_reads_the_table_then_falls_back(monkeypatch):
     assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == want
     monkeypatch.setitem(OVERRIDES, ("gemv", "moe/kquant"), [32, 2, 8, 2])
     assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == (32, 2, 8, 2)
+    monkeypatch.setitem(OVERRIDES, ("gemv", "moe/kquant"), [8, 1, 2, 4])  # K-quants never get 8-row tiles
+    assert route.moe_config(gpu, "q4_k", 768, 2048, 0, 0) == (16, 1, 2, 4)
     assert route.moe_config(gpu, "q8_0", 768, 2048, 0, 0) == tuple(lookup("gemv", gpu.gpu, "moe/legacy"))
     interp = route.Target("cpu", interpreter=True)
     assert route.moe_config(interp, "q4_k", 768, 2048, 0, 0) == route.generic_config(interp, "q4_k", 1, 768, 2048, 0,
