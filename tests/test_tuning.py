@@ -102,3 +102,23 @@ def test_tuner_never_picks_a_candidate_that_computes_wrong_results(monkeypatch):
 
     with pytest.raises(RuntimeError, match="no candidate both ran and gave right results"):
         tune._best("gemv", "k", list(times), [lambda: None], check=never)
+
+
+def test_gemv_check_compares_with_float64(device):
+    """The tuners' GEMV check passes a right product and fails a wrong one (here: one output element off)."""
+    import torch
+
+    import llmkernels as lk
+    from llmkernels.tuning import tune
+
+    qt = lk.quantize(torch.randn(24, 256, device=device) * 0.05, "q8_0")
+    xs, qts = [torch.randn(1, 256, device=device, dtype=torch.float16)], [[qt]]
+    tune._gemv_check(xs, qts)()
+
+    def off_by_one(x, qt):
+        y = lk.gemv(x, qt)
+        y[0, 3] += 1.0
+        return y
+
+    with pytest.raises(AssertionError, match="workload 0"):
+        tune._gemv_check(xs, qts, off_by_one)()

@@ -58,6 +58,34 @@ def _best(table, key, candidates, workloads, check=None):
     return list(best[1])
 
 
+def _close_check(cases, tol: float):
+    """A check for _best: ``cases`` [(fn, ref_fn)], each fn's output within ``tol`` of its float64 reference
+    relative to the reference's largest element (a product over K of O(1) terms; a miscompiled config is off by
+    O(1)). References are computed once, at the first call."""
+    from ..testing import assert_close
+
+    refs = []
+
+    def check():
+        if not refs:
+            refs.extend(ref() for _, ref in cases)
+        for i, ((fn, _), want) in enumerate(zip(cases, refs)):
+            scale = want.abs().max().item() + 1e-6
+            assert_close(fn(), want, torch.float64, name=f"workload {i}", atol=tol * scale, rtol=tol)
+    return check
+
+
+def _gemv_check(xs, qts, fn=None, ref=None, tol: float = 4e-3):
+    """_close_check over one (x, first weight copy) per shape: ``fn(x, qt)`` (default gemv) against ``ref(x, qt)``
+    (default gemv_ref)."""
+    from ..qgemv import gemv
+    from ..testing import gemv_ref
+
+    fn, ref = fn or gemv, ref or gemv_ref
+    return _close_check([(lambda x=x, qt=copies[0]: fn(x, qt), lambda x=x, qt=copies[0]: ref(x, qt))
+                         for x, copies in zip(xs, qts)], tol)
+
+
 # per head dim, the (batch, q heads, kv heads, length) workloads of the prefill tuners, geometric mean. One short and
 # one long: S=4096 alone measured bimodal on the H100 (about 290 or 370 TFLOP/s for one config from run to run), and
 # at D=256 it picked a config 10% slower at 8192
@@ -76,6 +104,23 @@ def _prefill_inputs(D, dtype=None):
             q, k, v = (t.to(dtype) for t in (q, k, v))
         inputs.append((q, k, v, cu, S))
     return inputs
+
+
+def _prefill_check(D: int, dtype, causal: bool):
+    """A check for _best: flash_attn_varlen on a small ragged GQA batch at head dim ``D`` in ``dtype`` (bf16, or
+    e4m3 inputs) against float64 on the same (dequantized) inputs; the tolerance is the dtype's, relative to the
+    largest output."""
+    from ..attention import flash_attn_varlen
+    from ..testing import flash_attn_varlen_ref
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lens = [333, 128, 700]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lens), h, D, device="cuda", generator=g).to(dtype) for h in (8, 2, 2))
+    fp8 = dtype == torch.float8_e4m3fn
+    return _close_check([(lambda: flash_attn_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=causal),
+                          lambda: flash_attn_varlen_ref(q.float(), k.float(), v.float(), cu, cu, causal=causal)[0])],
+                        0.1 if fp8 else 2e-2)
 
 
 def tune_prefill(gpu):
@@ -105,7 +150,8 @@ def tune_prefill(gpu):
             key = f"bfloat16/{D}/{'causal' if causal else 'full'}"
             fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
                    for q, k, v, cu, S in inputs]
-            best = _best("prefill", key, cands, fns)
+            check = _prefill_check(D, torch.bfloat16, causal)
+            best = _best("prefill", key, cands, fns, check=check)
             out[key] = best
             out[key.replace("bfloat16", "float16")] = best
             if torch.cuda.get_device_capability() == (9, 0) and gluon_supported():
@@ -114,7 +160,7 @@ def tune_prefill(gpu):
                 # of 64 keys fill 197 KB of shared memory with Q
                 OVERRIDES[("prefill", key)] = best
                 ws_cands = [(0, 0), (64, 2), (32, 3)] if D == 256 else [(0, 0), (128, 2), (128, 3), (64, 3), (64, 4)]
-                ws = _best("prefill", key + "/ws", ws_cands, fns)
+                ws = _best("prefill", key + "/ws", ws_cands, fns, check=check)
                 OVERRIDES.pop(("prefill", key), None)
                 out[key + "/ws"] = ws
                 out[key.replace("bfloat16", "float16") + "/ws"] = ws
@@ -138,7 +184,7 @@ def tune_prefill_fp8(gpu):
             key = f"float8_e4m3fn/{D}/{'causal' if causal else 'full'}/ws"
             fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
                    for q, k, v, cu, S in inputs]
-            out[key] = _best("prefill", key, cands, fns)
+            out[key] = _best("prefill", key, cands, fns, check=_prefill_check(D, torch.float8_e4m3fn, causal))
     return out
 
 
@@ -170,6 +216,17 @@ class _DecodeWork:
                                validate=False, **self.sc)
 
 
+def _decode_check(key, ps, kv, Hq, Hkv, D):
+    """A check for _best: a small decode batch (3 sequences of 333 tokens, page size ``ps``, cache dtype ``kv``)
+    through the planner and paged_attention under the candidate, against float64 on the dequantized cache."""
+    from ..testing import paged_attention_ref
+
+    w = _DecodeWork(key, 3, 333, ps, kv, Hq, Hkv, D)
+    fp8 = kv != torch.bfloat16
+    return _close_check([(w, lambda: paged_attention_ref(w.q, w.kc, w.vc, w.pt, w.sl, w.cu, **w.sc)[0])],
+                        0.1 if fp8 else 2e-2)
+
+
 def tune_decode(gpu):
     out = {}
     Hq, Hkv, D = 32, 8, 128
@@ -182,7 +239,7 @@ def tune_decode(gpu):
             key = f"short/{str(kv)[6:]}/{D}/{page_class}/g<=8"
             works = [[_DecodeWork(key, B, L, ps, kv, Hq, Hkv, D) for _ in range(n)]
                      for B, L, n in ((16, 4096, 2), (64, 4096, 1), (1, 16384, 4))]
-            out[key] = _best("paged", key, cands, works)
+            out[key] = _best("paged", key, cands, works, check=_decode_check(key, ps, kv, Hq, Hkv, D))
             del works
     return out
 
@@ -198,7 +255,7 @@ def tune_decode_few(gpu):
             # copies so that each graph replay reads its K/V from DRAM, as in an engine step
             works = [[_DecodeWork(key, 1, L, ps, kv, Hq, Hkv, D) for _ in range(n)]
                      for L, n in ((600, 48), (4096, 8), (32768, 2))]
-            out[key] = _best("paged", key, cands, works)
+            out[key] = _best("paged", key, cands, works, check=_decode_check(key, ps, kv, Hq, Hkv, D))
             del works
     return out
 
@@ -226,6 +283,7 @@ SMALL_M_KERNEL = {
 
 def tune_gemv(gpu):
     from ..qgemv import gemv, silu_mul_gemv
+    from ..testing import silu_mul_gemv_ref
     from ..testing.random_weights import random_qtensor
 
     out = {}
@@ -233,7 +291,7 @@ def tune_gemv(gpu):
     # MLX 4-bit is not tuned: with BLOCK_N=8, NB=8 the planes kernel returned zeros on an H100 (Triton 3.6) while
     # the interpreter was right; its defaults are verified by the GPU tests instead
     fmts = [("q4_0", {}, 8), ("q8_0", {}, 8), ("q4_k", {}, 1)]
-    tc_works = {}
+    tc_works, tc_checks = {}, {}
     for fmt, kw, nb in fmts:
         qts = [[random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(6)] for N, K in shapes]
         name = fmt if fmt != "mlx" else f"mlx{kw['bits']}"
@@ -252,31 +310,38 @@ def tune_gemv(gpu):
             # silu_mul_gemv; the planes kernel serves float32 x (and K not a multiple of 256), so its entries are
             # timed with float32 x
             planes_works = [[lambda x=x.float(), qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)]
-            out[key] = _best("gemv", key, cands, planes_works)
+            out[key] = _best("gemv", key, cands, planes_works,
+                             check=_gemv_check([x.float() for x in xs], qts, tol=1e-3))
+            check = _gemv_check(xs, qts)
             if fmt in TC_ALL_M:
                 tc_works[f"tc/{fmt}" + ("/m1" if mclass == "m1" else "")] = works
+                tc_checks[f"tc/{fmt}" + ("/m1" if mclass == "m1" else "")] = check
                 if mclass == "m16":  # silu_mul_gemv from M = 2
                     tc_works[f"tc/{fmt}/silu"] = [[lambda x=x, qt=qt: silu_mul_gemv(x, x, qt) for qt in copies]
                                                   for x, copies in zip(xs, qts)]
+                    tc_checks[f"tc/{fmt}/silu"] = _gemv_check(xs, qts, lambda x, qt: silu_mul_gemv(x, x, qt),
+                                                              lambda x, qt: silu_mul_gemv_ref(x, x, qt), tol=1e-2)
             elif fmt == "q4_k" and mclass == "m16":
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
-                out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works)
+                out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works, check=check)
             elif fmt in SMALL_M_KERNEL and mclass == "m1":
                 small_key, small_cands = SMALL_M_KERNEL[fmt]
-                out[small_key] = _best("gemv", small_key, small_cands, works)
+                out[small_key] = _best("gemv", small_key, small_cands, works, check=check)
     for key, works in tc_works.items():
-        out[key] = _best("gemv", key, TC_LEGACY_CANDS, works)
+        out[key] = _best("gemv", key, TC_LEGACY_CANDS, works, check=tc_checks[key])
     # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
     mlx = [[random_qtensor("mlx", N, K, "cuda", bits=4, group_size=64) for _ in range(6)] for N, K in shapes]
     xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]
     out["tc/mlx4"] = _best("gemv", "tc/mlx4", TC_CANDS,
-                           [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, mlx)])
+                           [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, mlx)],
+                           check=_gemv_check(xs, mlx))
     # q5_k from M = 3 and q6_k at every M (K a multiple of 2048) take the tensor-core kernel, tuned at M = 8
     for fmt in ("q5_k", "q6_k"):
         qts = [[random_qtensor(fmt, N, K, "cuda") for _ in range(4)] for N, K in shapes]
         xs = [torch.randn(8, K, device="cuda", dtype=torch.float16) for _, K in shapes]
         out[f"tc/{fmt}"] = _best("gemv", f"tc/{fmt}", TC_KQ_CANDS,
-                                 [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)])
+                                 [[lambda x=x, qt=qt: gemv(x, qt) for qt in copies] for x, copies in zip(xs, qts)],
+                                 check=_gemv_check(xs, qts))
     # the generic kernel's K-quant entries, timed on q3_k (q5_k and q6_k have kernels of their own at these shapes)
     generic = [("legacy", "q5_0", {}, 8), ("kquant", "q3_k", {}, 1), ("dense", "f16", {}, 8),
                ("mlx_odd", "mlx", dict(bits=3, group_size=64), 4)]
@@ -289,7 +354,7 @@ def tune_gemv(gpu):
             cands = [(16, nb, 4, st), (32, nb, 4, st), (64, nb, 4, st), (32, max(1, nb // 2), 4, st),
                      (32, nb, 8, st), (64, nb, 8, max(1, st - 1))]
             key = f"{family}/{mclass}"
-            out[key] = _best("gemv", key, cands, works)
+            out[key] = _best("gemv", key, cands, works, check=_gemv_check(xs, qts))
     return out
 
 
@@ -321,6 +386,7 @@ def _tune_gemv_m1():
     from ..bench.harness import copies_for
     from ..qgemv import gemv, silu_mul_gemv
     from ..qgemv.route import m1_key
+    from ..testing import silu_mul_gemv_ref
     from ..testing.random_weights import random_qtensor
 
     out = {}
@@ -338,7 +404,12 @@ def _tune_gemv_m1():
             fn = silu_mul_gemv if name == "q4_k" else (lambda x, y, qt: gemv(x, qt))
             works = [[lambda x=x, qt=qt: fn(x, x, qt) for qt in copies] for x, copies in zip(xs, qts)]
             key = m1_key(name, M)
-            out[key] = _best("gemv", key, Q6_M1_CANDIDATES if fmt == "q6_k" else M1_CANDIDATES, works)
+            if name == "q4_k":
+                check = _gemv_check(xs, qts, lambda x, qt: silu_mul_gemv(x, x, qt),
+                                    lambda x, qt: silu_mul_gemv_ref(x, x, qt), tol=1e-2)
+            else:
+                check = _gemv_check(xs, qts)
+            out[key] = _best("gemv", key, Q6_M1_CANDIDATES if fmt == "q6_k" else M1_CANDIDATES, works, check=check)
         del qts
     return out
 
@@ -351,14 +422,17 @@ def tune_gemv_lanes(gpu):
     from ..qgemv.ops import gemv_lanes
     from ..testing.random_weights import random_qtensor
 
-    works = []
+    works, xs, qts = [], [], []
     for N, K in [(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
         first = random_qtensor("q4_k", N, K, "cuda")
         copies = [first] + [random_qtensor("q4_k", N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)]
         x = torch.randn(1, K, device="cuda", dtype=torch.float16)
         xl = lane_order(x)
         works.append([lambda x=x, xl=xl, qt=qt: gemv_lanes(x, xl, qt) for qt in copies])
-    return {"lanes/q4_k": _best("gemv", "lanes/q4_k", LANE_CANDIDATES, works)}
+        xs.append(x)
+        qts.append(copies)
+    check = _gemv_check(xs, qts, lambda x, qt: gemv_lanes(x, lane_order(x), qt))
+    return {"lanes/q4_k": _best("gemv", "lanes/q4_k", LANE_CANDIDATES, works, check=check)}
 
 
 # int8-activation gemv (qgemv/int8.py): the size classes of route.i8_config with representative shapes, and candidate
@@ -377,14 +451,18 @@ def tune_gemv_i8(gpu):
     out = {}
     for fmt in ("q4_0", "q4_k", "q8_0"):
         for size, shapes in I8_CLASSES.items():
-            works = []
+            works, xs, qts = [], [], []
             for N, K in shapes:
                 first = random_qtensor(fmt, N, K, "cuda")
                 copies = [first] + [random_qtensor(fmt, N, K, "cuda") for _ in range(copies_for(first.nbytes) - 1)]
                 x = torch.randn(1, K, device="cuda", dtype=torch.float16)
                 works.append([lambda x=x, qt=qt: gemv(x, qt, act_int8=True) for qt in copies])
+                xs.append(x)
+                qts.append(copies)
             key = f"i8/{fmt}/{size}"
-            out[key] = _best("gemv", key, I8_CANDIDATES, works)
+            # against the exact product: int8 activations move it by about 1e-2 of its largest element at most
+            check = _gemv_check(xs, qts, lambda x, qt: gemv(x, qt, act_int8=True), tol=3e-2)
+            out[key] = _best("gemv", key, I8_CANDIDATES, works, check=check)
             del works
     return out
 
