@@ -1,7 +1,7 @@
 """Three numbers the one-kernel decode step's cost model (llmkernels.megakernel.simulate) takes, measured:
 
 - stream: what P persistent programs reading disjoint chunks with plain loads get, per program and together
-  (P = 1 .. 2 per SM): whether one SM alone can pull its 1/num_sms share of the bandwidth;
+  (P = 1 .. 4 per SM, 8 or 32 KB per loop step): how many bytes an SM must keep in flight for its share;
 - pingpong: two programs handing a counter back and forth (release / acquire atomics): the latency from one SM's
   signal to another SM seeing it;
 - barrier: P programs each adding one to a counter and waiting until all P have, repeatedly: the cost of an op
@@ -70,13 +70,17 @@ def main():
     sms = num_sms()
     chunk = 8 << 20  # bf16 elements per program: 16 MB
     x = torch.randn(2 * sms * chunk // 8, device="cuda", dtype=torch.bfloat16)  # L2-overflowing, reused per P
-    out = torch.empty(2 * sms, device="cuda")
     print(f"{torch.cuda.get_device_name()}, {sms} SMs")
-    for P in (1, 8, 33, 66, sms, 2 * sms):
-        c = min(chunk, x.numel() // P // 4096 * 4096)
-        ms = _ms(lambda: _stream[(P,)](x, out, c, BLOCK=4096, num_warps=8))
+    out = torch.empty(4 * sms, device="cuda")
+    # bytes in flight per program: BLOCK bf16 elements per loop step, 4 or 8 warps
+    for P, block, warps in [(1, 4096, 8), (8, 4096, 8), (33, 4096, 8), (66, 4096, 8), (sms, 4096, 8),
+                            (2 * sms, 4096, 8), (sms, 16384, 8), (sms, 16384, 4), (2 * sms, 16384, 4),
+                            (4 * sms, 4096, 4)]:
+        c = min(chunk, x.numel() // P // block * block)
+        ms = _ms(lambda: _stream[(P,)](x, out, c, BLOCK=block, num_warps=warps))
         gbs = 2 * c / (ms * 1e-3) / 1e9
-        print(f"stream P={P:>3}: {gbs:7.1f} GB/s per program, {P * gbs / 1e3:6.3f} TB/s together", flush=True)
+        print(f"stream P={P:>3} ({2 * block // 1024} KB per step, {warps} warps): {gbs:7.1f} GB/s per program, "
+              f"{P * gbs / 1e3:6.3f} TB/s together", flush=True)
     a = torch.zeros(2, dtype=torch.int32, device="cuda")
     n = 10000
     a.zero_()

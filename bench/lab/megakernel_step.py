@@ -1,7 +1,8 @@
 """The reference one-kernel decode step (llmkernels.megakernel.kernel, Triton) on the GPU against the engine's
 kernel-per-op step, both at batch 1 on a Llama-3-8B-shaped model with random weights in one format.
 
-    PYTHONPATH=. python bench/lab/megakernel_step.py [--fmt q4_k_m] [--layers 32] [--context 512] [--tiles 16x64x4,...]
+    PYTHONPATH=. python bench/lab/megakernel_step.py [--fmt q4_k_m] [--layers 32] [--context 512]
+        [--tiles 16x64x4x1,...] [--programs-per-sm 1,2]
 
 Prints each tile configuration's step time and fraction of the weight-bandwidth bound, then the engine's
 batch-1 decode rate on the same shape (CUDA graphs, as the engine suite measures it). The reference executor
@@ -26,15 +27,22 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--fmt", default="q4_k_m")
-    ap.add_argument("--tiles", default="16x64x4,32x256x8",
-                    help="rows x norm chunk x warps per configuration, comma-separated (each compiles for ~30 s)")
+    ap.add_argument("--tiles", default="16x64x4x1,32x256x8x1",
+                    help="rows x norm chunk x warps x 256-weight units per GEMV step, per configuration, "
+                         "comma-separated (each compiles for ~30 s)")
+    ap.add_argument("--programs-per-sm", default="1",
+                    help="comma-separated: programs per SM (each its own instruction list; all must be resident: "
+                         "the 4-warp build's 241 registers allow 2)")
     args = ap.parse_args()
     cfg = llama3_8b_config(args.layers)
     bw = measure_read_bandwidth() * 1e12
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    prog = build_decode_program(cfg, args.fmt, batch=1, context=args.context, num_sms=sms, bandwidth=bw)
-    check(prog, hazards=False)
-    print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
+    progs = {}
+    for per_sm in map(int, args.programs_per_sm.split(",")):
+        progs[per_sm] = prog = build_decode_program(cfg, args.fmt, batch=1, context=args.context,
+                                                    num_sms=per_sm * sms, bandwidth=bw)
+        check(prog, hazards=False)
+        print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
     L, D = cfg.n_layers, cfg.head_dim
     tensors = synthetic_tensors(args.fmt, cfg)
     page = 16
@@ -45,10 +53,16 @@ def main():
     ids = torch.ones(1, dtype=torch.int32, device="cuda")
     lens = torch.full((1,), args.context, dtype=torch.int32, device="cuda")
     inv, _ = rope_inv_freq(cfg)
-    for block_r, block_k, warps in (tuple(map(int, t.split("x"))) for t in args.tiles.split(",")):
+    runs = [(per_sm, tuple(map(int, t.split("x")))) for per_sm in progs for t in args.tiles.split(",")]
+    for per_sm, (block_r, block_k, warps, qnb) in runs:
+        prog = progs[per_sm]
         step = DecodeStep(prog, cfg, tensors, kc, vc, inv.cuda(), batch=1, block_r=block_r, block_k=block_k,
-                          num_warps=warps)
-        step(ids, lens, table)
+                          num_warps=warps, blocks_per_step=qnb, spin_limit=1 << 20)
+        try:
+            step(ids, lens, table)
+        except RuntimeError as e:  # programs that could not all be resident: the spin limit says so
+            print(f"{per_sm} programs per SM, tiles {block_r}x{block_k}x{warps}x{qnb}: {e}", flush=True)
+            continue
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         n = 20
@@ -56,7 +70,8 @@ def main():
             step(ids, lens, table)
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / n
-        print(f"reference step, tiles {block_r}x{block_k}, {warps} warps: {dt * 1e3:.2f} ms, "
+        print(f"reference step, {per_sm} programs per SM, tiles {block_r}x{block_k}, {warps} warps, {qnb} units per "
+              f"step: {dt * 1e3:.2f} ms, "
               f"{100 * prog.weight_bytes / bw / dt:.1f}% of the bound", flush=True)
         del step
     del kc, vc

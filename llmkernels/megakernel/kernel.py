@@ -64,26 +64,28 @@ def _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NO
 
 
 @triton.jit
-def _qdot(W8, W16, WI8, MAT, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexpr, ROW_OUT: tl.constexpr = False):
-    """The same for matrix MAT (a row of the table: offset, bytes per row, format id), dispatched on its format."""
+def _qdot(W8, W16, WI8, MAT, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexpr, ROW_OUT: tl.constexpr = False,
+          QNB: tl.constexpr = 1):
+    """The same for matrix MAT (a row of the table: offset, bytes per row, format id), dispatched on its format.
+    QNB: format blocks per loop step, in units of 256 weights (more bytes in flight per step, more registers)."""
     off = tl.load(MAT)
     row_bytes = tl.load(MAT + 1)
     fmt = tl.load(MAT + 2)
     if fmt == 10:  # q4_k
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
-                        10, 1, 8, 32, 144)
+                        10, QNB, 8, 32, 144)
     elif fmt == 12:  # q6_k
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
-                        12, 1, 16, 16, 210)
+                        12, QNB, 16, 16, 210)
     elif fmt == 7:  # q8_0
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
-                        7, 8, 1, 32, 34)
+                        7, 8 * QNB, 1, 32, 34)
     elif fmt == 2:  # bf16
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
-                        2, 8, 1, 32, 0)
+                        2, 8 * QNB, 1, 32, 0)
     else:  # f16
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
-                        1, 8, 1, 32, 0)
+                        1, 8 * QNB, 1, 32, 0)
     return acc
 
 
@@ -180,7 +182,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                        B: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        F: tl.constexpr, V: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, PAGE: tl.constexpr,
                        GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NF: tl.constexpr):
+                       NF: tl.constexpr, QNB: tl.constexpr = 1):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     sm = tl.program_id(0)
     ok = 1
@@ -220,7 +222,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _qdot(W8, W16, WI8, mats + sec * 3, rows - base, rm, H, RESID + b * H, inv, nw, True)
+                        acc = _qdot(W8, W16, WI8, mats + sec * 3, rows - base, rm, H, RESID + b * H, inv, nw, True,
+                                    QNB=QNB)
                         tl.store(QKV + b * NQKV + rows, acc, mask=rm)
             elif op == 3:  # ATTN
                 _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages,
@@ -232,7 +235,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _qdot(W8, W16, WI8, mats + 15, rows, rm, HQ * D, ATTN + b * HQ * D, 1.0, ATTN, False)
+                        acc = _qdot(W8, W16, WI8, mats + 15, rows, rm, HQ * D, ATTN + b * HQ * D, 1.0, ATTN, False,
+                                    QNB=QNB)
                         r = RESID + b * H + rows
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 6:  # GATEUP: SiLU(gate) * up
@@ -242,15 +246,15 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        g = _qdot(W8, W16, WI8, mats + 9, rows, rm, H, RESID + b * H, inv, nw, True)
-                        u = _qdot(W8, W16, WI8, mats + 12, rows, rm, H, RESID + b * H, inv, nw, True)
+                        g = _qdot(W8, W16, WI8, mats + 9, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB)
+                        u = _qdot(W8, W16, WI8, mats + 12, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB)
                         tl.store(ACT + b * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
             elif op == 7:  # DOWN: the residual += W_down rows . activation
                 for b in range(B):
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _qdot(W8, W16, WI8, mats + 18, rows, rm, F, ACT + b * F, 1.0, ACT, False)
+                        acc = _qdot(W8, W16, WI8, mats + 18, rows, rm, F, ACT + b * F, 1.0, ACT, False, QNB=QNB)
                         r = RESID + b * H + rows
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 8:  # LOGITS
@@ -260,7 +264,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         rows = r0 + rows0
                         rm = rows < hi
                         acc = _qdot(W8, W16, WI8, MATS + n_layers * 21 + 3, rows, rm, H, RESID + b * H, inv,
-                                    ONORM, True)
+                                    ONORM, True, QNB=QNB)
                         tl.store(LOGITS + b * V + rows, acc, mask=rm)
             tl.debug_barrier()  # every thread's stores issued before the release below
             sig_lo = tl.load(p + 7)
@@ -314,12 +318,18 @@ class DecodeStep:
     """Runs a Program (schedule.build_decode_program) over a model's GGUF tensors.
 
     ``tensors``: GGUF name -> QuantizedTensor (f16, bf16, q8_0, q4_k or q6_k matrices; norms in any format or as
-    plain tensors), copied into one buffer on the caches' device. ``k_cache`` / ``v_cache``: [L, num_pages, page_size, Hkv, D], 16-bit.
+    plain tensors), copied into one buffer on the caches' device. ``k_cache`` / ``v_cache``: [L, num_pages,
+    page_size, Hkv, D], 16-bit.
     ``spin_limit``: polls of a counter before the step gives up and raises; ``block_r`` / ``block_k`` /
-    ``num_warps``: the GEMV tiles' rows, the norm's K chunk, the warps per program."""
+    ``num_warps``: the GEMV tiles' rows, the norm's K chunk, the warps per program; ``blocks_per_step``: 256-weight
+    units of K per GEMV loop step (more bytes in flight per SM, more registers).
+
+    A program's list may stand for a fraction of an SM: a Program built for 2 or 4 times the SM count runs that many
+    programs per SM, all resident at once (they wait on each other), which keeps more loads in flight."""
 
     def __init__(self, prog: Program, cfg, tensors, k_cache, v_cache, inv_freq, *, batch: int,
-                 spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4):
+                 spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4,
+                 blocks_per_step: int = 1):
         if batch != prog.geometry["batch"]:
             raise ValueError(f"batch must be the program's ({prog.geometry['batch']}), got {batch}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -347,7 +357,9 @@ class DecodeStep:
         self.act = torch.empty(B, cfg.ffn, **f32)
         self.logits = torch.empty(B, cfg.vocab_size, **f32)
         self.spin_limit = spin_limit
-        self.tiles = dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
+        if blocks_per_step not in (1, 2, 4):
+            raise ValueError(f"blocks_per_step must be 1, 2 or 4, got {blocks_per_step!r}")
+        self.tiles = dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps, QNB=blocks_per_step)
 
     def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
         """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
@@ -381,7 +393,8 @@ class DecodeStep:
 
 
 def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                 ffn: int = 14336, vocab: int = 128256, splits: int = 16, num_warps: int = 4):
+                 ffn: int = 14336, vocab: int = 128256, splits: int = 16, num_warps: int = 4, blocks_per_step: int = 1,
+                 block_r: int = 16):
     """decode_step_kernel compiled for sm_90 without a GPU (set TRITON_INTERPRET=0 before importing llmkernels), for
     the Llama-3-8B shape by default: for tests and for reading the code the compiler makes."""
     from triton.backends.compiler import GPUTarget
@@ -393,7 +406,7 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
                 ACT="*fp32", LOGITS="*fp32")
     consts = dict(B=batch, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, V=vocab, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=16, GP=triton.next_power_of_2(heads // kv_heads),
-                  BLOCK_R=16, BLOCK_K=64, BLOCK_N=16, NF=NF)
+                  BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step)
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})

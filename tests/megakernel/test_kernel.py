@@ -9,7 +9,7 @@ from llmkernels.megakernel.kernel import DecodeStep
 from llmkernels.quant import read_gguf
 
 
-def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, **kw):
+def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, step_kw=None, **kw):
     _, path, _ = model_files("llama", fmt)
     f = read_gguf(path)
     cfg = ModelConfig.from_gguf(f.metadata, f.keys())
@@ -22,7 +22,7 @@ def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, **kw):
     kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
     table = torch.randperm(num_pages)[:batch * pages].view(batch, pages).to(torch.int32).to(device)  # scattered
     inv, _ = rope_inv_freq(cfg)
-    return path, cfg, prog, DecodeStep(prog, cfg, f, kc, vc, inv.to(device), batch=batch), table, T
+    return path, cfg, prog, DecodeStep(prog, cfg, f, kc, vc, inv.to(device), batch=batch, **(step_kw or {})), table, T
 
 
 def _match_the_engine(path, cfg, step, table, T, batch, device, solo=None, lead=0):
@@ -52,13 +52,15 @@ def _match_the_engine(path, cfg, step, table, T, batch, device, solo=None, lead=
             same(b, pos[b], got[b])
 
 
-@pytest.mark.parametrize("fmt, batch", [("f16", 1), ("q4_k_m", 2), ("q8_0", 1)])
-def test_steps_match_the_engine(model_files, fmt, batch):
+@pytest.mark.parametrize("fmt, batch, blocks_per_step", [("f16", 1, 1), ("q4_k_m", 2, 1), ("q8_0", 1, 1),
+                                                       ("q4_k_m", 1, 2)])
+def test_steps_match_the_engine(model_files, fmt, batch, blocks_per_step):
     """Every position of ``batch`` prompts decoded one token per step through the cache the steps fill (page size
     4, scattered pages, NaN where nothing was written, 2 key splits): each step's logits match the engine's
     next-token logits at that position, on the same GGUF (q4_k_m: q4_k with q6_k for attn_v and ffn_down in some
     layers and for the output). One program: the interpreter runs programs one after another."""
-    path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", fmt, num_splits=2)
+    path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", fmt, num_splits=2,
+                                             step_kw=dict(blocks_per_step=blocks_per_step))
     if fmt == "q4_k_m":  # the mix's two formats are both read
         f = read_gguf(path)
         assert {f[n].format for n in f.keys() if n.endswith("weight") and "norm" not in n} == {"q4_k", "q6_k"}
@@ -136,6 +138,8 @@ def test_bad_inputs(model_files):
         DecodeStep(prog, cfg, f, step.kc.float(), step.vc, step.inv_freq, batch=2)
     with pytest.raises(ValueError, match="v_cache must be a 16-bit .* got torch.float16 \\(2, "):
         DecodeStep(prog, cfg, f, step.kc, step.vc[:, :, :, :1], step.inv_freq, batch=2)
+    with pytest.raises(ValueError, match="blocks_per_step must be 1, 2 or 4, got 3"):
+        DecodeStep(prog, cfg, f, step.kc, step.vc, step.inv_freq, batch=2, blocks_per_step=3)
     # a matrix format the executor does not read
     from llmkernels.quant import GGUF_FORMATS
     from llmkernels.quant.tensor import QuantizedTensor
