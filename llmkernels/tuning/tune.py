@@ -216,12 +216,12 @@ class _DecodeWork:
                                validate=False, **self.sc)
 
 
-def _decode_check(key, ps, kv, Hq, Hkv, D):
-    """A check for _best: a small decode batch (3 sequences of 333 tokens, page size ``ps``, cache dtype ``kv``)
-    through the planner and paged_attention under the candidate, against float64 on the dequantized cache."""
+def _decode_check(key, ps, kv, Hq, Hkv, D, B=3, L=333):
+    """A check for _best: a small decode batch (``B`` sequences of ``L`` tokens, page size ``ps``, cache dtype
+    ``kv``) through the planner and paged_attention under the candidate, against float64 on the dequantized cache."""
     from ..testing import paged_attention_ref
 
-    w = _DecodeWork(key, 3, 333, ps, kv, Hq, Hkv, D)
+    w = _DecodeWork(key, B, L, ps, kv, Hq, Hkv, D)
     fp8 = kv != torch.bfloat16
     return _close_check([(w, lambda: paged_attention_ref(w.q, w.kc, w.vc, w.pt, w.sl, w.cu, **w.sc)[0])],
                         0.1 if fp8 else 2e-2)
@@ -255,7 +255,8 @@ def tune_decode_few(gpu):
             # copies so that each graph replay reads its K/V from DRAM, as in an engine step
             works = [[_DecodeWork(key, 1, L, ps, kv, Hq, Hkv, D) for _ in range(n)]
                      for L, n in ((600, 48), (4096, 8), (32768, 2))]
-            out[key] = _best("paged", key, cands, works, check=_decode_check(key, ps, kv, Hq, Hkv, D))
+            # one sequence, as the "/few" entries serve
+            out[key] = _best("paged", key, cands, works, check=_decode_check(key, ps, kv, Hq, Hkv, D, B=1, L=1500))
             del works
     return out
 
