@@ -153,7 +153,7 @@ GPU_SHAPES = [(4096, 4096), (1000, 14336), (129, 2048), (32768 + 64, 1024)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])  # float32 x: the planes kernel
 @pytest.mark.parametrize("fmt,kw", ALL, ids=ids)
 def test_gemv_gpu(fmt, kw, dtype, device):
     for N, K in GPU_SHAPES[:2] if fmt in ("q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mlx") else GPU_SHAPES[2:3]:
