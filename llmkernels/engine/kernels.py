@@ -17,10 +17,11 @@ from ..qgemv.m1 import lane_pos, lanes_width
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, eps,
+def _add_rmsnorm_kernel(X, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, eps,
                         HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-    """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES). With I8 the row is a tile [BLOCK / 32, 2, 16]
+                        PDL: tl.constexpr, PRE: tl.constexpr = False):
+    """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
+    rounded to the activation dtype as a separate call would write it). With I8 the row is a tile [BLOCK / 32, 2, 16]
     (blocks of 32 as two halves), the shape the rounding per block and its 16-byte stores in i8 lane order need;
     otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354 against 364-365 tok/s, H100)."""
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
@@ -35,6 +36,11 @@ def _add_rmsnorm_kernel(X, R, W, Y, YL, DS, stride_x, stride_r, stride_y, stride
         cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if PRE:  # a post-norm (Gemma 2/3) of the block's output before it joins the residual stream
+        pf = x.to(tl.float32)
+        pr = 1.0 / tl.sqrt(tl.sum(pf * pf) / H + eps)
+        pw = tl.load(PW + cols, mask=mask, other=0.0).to(tl.float32)
+        x = ((pf * pr).to(X.dtype.element_ty).to(tl.float32) * pw).to(X.dtype.element_ty)
     if HAS_RES:  # residual stream h = r + x, kept in the activation dtype (as the reference models do)
         x = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0) + x).to(R.dtype.element_ty)
         tl.store(R + row * stride_r + cols, x, mask=mask)
@@ -54,8 +60,10 @@ def _add_rmsnorm_kernel(X, R, W, Y, YL, DS, stride_x, stride_r, stride_y, stride
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, lanes: bool = False, i8: bool = False):
-    """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first.
+                out: torch.Tensor | None = None, lanes: bool = False, i8: bool = False,
+                pre_weight: torch.Tensor | None = None):
+    """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first. With ``pre_weight``
+    ([H], a post-norm such as Gemma's), x stands for rmsnorm(x) * pre_weight in all of that (x is not written).
 
     x, residual: [T, H] fp16/bf16/fp32 (last dim contiguous); weight: [H] any float dtype. Returns y [T, H], and with
     ``lanes`` (y, y in lane order [T, lanes_width(H)]) for qgemv.ops.gemv_lanes; with ``i8`` (H a multiple of 32)
@@ -80,9 +88,10 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,
         # engine q4_k batch 1, H = 4096, tok/s with 4 / 8 / 16 warps: exact 363.3 / 369.4 / 371.0, act_int8 428.5 /
         # 427.4 / 432.8; bench/NOTES.md)
-        _add_rmsnorm_kernel[(T,)](x, r, weight, y, yl, ds, x.stride(0), r.stride(0), y.stride(0), yl.stride(0),
-                                  ds.stride(0), H, eps, HAS_RES=residual is not None, LANES=lanes, I8=i8,
-                                  BLOCK=BLOCK, PDL=pdl, num_warps=min(16, max(4, BLOCK // 256)),
+        _add_rmsnorm_kernel[(T,)](x, r, weight, pre_weight if pre_weight is not None else weight, y, yl, ds,
+                                  x.stride(0), r.stride(0), y.stride(0), yl.stride(0), ds.stride(0), H, eps,
+                                  HAS_RES=residual is not None, LANES=lanes, I8=i8, BLOCK=BLOCK, PDL=pdl,
+                                  PRE=pre_weight is not None, num_warps=min(16, max(4, BLOCK // 256)),
                                   **pdl_options(pdl))
     if i8:
         return y, (yl, ds)

@@ -14,8 +14,8 @@ import torch
 
 from ..attention.paged import paged_attention
 from ..qgemv.moe import moe_ffn, moe_route
-from ..qgemv.ops import embedding, route_table, run_route, table_route
-from ..quant.tensor import QuantizedTensor, cat_rows, dequantize
+from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
+from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -186,9 +186,25 @@ class Model:
             local = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_swa, rope_scaling="none", rope_factor=1.0)
             inv_l, m_l = rope_inv_freq(local, None)
             self.ropes.append((inv_l.to(self.device), m_l))
-        self.weight_bytes = self._stored_bytes()
+        self.weight_bytes = self._stored_bytes()  # as stored in the file: the bandwidth bound counts these bytes
+        self.output_pad = self._pad_output()
         self.qkv_width = (Hq + 2 * Hkv) * D
         self.bind_routes()
+
+    def _pad_output(self) -> int:
+        """Zero blocks appended to the output matrix's rows where that lets batch-1 logits take the tensor-core
+        kernel (q6_k rows are 16-byte aligned only for K a multiple of 2048: Gemma 2 and Qwen2's K = 3584 are not;
+        the plain kernel reads them at a fraction of the bandwidth, bench/NOTES.md). A tied embedding shares the padded
+        matrix. Returns the columns added."""
+        out = self.output
+        Kp = tc_padding(out, self.dtype) if out.gguf is not None and len(out.shape) == 2 else None
+        if Kp is None:
+            return 0
+        padded = pad_k(out, Kp)
+        if self.tok_embd is out:
+            self.tok_embd = padded
+        self.output = padded
+        return Kp - out.shape[1]
 
     def bind_routes(self):
         """Choose every projection's GEMV route once (qgemv.route, for each M and both act_int8 settings); forward
@@ -277,7 +293,9 @@ class Model:
             return self._moe(x, layer)
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
         gu = self._stacked(x, xl, layer.gate_up, i8)
-        if self.cfg.act != "silu":  # GeGLU: the activation kernel, then the down projection
+        if self.cfg.act != "silu":  # GeGLU: the activation kernel (in lane order too where down reads that), then down
+            if self._lanes(gu.shape[0], i8, layer.down):
+                return self._gemv(*silu_mul(gu, lanes=True, act=self.cfg.act), layer.down, i8)
             return self._gemv(silu_mul(gu, act=self.cfg.act), None, layer.down, i8)
         F = gu.shape[1] // 2
         r = self._route(layer.down, "silu_mul", gu.shape[0], i8)
@@ -302,9 +320,10 @@ class Model:
         if cfg.embed_scale != 1.0:  # scaled by a factor rounded to the activation dtype, as the reference does
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         delta = None
+        post = None  # the post-norm weight still to apply to delta (Gemma): fused into the next norm's kernel
         for li, layer in enumerate(self.layers):
             x, xl = self._norm(T, i8, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
-                               residual=h if delta is not None else None)
+                               residual=h if delta is not None else None, pre_weight=post)
             qkv = self._stacked(x, xl, layer.qkv, i8)
             inv_freq, mscale = self.ropes[layer.rope]
             q = rope_store(qkv, inp.positions, inp.slots, inv_freq, k_caches[li], v_caches[li],
@@ -317,17 +336,20 @@ class Model:
                                 window_size=(layer.window, -1), softcap=cfg.attn_softcap,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
             delta = self._reduce(self._gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, i8))
-            if layer.post_attn_norm is not None:
-                delta = add_rmsnorm(delta, layer.post_attn_norm, cfg.rms_eps)
             x, xl = self._norm(T, i8, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps,
-                               residual=h)
+                               residual=h, pre_weight=layer.post_attn_norm)
             delta = self._reduce(self._mlp(x, layer, xl, i8))
-            if layer.post_ffn_norm is not None:
-                delta = add_rmsnorm(delta, layer.post_ffn_norm, cfg.rms_eps)
+            post = layer.post_ffn_norm
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
-        x, xl = self._norm(hs.shape[0], i8, [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs)
+        if self.output_pad:  # the output matrix padded with zero blocks along K (see _pad_output): x padded to match
+            x = torch.zeros(hs.shape[0], self.output.shape[1], dtype=hs.dtype, device=hs.device)
+            add_rmsnorm(ds, self.output_norm, cfg.rms_eps, residual=hs, out=x[:, :cfg.hidden], pre_weight=post)
+            xl = None
+        else:
+            x, xl = self._norm(hs.shape[0], i8, [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs,
+                               pre_weight=post)
         return self._softcap(self._gather_logits(self._gemv(x, xl, self.output, i8).float()))
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
@@ -337,10 +359,13 @@ class Model:
     # --- tensor parallelism (identities on one rank) ---------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding for ``ids``; split by vocabulary, each rank adds the rows it holds."""
+        H = self.cfg.hidden
         if self.tp is None:
-            return embedding(ids, self.tok_embd, dtype=self.dtype)
+            e = embedding(ids, self.tok_embd, dtype=self.dtype)
+            return e if e.shape[1] == H else e[:, :H].contiguous()  # a padded tied output matrix (_pad_output)
         local, valid = self._local_ids(ids)
-        return self._reduce(embedding(local, self.tok_embd, dtype=self.dtype) * valid[:, None])
+        e = embedding(local, self.tok_embd, dtype=self.dtype)
+        return self._reduce((e if e.shape[1] == H else e[:, :H]) * valid[:, None])
 
     def _local_ids(self, ids: torch.Tensor):
         v0 = self.tp.vocab[0]

@@ -181,6 +181,22 @@ def route_table(qt: QuantizedTensor, dtype: torch.dtype, ops=("gemv", "lanes", "
             for op in ops for act in (False, True)}
 
 
+def tc_padding(qt: QuantizedTensor, dtype: torch.dtype) -> int | None:
+    """A K to pad ``qt``'s rows to (with zero blocks, quant.tensor.pad_k) so that its batch-1 gemv takes the
+    tensor-core kernel, or None. Only large q6_k matrices whose K is not a multiple of 2048 qualify: their
+    210-byte-block rows are not 16-byte aligned, which the tensor-core kernel needs, and the kernel that reads them
+    unaligned ran at a fraction of the bandwidth on the output matrix (bench/NOTES.md); the padding adds
+    (2048 - K % 2048) / K to the bytes read. Never under the interpreter."""
+    data, scales, biases, fmt, N, K, bits, group_size = _qt_args(qt)
+    t = target(data.device)
+    if fmt != "q6_k" or K % 2048 == 0 or t.interpreter or N * K < route.LANES_MIN_WEIGHTS:
+        return None
+    Kp = -(-K // 2048) * 2048
+    o = operands("gemv", torch.empty(1, Kp, dtype=dtype, device=data.device), None, data, None, None, None, fmt, 0,
+                 Kp)
+    return Kp if route.choose("gemv", fmt, 1, N, Kp, dtype, operands=o, target=t).kernel == "tc" else None
+
+
 def table_route(table: dict, op: str, M: int, act_int8: bool = False) -> route.Route:
     """The route of ``route_table``'s ``table`` for ``op`` at M activation rows."""
     return table[(op, act_int8)][min(M, route.MID_M + 1) - 1]

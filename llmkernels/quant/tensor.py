@@ -139,6 +139,21 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
     return out.reshape(qt.shape).to(dtype)
 
 
+def pad_k(qt: QuantizedTensor, K: int) -> QuantizedTensor:
+    """A GGUF-format [N, k] matrix as [N, K] (K >= k, a whole number of blocks more): each row's blocks followed by
+    all-zero blocks, which decode to zero weights in every GGUF format (their scales are zero), so x @ W^T is
+    unchanged for any x whose extra columns are finite."""
+    f = qt.gguf
+    if f is None or len(qt.shape) != 2:
+        raise ValueError(f"pad_k takes a 2-D GGUF-format matrix, got {qt.format} {tuple(qt.shape)}")
+    N, k = qt.shape
+    if K < k or (K - k) % f.block_size:
+        raise ValueError(f"K must be >= {k} and add whole blocks of {f.block_size}, got {K}")
+    data = torch.zeros(N, f.bytes_per_row(K), dtype=torch.uint8, device=qt.data.device)
+    data[:, :qt.data.shape[-1]] = qt.data.reshape(N, -1).view(torch.uint8)
+    return QuantizedTensor(qt.format, (N, K), data)
+
+
 def cat_rows(qts: list) -> QuantizedTensor | None:
     """Stack QuantizedTensors [N_i, K] of one format into [sum N_i, K] (rows are independent in every format)."""
     a = qts[0]

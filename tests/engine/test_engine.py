@@ -126,6 +126,39 @@ def test_routes_are_chosen_at_load(model_files, monkeypatch):
     assert rel_err(llm.logits(ids), ref) < 1e-2  # the same products by another kernel
 
 
+def test_padded_output_matrix(model_files, monkeypatch):
+    """An output matrix padded with zero blocks along K (what the engine does on the GPU for q6_k rows the
+    tensor-core kernel cannot read, Model._pad_output), forced here: the same logits and tokens, also with the
+    embedding tied to it (the file's output.weight left out), which then reads its rows from the padded matrix."""
+    import llmkernels.engine.model as model_mod
+    from llmkernels.engine.config import ModelConfig
+    from llmkernels.quant.gguf_io import read_gguf
+    from llmkernels.quant.tensor import dequantize
+
+    d, path, hf = model_files("gemma2", "f32")
+    f = read_gguf(path)
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    tied = {k: v for k, v in f.items() if k != "output.weight"}
+    plain = LLM(path, progress=False, max_num_batched_tokens=64, backend="triton")
+    ids = plain.tokenizer.encode(PROMPTS[1])
+    plain_tied = LLM.from_model(model_mod.Model(cfg, tied, "cpu", plain.dtype), max_num_batched_tokens=64)
+    monkeypatch.setattr(model_mod, "tc_padding", lambda qt, dtype: qt.shape[1] + qt.gguf.block_size * (
+        64 // qt.gguf.block_size or 1))
+    llm = LLM(path, progress=False, max_num_batched_tokens=64, backend="triton")
+    llm_tied = LLM.from_model(model_mod.Model(cfg, tied, "cpu", plain.dtype), max_num_batched_tokens=64)
+    H = cfg.hidden
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for ours, ref, is_tied in ((llm, plain, False), (llm_tied, plain_tied, True)):
+        m = ours.model
+        assert m.output_pad > 0 and m.output.shape[1] == H + m.output_pad and (m.tok_embd is m.output) == is_tied
+        w = dequantize(m.output)
+        assert torch.equal(w[:, H:], torch.zeros_like(w[:, H:])) and torch.equal(w[:, :H],
+                                                                                 dequantize(ref.model.output))
+        assert rel_err(ours.logits(ids).cpu(), ref.logits(ids).cpu()) < 1e-3
+        assert ours.generate([ids], p)[0].token_ids == ref.generate([ids], p)[0].token_ids
+    check_logits(llm, d, path, hf, ids)
+
+
 @pytest.mark.parametrize("mix,base", [("q4_k_m", "q4_k"), ("q5_k_m", "q5_k")])
 def test_k_m_file(model_files, mix, base):
     """A q4_k_m (q5_k_m) conversion holds llama.cpp's mix; the engine stacks the q4_k (q5_k) attn_q and attn_k of a

@@ -32,6 +32,29 @@ def test_add_rmsnorm(H, device):
     assert yl.shape == (5, 2048) and torch.equal(yl[:, lane_positions(H).to(device)], y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_rmsnorm_pre_weight(dtype, device):
+    """pre_weight (Gemma's post-norms): the same bits as normalizing x in a call of its own first, then adding."""
+    H = 200
+    x = torch.randn(3, H, dtype=dtype, device=device) * 4
+    r = torch.randn(3, H, dtype=dtype, device=device)
+    w, pw = torch.randn(H, device=device), torch.randn(H, device=device)
+    r0, r2 = r.clone(), r.clone()
+    want = add_rmsnorm(add_rmsnorm(x, pw, 1e-6), w, 1e-6, residual=r2)
+    x_before = x.clone()
+    y = add_rmsnorm(x, w, 1e-6, residual=r, pre_weight=pw)
+    assert torch.equal(y, want) and torch.equal(r, r2) and torch.equal(x, x_before)
+    # against float64: h = r + rmsnorm(x) * pw (rounded to the activation dtype, as the models keep h), y = rmsnorm(h) * w
+    p = rmsnorm_ref(x, pw, 1e-6)
+    h_ref = r0 + p.to(dtype)
+    # a one-ulp difference in the normalized x (float32 statistics against float64) survives the add absolutely
+    assert_close(r, h_ref, dtype, atol=float(p.abs().max()) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10))
+    assert_close(y, rmsnorm_ref(r, w, 1e-6), dtype)
+    y2, yl = add_rmsnorm(x_before, w, 1e-6, pre_weight=pw, lanes=True)
+    assert torch.equal(y2, add_rmsnorm(add_rmsnorm(x_before, pw, 1e-6), w, 1e-6))
+    assert torch.equal(yl[:, lane_positions(H).to(device)], y2)
+
+
 @pytest.mark.parametrize("H", [96, 4096])
 def test_add_rmsnorm_i8(H, device):
     """i8=True: y as without it (to rounding: the sum of squares runs over another tile shape), and y rounded to
@@ -59,6 +82,10 @@ def test_silu_mul(device):
     y, yl = silu_mul(gu, lanes=True)
     assert yl.shape == (3, 2048) and torch.equal(yl[:, lane_positions(1100).to(device)], y)
     assert_close(y, torch.nn.functional.silu(g) * u, torch.float16)
+    # GeGLU (Gemma), with the lane-order copy too
+    y, yl = silu_mul(gu, lanes=True, act="gelu_tanh")
+    assert_close(y, torch.nn.functional.gelu(g, approximate="tanh") * u, torch.float16)
+    assert torch.equal(yl[:, lane_positions(1100).to(device)], y)
 
 
 def rope_ref(x, pos, inv_freq, neox, mscale=1.0):
