@@ -326,8 +326,16 @@ def tune_gemv(gpu):
                 # gemv takes the tensor-core kernel: (BLOCK_N, warps, stages, waves); pipelined stages (> 1) lost 2x
                 out["tc/q4_k"] = _best("gemv", "tc/q4_k", TC_CANDS, works, check=check)
             elif fmt in SMALL_M_KERNEL and mclass == "m1":
+                # these shapes take the lane kernel at M = 1 (route.LANES_MIN_WEIGHTS); the m1 entry serves the
+                # smaller matrices (attention projections of an 8B model), so it is timed on those
                 small_key, small_cands = SMALL_M_KERNEL[fmt]
-                out[small_key] = _best("gemv", small_key, small_cands, works, check=check)
+                small = [(4096, 4096), (6144, 4096)]
+                sq = [[random_qtensor(fmt, N, K, "cuda", **kw) for _ in range(8)] for N, K in small]
+                sx = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _, K in small]
+                out[small_key] = _best("gemv", small_key, small_cands,
+                                       [[lambda x=x, qt=qt: gemv(x, qt) for qt in c] for x, c in zip(sx, sq)],
+                                       check=_gemv_check(sx, sq))
+                del sq
     for key, works in tc_works.items():
         out[key] = _best("gemv", key, TC_LEGACY_CANDS, works, check=tc_checks[key])
     # MLX 4-bit from M = 3 takes the tensor-core kernel as well (its M = 1 and 2 entries are m1/mlx4*, tune gemv_m1)
