@@ -395,15 +395,22 @@ def main():
                                                                                "q4_k"), act_int8=True)
     i8_lanes_cases(dev)
     tc_cases(dev)
-    # the engine's kernels: add + RMSNorm on an odd width, RoPE + KV store with bias, QK-norm, skipped slots, fp8
+    engine_kernel_cases(dev)
+
+
+def engine_kernel_cases(dev="cuda"):
+    """The engine's kernels: add + RMSNorm on an odd width (with a post-norm, lanes), SiLU / GeGLU, RoPE + KV store
+    with bias, QK-norm, skipped slots, fp8."""
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 
     silu_mul(torch.randn(3, 2 * 1100, device=dev, dtype=torch.bfloat16))
-    silu_mul(torch.randn(1, 2 * 1100, device=dev, dtype=torch.bfloat16), lanes=True)
+    silu_mul(torch.randn(1, 2 * 1100, device=dev, dtype=torch.bfloat16), lanes=True, act="gelu_tanh")
 
     x = torch.randn(7, 1000, device=dev, dtype=torch.bfloat16)
     add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, residual=torch.randn_like(x))
     add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, lanes=True)
+    add_rmsnorm(x, torch.randn(1000, device=dev), 1e-5, residual=torch.randn_like(x),
+                pre_weight=torch.randn(1000, device=dev))
     for kv, neox in ((torch.bfloat16, True), (torch.float8_e4m3fn, False)):
         T, Hq, Hkv, D = 5, 6, 2, 64
         qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=dev, dtype=torch.bfloat16)
@@ -419,11 +426,12 @@ def main():
 if __name__ == "__main__":
     import sys
 
-    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "decode_ws": those kernels alone; no argument:
-    # every single-GPU kernel
-    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "decode_ws": ws_decode_cases}
+    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "decode_ws" / "engine": those kernels alone;
+    # no argument: every single-GPU kernel
+    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "decode_ws": ws_decode_cases,
+             "engine": engine_kernel_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
-        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | decode_ws], "
+        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | decode_ws | engine], "
                  f"got {' '.join(sys.argv[1:])!r}")
     parts[part]()
