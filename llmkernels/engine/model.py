@@ -187,6 +187,7 @@ class Model:
             inv_l, m_l = rope_inv_freq(local, None)
             self.ropes.append((inv_l.to(self.device), m_l))
         self.weight_bytes = self._stored_bytes()  # as stored in the file: the bandwidth bound counts these bytes
+        self._embed_row_bytes = self.tok_embd.nbytes // cfg.vocab_size
         self.output_pad = self._pad_output()
         self.qkv_width = (Hq + 2 * Hkv) * D
         self.bind_routes()
@@ -197,7 +198,9 @@ class Model:
         the plain kernel reads them at a fraction of the bandwidth, bench/NOTES.md). A tied embedding shares the padded
         matrix. Returns the columns added."""
         out = self.output
-        Kp = tc_padding(out, self.dtype) if out.gguf is not None and len(out.shape) == 2 else None
+        if self.backend != "triton" or out.gguf is None or len(out.shape) != 2:  # TorchModel reads it as stored
+            return 0
+        Kp = tc_padding(out, self.dtype)
         if Kp is None:
             return 0
         padded = pad_k(out, Kp)
@@ -238,7 +241,7 @@ class Model:
 
     def decode_bytes_per_token(self) -> int:
         """Weight bytes one decode step must read: every matrix once, plus one embedding row."""
-        per_row = self.tok_embd.nbytes // self.cfg.vocab_size
+        per_row = self._embed_row_bytes
         emb_full = self.tok_embd.nbytes if self.output is not self.tok_embd else 0
         idle = 0  # experts one token does not choose
         if self.cfg.n_experts:
