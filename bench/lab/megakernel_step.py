@@ -2,7 +2,7 @@
 kernel-per-op step, both at batch 1 on a Llama-3-8B-shaped model with random weights in one format.
 
     PYTHONPATH=. python bench/lab/megakernel_step.py [--fmt q4_k_m] [--layers 32] [--context 512]
-        [--tiles 16x64x4x1,...] [--programs-per-sm 1,2]
+        [--tiles 16x64x4x1,16x64x4x1x3,16x64x4x1x1x0,...] [--programs-per-sm 1,2]
 
 Prints each tile configuration's step time and fraction of the weight-bandwidth bound, then the engine's
 batch-1 decode rate on the same shape (CUDA graphs, as the engine suite measures it). The reference executor
@@ -28,8 +28,8 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--fmt", default="q4_k_m")
     ap.add_argument("--tiles", default="16x64x4x1,32x256x8x1",
-                    help="rows x norm chunk x warps x 256-weight units per GEMV step, per configuration, "
-                         "comma-separated (each compiles for ~30 s)")
+                    help="rows x norm chunk x warps x 256-weight units per GEMV step [x pipelined stages [x q4_k "
+                         "vector loads 1/0]], per configuration, comma-separated (each compiles for ~30 s)")
     ap.add_argument("--programs-per-sm", default="1",
                     help="comma-separated: programs per SM (each its own instruction list; all must be resident: "
                          "the 4-warp build's 241 registers allow 2)")
@@ -53,15 +53,16 @@ def main():
     ids = torch.ones(1, dtype=torch.int32, device="cuda")
     lens = torch.full((1,), args.context, dtype=torch.int32, device="cuda")
     inv, _ = rope_inv_freq(cfg)
-    runs = [(per_sm, tuple(map(int, t.split("x")))) for per_sm in progs for t in args.tiles.split(",")]
-    for per_sm, (block_r, block_k, warps, qnb) in runs:
+    runs = [(per_sm, (tuple(map(int, t.split("x"))) + (1, 1))[:6]) for per_sm in progs for t in args.tiles.split(",")]
+    for per_sm, (block_r, block_k, warps, qnb, stages, vec) in runs:
         prog = progs[per_sm]
         step = DecodeStep(prog, cfg, tensors, kc, vc, inv.cuda(), batch=1, block_r=block_r, block_k=block_k,
-                          num_warps=warps, blocks_per_step=qnb, spin_limit=1 << 20)
+                          num_warps=warps, blocks_per_step=qnb, stages=stages, vector_loads=bool(vec),
+                          spin_limit=1 << 20)
         try:
             step(ids, lens, table)
         except RuntimeError as e:  # programs that could not all be resident: the spin limit says so
-            print(f"{per_sm} programs per SM, tiles {block_r}x{block_k}x{warps}x{qnb}: {e}", flush=True)
+            print(f"{per_sm} programs per SM, tiles {block_r}x{block_k}x{warps}x{qnb}x{stages}x{vec}: {e}", flush=True)
             continue
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -71,7 +72,7 @@ def main():
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / n
         print(f"reference step, {per_sm} programs per SM, tiles {block_r}x{block_k}, {warps} warps, {qnb} units per "
-              f"step: {dt * 1e3:.2f} ms, "
+              f"step, {stages} stages, q4_k vector loads {vec}: {dt * 1e3:.2f} ms, "
               f"{100 * prog.weight_bytes / bw / dt:.1f}% of the bound", flush=True)
         del step
     del kc, vc

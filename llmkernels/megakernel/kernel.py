@@ -64,14 +64,71 @@ def _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NO
 
 
 @triton.jit
+def _qdot_q4k(W8, W16, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexpr, NB: tl.constexpr,
+              STAGES: tl.constexpr):
+    """q4_k rows . x with each block's 128 code bytes loaded as one contiguous [4, 32] run per row (16-byte vector
+    loads; dequant_tile's index arithmetic hides that contiguity and loads them byte by byte). Block layout: d, dmin
+    (fp16), 12 bytes of 6-bit scales and mins, then byte 32 j + l holds weight 64 j + l (low nibble) and 64 j + 32 + l
+    (high nibble): sub-blocks 2 j and 2 j + 1. Scales apply per sub-block after the sums. STAGES > 1 lets Triton
+    keep that many steps' bytes in flight (cp.async)."""
+    nblocks = K // 256
+    jj = tl.arange(0, 4)[None, None, :, None]
+    ll = tl.arange(0, 32)[None, None, None, :]
+    j3 = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([rows.shape[0]], tl.float32)
+    for kb in tl.range(0, nblocks, NB, num_stages=STAGES):
+        blk = kb + tl.arange(0, NB)
+        ok3 = rmask[:, None, None] & (blk < nblocks)[None, :, None]  # [R, NB, 1]
+        # matrices start 16-byte aligned and rows are whole 144-byte blocks: every block starts 16-byte aligned
+        base = tl.multiple_of(off + rows.to(tl.int64)[:, None, None] * row_bytes + blk[None, :, None] * 144,
+                              [16, 16, 16])
+        qs = tl.load(W8 + base[:, :, :, None] + 16 + jj * 32 + ll, mask=ok3[:, :, :, None], other=0)
+        e = (blk[None, :, None, None] * 256 + jj * 64 + ll)  # weight index of the low nibble, [1, NB, 4, 32]
+        em = (blk < nblocks)[None, :, None, None] & (ll >= 0)
+        x_lo = tl.load(X + e, mask=em, other=0.0)
+        x_hi = tl.load(X + e + 32, mask=em, other=0.0)
+        if HAS_NORM:
+            x_lo = x_lo * scale * tl.load(NW + e, mask=em, other=0.0)
+            x_hi = x_hi * scale * tl.load(NW + e + 32, mask=em, other=0.0)
+        q_lo = (qs & 0xF).to(tl.float32)
+        q_hi = (qs >> 4).to(tl.float32)
+        # the block's first 16 bytes as 4 words (one vector load): d | dmin, then the 12 scale bytes
+        hdr = tl.load(W8.to(tl.pointer_type(tl.int32)) + base // 4 + tl.arange(0, 4)[None, None, :],
+                      mask=ok3, other=0)
+        w02, w13 = tl.split(tl.reshape(hdr, [hdr.shape[0], hdr.shape[1], 2, 2]))
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+        d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+        for h in tl.static_range(2):  # sub-blocks 2 j (low nibbles) and 2 j + 1 (high)
+            q = q_lo if h == 0 else q_hi
+            x = x_lo if h == 0 else x_hi
+            s = 2 * j3 + h  # [1, 1, 4]
+            sh = 8 * (s % 4)
+            b_a = (w1[:, :, None] >> sh) & 0xFF  # scale byte s % 4, then 4 + s % 4, then 8 + s % 4
+            b_b = (w2[:, :, None] >> sh) & 0xFF
+            b_c = (w3[:, :, None] >> sh) & 0xFF
+            first = s < 4
+            sc = tl.where(first, b_a & 63, (b_c & 0xF) | ((b_a >> 6) << 4)).to(tl.float32)
+            mn = tl.where(first, b_b & 63, (b_c >> 4) | ((b_b >> 6) << 4)).to(tl.float32)
+            qx = tl.sum(q * x, 3)  # [R, NB, 4]
+            sx = tl.sum(x, 3)  # [1, NB, 4]
+            acc += tl.sum(tl.sum(d * sc * qx - dmin * mn * sx, 2), 1)
+    return acc
+
+
+@triton.jit
 def _qdot(W8, W16, WI8, MAT, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexpr, ROW_OUT: tl.constexpr = False,
-          QNB: tl.constexpr = 1):
+          QNB: tl.constexpr = 1, VEC: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """The same for matrix MAT (a row of the table: offset, bytes per row, format id), dispatched on its format.
-    QNB: format blocks per loop step, in units of 256 weights (more bytes in flight per step, more registers)."""
+    QNB: format blocks per loop step, in units of 256 weights (more bytes in flight per step, more registers).
+    VEC: q4_k products through _qdot_q4k (vector loads, STAGES steps in flight)."""
     off = tl.load(MAT)
     row_bytes = tl.load(MAT + 1)
     fmt = tl.load(MAT + 2)
-    if fmt == 10:  # q4_k
+    if fmt == 10 and VEC and not ROW_OUT:  # q4_k
+        acc = _qdot_q4k(W8, W16, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, QNB, STAGES)
+    elif fmt == 10:
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
                         10, QNB, 8, 32, 144)
     elif fmt == 12:  # q6_k
@@ -182,7 +239,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                        B: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        F: tl.constexpr, V: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, PAGE: tl.constexpr,
                        GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NF: tl.constexpr, QNB: tl.constexpr = 1):
+                       NF: tl.constexpr, QNB: tl.constexpr = 1, VEC: tl.constexpr = False,
+                       STAGES: tl.constexpr = 1):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     sm = tl.program_id(0)
     ok = 1
@@ -223,7 +281,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         rows = r0 + rows0
                         rm = rows < hi
                         acc = _qdot(W8, W16, WI8, mats + sec * 3, rows - base, rm, H, RESID + b * H, inv, nw, True,
-                                    QNB=QNB)
+                                    QNB=QNB, VEC=VEC, STAGES=STAGES)
                         tl.store(QKV + b * NQKV + rows, acc, mask=rm)
             elif op == 3:  # ATTN
                 _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages,
@@ -236,7 +294,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         rows = r0 + rows0
                         rm = rows < hi
                         acc = _qdot(W8, W16, WI8, mats + 15, rows, rm, HQ * D, ATTN + b * HQ * D, 1.0, ATTN, False,
-                                    QNB=QNB)
+                                    QNB=QNB, VEC=VEC, STAGES=STAGES)
                         r = RESID + b * H + rows
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 6:  # GATEUP: SiLU(gate) * up
@@ -246,15 +304,18 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        g = _qdot(W8, W16, WI8, mats + 9, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB)
-                        u = _qdot(W8, W16, WI8, mats + 12, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB)
+                        g = _qdot(W8, W16, WI8, mats + 9, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB, VEC=VEC,
+                                  STAGES=STAGES)
+                        u = _qdot(W8, W16, WI8, mats + 12, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB,
+                                  VEC=VEC, STAGES=STAGES)
                         tl.store(ACT + b * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
             elif op == 7:  # DOWN: the residual += W_down rows . activation
                 for b in range(B):
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _qdot(W8, W16, WI8, mats + 18, rows, rm, F, ACT + b * F, 1.0, ACT, False, QNB=QNB)
+                        acc = _qdot(W8, W16, WI8, mats + 18, rows, rm, F, ACT + b * F, 1.0, ACT, False, QNB=QNB,
+                                    VEC=VEC, STAGES=STAGES)
                         r = RESID + b * H + rows
                         tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             elif op == 8:  # LOGITS
@@ -264,7 +325,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         rows = r0 + rows0
                         rm = rows < hi
                         acc = _qdot(W8, W16, WI8, MATS + n_layers * 21 + 3, rows, rm, H, RESID + b * H, inv,
-                                    ONORM, True, QNB=QNB)
+                                    ONORM, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
                         tl.store(LOGITS + b * V + rows, acc, mask=rm)
             tl.debug_barrier()  # every thread's stores issued before the release below
             sig_lo = tl.load(p + 7)
@@ -322,14 +383,16 @@ class DecodeStep:
     page_size, Hkv, D], 16-bit.
     ``spin_limit``: polls of a counter before the step gives up and raises; ``block_r`` / ``block_k`` /
     ``num_warps``: the GEMV tiles' rows, the norm's K chunk, the warps per program; ``blocks_per_step``: 256-weight
-    units of K per GEMV loop step (more bytes in flight per SM, more registers).
+    units of K per GEMV loop step (more bytes in flight per SM, more registers); ``vector_loads``: q4_k tiles load
+    their code bytes as 16-byte vectors (``_qdot_q4k``) instead of through the generic dequantizer; ``stages``: GEMV
+    loop steps whose loads Triton keeps in flight (its software pipelining; 1: none).
 
     A program's list may stand for a fraction of an SM: a Program built for 2 or 4 times the SM count runs that many
     programs per SM, all resident at once (they wait on each other), which keeps more loads in flight."""
 
     def __init__(self, prog: Program, cfg, tensors, k_cache, v_cache, inv_freq, *, batch: int,
                  spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4,
-                 blocks_per_step: int = 1):
+                 blocks_per_step: int = 1, vector_loads: bool = True, stages: int = 1):
         if batch != prog.geometry["batch"]:
             raise ValueError(f"batch must be the program's ({prog.geometry['batch']}), got {batch}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -359,7 +422,10 @@ class DecodeStep:
         self.spin_limit = spin_limit
         if blocks_per_step not in (1, 2, 4):
             raise ValueError(f"blocks_per_step must be 1, 2 or 4, got {blocks_per_step!r}")
-        self.tiles = dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps, QNB=blocks_per_step)
+        if not isinstance(stages, int) or not 1 <= stages <= 8:
+            raise ValueError(f"stages must be an int in 1..8, got {stages!r}")
+        self.tiles = dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps, QNB=blocks_per_step,
+                          VEC=bool(vector_loads), STAGES=stages)
 
     def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
         """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
@@ -394,7 +460,7 @@ class DecodeStep:
 
 def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  ffn: int = 14336, vocab: int = 128256, splits: int = 16, num_warps: int = 4, blocks_per_step: int = 1,
-                 block_r: int = 16):
+                 block_r: int = 16, vector_loads: bool = True, stages: int = 1):
     """decode_step_kernel compiled for sm_90 without a GPU (set TRITON_INTERPRET=0 before importing llmkernels), for
     the Llama-3-8B shape by default: for tests and for reading the code the compiler makes."""
     from triton.backends.compiler import GPUTarget
@@ -406,9 +472,12 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
                 ACT="*fp32", LOGITS="*fp32")
     consts = dict(B=batch, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, V=vocab, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=16, GP=triton.next_power_of_2(heads // kv_heads),
-                  BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step)
+                  BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step, VEC=int(vector_loads),
+                  STAGES=stages)
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})
-    return triton.compile(ASTSource(decode_step_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+    # as a launch specializes them: every buffer 16-byte aligned (what lets loads vectorize)
+    attrs = {(decode_step_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    return triton.compile(ASTSource(decode_step_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps})

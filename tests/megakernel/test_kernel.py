@@ -52,15 +52,18 @@ def _match_the_engine(path, cfg, step, table, T, batch, device, solo=None, lead=
             same(b, pos[b], got[b])
 
 
-@pytest.mark.parametrize("fmt, batch, blocks_per_step", [("f16", 1, 1), ("q4_k_m", 2, 1), ("q8_0", 1, 1),
-                                                       ("q4_k_m", 1, 2)])
-def test_steps_match_the_engine(model_files, fmt, batch, blocks_per_step):
+@pytest.mark.parametrize("fmt, batch, blocks_per_step, vector_loads",
+                         [("f16", 1, 1, True), ("q4_k_m", 2, 1, True), ("q8_0", 1, 1, True), ("q4_k_m", 1, 2, True),
+                          ("q4_k_m", 1, 1, False)])
+def test_steps_match_the_engine(model_files, fmt, batch, blocks_per_step, vector_loads):
     """Every position of ``batch`` prompts decoded one token per step through the cache the steps fill (page size
     4, scattered pages, NaN where nothing was written, 2 key splits): each step's logits match the engine's
     next-token logits at that position, on the same GGUF (q4_k_m: q4_k with q6_k for attn_v and ffn_down in some
-    layers and for the output). One program: the interpreter runs programs one after another."""
+    layers and for the output; q4_k through the vector-load tile or the generic dequantizer). One program: the
+    interpreter runs programs one after another."""
     path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", fmt, num_splits=2,
-                                             step_kw=dict(blocks_per_step=blocks_per_step))
+                                             step_kw=dict(blocks_per_step=blocks_per_step,
+                                                          vector_loads=vector_loads))
     if fmt == "q4_k_m":  # the mix's two formats are both read
         f = read_gguf(path)
         assert {f[n].format for n in f.keys() if n.endswith("weight") and "norm" not in n} == {"q4_k", "q6_k"}
@@ -140,6 +143,8 @@ def test_bad_inputs(model_files):
         DecodeStep(prog, cfg, f, step.kc, step.vc[:, :, :, :1], step.inv_freq, batch=2)
     with pytest.raises(ValueError, match="blocks_per_step must be 1, 2 or 4, got 3"):
         DecodeStep(prog, cfg, f, step.kc, step.vc, step.inv_freq, batch=2, blocks_per_step=3)
+    with pytest.raises(ValueError, match="stages must be an int in 1..8, got 0"):
+        DecodeStep(prog, cfg, f, step.kc, step.vc, step.inv_freq, batch=2, stages=0)
     # a matrix format the executor does not read
     from llmkernels.quant import GGUF_FORMATS
     from llmkernels.quant.tensor import QuantizedTensor
