@@ -384,15 +384,16 @@ class DecodeStep:
     ``spin_limit``: polls of a counter before the step gives up and raises; ``block_r`` / ``block_k`` /
     ``num_warps``: the GEMV tiles' rows, the norm's K chunk, the warps per program; ``blocks_per_step``: 256-weight
     units of K per GEMV loop step (more bytes in flight per SM, more registers); ``vector_loads``: q4_k tiles load
-    their code bytes as 16-byte vectors (``_qdot_q4k``) instead of through the generic dequantizer; ``stages``: GEMV
-    loop steps whose loads Triton keeps in flight (its software pipelining; 1: none).
+    their code bytes as 16-byte vectors (``_qdot_q4k``) instead of through the generic dequantizer (measured 2.7x
+    slower on the H200: the products then convert each tile to the activations' layout, bench/NOTES.md); ``stages``:
+    GEMV loop steps whose loads Triton keeps in flight (its software pipelining; 1: none).
 
     A program's list may stand for a fraction of an SM: a Program built for 2 or 4 times the SM count runs that many
     programs per SM, all resident at once (they wait on each other), which keeps more loads in flight."""
 
     def __init__(self, prog: Program, cfg, tensors, k_cache, v_cache, inv_freq, *, batch: int,
                  spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4,
-                 blocks_per_step: int = 1, vector_loads: bool = True, stages: int = 1):
+                 blocks_per_step: int = 1, vector_loads: bool = False, stages: int = 1):
         if batch != prog.geometry["batch"]:
             raise ValueError(f"batch must be the program's ({prog.geometry['batch']}), got {batch}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -460,7 +461,7 @@ class DecodeStep:
 
 def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  ffn: int = 14336, vocab: int = 128256, splits: int = 16, num_warps: int = 4, blocks_per_step: int = 1,
-                 block_r: int = 16, vector_loads: bool = True, stages: int = 1):
+                 block_r: int = 16, vector_loads: bool = False, stages: int = 1):
     """decode_step_kernel compiled for sm_90 without a GPU (set TRITON_INTERPRET=0 before importing llmkernels), for
     the Llama-3-8B shape by default: for tests and for reading the code the compiler makes."""
     from triton.backends.compiler import GPUTarget
