@@ -125,6 +125,28 @@ def test_route_table_holds_what_choose_says(fmt, N, K):
     assert {r.kernel for rs in table.values() for r in rs} != {r.kernel for rs in held.values() for r in rs}
 
 
+def test_tc_padding(monkeypatch):
+    """Which matrices the engine pads along K (ops.tc_padding): large q6_k ones whose K is not a multiple of 2048
+    (rows not 16-byte aligned), to the next multiple, where the padded shape takes the tensor-core kernel; nothing
+    else, and nothing under the interpreter."""
+    from llmkernels.qgemv import ops
+    from llmkernels.quant.tensor import QuantizedTensor
+
+    def qt(fmt, N, K):
+        from llmkernels.quant import GGUF_FORMATS
+
+        return QuantizedTensor(fmt, (N, K), torch.empty(N, GGUF_FORMATS[fmt].bytes_per_row(K), dtype=torch.uint8))
+
+    assert ops.tc_padding(qt("q6_k", 256000, 3584), torch.bfloat16) is None  # the interpreter: never
+    monkeypatch.setattr(ops, "target", lambda device: H200)
+    assert ops.tc_padding(qt("q6_k", 256000, 3584), torch.bfloat16) == 4096  # Gemma 2's output matrix
+    assert ops.tc_padding(qt("q6_k", 152064, 18944), torch.float16) == 20480
+    assert ops.tc_padding(qt("q6_k", 128256, 4096), torch.bfloat16) is None  # aligned already
+    assert ops.tc_padding(qt("q6_k", 2048, 3584), torch.bfloat16) is None  # small: not worth the bytes
+    assert ops.tc_padding(qt("q4_k", 256000, 3584), torch.bfloat16) is None  # 144-byte blocks: always aligned
+    assert ops.tc_padding(qt("q6_k", 256000, 3584), torch.float32) is None  # float32 x: no tensor-core route
+
+
 def test_moe_config_reads_the_table_then_falls_back(monkeypatch):
     """The per-pair MoE GEMV takes its own tuned entry (``tune moe``: shipped for sm90, an override first), else the
     generic kernel's M = 1 config; the interpreter never reads the tables."""

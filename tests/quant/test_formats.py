@@ -148,3 +148,22 @@ def test_repr_and_nbytes():
     assert qt.nbytes == 8 * 144
     assert abs(qt.bits_per_weight - 4.5) < 1e-9
     assert "q4_k" in repr(qt) and "(8, 256)" in repr(qt)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_pad_k_appends_zero_weights(fmt):
+    """quant.tensor.pad_k: the same rows followed by all-zero blocks, which decode to zero in every format."""
+    from llmkernels.quant.tensor import pad_k
+
+    f = GGUF_FORMATS[fmt]
+    k = 256 if f.block_size > 1 else 40
+    qt = lk.quantize(torch.randn(5, k), fmt)
+    K = k + 2 * max(f.block_size, 8)
+    p = pad_k(qt, K)
+    assert tuple(p.shape) == (5, K) and p.format == fmt
+    w = lk.dequantize(p)
+    assert torch.equal(w[:, :k], lk.dequantize(qt)) and torch.equal(w[:, k:], torch.zeros(5, K - k))
+    with pytest.raises(ValueError, match="K must be >= 256"):
+        pad_k(lk.quantize(torch.randn(5, 256), "q4_k"), 128)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        pad_k(lk.quantize(torch.randn(5, 256), "q4_k"), 300)
