@@ -724,3 +724,34 @@ def test_unsupported_features_fail_at_load(model_files, tmp_path):
     write_gguf(tmp_path / "long.gguf", {**tensors, "rope_factors_long.weight": torch.ones(32)}, meta)
     with pytest.raises(ModelConfigError, match="LongRoPE"):
         LLM(str(tmp_path / "long.gguf"), progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_int8", [False, True])
+def test_gpu_padded_output_matrix(monkeypatch, act_int8):
+    """A Gemma-2-9B-shaped model (one layer, the real 256000 x 3584 q6_k tied output): the engine pads the output
+    matrix for the tensor-core kernel, and its logits match the same model left unpadded, exact and with act_int8."""
+    import llmkernels.engine.model as model_mod
+    from llmkernels.bench.suites.families import FAMILIES, family_tensors
+    from llmkernels.engine.config import ModelConfig
+
+    spec = dict(FAMILIES["gemma2-9b"], layers=1)
+    tensors = family_tensors(spec, device="cuda")
+    meta = {f"gemma2.{k}": v for k, v in spec["meta"].items()}
+    meta.update({"general.architecture": "gemma2", "gemma2.block_count": 1, "gemma2.embedding_length": 3584,
+                 "gemma2.feed_forward_length": 14336, "gemma2.attention.head_count": 16,
+                 "gemma2.attention.head_count_kv": 8, "gemma2.attention.key_length": 256,
+                 "gemma2.attention.value_length": 256, "gemma2.vocab_size": 256000})
+    cfg = ModelConfig.from_gguf(meta, tensors.keys())
+
+    def engine():
+        m = model_mod.Model(cfg, tensors, "cuda", torch.bfloat16)
+        return m, LLM.from_model(m, max_num_seqs=1, max_model_len=128, act_int8=act_int8)
+
+    padded, llm = engine()
+    monkeypatch.setattr(model_mod, "tc_padding", lambda qt, dtype: None)
+    plain, ref = engine()
+    assert padded.output_pad == 512 and padded.tok_embd is padded.output and plain.output_pad == 0
+    for ids in ([5], list(range(1, 40))):  # one row (the batch-1 route the padding is for) and a prompt
+        a, b = llm.logits(ids).float(), ref.logits(ids).float()
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
