@@ -731,6 +731,8 @@ def test_unsupported_features_fail_at_load(model_files, tmp_path):
 def test_gpu_padded_output_matrix(monkeypatch, act_int8):
     """A Gemma-2-9B-shaped model (one layer, the real 256000 x 3584 q6_k tied output): the engine pads the output
     matrix for the tensor-core kernel, and its logits match the same model left unpadded, exact and with act_int8."""
+    import dataclasses
+
     import llmkernels.engine.model as model_mod
     from llmkernels.bench.suites.families import FAMILIES, family_tensors
     from llmkernels.engine.config import ModelConfig
@@ -742,7 +744,8 @@ def test_gpu_padded_output_matrix(monkeypatch, act_int8):
                  "gemma2.feed_forward_length": 14336, "gemma2.attention.head_count": 16,
                  "gemma2.attention.head_count_kv": 8, "gemma2.attention.key_length": 256,
                  "gemma2.attention.value_length": 256, "gemma2.vocab_size": 256000})
-    cfg = ModelConfig.from_gguf(meta, tensors.keys())
+    # random weights saturate the final soft cap (every logit near +-30): compare the logits before it
+    cfg = dataclasses.replace(ModelConfig.from_gguf(meta, tensors.keys()), final_softcap=0.0)
 
     def engine():
         m = model_mod.Model(cfg, tensors, "cuda", torch.bfloat16)
