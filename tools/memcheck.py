@@ -400,7 +400,7 @@ def main():
 
 def engine_kernel_cases(dev="cuda"):
     """The engine's kernels: add + RMSNorm on an odd width (with a post-norm, lanes), SiLU / GeGLU, RoPE + KV store
-    with bias, QK-norm, skipped slots, fp8."""
+    with bias, QK-norm, skipped slots, fp8, V apart."""
     from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
 
     silu_mul(torch.randn(3, 2 * 1100, device=dev, dtype=torch.bfloat16))
@@ -419,6 +419,10 @@ def engine_kernel_cases(dev="cuda"):
         rope_store(qkv, torch.arange(T, dtype=torch.int32, device=dev), slots, torch.rand(D // 2, device=dev), kc,
                    kc.clone(), n_heads=Hq, n_kv_heads=Hkv, neox=neox, bias=torch.randn(qkv.shape[1], device=dev),
                    q_norm=torch.randn(D, device=dev), k_norm=torch.randn(D, device=dev))
+        # V apart from q and k (a q6_k V beside a q/k stack): exact-size buffers, so a read past either shows
+        rope_store(qkv[:, :(Hq + Hkv) * D].contiguous(), torch.arange(T, dtype=torch.int32, device=dev), slots,
+                   torch.rand(D // 2, device=dev), kc, kc.clone(), n_heads=Hq, n_kv_heads=Hkv, neox=neox,
+                   v=qkv[:, (Hq + Hkv) * D:].contiguous())
     torch.cuda.synchronize()
     print("memcheck script finished")
 

@@ -99,8 +99,8 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 @triton.jit
-def _rope_store_kernel(QKV, POS, SLOT, INV_FREQ, BIAS, QNW, KNW, KC, VC, stride_t, stride_kc_slot, stride_kc_h,
-                       k_inv_scale, v_inv_scale, mscale, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+def _rope_store_kernel(QKV, V, POS, SLOT, INV_FREQ, BIAS, QNW, KNW, KC, VC, stride_t, stride_v, stride_kc_slot,
+                       stride_kc_h, k_inv_scale, v_inv_scale, mscale, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                        D: tl.constexpr, NEOX: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
                        FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
@@ -147,7 +147,7 @@ def _rope_store_kernel(QKV, POS, SLOT, INV_FREQ, BIAS, QNW, KNW, KC, VC, stride_
         slot = tl.load(SLOT + t)
         if slot >= 0:
             hk = h - HQ
-            vrow = QKV + t * stride_t + (HQ + HKV) * D + hk * D
+            vrow = V + t * stride_v + hk * D
             v = tl.load(vrow + d).to(tl.float32)
             if HAS_BIAS:
                 v += tl.load(BIAS + (HQ + HKV) * D + hk * D + d)
@@ -166,15 +166,18 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
                k_cache: torch.Tensor, v_cache: torch.Tensor, *, n_heads: int, n_kv_heads: int, neox: bool,
                mscale: float = 1.0, bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
                k_norm: torch.Tensor | None = None, eps: float = 1e-6, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
+               v_scale: float = 1.0, v: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate Q in place in ``qkv`` [T, (Hq + 2 Hkv) * D] and write rotated K and V to their cache slots.
 
     Applies the QKV bias (Qwen2) and per-head Q/K RMSNorm (Qwen3) on the way. Slots of -1 skip the K/V write.
+    ``v``: V [T, Hkv * D] given apart (then ``qkv`` holds Q and K only, [T, (Hq + Hkv) * D]).
     Returns the query view [T, Hq, D] of ``qkv``.
     """
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     q = qkv[:, :n_heads * D].view(T, n_heads, D)
+    if v is None:
+        v = qkv[:, (n_heads + n_kv_heads) * D:]
     if T == 0:
         return q
     fp8 = k_cache.dtype in FP8_DTYPES
@@ -182,9 +185,9 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
     dummy = inv_freq
     pdl = pdl_supported(qkv.device)
     _rope_store_kernel[(T, n_heads + n_kv_heads)](
-        qkv, positions, slots, inv_freq, bias if bias is not None else dummy,
+        qkv, v, positions, slots, inv_freq, bias if bias is not None else dummy,
         q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy, k_cache, v_cache,
-        qkv.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale, mscale, eps,
+        qkv.stride(0), v.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale, mscale, eps,
         HQ=n_heads, HKV=n_kv_heads, D=D, NEOX=neox, HAS_BIAS=bias is not None, QK_NORM=q_norm is not None,
         FP8=fp8, FP8_MAX=fp8_max, PDL=pdl, num_warps=1 if D <= 64 else 2, **pdl_options(pdl))
     return q

@@ -285,6 +285,16 @@ class Model:
             return self._gemv(x, xl, mats[0], i8)
         return torch.cat([self._gemv(x, xl, m, i8) for m in mats], dim=1)
 
+    def _qkv(self, x, xl, mats, i8: bool):
+        """The QKV product -> (qkv, None), or (q and k, v) where V is a matrix of its own (a Q4_K_M file's q6_k V):
+        rope_store then reads V apart, with no concatenation. (V's product on a second stream beside Q and K's
+        measured no faster at batch 1: bench/NOTES.md.)"""
+        cfg, D = self.cfg, self.cfg.head_dim
+        if (len(mats) != 2 or mats[0].shape[0] != (cfg.n_heads + cfg.n_kv_heads) * D
+                or mats[1].shape[0] != cfg.n_kv_heads * D):
+            return self._stacked(x, xl, mats, i8), None
+        return self._gemv(x, xl, mats[0], i8), self._gemv(x, xl, mats[1], i8)
+
     def _moe(self, x, layer):
         """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn."""
         router, gate, up, down = layer.moe
@@ -327,12 +337,12 @@ class Model:
         for li, layer in enumerate(self.layers):
             x, xl = self._norm(T, i8, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
                                residual=h if delta is not None else None, pre_weight=post)
-            qkv = self._stacked(x, xl, layer.qkv, i8)
+            qkv, v = self._qkv(x, xl, layer.qkv, i8)
             inv_freq, mscale = self.ropes[layer.rope]
             q = rope_store(qkv, inp.positions, inp.slots, inv_freq, k_caches[li], v_caches[li],
                            n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, neox=cfg.rope_style == "neox",
                            mscale=mscale, bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
-                           eps=cfg.rms_eps, k_scale=kv_scales[0], v_scale=kv_scales[1])
+                           eps=cfg.rms_eps, k_scale=kv_scales[0], v_scale=kv_scales[1], v=v)
             fp8 = k_caches[li].dtype != self.dtype
             o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
                                 inp.max_q, causal=True, plan=plan, validate=False, softmax_scale=cfg.attn_scale or None,
@@ -393,3 +403,4 @@ class Model:
         parts = [torch.empty_like(y) for _ in range(self.tp.world)]
         dist.all_gather(parts, y.contiguous(), group=self.tp.group)
         return torch.cat(parts, dim=1)[:, :self.cfg.vocab_size]
+

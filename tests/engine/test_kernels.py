@@ -105,9 +105,11 @@ def head_norm_ref(x, w, eps, dtype):
     return ((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).double() * w.double()).to(dtype).double()
 
 
-@pytest.mark.parametrize("neox,bias,qk_norm", [(True, False, False), (False, False, False), (True, True, False),
-                                               (True, False, True)])
-def test_rope_store(neox, bias, qk_norm, device):
+@pytest.mark.parametrize("neox,bias,qk_norm,v_apart", [(True, False, False, False), (False, False, False, False),
+                                                       (True, True, False, False), (True, False, True, False),
+                                                       (False, True, False, True), (True, False, True, True)])
+def test_rope_store(neox, bias, qk_norm, v_apart, device):
+    """v_apart: V given as a tensor of its own (the engine's q6_k V beside a q/k stack), not the end of qkv."""
     T, Hq, Hkv, D, ps = 7, 6, 2, 64, 4
     dt = torch.float16
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dt, device=device)
@@ -125,9 +127,15 @@ def test_rope_store(neox, bias, qk_norm, device):
     if qk_norm:
         q, k = head_norm_ref(q, qn, 1e-6, dt), head_norm_ref(k, kn, 1e-6, dt)
     q_want, k_want = rope_ref(q, pos.cpu(), inv, neox), rope_ref(k, pos.cpu(), inv, neox)
-    out = rope_store(qkv, pos, slots, inv.float().to(device), kc, vc, n_heads=Hq, n_kv_heads=Hkv, neox=neox,
-                     bias=b, q_norm=qn, k_norm=kn, eps=1e-6)
-    assert out.shape == (T, Hq, D) and out.data_ptr() == qkv.data_ptr()
+    qk, v_in = qkv, None
+    if v_apart:  # q and k in a buffer of their own (strided view), V apart
+        qk = torch.randn(T, (Hq + Hkv) * D + 64, dtype=dt, device=device)[:, :(Hq + Hkv) * D]
+        qk.copy_(qkv[:, :(Hq + Hkv) * D])
+        v_in = qkv[:, (Hq + Hkv) * D:].clone()
+        qkv[:, (Hq + Hkv) * D:] = float("nan")  # must not be read
+    out = rope_store(qk, pos, slots, inv.float().to(device), kc, vc, n_heads=Hq, n_kv_heads=Hkv, neox=neox,
+                     bias=b, q_norm=qn, k_norm=kn, eps=1e-6, v=v_in)
+    assert out.shape == (T, Hq, D) and out.data_ptr() == qk.data_ptr()
     assert_close(out, q_want, dt)
     flat_k, flat_v = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
     for t, s in enumerate(slots.tolist()):
