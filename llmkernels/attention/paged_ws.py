@@ -87,14 +87,14 @@ def _unit_keys(u, k_len, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _page_rows(pt_row, key0, n_pages, num_pages, PAGE_SIZE: gl.constexpr, NSUB: gl.constexpr,
-               ROWS: gl.constexpr, layout: gl.constexpr, HKV: gl.constexpr = 1):
-    """Cache rows (page * PAGE_SIZE + offset, times HKV for whole-page rows of one key and head) of the NSUB
-    sub-tiles of ROWS keys from key0; past the sequence's pages, the row past the cache (TMA reads zeros there)."""
+               ROWS: gl.constexpr, layout: gl.constexpr):
+    """Cache rows (page * PAGE_SIZE + offset) of the NSUB sub-tiles of ROWS keys from key0; past the sequence's
+    pages, the row past the cache (TMA reads zeros there)."""
     sub = gl.arange(0, NSUB, layout=layout)
     key = key0 + sub * ROWS
     pg = key // PAGE_SIZE
     page = gl.load(pt_row + pg, mask=pg < n_pages, other=num_pages)
-    return (page * PAGE_SIZE + key % PAGE_SIZE) * HKV
+    return page * PAGE_SIZE + key % PAGE_SIZE
 
 
 @gluon.jit
@@ -120,28 +120,26 @@ def _piece(g, g1, ti, CU_T, num_kv_heads):
 @gluon.jit
 def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, n_pages, col, lo, hi, c,
                num_pages, sub, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-               STAGES: gl.constexpr, HKV: gl.constexpr = 1):
-    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring (HKV > 1: of one sequence,
-    every kv head: whole-page rows); -> the ring counter."""
-    CR: gl.constexpr = desc_k.block_type.shape[0]  # rows per copy
-    ROWS: gl.constexpr = CR // HKV  # keys per copy
+               STAGES: gl.constexpr):
+    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring; -> the ring counter."""
+    ROWS: gl.constexpr = desc_k.block_type.shape[0]
     NSUB: gl.constexpr = BLOCK_N // ROWS
-    rows = _page_rows(pt_row, lo, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout, HKV)
+    rows = _page_rows(pt_row, lo, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
     for start in range(lo, hi, BLOCK_N):
         # the next tile's page ids load while this tile's copies are issued (used one iteration later)
-        nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout, HKV)
+        nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
         s = c % STAGES
         mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), NSUB * desc_k.block_type.nbytes)
         for r in gl.static_range(NSUB):
             row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
             tma.async_copy_global_to_shared(desc_k, [row, col], k_ready.index(s),
-                                            k_smem.index(s).slice(r * CR, CR))
+                                            k_smem.index(s).slice(r * ROWS, ROWS))
         mbarrier.expect(v_ready.index(s), NSUB * desc_v.block_type.nbytes)
         for r in gl.static_range(NSUB):
             row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
             tma.async_copy_global_to_shared(desc_v, [row, col], v_ready.index(s),
-                                            v_smem.index(s).slice(r * CR, CR))
+                                            v_smem.index(s).slice(r * ROWS, ROWS))
         rows = nxt
         c += 1
     return c
@@ -183,7 +181,7 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, 
 @gluon.jit
 def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, col, lo, hi, c, num_pages,
                stride_kp, stride_ks, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-               GATHER: gl.constexpr, HKV: gl.constexpr = 1):
+               GATHER: gl.constexpr):
     """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA, or with GATHER
     (desc_k / desc_v are then the caches' pointers) rows by cp.async; -> the ring counter."""
     if GATHER:  # 16-byte pieces, rows over the threads
@@ -193,12 +191,12 @@ def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
         c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, lo, hi, c,
                          stride_kp, stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES)
     else:
-        NSUB: gl.constexpr = BLOCK_N * HKV // desc_k.block_type.shape[0]
+        NSUB: gl.constexpr = BLOCK_N // desc_k.block_type.shape[0]
         # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
         sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
         c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row,
                        (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages,
-                       gl.arange(0, NSUB, layout=sub_layout), sub_layout, BLOCK_N, PAGE_SIZE, STAGES, HKV)
+                       gl.arange(0, NSUB, layout=sub_layout), sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
     return c
 
 
@@ -206,7 +204,7 @@ def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
 def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
             TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-            BALANCED: gl.constexpr, GATHER: gl.constexpr, HKV: gl.constexpr = 1):
+            BALANCED: gl.constexpr, GATHER: gl.constexpr):
     c = 0
     if BALANCED:
         g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
@@ -226,7 +224,7 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
             b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
             c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
                            PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b), hk * HEAD_DIM, lo, hi, c,
-                           num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER, HKV)
+                           num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
 
 
 @gluon.jit
@@ -267,17 +265,16 @@ def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_
 
 @gluon.jit
 def _scores(q_smem, k_smem, k_ready, c, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-            GP: gl.constexpr, FENCE: gl.constexpr, HKV: gl.constexpr = 1):
+            GP: gl.constexpr, FENCE: gl.constexpr):
     """Issue S^T = K Q^T on ring use c's K tile (asynchronous): keys are wgmma's M, the GP query heads its N. With
     an fp8 cache, q_smem holds three fp8 terms of the scaled q (_stage_q) and their dots add up. FENCE: the tile
     came by cp.async (GATHER), whose writes the async proxy (wgmma) sees only after a proxy fence."""
-    MR: gl.constexpr = BLOCK_N * HKV  # rows of a tile
     s = c % K_STAGES
     mbarrier.wait(k_ready.index(s), (c // K_STAGES) & 1)
     if FENCE:
         fence_async_shared()
     st = warpgroup_mma(k_smem.index(s), q_smem.index(0).permute((1, 0)),
-                       gl.zeros([MR, GP], gl.float32, st_layout), use_acc=False, is_async=True)
+                       gl.zeros([BLOCK_N, GP], gl.float32, st_layout), use_acc=False, is_async=True)
     TERMS: gl.constexpr = q_smem.shape[0]
     for j in gl.static_range(1, TERMS):
         st = warpgroup_mma(k_smem.index(s), q_smem.index(j).permute((1, 0)), st, is_async=True)
@@ -285,20 +282,13 @@ def _scores(q_smem, k_smem, k_ready, c, st_layout: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _softmax(st, m_i, l_p, cs, key0, hi, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
-             HKV: gl.constexpr = 1, hmask=None):
+def _softmax(st, m_i, l_p, cs, key0, hi, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
     """Online softmax of one transposed score tile [keys, heads] with per-head score scales cs (log2 units):
     -> (P^T, alpha, row sums, row max). The row sums stay per element (l_p, summed once at the end), so the only
     reduction across warps per tile is the maximum. MASKED: keys from hi on are out; otherwise every key counts and
-    the new maximum is finite. HKV > 1 (whole-page tiles): row r holds key r // HKV of kv head r % HKV, and
-    ``hmask`` [rows, heads] keeps each query head's own kv head's rows."""
+    the new maximum is finite."""
     sc = st * cs[None, :]
-    if HKV > 1:
-        k_pos = key0 + gl.arange(0, BLOCK_N * HKV, layout=gl.SliceLayout(1, st_layout)) // HKV
-        sc = gl.where(hmask & (k_pos[:, None] < hi), sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    elif MASKED:
+    if MASKED:
         k_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
         sc = gl.where(k_pos[:, None] < hi, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=0))
@@ -365,8 +355,7 @@ def _stage_q(q, q_smem, qk_scale, cs_layout: gl.constexpr):
 @gluon.jit
 def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, qk_scale,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False, STEP: gl.constexpr = 1,
-            HKV: gl.constexpr = 1, QG: gl.constexpr = 1):
+            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False, STEP: gl.constexpr = 1):
     """The online softmax of one unit's query heads q (_load_q) over keys [lo, hi): K tiles from the
     (k_smem, k_ready, k_empty) ring, V tiles from the (v_smem, ...) ring (the same ring for 16-bit caches; for fp8,
     the fp8 ring and the converter's fp16 ring), counted by c. -> (O [GP, HEAD_DIM] unnormalized in o_layout, row
@@ -379,8 +368,7 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
     waits for both, frees what they read and rescales O. No wgmma stays in flight across steps (ptxas answers that
     by serializing every wgmma). lo is a multiple of BLOCK_N, so only the last tile has keys past hi to mask. KF / VF:
     the K / V tiles came by cp.async (proxy fence after each wait, see _scores). STEP: this consumer takes every
-    STEP-th tile from lo (ring uses c, c + STEP, ...; see _consumer's CONSUMERS). HKV > 1: whole-page tiles, rows
-    (key, kv head) and q's columns every query head of the sequence, QG per kv head (see _softmax)."""
+    STEP-th tile from lo (ring uses c, c + STEP, ...; see _consumer's CONSUMERS)."""
     GP: gl.constexpr = q_smem.shape[1]
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -388,32 +376,29 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
     ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, GP, 16])
     col: gl.constexpr = gl.SliceLayout(0, st_layout)
-    MR: gl.constexpr = BLOCK_N * HKV  # rows of a tile
     cs = _stage_q(q, q_smem, qk_scale, col)
     m_i = gl.full([GP], float("-inf"), gl.float32, col)
-    l_p = gl.zeros([MR, GP], gl.float32, st_layout)
-    hmask = ((gl.arange(0, MR, layout=gl.SliceLayout(1, st_layout)) % HKV)[:, None]
-             == (gl.arange(0, GP, layout=col) // QG)[None, :])
+    l_p = gl.zeros([BLOCK_N, GP], gl.float32, st_layout)
     acc = gl.zeros([HEAD_DIM, GP], gl.float32, ot_layout)
     TS: gl.constexpr = STEP * BLOCK_N  # keys from one of this consumer's tiles to its next
     n = (hi - lo + TS - 1) // TS
     if n > 0:
-        st = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, c, st_layout, BLOCK_N, K_STAGES, GP, KF, HKV),))
+        st = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, c, st_layout, BLOCK_N, K_STAGES, GP, KF),))
         mbarrier.arrive(k_empty.index(c % K_STAGES), count=1)
         if n > 1:
-            nxt = _scores(q_smem, k_smem, k_ready, c + STEP, st_layout, BLOCK_N, K_STAGES, GP, KF, HKV)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False, HKV, hmask)
+            nxt = _scores(q_smem, k_smem, k_ready, c + STEP, st_layout, BLOCK_N, K_STAGES, GP, KF)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
             st = warpgroup_mma_wait(0, deps=(nxt,))
             mbarrier.arrive(k_empty.index((c + STEP) % K_STAGES), count=1)
         else:
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, st_layout, BLOCK_N, True, HKV, hmask)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, st_layout, BLOCK_N, True)
         p_smem.index(0).store(p.to(p_smem.dtype))
         fence_async_shared()
         gl.thread_barrier()
         for i in range(1, n - 1):
             pv = _pv(p_smem.index((i - 1) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
-            nxt = _scores(q_smem, k_smem, k_ready, c + 2 * STEP, st_layout, BLOCK_N, K_STAGES, GP, KF, HKV)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False, HKV, hmask)
+            nxt = _scores(q_smem, k_smem, k_ready, c + 2 * STEP, st_layout, BLOCK_N, K_STAGES, GP, KF)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
             p_smem.index(i % 2).store(p.to(p_smem.dtype))
             acc, st = warpgroup_mma_wait(0, deps=(pv, nxt))
             mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
@@ -424,8 +409,7 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
             c += STEP
         if n > 1:
             pv = _pv(p_smem.index((n - 2) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * TS, hi, st_layout, BLOCK_N, True, HKV,
-                                          hmask)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * TS, hi, st_layout, BLOCK_N, True)
             p_smem.index((n - 1) % 2).store(p.to(p_smem.dtype))
             acc = warpgroup_mma_wait(0, deps=(pv,))
             mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
@@ -477,8 +461,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
               v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
               V_STAGES: gl.constexpr, SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr,
               MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr, x_o, x_ml, x_ready,
-              x_free, CONSUMERS: gl.constexpr, q_smem, p_smem, WG: gl.constexpr, HKV: gl.constexpr = 1,
-              QG: gl.constexpr = 1):
+              x_free, CONSUMERS: gl.constexpr, q_smem, p_smem, WG: gl.constexpr):
     """Consumer WG of CONSUMERS (1 or 2): with two, each unit's (or balanced piece's) key tiles alternate between
     them (ring uses of the same parity as WG), each runs its own online softmax, and the second hands its
     (O, max, sum) to the first (_pair), which merges them and writes the output. Two independent chains of wgmma,
@@ -509,7 +492,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
             q = _load_q(Q, t, hk, True, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
             acc, m_i, l_i, _ = _attend(q, (t0 + WG) * BLOCK_N, hi, c + WG, q_smem, p_smem, k_smem, k_ready, k_empty,
                                        v_smem, v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES,
-                                       o_layout, KF, VF, CONSUMERS, HKV, QG)
+                                       o_layout, KF, VF, CONSUMERS)
             c += (hi - t0 * BLOCK_N + BLOCK_N - 1) // BLOCK_N
             if CONSUMERS > 1:
                 acc, m_i, l_i = _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, kx, o_layout, WG)
@@ -569,7 +552,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
             t = t0
             acc, m_i, l_i, _ = _attend(q0, lo + WG * BLOCK_N, hi, c + WG, q_smem, p_smem, k_smem, k_ready, k_empty,
                                        v_smem, v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES,
-                                       o_layout, KF, VF, CONSUMERS, HKV, QG)
+                                       o_layout, KF, VF, CONSUMERS)
             c += (hi - lo + BLOCK_N - 1) // BLOCK_N
             if CONSUMERS > 1:
                 acc, m_i, l_i = _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, kx, o_layout, WG)
@@ -653,7 +636,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
                            KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1,
-                           Q_TERMS: gl.constexpr = 3, HKV: gl.constexpr = 1, QG: gl.constexpr = 1):
+                           Q_TERMS: gl.constexpr = 3):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -673,21 +656,14 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     that kernel's end; 2, the next kernel may also launch then.
 
     fp8 caches only: CONSUMERS, consumer warp groups (1 or 2), each with its own q and P^T buffers; two take
-    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q).
-
-    HKV > 1, whole pages: a unit is (sequence, split) over every kv head; desc_k / desc_v view the caches as rows of
-    one key and head ([pages * page size * HKV, HEAD_DIM]), a tile is BLOCK_N keys of every head (BLOCK_N * HKV rows,
-    contiguous in the cache: one copy per page rather than one per page and head), GROUP is every query head of the
-    sequence, QG of them per kv head, and num_kv_heads is 1. The S^T tile then holds every (key, kv head) row against
-    every query head, the pairs of different heads masked out (HKV times the products for whole-page copies)."""
+    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q)."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     gl.static_assert(FP8 or CONSUMERS == 1, "two consumer warp groups are built for fp8 caches only")
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
-    MR: gl.constexpr = BLOCK_N * HKV  # rows of a tile
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, MR, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, MR, HEAD_DIM], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -701,13 +677,12 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         gdc_wait()
     if PDL > 1:
         gdc_launch_dependents()
-    p_smem = gl.allocate_shared_memory(dtype16, [2, MR, GP], P_LAYOUT)
+    p_smem = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
     TERMS: gl.constexpr = Q_TERMS if FP8 else 1
     q_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
     q_smem = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
-    # the two consumers' hand-off (_pair); 4 KB at GROUP 8, a stub for one consumer
-    XR: gl.constexpr = GP if CONSUMERS == 2 else 8
-    x_o = gl.allocate_shared_memory(gl.float32, [XR, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # the two consumers' hand-off (_pair); 4 KB at GROUP 8, allocated for one consumer too
+    x_o = gl.allocate_shared_memory(gl.float32, [GP, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     x_ml = gl.allocate_shared_memory(gl.float32, [2, GP, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_ready = x_bars.index(0)
@@ -718,7 +693,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     V_STAGES: gl.constexpr = STAGES16 if FP8 else STAGES
     VF: gl.constexpr = GATHER and not FP8
     if FP8:
-        v_ring = gl.allocate_shared_memory(gl.float16, [STAGES16, MR, HEAD_DIM], F16_LAYOUT)
+        v_ring = gl.allocate_shared_memory(gl.float16, [STAGES16, BLOCK_N, HEAD_DIM], F16_LAYOUT)
         v_ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
         v_ring_empty = gl.allocate_shared_memory(gl.int64, [STAGES16, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES16):
@@ -730,12 +705,12 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         v_ring_empty = kv_empty
     if FP8 and CONSUMERS == 2:
         q_smem1 = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
-        p_smem1 = gl.allocate_shared_memory(dtype16, [2, MR, GP], P_LAYOUT)
+        p_smem1 = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
     if FP8 and CONSUMERS == 2:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, HKV)),
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
             (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
                           TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
@@ -743,19 +718,19 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0, HKV, QG)),
+                         p_smem, 0)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
-                         p_smem1, 1, HKV, QG)),
+                         p_smem1, 1)),
         ], [4, 4, 4], [88, 176, 176])
     elif FP8:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, HKV)),
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
             (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
                           TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
@@ -763,54 +738,32 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0, HKV, QG)),
+                         p_smem, 0)),
         ], [4, 4], [96, 232])
     else:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, HKV)),
+                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0, HKV, QG)),
+                         p_smem, 0)),
         ], [4], [232])
 
 
-def page_descriptors(k_cache, v_cache, block_n, whole: bool = False):
+def page_descriptors(k_cache, v_cache, block_n):
     """TMA descriptors over contiguous caches viewed as [num_pages * page_size, Hkv * D], one page (or block_n
-    rows of it) per copy; with ``whole``, as [num_pages * page_size * Hkv, D], every head of a page (or of block_n
-    keys of it) per copy. None where the cache is not contiguous or not 16-byte aligned."""
+    rows of it) per copy; None where the cache is not contiguous or not 16-byte aligned."""
     P, ps, H, D = k_cache.shape
     descs = []
     for t in (k_cache, v_cache):
         if not t.is_contiguous() or t.data_ptr() % 16 or t.numel() == 0:
             return None
-        if whole:
-            descs.append(row_descriptor(t, [P * ps * H, D], D, whole_copy_keys(ps, block_n, H) * H))
-        else:
-            descs.append(row_descriptor(t, [P * ps, H * D], H * D, min(ps, block_n)))
+        descs.append(row_descriptor(t, [P * ps, H * D], H * D, min(ps, block_n)))
     return descs
-
-
-def whole_copy_keys(page_size: int, block_n: int, num_kv_heads: int) -> int:
-    """Keys per TMA copy of the whole-page loader: a page, or block_n keys of it, at most 256 rows (TMA's box)."""
-    keys = min(page_size, block_n)
-    while keys * num_kv_heads > 256:
-        keys //= 2
-    return keys
-
-
-def whole_pages_apply(page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_n: int) -> bool:
-    """Whether the whole-page loader (HKV > 1) takes this geometry: pages TMA copies whole, a tile of block_n keys
-    of every head (at most 256 rows, a multiple of 64 for the wgmma), and every query head of a sequence in one
-    wgmma N (at most 256)."""
-    rows = block_n * num_kv_heads
-    return (tma_pages(page_size) and num_kv_heads > 1 and rows % 64 == 0 and rows <= 256
-            and max(8, -(-num_q_heads // 8) * 8) <= 256 and head_dim in (64, 128)
-            and block_n % whole_copy_keys(page_size, block_n, num_kv_heads) == 0)
 
 
 def gather_caches(k_cache, v_cache):
@@ -833,8 +786,7 @@ STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (
 FP8_Q_TERMS_BF16 = 2
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
-                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None,
-                     whole_heads=0):
+                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -852,26 +804,17 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
 
     ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl.
     ``consumers``: consumer warp groups (fp8 caches: 1 or 2, default schedule.FP8_CONSUMERS up to groups of 8;
-    16-bit caches: 1).
-
-    ``whole_heads`` = Hkv > 1: ``descs`` are page_descriptors(..., whole=True) and the units are (sequence, split)
-    over every kv head, block_n keys of every head per tile (whole_pages_apply)."""
+    16-bit caches: 1)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
     kv_dtype = descs[0].dtype if gather else descs[0].base.dtype
-    Hkv = whole_heads or (descs[0].shape[2] if gather else descs[0].shape[1] // D)
+    Hkv = descs[0].shape[2] if gather else descs[0].shape[1] // D
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if whole_heads and (gather or balanced is not None or not whole_pages_apply(page_size, Hq, Hkv, D, block_n)):
-        raise ValueError(f"whole_heads={whole_heads}: the whole-page loader takes TMA pages, the units and "
-                         f"whole_pages_apply's geometry, got page_size={page_size}, Hq={Hq}, D={D}, "
-                         f"block_n={block_n}, gather={gather}, balanced={balanced is not None}")
-    # whole pages: a unit's group is every query head, over one "kv head" of all the heads' rows
-    group, mr, units_heads = (Hq, block_n * Hkv, 1) if whole_heads else (Hq // Hkv, block_n, Hkv)
     if stages is None:
         stages = FP8_STAGES if fp8 else STAGES
     if consumers is None:  # two need a padded group of 8: larger q, P^T and hand-off tiles leave no room
-        consumers = schedule.FP8_CONSUMERS if fp8 and group <= 8 else 1
+        consumers = schedule.FP8_CONSUMERS if fp8 and Hq // Hkv <= 8 else 1
     if consumers not in (1, 2) or (consumers == 2 and not fp8):
         raise ValueError(f"consumers must be 1, or 2 for an fp8 cache; got {consumers} for a {kv_dtype} cache")
     # a consumer holds up to three ring slots at once (the previous tile's V, its tile, the next one's K): with two
@@ -879,8 +822,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     stages = max(stages, 3 * consumers)
     ptrs = isinstance(k_scale, torch.Tensor)
     scales = dict(SCALE_PTRS=ptrs, STAGES16=FP8_STAGES16,
-                  F16_LAYOUT=smem_layout(mr, D, torch.float16) if fp8 else None,
-                  **_step_consts(group, D, mr, kv_dtype), HKV=max(1, whole_heads), QG=Hq // Hkv,
+                  F16_LAYOUT=smem_layout(block_n, D, torch.float16) if fp8 else None,
+                  **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
                   GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None, PDL=pdl,
                   CONSUMERS=consumers, Q_TERMS=FP8_Q_TERMS_BF16 if q.dtype == torch.bfloat16 else 3,
                   **pdl_options(pdl > 0))
@@ -901,9 +844,9 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
         q, *descs, out_or_ws, lse_ws if split else q, out_or_ws, num_tiles, page_table,
         seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, *sargs, 0, q.stride(0), q.stride(1),
         out_or_ws.stride(0) if split else 0, out_or_ws.stride(-3), out_or_ws.stride(-2),
-        lse_ws.stride(0) if split else 0, 0, 0, page_table.stride(0), Hq, units_heads,
-        num_pages, num_splits, qk_scale, *sval, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        STAGES=stages, SPLIT=split, GROUP_P2=_p2(group), MERGE_PB=_merge_pb(group, D), num_warps=4,
+        lse_ws.stride(0) if split else 0, 0, 0, page_table.stride(0), Hq, Hkv,
+        num_pages, num_splits, qk_scale, *sval, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        STAGES=stages, SPLIT=split, GROUP_P2=_p2(Hq // Hkv), MERGE_PB=_merge_pb(Hq // Hkv, D), num_warps=4,
         maxnreg=maxnreg, **scales)
 
 
@@ -927,19 +870,17 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3, whole_heads=0):
+                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
-    size asks for it); ``whole_heads``: the whole-page loader over that many kv heads (``group`` query heads each)."""
+    size asks for it)."""
     import torch
+
 
     if gather is None:
         gather = not tma_pages(page_size)
-    hkv = max(1, whole_heads)
-    copy_rows = whole_copy_keys(page_size, block_n, hkv) * hkv if whole_heads else min(page_size, block_n)
-    desc = f"*{kv or dtype}" if gather else tile_desc_type(kv or dtype, copy_rows, head_dim)
-    qg, group = group, group * hkv
-    mr = block_n * hkv
+
+    desc = f"*{kv or dtype}" if gather else tile_desc_type(kv or dtype, min(page_size, block_n), head_dim)
     sig = {"Q": f"*{dtype}", "desc_k": desc, "desc_v": desc, "O": "*fp32" if split or balanced else f"*{dtype}",
            "LSE": "*fp32", "OUT": f"*{dtype}", "COUNT": "*i32", "PAGE_TABLE": "*i32", "SEQ_LENS": "*i32",
            "CU_Q": "*i32", "TILE_SEQ": "*i32", "NUM_TILES": "*i32", "TABLES": "*i32", "K_SCALE": "*fp32",
@@ -951,9 +892,9 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
               "SPLIT": int(split and not balanced),
               "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim),
-              "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(mr, head_dim, torch.float16) if kv else None,
-              "STAGES16": FP8_STAGES16, "HKV": hkv, "QG": qg,
-              **_step_consts(group, head_dim, mr, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
+              "SCALE_PTRS": scale_ptrs, "F16_LAYOUT": smem_layout(block_n, head_dim, torch.float16) if kv else None,
+              "STAGES16": FP8_STAGES16,
+              **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
               "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl,
               "CONSUMERS": consumers, "Q_TERMS": q_terms}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
