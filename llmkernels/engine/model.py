@@ -189,6 +189,7 @@ class Model:
         self.weight_bytes = self._stored_bytes()  # as stored in the file: the bandwidth bound counts these bytes
         self._embed_row_bytes = self.tok_embd.nbytes // cfg.vocab_size
         self.output_pad = self._pad_output()
+        self.padded = self._pad_layers()
         self.qkv_width = (Hq + 2 * Hkv) * D
         self.bind_routes()
 
@@ -208,6 +209,30 @@ class Model:
             self.tok_embd = padded
         self.output = padded
         return Kp - out.shape[1]
+
+    def _pad_layers(self) -> dict:
+        """The layers' matrices that ops.tc_padding pads (q6_k rows that are not 16-byte aligned: a Q4_K_M file's V
+        and down where K is not a multiple of 2048, as Gemma 2's V, Qwen2-7B's down and a tensor-parallel rank's
+        down), padded at load with zero blocks; _gemv pads their x to match. Returns {id of a padded matrix: its K
+        as stored}."""
+        padded = {}
+        if self.backend != "triton":
+            return padded
+
+        def pad(m):
+            if m is None or m.gguf is None or len(m.shape) != 2:
+                return m
+            Kp = tc_padding(m, self.dtype)
+            if Kp is None:
+                return m
+            p = pad_k(m, Kp)
+            padded[id(p)] = m.shape[1]
+            return p
+
+        for L in self.layers:
+            L.qkv, L.gate_up = [pad(m) for m in L.qkv], [pad(m) for m in L.gate_up]
+            L.wo, L.down = pad(L.wo), pad(L.down)
+        return padded
 
     def bind_routes(self):
         """Choose every projection's GEMV route once (qgemv.route, for each M and both act_int8 settings); forward
@@ -268,6 +293,8 @@ class Model:
 
     def _gemv(self, x, xl, m, i8: bool):
         """x @ m^T by m's route; ``xl``: x in lane order, or (q, ds) of x rounded to int8 in i8 lane order."""
+        if id(m) in self.padded:  # padded along K at load (_pad_layers): x with zero columns to match, as it lies
+            x, xl = torch.nn.functional.pad(x, (0, m.shape[1] - x.shape[1])), None
         op = "lanes" if xl is not None and not isinstance(xl, tuple) else "gemv"
         return run_route(self._route(m, op, x.shape[0], i8), op, x, m, xl)
 
@@ -312,7 +339,7 @@ class Model:
             return self._gemv(silu_mul(gu, act=self.cfg.act), None, layer.down, i8)
         F = gu.shape[1] // 2
         r = self._route(layer.down, "silu_mul", gu.shape[0], i8)
-        if i8 and r.kernel in ("i8", "i8_lanes"):
+        if i8 and r.kernel in ("i8", "i8_lanes") and id(layer.down) not in self.padded:
             # silu(g) * u formed by the activation-rounding kernel, written once as int8
             return run_route(r, "silu_mul", gu[:, :F], layer.down, gu[:, F:])
         # exact mode keeps the separate product: silu_mul_gemv's m1 path measured 28.7 us against 26.7 for the two

@@ -183,13 +183,14 @@ def route_table(qt: QuantizedTensor, dtype: torch.dtype, ops=("gemv", "lanes", "
 
 def tc_padding(qt: QuantizedTensor, dtype: torch.dtype) -> int | None:
     """A K to pad ``qt``'s rows to (with zero blocks, quant.tensor.pad_k) so that its batch-1 gemv takes the
-    tensor-core kernel, or None. Only large q6_k matrices whose K is not a multiple of 2048 qualify: their
-    210-byte-block rows are not 16-byte aligned, which the tensor-core kernel needs, and the kernel that reads them
-    unaligned ran at a fraction of the bandwidth on the output matrix (bench/NOTES.md); the padding adds
+    tensor-core kernel, or None. Only q6_k matrices of route.PAD_MIN_WEIGHTS or more whose K is not a multiple of
+    2048 qualify: their 210-byte-block rows are not 16-byte aligned, which the tensor-core kernel needs, and the
+    kernels that read them unaligned are slower at every M, by far from M = 8 on (the generic kernel; H200: 1.0-1.5x
+    at M = 1, 3-7x at M = 64 with x padded in a launch of its own, bench/lab/pad_lab.py); the padding adds
     (2048 - K % 2048) / K to the bytes read. Never under the interpreter."""
     data, scales, biases, fmt, N, K, bits, group_size = _qt_args(qt)
     t = target(data.device)
-    if fmt != "q6_k" or K % 2048 == 0 or t.interpreter or N * K < route.LANES_MIN_WEIGHTS:
+    if fmt != "q6_k" or K % 2048 == 0 or t.interpreter or N * K < route.PAD_MIN_WEIGHTS:
         return None
     Kp = -(-K // 2048) * 2048
     o = operands("gemv", torch.empty(1, Kp, dtype=dtype, device=data.device), None, data, None, None, None, fmt, 0,

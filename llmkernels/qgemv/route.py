@@ -75,6 +75,8 @@ I8_Q6_LONG_K = 8192
 # q4_k at M = 1 reads activations in lane order; gemv copies x into lane order itself for matrices of at least this
 # many weights, where the lane kernel pays back the copy's launch
 LANES_MIN_WEIGHTS = 1 << 25
+# the engine pads q6_k matrices of at least this many weights whose K is not a multiple of 2048 (ops.tc_padding)
+PAD_MIN_WEIGHTS = 1 << 22
 LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 # fused silu_mul_gemv, q4_k, M = 1, large matrices: twice the rows per thread and lanes over half chunks, three
 # programs per SM (table key "m1/q4_k/silu_large")

@@ -142,7 +142,9 @@ def test_tc_padding(monkeypatch):
     assert ops.tc_padding(qt("q6_k", 256000, 3584), torch.bfloat16) == 4096  # Gemma 2's output matrix
     assert ops.tc_padding(qt("q6_k", 152064, 18944), torch.float16) == 20480
     assert ops.tc_padding(qt("q6_k", 128256, 4096), torch.bfloat16) is None  # aligned already
-    assert ops.tc_padding(qt("q6_k", 2048, 3584), torch.bfloat16) is None  # small: not worth the bytes
+    assert ops.tc_padding(qt("q6_k", 2048, 3584), torch.bfloat16) == 4096  # Gemma 2's V
+    assert ops.tc_padding(qt("q6_k", 4096, 7168), torch.bfloat16) == 8192  # a TP = 2 rank's down (Llama-3-8B)
+    assert ops.tc_padding(qt("q6_k", 512, 3584), torch.bfloat16) is None  # small: not worth a launch for x
     assert ops.tc_padding(qt("q4_k", 256000, 3584), torch.bfloat16) is None  # 144-byte blocks: always aligned
     assert ops.tc_padding(qt("q6_k", 256000, 3584), torch.float32) is None  # float32 x: no tensor-core route
 
