@@ -159,6 +159,29 @@ def test_padded_output_matrix(model_files, monkeypatch):
     check_logits(llm, d, path, hf, ids)
 
 
+def test_padded_layer_matrices(model_files, monkeypatch):
+    """A layer's q6_k V and down padded with zero blocks along K (what the engine does on the GPU where their rows
+    are not 16-byte aligned, Model._pad_layers; forced here): x is padded to match,
+    the logits and greedy tokens are the unpadded engine's, exactly and with act_int8 (whose fused int8 paths the
+    padded products skip). One zero block more here (the GPU pads to a multiple of 2048: the interpreter is slow)."""
+    import llmkernels.engine.model as model_mod
+
+    _, path, _ = model_files("llama", "q4_k_m")
+    kw = dict(progress=False, max_num_batched_tokens=64, backend="triton")
+    plain, plain_i8 = LLM(path, **kw), LLM(path, act_int8=True, **kw)
+    monkeypatch.setattr(model_mod, "tc_padding", lambda qt, dtype: qt.shape[1] + 256 if qt.format == "q6_k" else None)
+    llm, llm_i8 = LLM(path, **kw), LLM(path, act_int8=True, **kw)
+    L = llm.model.layers[1]
+    assert [m.format for m in L.qkv] == ["q4_k", "q6_k"] and L.down.format == "q6_k"
+    assert {id(L.qkv[1]), id(L.down)} <= set(llm.model.padded) and len(llm.model.padded) == 2
+    assert L.down.shape[1] == llm.cfg.ffn + 256 and llm.model.padded[id(L.down)] == llm.cfg.ffn
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    for ours, ref in ((llm, plain), (llm_i8, plain_i8)):
+        assert rel_err(ours.logits(ids).cpu(), ref.logits(ids).cpu()) < 1e-3
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert llm.generate([ids], p)[0].token_ids == plain.generate([ids], p)[0].token_ids
+
+
 @pytest.mark.parametrize("mix,base", [("q4_k_m", "q4_k"), ("q5_k_m", "q5_k")])
 def test_k_m_file(model_files, mix, base):
     """A q4_k_m (q5_k_m) conversion holds llama.cpp's mix; the engine stacks the q4_k (q5_k) attn_q and attn_k of a
@@ -729,8 +752,9 @@ def test_unsupported_features_fail_at_load(model_files, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_int8", [False, True])
 def test_gpu_padded_output_matrix(monkeypatch, act_int8):
-    """A Gemma-2-9B-shaped model (one layer, the real 256000 x 3584 q6_k tied output): the engine pads the output
-    matrix for the tensor-core kernel, and its logits match the same model left unpadded, exact and with act_int8."""
+    """A Gemma-2-9B-shaped model (one layer, the real 256000 x 3584 q6_k tied output, a 2048 x 3584 q6_k V): the
+    engine pads the output matrix and V for the tensor-core kernel, and its logits match the same model left
+    unpadded, exact and with act_int8."""
     import dataclasses
 
     import llmkernels.engine.model as model_mod
@@ -755,6 +779,8 @@ def test_gpu_padded_output_matrix(monkeypatch, act_int8):
     monkeypatch.setattr(model_mod, "tc_padding", lambda qt, dtype: None)
     plain, ref = engine()
     assert padded.output_pad == 512 and padded.tok_embd is padded.output and plain.output_pad == 0
+    assert list(padded.padded.values()) == [3584] and padded.layers[0].qkv[1].shape == (2048, 4096)
+    assert not plain.padded
     for ids in ([5], list(range(1, 40))):  # one row (the batch-1 route the padding is for) and a prompt
         a, b = llm.logits(ids).float(), ref.logits(ids).float()
         assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
