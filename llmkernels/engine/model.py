@@ -314,8 +314,7 @@ class Model:
 
     def _qkv(self, x, xl, mats, i8: bool):
         """The QKV product -> (qkv, None), or (q and k, v) where V is a matrix of its own (a Q4_K_M file's q6_k V):
-        rope_store then reads V apart, with no concatenation. (V's product on a second stream beside Q and K's
-        measured no faster at batch 1: bench/NOTES.md.)"""
+        rope_store then reads V apart, with no concatenation."""
         cfg, D = self.cfg, self.cfg.head_dim
         if (len(mats) != 2 or mats[0].shape[0] != (cfg.n_heads + cfg.n_kv_heads) * D
                 or mats[1].shape[0] != cfg.n_kv_heads * D):
@@ -430,4 +429,3 @@ class Model:
         parts = [torch.empty_like(y) for _ in range(self.tp.world)]
         dist.all_gather(parts, y.contiguous(), group=self.tp.group)
         return torch.cat(parts, dim=1)[:, :self.cfg.vocab_size]
-
