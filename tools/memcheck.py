@@ -262,16 +262,17 @@ def tp_cases():
 
 
 def moe_cases(dev="cuda"):
-    """The MoE GEMV and the grouped kernel (each path forced): 5 experts of 37 rows, 3 tokens x top 3 with an
+    """The MoE GEMV, the grouped kernel and the tensor-core one (each path forced): 5 experts of 37 rows, 3 tokens x top 3 with an
     expert nobody picks, a lone pair, [E, N, K] stacks, and the whole FFN on the router's output (3 and 11 tokens)."""
     from llmkernels.qgemv import route
     from llmkernels.qgemv.moe import moe_ffn, moe_gate_up_silu, moe_gemv, moe_route
+    from llmkernels.quant.tensor import pad_rows
 
     E, N, K = 5, 37, 512
     for path in route.MOE_KERNELS:
         with route.override(exclude=set(route.MOE_KERNELS) - {path}):
             for fmt, kw in (("q4_k", {}), ("q6_k", {}), ("q8_0", {}), ("q5_1", {}),
-                            ("mlx", dict(bits=3, group_size=32))):
+                            ("mlx", dict(bits=3, group_size=32)), ("mlx", dict(bits=4, group_size=64))):
                 qt = lk.quantize(torch.randn(E * N, K, device=dev), fmt, **kw)
                 x = torch.randn(3, K, device=dev, dtype=torch.bfloat16)
                 e = torch.tensor([4, 0, 1, 3, 0, 4, 1, 3, 0], dtype=torch.int32, device=dev)
@@ -281,7 +282,7 @@ def moe_cases(dev="cuda"):
                 moe_gate_up_silu(x, qt, qt, E, e, t)
                 if fmt != "mlx":
                     g = lk.quantize(torch.randn(E, 256, K, device=dev), fmt)
-                    d = lk.quantize(torch.randn(E, K, 256, device=dev), fmt)
+                    d = pad_rows(lk.quantize(torch.randn(E, K, 256, device=dev), fmt))  # q6_k: as the engine
                     for T in (3, 11):
                         xt = torch.randn(T, K, device=dev, dtype=torch.float16)
                         w, ex = moe_route(torch.randn(T, E, device=dev), top_k=3)

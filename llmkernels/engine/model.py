@@ -15,7 +15,7 @@ import torch
 from ..attention.paged import paged_attention
 from ..qgemv.moe import moe_ffn, moe_route
 from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
-from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k
+from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k, pad_rows
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
@@ -187,6 +187,7 @@ class Model:
             inv_l, m_l = rope_inv_freq(local, None)
             self.ropes.append((inv_l.to(self.device), m_l))
         self.weight_bytes = self._stored_bytes()  # as stored in the file: the bandwidth bound counts these bytes
+        self._stack_bytes = sum(m.nbytes for L in self.layers for m in L.moe[1:]) if cfg.n_experts else 0
         self._embed_row_bytes = self.tok_embd.nbytes // cfg.vocab_size
         self.output_pad = self._pad_output()
         self.padded = self._pad_layers()
@@ -232,6 +233,9 @@ class Model:
         for L in self.layers:
             L.qkv, L.gate_up = [pad(m) for m in L.qkv], [pad(m) for m in L.gate_up]
             L.wo, L.down = pad(L.wo), pad(L.down)
+            if L.moe is not None and L.moe[3].format == "q6_k":
+                # expert downs (K = 768 in Qwen3-MoE): rows padded to 16 bytes for the tensor cores (1.6% more)
+                L.moe = L.moe[:3] + (pad_rows(L.moe[3]),)
         return padded
 
     def bind_routes(self):
@@ -270,7 +274,7 @@ class Model:
         emb_full = self.tok_embd.nbytes if self.output is not self.tok_embd else 0
         idle = 0  # experts one token does not choose
         if self.cfg.n_experts:
-            stacks = sum(m.nbytes for L in self.layers for m in L.moe[1:])
+            stacks = self._stack_bytes
             idle = stacks * (self.cfg.n_experts - self.cfg.n_experts_used) // self.cfg.n_experts
         return self.weight_bytes - emb_full + per_row - idle
 

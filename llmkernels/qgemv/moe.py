@@ -29,6 +29,7 @@ from ..quant.tensor import QuantizedTensor
 from .common import _views
 from .dequant import dequant_tile
 from .m1 import launch_m1, m1_supports
+from .tc import launch_tc_moe, tc_supports
 from . import route
 from .ops import FORMAT_IDS, X_DTYPES, target
 
@@ -125,28 +126,56 @@ def moe_grouped_kernel(X, PAIRS, BLOCK_EXPERT, TOKEN, W8, W16, WI8, WS, WB, V8, 
              mask=pair_ok[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def moe_align_kernel(EXPERT, PAIRS, BLOCK_EXPERT, CURSOR, P, E, n_blocks, BLOCK_M: tl.constexpr,
+                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_P: tl.constexpr):
+    """One program: the pairs' experts counted, each expert's slots padded to whole blocks of BLOCK_M, blocks given
+    their owners (-1 past the last expert's) and slots filled with -1, then each pair written to a free slot of its
+    expert (an atomic cursor per expert: the order within an expert varies, and no product depends on it)."""
+    ex = tl.arange(0, BLOCK_E)
+    ch = tl.arange(0, CHUNK)
+    cp = tl.arange(0, CHUNK_P)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, CHUNK_P):
+        p = p0 + cp
+        # ids from the router are in range; clamped anyway, so that every pair gets a slot
+        e = tl.minimum(tl.maximum(tl.load(EXPERT + p, mask=p < P, other=0), 0), E - 1)
+        counts += tl.histogram(e, BLOCK_E, mask=p < P)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(CURSOR + ex, ends - padded)  # each expert's first slot
+    for s0 in range(0, n_blocks * BLOCK_M, CHUNK_P):
+        s = s0 + cp
+        tl.store(PAIRS + s, -1, mask=s < n_blocks * BLOCK_M)
+    for b0 in range(0, n_blocks, CHUNK):
+        b = b0 + ch
+        # a block belongs to the first expert whose padded slots end past its first slot
+        owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(BLOCK_EXPERT + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
+    tl.debug_barrier()  # cursors and the -1 fill before any pair lands (other threads own those slots)
+    for p0 in range(0, P, CHUNK_P):
+        p = p0 + cp
+        e = tl.minimum(tl.maximum(tl.load(EXPERT + p, mask=p < P, other=0), 0), E - 1)
+        slot = tl.atomic_add(CURSOR + e, 1, mask=p < P, sem="relaxed")
+        tl.store(PAIRS + slot, p, mask=p < P)
+
+
 def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
-    """The pairs sorted by expert and padded to whole blocks of ``block_m`` pairs of one expert, on the device and
-    without a host sync, so inside CUDA graphs too (the block count is its upper bound). Returns (pairs int32
-    [blocks * block_m], -1 in the padding; block_expert int32 [blocks], -1 for blocks past the last expert's)."""
+    """The pairs grouped by expert and padded to whole blocks of ``block_m`` pairs of one expert (in any order
+    within an expert), in one launch on the device and without a host sync, so inside CUDA graphs too (the block count is its upper bound). Returns
+    (pairs int32 [blocks * block_m], -1 in the padding; block_expert int32 [blocks], -1 for blocks past the last
+    expert's)."""
     dev = expert_ids.device
     P = expert_ids.shape[0]
     blocks = -(-P // block_m) + min(num_experts, P)
-    e = expert_ids.long()
-    order = torch.argsort(e, stable=True)
-    # scatter_add, not bincount: bincount reads the max id on the host, which CUDA-graph capture forbids
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
-    pstart = torch.cumsum(padded, 0) - padded  # its first slot
-    e_sorted = e[order]
-    slot = pstart[e_sorted] + torch.arange(P, device=dev) - start[e_sorted]
-    pairs = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=dev)
-    pairs[slot] = order.to(torch.int32)
-    ends = torch.cumsum(padded, 0)  # a block starting at slot s belongs to the first expert whose end exceeds s
-    first = torch.arange(blocks, device=dev) * block_m
-    owner = torch.searchsorted(ends, first, right=True)
-    block_expert = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    pairs = empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = empty(blocks, dtype=torch.int32, device=dev)
+    if P:
+        block_e = max(16, triton.next_power_of_2(num_experts))
+        cursor = empty(block_e, dtype=torch.int32, device=dev)
+        moe_align_kernel[(1,)](expert_ids.contiguous(), pairs, block_expert, cursor, P, num_experts, blocks,
+                               BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, min(1024, 16384 // block_e)),
+                               CHUNK_P=1024, num_warps=8)
     return pairs, block_expert
 
 
@@ -267,9 +296,46 @@ def _stack_views(qt) -> tuple:
     return (w8, w16, wi8, qt.scales if qt.scales is not None else w16, qt.biases if qt.biases is not None else w16)
 
 
+def _tc_reads(x, qt) -> bool:
+    """Whether the tensor-core kernel reads this stack with x's dtype (tc.tc_supports; K whole 256-weight steps)."""
+    return qt.shape[-1] % 256 == 0 and tc_supports(x, qt.data, qt.format, qt.bits or 0, qt.group_size or 0,
+                                                   qt.shape[-1], qt.scales, qt.biases)
+
+
+def _tc_products(x, qt, qt_up, N, num_experts, groups, P, token_ids, top_k, x2=None):
+    """[P, N] (with qt_up: [P, 2N], the up products in the second half) on the tensor cores, pairs grouped by expert
+    (``groups``: (pairs, block_expert, block_m) from group_pairs)."""
+    pairs, block_expert, block_m = groups
+    K = qt.shape[-1]
+    config = route.moe_tc_config(target(x.device), route.tc_name(qt.format, qt.bits or 0), block_m, x2 is not None)
+    unpack = 1 if interpreter_mode() else 2
+    mlx = qt.format == "mlx"
+    kw = dict(fmt=qt.format, token_ids=token_ids, x2=x2, group_size=qt.group_size or 0)
+    if qt_up is None or not mlx:  # one launch for both stacks (GGUF: the blocks carry their scales)
+        return launch_tc_moe(x, qt.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack,
+                             up=qt_up.data if qt_up is not None else None, scales=qt.scales, biases=qt.biases, **kw)
+    y = empty(P, 2 * N, dtype=x.dtype, device=x.device)
+    for half, q in ((y[:, :N], qt), (y[:, N:], qt_up)):
+        launch_tc_moe(x, q.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack, y=half,
+                      scales=q.scales, biases=q.biases, **kw)
+    return y
+
+
+def _groups(expert_ids, num_experts: int):
+    block_m = route.moe_tc_rows(expert_ids.shape[0], num_experts)
+    return group_pairs(expert_ids, num_experts, block_m) + (block_m,)
+
+
+def _silu_mul(gu, N: int):
+    return (torch.nn.functional.silu(gu[:, :N].float()) * gu[:, N:].float()).to(gu.dtype)
+
+
 def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
     """The pairs' products; ``token_ids`` None: pair p reads row p // top_k of x."""
     P = expert_ids.shape[0]
+    if P and route.moe_tc(P, num_experts) and _tc_reads(x, qt) and (qt_up is None or _tc_reads(x, qt_up)):
+        y = _tc_products(x, qt, qt_up, N, num_experts, _groups(expert_ids, num_experts), P, token_ids, top_k)
+        return y if qt_up is None else _silu_mul(y, N)
     if P and route.moe_grouped(P, num_experts):
         return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids,
                                empty(P, N, dtype=x.dtype, device=x.device), top_k)
@@ -375,16 +441,32 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate:
     T, k = experts.shape
     e = experts.reshape(-1).contiguous()  # token t's experts are pairs t * k .. t * k + k - 1
     F = _check_stack("gate", gate, num_experts)
-    if (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size):
-        h = _launch(x, gate, up, F, num_experts, e, None, k)
-    else:
-        g = _launch(x, gate, None, F, num_experts, e, None, k).float()
-        h = (g * torch.sigmoid(g) * _launch(x, up, None, F, num_experts, e, None, k).float()).to(x.dtype)
     H = _check_stack("down", down, num_experts)
-    y = _launch(h, down, None, H, num_experts, e, None)
+    P = e.shape[0]
+    if (P and route.moe_tc(P, num_experts) and _tc_reads(x, gate) and _tc_reads(x, up)
+            and (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size)):
+        # the pairs grouped once for both products; silu(gate) * up formed as the down product loads it
+        groups = _groups(e, num_experts)
+        gu = _tc_products(x, gate, up, F, num_experts, groups, P, None, k)
+        if _tc_reads(gu, down):
+            y = _tc_products(gu[:, :F], down, None, H, num_experts, groups, P, None, 1, x2=gu[:, F:])
+        else:
+            y = _launch(_silu_mul(gu, F), down, None, H, num_experts, e, None)
+    else:
+        y = _unfused_products(x, e, gate, up, down, num_experts, F, H, k)
     out = empty(T, H, dtype=x.dtype, device=x.device)
     if T:
         block_h = min(1024, triton.next_power_of_2(H))
         moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, weights.float().contiguous(), out, H, TOP_K=k,
                                                          BLOCK_H=block_h, num_warps=4)
     return out
+
+
+def _unfused_products(x, e, gate, up, down, num_experts, F, H, k):
+    """moe_ffn's down products [P, H] by the per-pair or grouped kernels (the gate/up product first)."""
+    if (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size):
+        h = _launch(x, gate, up, F, num_experts, e, None, k)
+    else:
+        g = _launch(x, gate, None, F, num_experts, e, None, k).float()
+        h = (g * torch.sigmoid(g) * _launch(x, up, None, F, num_experts, e, None, k).float()).to(x.dtype)
+    return _launch(h, down, None, H, num_experts, e, None)

@@ -34,7 +34,14 @@ OPS = ("gemv", "silu_mul", "gate_up", "lanes")  # y = x W^T; silu(x) * x2 then W
 KERNELS = ("cublas", "dequant", "lanes", "glu", "i8", "i8_lanes", "tc", "m1", "planes", "generic")
 # qgemv.moe: a GEMV per (token, expert) pair (the m1 kernel where it reads the format, else the generic one); pairs
 # grouped by expert
-MOE_KERNELS = ("moe_gemv", "moe_m1", "moe_grouped")
+MOE_KERNELS = ("moe_gemv", "moe_m1", "moe_grouped", "moe_tc")
+# MoE products whose pairs choose each of their experts this many times on average (for uniformly random choices)
+# run on the tensor cores, pairs grouped by expert (moe_tc), where the kernel reads the format; fewer, a GEMV per
+# pair (bench/NOTES.md: Qwen3-30B-A3B's shapes, 1.13 per expert at 4 tokens 0.86x, 1.58 at 16 tokens 1.32x)
+MOE_TC_MIN_REUSE = 1.25
+# the down product's config (N = hidden, K = the expert FFN, 768 in Qwen3-30B-A3B: few steps per program) without a
+# table entry: wider tiles, 8 warps (bench/lab/moe_lab.py sweep: 4-21% faster than the dense entries there)
+MOE_TC_DOWN = {"q4_k": (128, 8, 1, 1, 0, 128), "q6_k": (128, 8, 1, 1, 0, 128)}
 
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
@@ -339,6 +346,38 @@ def moe_grouped(pairs: int, num_experts: int) -> bool:
     if "moe_grouped" in excluded or "moe_gemv" in excluded:
         return "moe_grouped" not in excluded
     return pairs > num_experts
+
+
+def moe_tc(pairs: int, num_experts: int) -> bool:
+    """Whether MoE products of ``pairs`` pairs run on the tensor-core kernel, pairs grouped by expert (where it
+    reads the format): each chosen expert's weights read once per block of up to 64 of its pairs, where a GEMV per
+    pair reads them once per pair. Taken once pairs would share experts MOE_TC_MIN_REUSE times on average if drawn
+    at random."""
+    excluded = _excluded()
+    if "moe_tc" in excluded or pairs < 2:
+        return False
+    if {"moe_gemv", "moe_grouped"} <= excluded:
+        return True
+    distinct = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** pairs)
+    return pairs >= MOE_TC_MIN_REUSE * distinct
+
+
+def moe_tc_config(t: Target, name: str, block_m: int, silu: bool) -> tuple:
+    """The tensor-core kernel's config for MoE products: the table's ``moe_tc/<format>[/silu]`` entry, else for the
+    down product (``silu``: silu(gate) * up formed as it loads) of the K-quants MOE_TC_DOWN, else tc_config's."""
+    key = f"moe_tc/{name}" + ("/silu" if silu else "")
+    entry = None if t.interpreter else lookup("gemv", t.gpu, key)
+    if entry is not None:
+        return tuple(entry)
+    if silu and not t.interpreter and name in MOE_TC_DOWN:
+        return MOE_TC_DOWN[name]
+    return tc_config(t, name, block_m, silu)
+
+
+def moe_tc_rows(pairs: int, num_experts: int) -> int:
+    """Slots per block of one expert's pairs in the tensor-core MoE kernel (its M_PAD): 16, 32 or 64, by the mean
+    pairs per expert (padding wastes less)."""
+    return tc_rows(-(-pairs // max(1, min(pairs, num_experts))))
 
 
 def moe_m1(fmt: str, dual: bool, dtype: torch.dtype) -> bool:

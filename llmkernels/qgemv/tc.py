@@ -367,7 +367,8 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
                    row_bytes, scale_stride, nblocks, blocks_per_split, FMT: tl.constexpr, GS: tl.constexpr,
                    BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, UNPACK: tl.constexpr, PREFETCH: tl.constexpr = False,
                    SILU: tl.constexpr = 0, FIXUP: tl.constexpr = False, PDL: tl.constexpr = False, XD=None,
-                   XT: tl.constexpr = False):
+                   XT: tl.constexpr = False, PAIRS=None, BLOCK_EXPERT=None, WU=None, n_experts=1,
+                   TOKEN=None, TOPK: tl.constexpr = 0):
     """y[m, n] (+)= sum over this program's K split of x[m] . w[n] for BLOCK_N rows and M_PAD activation rows.
 
     FMT 10 (q4_k): a step is one super-block; WS and WB are unused. FMT 13 (MLX 4-bit): a step is 128 bytes of
@@ -380,7 +381,13 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     kernel's launch. PDL (launched with launch_pdl, see _pdl.py): programs wait for the previous kernel first and let
     the next one launch after their loop. XT: x comes already in the format's k order (tc_order) through the TMA
     descriptor XD of blocks [M_PAD, 256], straight into shared memory as the dot's B operand (no SILU): no register
-    round trip and no permute for the tile that every program re-reads each step."""
+    round trip and no permute for the tile that every program re-reads each step.
+
+    TOPK > 0 (mixture of experts, pairs grouped by expert: moe.align_pairs; no K split, FIXUP or XT): W8 stacks
+    n_experts matrices of N rows, and the third grid axis runs over blocks of M_PAD slots, block b holding pairs
+    PAIRS[b * M_PAD ..] (-1: an empty slot) of expert BLOCK_EXPERT[b] (-1: an unused block, which reads nothing).
+    Pair p reads row TOKEN[p] (without TOKEN: p // TOPK) of x (and of x2) and writes row p of Y. With WU (a second stack of W8's shape), the
+    first half of the grid's first axis reads W8 and the second WU, writing columns N .. 2N - 1 of Y."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -400,8 +407,21 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     b_ = tl.arange(0, 16)[None, None, None, None, None, :]
     kb_start = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_start + blocks_per_split, nblocks)
+    if TOPK > 0:
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        if WU is not None:  # the second half of the grid reads the second stack into Y's second N columns
+            if pid_n >= n_tiles:
+                W8 = WU
+                Y += N
+                pid_n -= n_tiles
+        e_raw = tl.load(BLOCK_EXPERT + pid_m)
+        # ids are made on the device (align_pairs) and never checked on the host: stay inside the stack regardless
+        e_off = tl.minimum(tl.maximum(e_raw, 0), n_experts - 1).to(tl.int64) * N
+        kb_end = tl.where(e_raw >= 0, kb_end, kb_start)  # an unused block reads nothing
+    else:
+        e_off = 0
     # rows past N read row N - 1 (in bounds, never stored)
-    row = tl.minimum(pid_n * BLOCK_N + 16 * a_ + 8 * h_ + g_, N - 1).to(tl.int64)
+    row = tl.minimum(pid_n * BLOCK_N + 16 * a_ + 8 * h_ + g_, N - 1).to(tl.int64) + e_off
     base = row * row_bytes + kb_start * STEP
     if FMT == 10 or FMT == 11:  # q5_k: q4_k's header, then qh (32 bytes), then the low nibbles as q4_k's codes
         w_ptrs = W8 + base + (16 if FMT == 10 else 48) + t_ * 32 + half_ * 16 + b_
@@ -436,10 +456,20 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
         s_off = row * scale_stride + kb_start * (256 // GS) + (64 * t_ + 32 * half_) // GS
         s_ptrs = WS + s_off
         z_ptrs = WB + s_off
-    m = pid_m * M_PAD + tl.arange(0, M_PAD)
-    x_ptrs = X + m[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
-    x2_ptrs = X2 + m[None, :] * stride_x2m + kb_start * 256 + tl.arange(0, 256)[:, None]
-    x_ok = (m[None, :] < M) & (tl.arange(0, 256)[:, None] >= 0)
+    if TOPK > 0:  # the block's pairs: slot i holds pair m (row m of Y), which reads row m // TOPK of x
+        m = tl.load(PAIRS + pid_m * M_PAD + tl.arange(0, M_PAD)).to(tl.int64)
+        m_ok = m >= 0
+        if TOKEN is not None:
+            xm = tl.load(TOKEN + tl.where(m_ok, m, 0)).to(tl.int64)
+        else:
+            xm = tl.where(m_ok, m, 0) // TOPK
+    else:
+        m = pid_m * M_PAD + tl.arange(0, M_PAD)
+        m_ok = m < M
+        xm = m
+    x_ptrs = X + xm[None, :] * stride_xm + kb_start * 256 + tl.arange(0, 256)[:, None]
+    x2_ptrs = X2 + xm[None, :] * stride_x2m + kb_start * 256 + tl.arange(0, 256)[:, None]
+    x_ok = m_ok[None, :] & (tl.arange(0, 256)[:, None] >= 0)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     if (FMT == 3 or FMT == 7) and PREFETCH:  # q4_0 / q8_0: the next step's vectors load while this one computes
         nxt = _lane_load(v_ptrs, kb_start < kb_end, NV)
@@ -529,7 +559,7 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
         x_ptrs += 256
     pdl_trigger(PDL)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rows < N)[:, None] & (m < M)[None, :]
+    ok = (rows < N)[:, None] & m_ok[None, :]
     if FIXUP:
         part = PART + m[None, :] * N + rows[:, None]
         tl.store(part + pid_k * N * M, acc, mask=ok)
@@ -557,8 +587,8 @@ def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
         return False
     if fmt in ("q4_k", "q5_k"):
         return True
-    if fmt == "q6_k":  # 210-byte blocks: rows 16-byte aligned when K is a multiple of 8 blocks
-        return K % 2048 == 0
+    if fmt == "q6_k":  # 210-byte blocks: rows 16-byte aligned when K is a multiple of 8 blocks (or pad_rows)
+        return data.shape[-1] * data.element_size() % 16 == 0
     if fmt in ("q4_0", "q8_0"):
         return K % 256 == 0
     return (fmt == "mlx" and bits == 4 and group_size in (32, 64, 128) and K % 256 == 0
@@ -679,4 +709,37 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
         M_PAD=m_pad, UNPACK=unpack, PREFETCH=prefetch, SILU=0 if x2 is None else (1 if unpack == 1 else 2),
         FIXUP=counters is not None, PDL=pdl, XD=xd, XT=xd is not None, num_warps=warps, num_stages=stages, **maxnreg,
         **pdl_options(pdl))
+    return y
+
+
+def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, block_m: int, top_k: int,
+                  n_experts: int, unpack: int, fmt: str = "q4_k", token_ids=None, y=None, up=None, x2=None,
+                  scales=None, biases=None, group_size: int = 0, pdl=None):
+    """The pairs' products on the tensor cores, pairs grouped by expert (moe.align_pairs: ``pairs`` [blocks *
+    block_m], ``block_expert`` [blocks]) for P pairs: y[p] = x[t] . W_e, t = token_ids[p] (default p // top_k), with e the expert of p's block and W_e rows
+    e * N .. (e + 1) * N of the stack ``data``. ``y`` [P, N] (or [P, 2N] with ``up``, whose products fill columns
+    N .. 2N - 1) may be given, e.g. a strided view. With ``x2`` the activations are silu(x) * x2 (rows as x's).
+    ``config`` as launch_tc's (its waves unused: no K split)."""
+    import torch
+
+    from .._runtime import empty
+
+    block_n, warps, stages = config[:3]
+    maxnreg = {"maxnreg": int(config[5])} if len(config) > 5 and config[5] else {}
+    prefetch = bool(config[4]) if len(config) > 4 else False
+    if y is None:
+        y = empty(P, N * (2 if up is not None else 1), dtype=x.dtype, device=x.device)
+    w8 = data.view(torch.uint8)
+    mlx = scales is not None
+    pdl = pdl_supported(x.device) if pdl is None else pdl
+    tiles = triton.cdiv(N, block_n) * (2 if up is not None else 1)
+    nblocks = K // 256
+    gemv_tc_kernel[(tiles, 1, block_expert.shape[0])](
+        x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, y, y, y.shape[0], N, K,
+        x.stride(0), x2.stride(0) if x2 is not None else 0, 0, y.stride(0), data.shape[-1] * data.element_size(),
+        scales.stride(0) if mlx else 0, nblocks, nblocks, FMT=TC_FORMATS["mlx" if mlx else fmt],
+        GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=block_m, UNPACK=unpack, PREFETCH=prefetch,
+        SILU=0 if x2 is None else (1 if unpack == 1 else 2), FIXUP=False, PDL=pdl, XD=None, XT=False,
+        PAIRS=pairs, BLOCK_EXPERT=block_expert, WU=up.view(torch.uint8) if up is not None else None,
+        n_experts=n_experts, TOKEN=token_ids, TOPK=top_k, num_warps=warps, num_stages=stages, **maxnreg, **pdl_options(pdl))
     return y

@@ -134,6 +134,9 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
         out = dequantize_mlx(qt.data, qt.scales, qt.biases, qt.bits, qt.group_size, qt.shape[-1])
     else:
         fmt = GGUF_FORMATS[qt.format]
+        if qt.data.shape[-1] != fmt.bytes_per_row(qt.shape[-1]):
+            raise ValueError(f"qt's rows are {qt.data.shape[-1]} bytes apart, {qt.format} rows of K={qt.shape[-1]} "
+                             f"are {fmt.bytes_per_row(qt.shape[-1])} (a pad_rows copy is for the kernels only)")
         blocks = qt.data.reshape(-1, fmt.block_bytes)
         out = dequantize_blocks(blocks, qt.format)
     return out.reshape(qt.shape).to(dtype)
@@ -152,6 +155,25 @@ def pad_k(qt: QuantizedTensor, K: int) -> QuantizedTensor:
     data = torch.zeros(N, f.bytes_per_row(K), dtype=torch.uint8, device=qt.data.device)
     data[:, :qt.data.shape[-1]] = qt.data.reshape(N, -1).view(torch.uint8)
     return QuantizedTensor(qt.format, (N, K), data)
+
+
+def pad_rows(qt: QuantizedTensor, multiple: int = 16) -> QuantizedTensor:
+    """A GGUF-format matrix (or stack [E, N, K]) whose rows start ``multiple`` bytes apart or a multiple of it: each
+    row's blocks followed by zero bytes. The same QuantizedTensor when they already do. The kernels that take a
+    row's bytes from ``data.shape[-1]`` (the MoE and tensor-core GEMVs) read it; ``dequantize`` refuses it. For
+    q6_k (210-byte blocks), whose rows are 16-byte aligned only when K is a multiple of 2048."""
+    f = qt.gguf
+    if f is None:
+        raise ValueError(f"pad_rows takes a GGUF-format matrix, got {qt.format}")
+    row = f.bytes_per_row(qt.shape[-1])
+    if qt.data.shape[-1] != row:
+        raise ValueError(f"qt's rows are already {qt.data.shape[-1]} bytes apart (padded)")
+    stride = -(-row // multiple) * multiple
+    if stride == row:
+        return qt
+    data = torch.zeros(*qt.data.shape[:-1], stride, dtype=torch.uint8, device=qt.data.device)
+    data[..., :row] = qt.data.view(torch.uint8)
+    return QuantizedTensor(qt.format, qt.shape, data)
 
 
 def cat_rows(qts: list) -> QuantizedTensor | None:

@@ -21,12 +21,13 @@ def rel_close(y, ref, dtype):
     assert_close(y, ref, dtype, atol=tol * (ref.abs().max().item() + 1e-6), rtol=tol)
 
 
-@pytest.mark.parametrize("path", ["moe_gemv", "moe_grouped"])
+@pytest.mark.parametrize("path", ["moe_gemv", "moe_grouped", "moe_tc"])
 @pytest.mark.parametrize("fmt,kw", FORMATS, ids=ids)
 def test_moe_gemv_every_format(fmt, kw, path, device):
     """5 experts of 19 rows, 3 tokens x top 3 (pairs in any order, expert 2 chosen by nobody), a single pair, and
-    the down projection's one row per pair; a GEMV per pair, then the pairs grouped by expert."""
-    with route.override(exclude={"moe_gemv", "moe_grouped"} - {path}):
+    the down projection's one row per pair; a GEMV per pair, the pairs grouped by expert, and grouped on the tensor
+    cores (the formats it reads; the others fall through to the grouped kernel)."""
+    with route.override(exclude={"moe_gemv", "moe_grouped", "moe_tc"} - {path}):
         _every_format(fmt, kw, device)
 
 
@@ -105,7 +106,7 @@ def test_moe_ffn_prefill_grouped(fmt, kw, dtype, device):
     ref = (moe_gemv_ref(h, down, E, e.flatten()).view(T, k, -1).double() * w.view(T, k, 1).double()).sum(1)
     rel_close(y, ref, dtype)
     if dtype == torch.float16:
-        with route.override(exclude={"moe_grouped"}):
+        with route.override(exclude={"moe_grouped", "moe_tc"}):
             rel_close(y, moe_ffn(x, w, e, gate, up, down, E).double(), dtype)
 
 
@@ -222,3 +223,41 @@ def test_moe_m1_builds_compile_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("path", ["moe_tc", "moe_gemv", "moe_grouped"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_moe_ffn_row_padded_q6_k_down(path, dtype, device):
+    """q6_k expert downs whose rows are not 16-byte aligned (K = 256: 210-byte rows), padded to 224 bytes as the
+    engine pads them (pad_rows): every MoE kernel reads the padded stack right (the tensor cores only with the
+    padding); 6 tokens x top 2 of 5 experts against float64 per-pair products of the unpadded stack."""
+    from llmkernels.quant.tensor import pad_rows
+
+    E, F, H, T, k = 5, 256, 512, 6, 2
+    gate, up = stacked("q4_k", {}, E, F, H, device), stacked("q4_k", {}, E, F, H, device)
+    down = stacked("q6_k", {}, E, H, F, device)
+    padded = pad_rows(down)
+    assert padded.data.shape == (E * H, 224) and (padded.data[:, 210:] == 0).all()
+    x = torch.randn(T, H, dtype=dtype, device=device)
+    w, e = moe_route(torch.randn(T, E, device=device), top_k=k)
+    tok = torch.arange(T, device=device).repeat_interleave(k)
+    h = moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok).to(dtype)
+    ref = (moe_gemv_ref(h, down, E, e.flatten()).view(T, k, -1).double() * w.view(T, k, 1).double()).sum(1)
+    with route.override(exclude={"moe_gemv", "moe_grouped", "moe_tc"} - {path}):
+        rel_close(moe_ffn(x, w, e, gate, up, padded, E), ref, dtype)
+
+
+def test_pad_rows(device):
+    from llmkernels.quant.tensor import dequantize, pad_rows
+
+    q6 = stacked("q6_k", {}, 3, 4, 768, device)  # 630-byte rows
+    p = pad_rows(q6)
+    assert p.data.shape == (12, 640) and p.shape == q6.shape and torch.equal(p.data[:, :630], q6.data)
+    with pytest.raises(ValueError, match="rows are 640 bytes apart, q6_k rows of K=768 are 630"):
+        dequantize(p)
+    with pytest.raises(ValueError, match="already 640 bytes apart"):
+        pad_rows(p)
+    q4 = stacked("q4_k", {}, 3, 4, 768, device)  # 432-byte rows, aligned already
+    assert pad_rows(q4) is q4
+    with pytest.raises(ValueError, match="takes a GGUF-format matrix"):
+        pad_rows(stacked("mlx", dict(bits=4, group_size=64), 3, 4, 256, device))
