@@ -11,11 +11,15 @@ q4_k, q5_k and q6_k pairs in the router's order (no token_ids) run the m1 kernel
 axis over the pairs, each reading its expert's rows; q4_k's gate and up fused as its GLU), with the block scales
 factored out of the inner loop.
 
-Prefill has many pairs per expert, and a GEMV per pair would read each expert's weights once per pair. There the
-pairs are grouped by expert instead (sorted and padded to whole blocks of ``BLOCK_M`` pairs of one expert, on the
-device, without a host sync), and each program multiplies one block's gathered activation rows with a dequantized
-tile of its expert on the tensor cores: each expert's weights are read once per block of pairs.
-``route.moe_grouped`` decides between the two.
+Batched decode and prefill have pairs that share experts, and a GEMV per pair would read a shared expert's weights
+once per pair. There the pairs are grouped by expert instead (``group_pairs``: padded to whole blocks of pairs of one
+expert, in one launch on the device, without a host sync) and each program multiplies one block's gathered
+activation rows with a tile of its expert on the tensor cores, so each expert's weights are read once per block:
+- ``route.moe_tc``: the tensor-core GEMV kernel (qgemv/tc.py, its MoE mode) for the formats it reads (q4_k, q5_k,
+  q6_k with 16-byte aligned rows, q4_0, q8_0, MLX 4-bit), taken once pairs would share experts 1.25 times on
+  average. In moe_ffn, gate and up run in one grid (the gate stack in the first half, up in the second) into one
+  [pairs, 2F] buffer, and the down product forms silu(gate) * up as it loads its activations;
+- ``route.moe_grouped``: the other formats, tiles dequantized by ``dequant_tile`` (once pairs outnumber experts).
 """
 from __future__ import annotations
 
