@@ -17,7 +17,6 @@ float64 reference first (relative max error).
 """
 import torch
 import triton
-import triton.language as tl
 
 from llmkernels.bench.harness import time_graph_ms
 from llmkernels.qgemv import moe as moe_mod

@@ -494,7 +494,8 @@ MOE_M1_Q4K_CANDIDATES = [(2, 1, 4, 3, 8, 1, 1), (2, 1, 4, 3, 4, 1, 1), (2, 1, 4,
 def _moe_check(formats, m1: bool, products=("gate/up", "down")):
     """A check for _best: the MoE ``products`` (gate/up fused, and down) on Qwen3-30B-A3B's expert shapes for every
     format that shares the entry, against float64 references. ``m1``: pairs without token ids (the m1 kernel's
-    route for K-quants), else with them (the generic kernel's)."""
+    route for K-quants), else with them (the generic kernel's). The tensor-core path (route.moe_tc) is kept out, so
+    that the check runs the kernel being tuned."""
     from ..qgemv.moe import moe_gate_up_silu, moe_gemv
     from ..quant import quantize
     from ..testing import moe_gate_up_silu_ref, moe_gemv_ref
@@ -515,15 +516,52 @@ def _moe_check(formats, m1: bool, products=("gate/up", "down")):
         if "down" in products:
             cases.append((lambda down=down: moe_gemv(h, down, E, e, tok),
                           lambda down=down: moe_gemv_ref(h, down, E, e, tok)))
-    return _close_check(cases, 2e-2)
+    return _excluding({"moe_tc"}, _close_check(cases, 2e-2))
+
+
+def _excluding(kernels, check):
+    from ..qgemv import route
+
+    def run():
+        with route.override(exclude=kernels):
+            check()
+    return run
+
+
+def _moe_ffn_check(down_fmt: str):
+    """A check for the tensor-core MoE entries: moe_ffn (q4_k gate and up, a ``down_fmt`` down padded as the engine
+    pads it) on Qwen3-30B-A3B's expert shapes, 4 tokens x top 2 of 16 experts, the pairs forced onto the tensor
+    cores, against float64 per-pair products."""
+    from ..qgemv.moe import moe_ffn, moe_route
+    from ..quant import quantize
+    from ..quant.tensor import pad_rows
+    from ..testing import moe_gate_up_silu_ref, moe_gemv_ref
+
+    E, T, k, H, F = 16, 4, 2, 2048, 768
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gate, up = (quantize(torch.randn(E * F, H, device="cuda", generator=g) * 0.05, "q4_k") for _ in range(2))
+    down = quantize(torch.randn(E * H, F, device="cuda", generator=g) * 0.05, down_fmt)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w, e = moe_route(torch.randn(T, E, device="cuda", generator=g), top_k=k)
+    tok = torch.arange(T, device="cuda").repeat_interleave(k)
+
+    def ref():
+        h = moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), tok).to(torch.bfloat16)
+        return (moe_gemv_ref(h, down, E, e.flatten()).view(T, k, -1) * w.view(T, k, 1).double()).sum(1)
+
+    padded = pad_rows(down)
+    return _excluding({"moe_gemv", "moe_grouped"},
+                      _close_check([(lambda: moe_ffn(x, w, e, gate, up, padded, E), ref)], 2e-2))
 
 
 def tune_moe(gpu):
     """The generic per-pair MoE GEMV at batch 1 on Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048,
     expert FFN 768): moe_ffn, each format family's entry timed on one format of it. (q4_k, q5_k and q6_k products run
-    the m1 kernel, except gate/up fused in q5_k / q6_k: q5_k stands for the K-quants here.)"""
+    the m1 kernel, except gate/up fused in q5_k / q6_k: q5_k stands for the K-quants here.) Then the m1 kernel's
+    and the tensor-core kernel's MoE entries (_tune_moe_tc)."""
     from ..qgemv.moe import moe_ffn, moe_gemv
     from ..quant.formats import GGUF_FORMATS
+    from ..quant.tensor import pad_rows
     from ..testing.random_weights import random_qtensor
 
     E, k, H, F = 128, 8, 2048, 768
@@ -552,6 +590,36 @@ def tune_moe(gpu):
     out["moe_m1/q6_k"] = _best("gemv", "moe_m1/q6_k", Q6_M1_CANDIDATES,
                                [[lambda e=e: moe_gemv(h, down6, E, e.view(-1)) for e in ids]],
                                check=_moe_check(["q6_k"], m1=True, products=("down",)))
+    out.update(_tune_moe_tc(E, k, H, F, gate, up, down, pad_rows(down6)))
+    return out
+
+
+# the tensor-core kernel's MoE configs (BLOCK_N, warps, stages, waves[, ahead, register cap]; waves unused)
+MOE_TC_CANDIDATES = [(64, 4, 1, 1), (128, 4, 1, 1), (128, 8, 1, 1), (256, 8, 1, 1), (64, 4, 1, 1, 0, 128),
+                     (128, 8, 1, 1, 0, 128)]
+
+
+def _tune_moe_tc(E, k, H, F, gate, up, down, down6):
+    """The tensor-core MoE entries (pairs grouped by expert): ``moe_tc/q4_k`` (gate and up in one grid) and the
+    down products ``moe_tc/<format>/silu`` (silu(gate) * up formed as they load), moe_ffn timed at 16 and 64 tokens
+    (128 and 512 pairs over the 128 experts), the other product at its current entry."""
+    from ..qgemv.moe import moe_ffn
+
+    g = torch.Generator().manual_seed(1)
+    works = []
+    for T in (16, 64):
+        ids = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32).cuda()
+               for _ in range(2)]
+        w = torch.full((T, k), 1.0 / k, device="cuda")
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        works.append((x, w, ids))
+    out = {}
+    for key, dn, dfmt in (("moe_tc/q4_k", down, "q4_k"), ("moe_tc/q4_k/silu", down, "q4_k"),
+                          ("moe_tc/q6_k/silu", down6, "q6_k")):
+        out[key] = _best("gemv", key, MOE_TC_CANDIDATES,
+                         [[lambda e=e, x=x, w=w, dn=dn: moe_ffn(x, w, e, gate, up, dn, E) for e in ids]
+                          for x, w, ids in works],
+                         check=_moe_ffn_check(dfmt))
     return out
 
 
