@@ -166,9 +166,9 @@ def moe_align_kernel(EXPERT, PAIRS, BLOCK_EXPERT, CURSOR, P, E, n_blocks, BLOCK_
 
 def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """The pairs grouped by expert and padded to whole blocks of ``block_m`` pairs of one expert (in any order
-    within an expert), in one launch on the device and without a host sync, so inside CUDA graphs too (the block count is its upper bound). Returns
-    (pairs int32 [blocks * block_m], -1 in the padding; block_expert int32 [blocks], -1 for blocks past the last
-    expert's)."""
+    within an expert), in one launch on the device and without a host sync, so inside CUDA graphs too (the block
+    count is its upper bound). Returns (pairs int32 [blocks * block_m], -1 in the padding; block_expert int32
+    [blocks], -1 for blocks past the last expert's)."""
     dev = expert_ids.device
     P = expert_ids.shape[0]
     blocks = -(-P // block_m) + min(num_experts, P)

@@ -350,7 +350,7 @@ def moe_grouped(pairs: int, num_experts: int) -> bool:
 
 def moe_tc(pairs: int, num_experts: int) -> bool:
     """Whether MoE products of ``pairs`` pairs run on the tensor-core kernel, pairs grouped by expert (where it
-    reads the format): each chosen expert's weights read once per block of up to 64 of its pairs, where a GEMV per
+    reads the format): each chosen expert's weights read once per block of up to 32 of its pairs, where a GEMV per
     pair reads them once per pair. Taken once pairs would share experts MOE_TC_MIN_REUSE times on average if drawn
     at random."""
     excluded = _excluded()
@@ -375,9 +375,9 @@ def moe_tc_config(t: Target, name: str, block_m: int, silu: bool) -> tuple:
 
 
 def moe_tc_rows(pairs: int, num_experts: int) -> int:
-    """Slots per block of one expert's pairs in the tensor-core MoE kernel (its M_PAD): 16, 32 or 64, by the mean
-    pairs per expert (padding wastes less)."""
-    return tc_rows(-(-pairs // max(1, min(pairs, num_experts))))
+    """Slots per block of one expert's pairs in the tensor-core MoE kernel (its M_PAD): 16 or 32, by the mean pairs
+    per expert (padding wastes less). Not 64: the configs were measured up to 32 rows (bench/NOTES.md)."""
+    return min(32, tc_rows(-(-pairs // max(1, min(pairs, num_experts)))))
 
 
 def moe_m1(fmt: str, dual: bool, dtype: torch.dtype) -> bool:

@@ -383,11 +383,12 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     descriptor XD of blocks [M_PAD, 256], straight into shared memory as the dot's B operand (no SILU): no register
     round trip and no permute for the tile that every program re-reads each step.
 
-    TOPK > 0 (mixture of experts, pairs grouped by expert: moe.align_pairs; no K split, FIXUP or XT): W8 stacks
+    TOPK > 0 (mixture of experts, pairs grouped by expert: moe.group_pairs; no K split, FIXUP or XT): W8 stacks
     n_experts matrices of N rows, and the third grid axis runs over blocks of M_PAD slots, block b holding pairs
     PAIRS[b * M_PAD ..] (-1: an empty slot) of expert BLOCK_EXPERT[b] (-1: an unused block, which reads nothing).
-    Pair p reads row TOKEN[p] (without TOKEN: p // TOPK) of x (and of x2) and writes row p of Y. With WU (a second stack of W8's shape), the
-    first half of the grid's first axis reads W8 and the second WU, writing columns N .. 2N - 1 of Y."""
+    Pair p reads row TOKEN[p] (without TOKEN: p // TOPK) of x (and of x2) and writes row p of Y. With WU (a second
+    stack of W8's shape), the first half of the grid's first axis reads W8 and the second WU, writing columns
+    N .. 2N - 1 of Y."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -715,11 +716,11 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
 def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, block_m: int, top_k: int,
                   n_experts: int, unpack: int, fmt: str = "q4_k", token_ids=None, y=None, up=None, x2=None,
                   scales=None, biases=None, group_size: int = 0, pdl=None):
-    """The pairs' products on the tensor cores, pairs grouped by expert (moe.align_pairs: ``pairs`` [blocks *
-    block_m], ``block_expert`` [blocks]) for P pairs: y[p] = x[t] . W_e, t = token_ids[p] (default p // top_k), with e the expert of p's block and W_e rows
-    e * N .. (e + 1) * N of the stack ``data``. ``y`` [P, N] (or [P, 2N] with ``up``, whose products fill columns
-    N .. 2N - 1) may be given, e.g. a strided view. With ``x2`` the activations are silu(x) * x2 (rows as x's).
-    ``config`` as launch_tc's (its waves unused: no K split)."""
+    """The pairs' products on the tensor cores, pairs grouped by expert (moe.group_pairs: ``pairs`` [blocks *
+    block_m], ``block_expert`` [blocks]) for P pairs: y[p] = x[t] . W_e, t = token_ids[p] (default p // top_k),
+    with e the expert of p's block and W_e rows e * N .. (e + 1) * N of the stack ``data``. ``y`` [P, N] (or
+    [P, 2N] with ``up``, whose products fill columns N .. 2N - 1) may be given, e.g. a strided view. With ``x2``
+    the activations are silu(x) * x2 (rows as x's). ``config`` as launch_tc's (its waves unused: no K split)."""
     import torch
 
     from .._runtime import empty
@@ -737,9 +738,10 @@ def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, 
     gemv_tc_kernel[(tiles, 1, block_expert.shape[0])](
         x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, y, y, y.shape[0], N, K,
         x.stride(0), x2.stride(0) if x2 is not None else 0, 0, y.stride(0), data.shape[-1] * data.element_size(),
-        scales.stride(0) if mlx else 0, nblocks, nblocks, FMT=TC_FORMATS["mlx" if mlx else fmt],
+        scales.stride(-2) if mlx else 0, nblocks, nblocks, FMT=TC_FORMATS["mlx" if mlx else fmt],
         GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=block_m, UNPACK=unpack, PREFETCH=prefetch,
         SILU=0 if x2 is None else (1 if unpack == 1 else 2), FIXUP=False, PDL=pdl, XD=None, XT=False,
         PAIRS=pairs, BLOCK_EXPERT=block_expert, WU=up.view(torch.uint8) if up is not None else None,
-        n_experts=n_experts, TOKEN=token_ids, TOPK=top_k, num_warps=warps, num_stages=stages, **maxnreg, **pdl_options(pdl))
+        n_experts=n_experts, TOKEN=token_ids, TOPK=top_k, num_warps=warps, num_stages=stages, **maxnreg,
+        **pdl_options(pdl))
     return y
