@@ -186,3 +186,16 @@ def test_moe_m1_config(monkeypatch):
     real = route.lookup
     monkeypatch.setattr(route, "lookup", lambda table, g, key: None if key.startswith("moe") else real(table, g, key))
     assert route.moe_m1_config(gpu, "q6_k", 2048, 768, glu=False)[:4] == route.m1_config(gpu, "q6_k", 1)[:4]
+
+
+def test_moe_tc_rule():
+    """MoE pairs go to the tensor cores once random choices would share experts 1.25 times on average: Qwen3-MoE's
+    128 experts top 8 from 8 tokens, Mixtral's 8 experts top 2 from 3 tokens; never one pair; blocks of 16 or 32."""
+    assert not route.moe_tc(8, 128) and not route.moe_tc(32, 128) and route.moe_tc(64, 128)
+    assert not route.moe_tc(2, 8) and not route.moe_tc(4, 8) and route.moe_tc(6, 8)
+    assert not route.moe_tc(1, 1)
+    with route.override(exclude={"moe_tc"}):
+        assert not route.moe_tc(4096, 128)
+    with route.override(exclude={"moe_gemv", "moe_grouped"}):
+        assert route.moe_tc(2, 128)
+    assert [route.moe_tc_rows(p, 128) for p in (8, 512, 2048, 4096, 32768)] == [16, 16, 16, 32, 32]
