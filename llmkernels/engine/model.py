@@ -233,9 +233,9 @@ class Model:
         for L in self.layers:
             L.qkv, L.gate_up = [pad(m) for m in L.qkv], [pad(m) for m in L.gate_up]
             L.wo, L.down = pad(L.wo), pad(L.down)
-            if L.moe is not None and L.moe[3].format == "q6_k":
-                # expert downs (K = 768 in Qwen3-MoE): rows padded to 16 bytes for the tensor cores (1.6% more)
-                L.moe = L.moe[:3] + (pad_rows(L.moe[3]),)
+            if L.moe is not None:  # q6_k expert stacks (Qwen3-MoE's downs, K = 768): rows padded to 16 bytes for
+                # the tensor cores (1.6% more there); the MoE kernels read rows by their stride
+                L.moe = L.moe[:1] + tuple(pad_rows(m) if m.format == "q6_k" else m for m in L.moe[1:])
         return padded
 
     def bind_routes(self):

@@ -88,3 +88,21 @@ def test_gpu_moe_models(model_files, arch, fmt):
         graphs = LLM(path, progress=False, num_splits=2, max_num_batched_tokens=64, dtype=dtype)
         assert [o.token_ids for o in graphs.generate([ids, PROMPTS[0]], params)] == want
         assert graphs.stats.graph_steps > 0
+
+
+def test_q6_k_experts_padded_rows(model_files):
+    """A qwen3moe file in q6_k whose expert rows are 210 bytes (K = 256): the engine pads the three stacks to 224-byte
+    rows at load, and the prompt's logits still match transformers with its pairs grouped on the tensor cores and
+    without them (the grouped kernel reads the same padded rows)."""
+    from llmkernels.qgemv import route
+
+    d, path, hf = model_files("qwen3moe", "q6_k", **dict(MOE, ffn=256))
+    llm = LLM(path, progress=False, backend="triton", max_num_batched_tokens=64)
+    assert [m.data.shape[-1] for m in llm.model.layers[0].moe[1:]] == [224, 224, 224]
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
+    want_logits = hf_logits(same, ids)
+    with route.override(exclude={"moe_gemv", "moe_grouped"}):
+        assert rel_err(llm.logits(ids).cpu(), want_logits) < ACT_TOL[llm.dtype]
+    with route.override(exclude={"moe_tc"}):
+        assert rel_err(llm.logits(ids).cpu(), want_logits) < ACT_TOL[llm.dtype]
