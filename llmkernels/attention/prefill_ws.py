@@ -63,26 +63,11 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_
 
 
 @gluon.jit
-def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0, qk_scale, q_pos, k_len,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One key block from ring use j (slot j % STAGES), keys key0.. (masked at k_len, and causally at q_pos):
-    S = Q K^T, online softmax (scores in the log2 domain), O = O * alpha + P V.
-
-    fp8 (e4m3 tiles): P is rounded to e4m3 for the PV product, taken as 2^P_SHIFT * p (<= 256, inside e4m3's range)
-    so that small probabilities keep their mantissa instead of falling into e4m3's subnormals; the row sums carry
-    the same factor and it cancels in O / l. The V tiles are V^T ([D, BLOCK_N], keys contiguous): fp8 wgmma reads
-    its B operand K-major only."""
-    HALF: gl.constexpr = q.shape[0]
-    FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8
-    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
-    K_WIDTH: gl.constexpr = 4 if FP8 else 2  # 32 bits of A operand per register
-    s = j % STAGES
-    ph = (j // STAGES) & 1
-    mbarrier.wait(k_ready.index(s), ph)
-    qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+def _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout: gl.constexpr, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr):
+    """The online softmax of one block's raw scores qk (keys key0.., masked at k_len and causally at q_pos), in the
+    log2 domain: p, the new row maximum and sum, and alpha, the factor that rescales what came before."""
+    BLOCK_N: gl.constexpr = qk.shape[1]
     if MASKED:
         k_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         ok = k_pos[None, :] < k_len
@@ -98,24 +83,75 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
         p = gl.exp2(qk * qk_scale - (m_new - P_SHIFT)[:, None])
         alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p16 = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                                    k_width=K_WIDTH))
-    mbarrier.wait(v_ready.index(s), ph)
-    if FP8:
-        acc = warpgroup_mma(p16, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
+    """p as the register A operand of the PV product (32 bits of operand per register)."""
+    K_WIDTH: gl.constexpr = 4 if dtype.primitive_bitwidth == 8 else 2
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH))
+
+
+@gluon.jit
+def _qk(q, k_smem, k_ready, j, s_layout: gl.constexpr, STAGES: gl.constexpr):
+    """Issue S = Q K^T for ring use j once its K tile has landed (asynchronous: wait on the result)."""
+    HALF: gl.constexpr = q.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+    return warpgroup_mma(q, k_smem.index(j % STAGES).permute((1, 0)), gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv(p16, v_smem, v_ready, acc, j, STAGES: gl.constexpr):
+    """Issue O += P V for ring use j once its V tile has landed (asynchronous). fp8 V tiles are V^T ([D, BLOCK_N],
+    keys contiguous): fp8 wgmma reads its B operand K-major only."""
+    VT: gl.constexpr = v_smem.dtype.primitive_bitwidth == 8
+    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+    if VT:
+        acc = warpgroup_mma(p16, v_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
     else:
-        acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma(p16, v_smem.index(j % STAGES), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0, qk_scale, q_pos, k_len,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          STAGES: gl.constexpr, P_SHIFT: gl.constexpr):
+    """One key block from ring use j, one product after the other: S = Q K^T, online softmax, O = O * alpha + P V."""
+    qk = _qk(q, k_smem, k_ready, j, s_layout, STAGES)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = _pv(_p_operand(p, k_smem.dtype, o_layout), v_smem, v_ready, acc, j, STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(kv_empty.index(s), count=1)
-    return acc, l_i, m_new
+    mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p16, l_i, m_i, j, key0, qk_scale, q_pos,
+                     k_len, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
+                     CAUSAL: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr):
+    """Block j's S = Q K^T and block j - 1's O += P V issued together; block j's softmax runs while the tensor
+    cores do the PV product, and O is rescaled once it is done. p16 (block j - 1's P) comes in, block j's goes out."""
+    qk = _qk(q, k_smem, k_ready, j, s_layout, STAGES)
+    acc = _pv(p16, v_smem, v_ready, acc, j - 1, STAGES)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # groups complete in order: S is ready, PV may run on
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, _p_operand(p, k_smem.dtype, o_layout), l_i, m_i
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot, stride_oh,
               q_start, q_len, k_len, m0, h, hk, num_heads, num_kv_heads, n_full, n_blocks, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
     HALF: gl.constexpr = q_smem.shape[1]
     FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
@@ -134,12 +170,33 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     q = q_smem.index(HALF_ID)
     mbarrier.wait(q_ready, 0)
-    for j in range(n_full):
-        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
-                              qk_scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, BLOCK_N, STAGES)
-    for j in range(n_full, n_blocks):
-        acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
-                              qk_scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, BLOCK_N, STAGES)
+    # fp8: P is rounded to e4m3 for the PV product, taken as 2^P_SHIFT * p (<= 256, inside e4m3's range) so that
+    # small probabilities keep their mantissa instead of falling into e4m3's subnormals; the row sums carry the
+    # same factor and it cancels in O / l
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+    if OVERLAP:
+        if n_blocks > 0:  # block 0 through the masked softmax (any block may), then one block behind on PV
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(q, k_smem, k_ready, 0, s_layout, STAGES),))
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, qk_scale, q_pos, k_len, s_layout, True, CAUSAL, P_SHIFT)
+            p16 = _p_operand(p, k_smem.dtype, o_layout)
+            for j in range(1, n_full):
+                acc, p16, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p16, l_i,
+                                                      m_i, j, j * BLOCK_N, qk_scale, q_pos, k_len, s_layout,
+                                                      o_layout, False, CAUSAL, STAGES, P_SHIFT)
+            for j in range(gl.maximum(n_full, 1), n_blocks):
+                acc, p16, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p16, l_i,
+                                                      m_i, j, j * BLOCK_N, qk_scale, q_pos, k_len, s_layout,
+                                                      o_layout, True, CAUSAL, STAGES, P_SHIFT)
+            acc = warpgroup_mma_wait(num_outstanding=0,
+                                     deps=(_pv(p16, v_smem, v_ready, acc, n_blocks - 1, STAGES),))
+            mbarrier.arrive(kv_empty.index((n_blocks - 1) % STAGES), count=1)
+    else:
+        for j in range(n_full):
+            acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
+                                  qk_scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, STAGES, P_SHIFT)
+        for j in range(n_full, n_blocks):
+            acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
+                                  qk_scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, STAGES, P_SHIFT)
 
     empty = l_i == 0.0  # a query that sees no key: o = 0, lse = -inf
     l_safe = gl.where(empty, 1.0, l_i)
@@ -152,7 +209,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
     gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
     if WRITE_LSE:
         rows_s = r0 + gl.arange(0, HALF, layout=row_s)
-        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # (_step's factor on p and l)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - P_SHIFT) * LN2)
         gl.store(LSE + (q_start + rows_s).to(gl.int64) * num_heads + h, lse, mask=rows_s < q_len)
 
@@ -160,7 +216,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
 @gluon.jit(do_not_specialize=["num_m_blocks"])  # follows max_seqlen_q: a new length never recompiles
 def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
                         num_m_blocks, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                        OVERLAP: gl.constexpr):
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     BLOCK_M: gl.constexpr = 2 * HALF
     # query blocks fastest (K/V of one head stay in L2 across its query blocks), the last (heaviest causal) first
@@ -211,10 +268,10 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
                        q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, v_row, n_blocks, BLOCK_N, STAGES, VT)),
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
                          stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
-                         qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES)),
+                         qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP)),
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
                          stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
-                         qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES)),
+                         qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP)),
         ], [4, 4], [240, 240])
 
 
@@ -282,7 +339,7 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
 
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
-              descales=None):
+              overlap=0, descales=None):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
     (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head."""
     D = out.shape[2]
@@ -291,10 +348,11 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
     flash_fwd_ws_kernel[(num_m * batch * num_heads,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k,
         out.stride(0), out.stride(1), num_heads, group, num_m, qk_scale, CAUSAL=bool(causal),
-        WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, num_warps=4)
+        WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
+        OVERLAP=bool(overlap), num_warps=4)
 
 
-def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"):
+def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
     "fp8e4nv" (V^T tiles, bf16 output)."""
     fp8 = dtype == "fp8e4nv"
@@ -303,5 +361,6 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
            "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
-    consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages}
+    consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
+              "OVERLAP": int(overlap)}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

@@ -218,16 +218,17 @@ def test_ws_config_reads_the_table(monkeypatch):
 
     monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/causal/ws"), [128, 3])
     monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/full/ws"), [0, 0])
-    assert ws_config(torch.bfloat16, 128, True) == (128, 3)
+    assert ws_config(torch.bfloat16, 128, True) == (128, 3, 0)
     assert ws_config(torch.bfloat16, 128, False) is None
 
 
-@pytest.mark.parametrize("block_n, stages, head_dim, causal", [(128, 2, 128, True), (64, 3, 64, False),
-                                                               (64, 2, 256, True)])
-def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal):
+@pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap", [
+    (128, 2, 128, True, 0), (64, 3, 64, False, 0), (64, 2, 256, True, 0),
+    (128, 2, 128, True, 1), (128, 3, 128, False, 1), (128, 3, 64, False, 1), (64, 2, 256, True, 1)])
+def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal, overlap):
     # compiled for sm_90 on any machine (ptxas ships with Triton): catches a kernel that no longer builds, or one
     # that uses local memory (spills), where CI has no GPU
-    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal})"
+    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, overlap={overlap})"
     got = sm90_compile_report(call, {"wgmma": "wgmma.mma_async", "setmaxnreg": "setmaxnreg", "local": ".local"})
     assert got == {"wgmma": True, "setmaxnreg": True, "local": False}
     assert sm90_spill_bytes(call) == 0
@@ -236,11 +237,13 @@ def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, c
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
-                                          for cfg in ([(64, 2)] if c[4] == 256 else [(128, 2), (128, 3), (64, 3)])],
+                                          for cfg in ([(64, 2), (64, 2, 1)] if c[4] == 256 else
+                                                      [(128, 2), (128, 3), (64, 3), (128, 2, 1), (128, 3, 1)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
-                         f"{c[0]}/{c[1]}")
+                         "/".join(map(str, c)))
 def test_ws_kernel_gpu(case, config, dtype, device, monkeypatch):
-    # every tuning candidate for its head dim (D=256 fits only 64 keys x 2 stages in shared memory)
+    # every tuning candidate for its head dim (D=256 fits only 64 keys x 2 stages in shared memory), one product
+    # after the other and overlapped (a third field of 1)
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
@@ -353,12 +356,13 @@ def test_fp8_inputs_gpu(causal, device, monkeypatch):
         assert_close(out, ro, torch.bfloat16, "o")
 
 
-@pytest.mark.parametrize("block_n, stages, head_dim, causal", [(128, 3, 128, True), (256, 2, 128, False),
-                                                               (64, 2, 256, True), (128, 4, 64, True)])
-def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal):
+@pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap", [
+    (128, 3, 128, True, 0), (256, 2, 128, False, 0), (64, 2, 256, True, 0), (128, 4, 64, True, 0),
+    (128, 3, 128, True, 1), (64, 2, 256, False, 1), (128, 4, 64, True, 1)])
+def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal, overlap):
     # both products on e4m3 tensor cores (V read as V^T tiles), no register spills (ptxas -v). (D=256 with 128-key
     # blocks, the H200's fastest there, spills 464 bytes: not listed)
-    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, 'fp8e4nv')"
+    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, 'fp8e4nv', {overlap})"
     got = sm90_compile_report(call, {"qk": f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3",
                                      "pv": f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3"})
     assert got == {"qk": True, "pv": True}
@@ -367,9 +371,10 @@ def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, hea
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
-                                          for cfg in ([(64, 2), (64, 3)] if c[4] == 256 else [(128, 3), (256, 2)])],
+                                          for cfg in ([(64, 2), (64, 3), (64, 2, 1)] if c[4] == 256 else
+                                                      [(128, 3), (256, 2), (128, 2, 1)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
-                         f"{c[0]}/{c[1]}")
+                         "/".join(map(str, c)))
 def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
     # per-head descales, every tuning candidate's ring, V^T tiles over ragged sequences (the pad columns of V^T
     # must be zeros: poisoning them would show as NaN rows)
