@@ -11,7 +11,7 @@ import llmkernels as lk
 
 
 def ws_cases(dev="cuda"):
-    """The Gluon prefill kernel (sm_90) at every tuning candidate, bf16 and fp8 (V^T tiles, per-head descales): odd
+    """The Gluon prefill kernel (sm_90) at every tuning candidate, overlapped and not, bf16 and fp8 (V^T tiles, per-head descales): odd
     lengths, q_len != k_len, an empty sequence, group 7, LSE written."""
     from llmkernels.attention import prefill
     from llmkernels.tuning import OVERRIDES
@@ -27,9 +27,9 @@ def ws_cases(dev="cuda"):
         for D in (64, 128, 256):
             q = torch.randn(250, 14, D, device=dev).to(dtype)
             k = torch.randn(190, 2, D, device=dev).to(dtype)
-            cfgs = ((64, 2), (32, 3)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4))
+            cfgs = ((64, 2), (32, 3), (64, 2, 1)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1))
             if fp8:
-                cfgs = ((64, 2), (64, 3)) if D == 256 else ((128, 3), (128, 4), (256, 2))
+                cfgs = ((64, 2), (64, 3), (64, 2, 1)) if D == 256 else ((128, 3), (128, 4), (256, 2), (128, 2, 1))
             for cfg in cfgs:
                 for causal in (False, True):
                     OVERRIDES[("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)

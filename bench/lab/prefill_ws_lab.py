@@ -11,7 +11,7 @@ import argparse
 import torch
 
 import llmkernels as lk
-from llmkernels.attention import prefill, prefill_ws
+from llmkernels.attention import prefill
 from llmkernels.bench.anchors import sdpa_ms
 from llmkernels.bench.harness import time_ms
 from llmkernels.bench.suites.prefill import attention_flops, dense_inputs, varlen_lengths
@@ -53,7 +53,6 @@ def main():
     p.add_argument("--dtypes", default="bf16,fp8")
     p.add_argument("--keys", default=",".join(SHAPES))
     p.add_argument("--cands", default="", help="replace the candidates, e.g. 128:128/3/1+128/2/1;256:64/2/1")
-    p.add_argument("--variants", default="0/0", help="prefill_ws.LAB settings early_k/k_ahead, e.g. 0/0,1/1")
     args = p.parse_args()
     prefill.WS_MIN_WORK = 0
     for part in filter(None, args.cands.split(";")):
@@ -61,14 +60,6 @@ def main():
         for name in CANDIDATES:
             CANDIDATES[name][int(d)] = [tuple(int(x) for x in c.split("/")) for c in cs.split("+")]
     cudnn = {}
-    for variant in args.variants.split(","):
-        early_k, k_ahead = (int(x) for x in variant.split("/"))
-        prefill_ws.LAB.update(early_k=early_k, k_ahead=k_ahead)
-        print(f"-- early_k {early_k} k_ahead {k_ahead}", flush=True)
-        _sweep(args, cudnn)
-
-
-def _sweep(args, cudnn):
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
         for key in args.keys.split(","):
