@@ -18,9 +18,9 @@ from llmkernels.bench.suites.prefill import attention_flops, dense_inputs, varle
 from llmkernels.testing import flash_attn_varlen_ref
 from llmkernels.tuning import OVERRIDES
 
-SHAPES = {  # key -> [(B, H, S)] (as the prefill suite and prefill_lab.py)
+SHAPES = {  # key -> [(B, H, S[, kv heads])] (as the prefill suite and prefill_lab.py)
     "128/full": [(1, 32, 4096), (1, 32, 16384)],
-    "128/causal": [(1, 32, 4096), (1, 32, 16384)],
+    "128/causal": [(1, 32, 4096), (1, 32, 16384), (1, 32, 8192, 8)],
     "64/full": [(4, 16, 4096)],
     "64/causal": [(4, 16, 4096)],
     "256/full": [(1, 16, 8192)],
@@ -73,8 +73,9 @@ def main():
                     print(f"{name} {key} {cfg}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
                 cells = []
-                for B, H, S in SHAPES[key]:
-                    q, k, v, cu = dense_inputs(B, H, H, S, D)
+                for B, H, S, *kv in SHAPES[key]:
+                    Hkv = kv[0] if kv else H
+                    q, k, v, cu = dense_inputs(B, H, Hkv, S, D)
                     kw = {}
                     if dtype != torch.bfloat16:
                         ds = torch.ones(1, device="cuda")
@@ -82,11 +83,12 @@ def main():
                     qx, kx, vx = (t.to(dtype) for t in (q, k, v))
                     flops = attention_flops([S] * B, H, D, causal)
                     ms = time_ms(lambda: lk.flash_attn_varlen(qx, kx, vx, cu, cu, S, S, causal=causal, **kw))
-                    if (B, H, S, D, causal) not in cudnn:
+                    case = (B, H, Hkv, S, D, causal)
+                    if case not in cudnn:
                         qd, kd, vd = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
-                        cudnn[(B, H, S, D, causal)] = flops / sdpa_ms(qd, kd, vd, causal=causal, backend="cudnn") / 1e9
+                        cudnn[case] = flops / sdpa_ms(qd, kd, vd, causal=causal, backend="cudnn") / 1e9
                     tf = flops / ms / 1e9
-                    cells.append(f"B{B} H{H} S{S}: {tf:.0f} ({tf / cudnn[(B, H, S, D, causal)]:.3f}x cuDNN bf16)")
+                    cells.append(f"B{B} H{H}/{Hkv} S{S}: {tf:.0f} ({tf / cudnn[case]:.3f}x cuDNN bf16)")
                 if key == "128/causal" and dtype == torch.bfloat16:
                     lens = varlen_lengths()
                     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
