@@ -122,15 +122,15 @@ def _qk(q, k_smem, k_ready, j, s_layout: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _pv(p16, v_smem, v_ready, acc, j, STAGES: gl.constexpr):
+def _pv(p_op, v_smem, v_ready, acc, j, STAGES: gl.constexpr):
     """Issue O += P V for ring use j once its V tile has landed (asynchronous). fp8 V tiles are V^T ([D, BLOCK_N],
     keys contiguous): fp8 wgmma reads its B operand K-major only."""
     VT: gl.constexpr = v_smem.dtype.primitive_bitwidth == 8
     mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
     if VT:
-        acc = warpgroup_mma(p16, v_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
     else:
-        acc = warpgroup_mma(p16, v_smem.index(j % STAGES), acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
     return acc
 
 
@@ -151,13 +151,15 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
 
 
 @gluon.jit
-def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p16, l_i, m_i, j, key0, qk_scale, q_pos,
+def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l_i, m_i, j, key0, qk_scale, q_pos,
                      k_len, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
                      CAUSAL: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr):
     """Block j's S = Q K^T and block j - 1's O += P V issued together; block j's softmax runs while the tensor
-    cores do the PV product, and O is rescaled once it is done. p16 (block j - 1's P) comes in, block j's goes out."""
+    cores do the PV product, and O is rescaled once it is done. p_lo (block j - 1's P in the input dtype, in the
+    scores' layout: converted to the PV operand here, where the fp8 conversion costs fewest byte permutes) comes in,
+    block j's goes out."""
     qk = _qk(q, k_smem, k_ready, j, s_layout, STAGES)
-    acc = _pv(_p_operand(p16, k_smem.dtype, o_layout), v_smem, v_ready, acc, j - 1, STAGES)
+    acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout), v_smem, v_ready, acc, j - 1, STAGES)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # groups complete in order: S is ready, PV may run on
     mbarrier.arrive(kv_empty.index(j % STAGES), count=1)  # K slot: S is done
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT)
@@ -199,17 +201,17 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(q, k_smem, k_ready, 0, s_layout, STAGES),))
             mbarrier.arrive(kv_empty.index(0), count=1)
             p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, qk_scale, q_pos, k_len, s_layout, True, CAUSAL, P_SHIFT)
-            p16 = p.to(k_smem.dtype)
+            p_lo = p.to(k_smem.dtype)
             for j in range(1, n_full):
-                acc, p16, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p16, l_i,
+                acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l_i,
                                                       m_i, j, j * BLOCK_N, qk_scale, q_pos, k_len, s_layout,
                                                       o_layout, False, CAUSAL, STAGES, P_SHIFT)
             for j in range(gl.maximum(n_full, 1), n_blocks):
-                acc, p16, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p16, l_i,
+                acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l_i,
                                                       m_i, j, j * BLOCK_N, qk_scale, q_pos, k_len, s_layout,
                                                       o_layout, True, CAUSAL, STAGES, P_SHIFT)
-            acc = warpgroup_mma_wait(num_outstanding=0,
-                                     deps=(_pv(_p_operand(p16, k_smem.dtype, o_layout), v_smem, v_ready, acc, n_blocks - 1, STAGES),))
+            acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout), v_smem, v_ready, acc, n_blocks - 1, STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(STAGES + (n_blocks - 1) % STAGES), count=1)
     else:
         for j in range(n_full):

@@ -169,8 +169,8 @@ def tune_prefill(gpu):
 
 
 def tune_prefill_fp8(gpu):
-    """The Gluon kernel's (BLOCK_N, STAGES) for fp8 e4m3 q/k/v per head dim ([0, 0]: the Triton kernel, which widens
-    to fp16), on the dense shapes of tune_prefill."""
+    """The Gluon kernel's (BLOCK_N, STAGES[, OVERLAP]) for fp8 e4m3 q/k/v per head dim ([0, 0]: the Triton kernel,
+    which widens to fp16), on the dense shapes of tune_prefill."""
     from ..attention import flash_attn_varlen
 
     if torch.cuda.get_device_capability() != (9, 0) or not gluon_supported():
