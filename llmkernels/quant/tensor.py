@@ -165,6 +165,8 @@ def pad_rows(qt: QuantizedTensor, multiple: int = 16) -> QuantizedTensor:
     f = qt.gguf
     if f is None:
         raise ValueError(f"pad_rows takes a GGUF-format matrix, got {qt.format}")
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"multiple must be a positive int (bytes), got {multiple!r}")
     row = f.bytes_per_row(qt.shape[-1])
     if qt.data.shape[-1] != row:
         raise ValueError(f"qt's rows are already {qt.data.shape[-1]} bytes apart (padded)")

@@ -264,3 +264,6 @@ def test_pad_rows(device):
     assert pad_rows(q4) is q4
     with pytest.raises(ValueError, match="takes a GGUF-format matrix"):
         pad_rows(stacked("mlx", dict(bits=4, group_size=64), 3, 4, 256, device))
+    for bad in (0, -16, 2.5, True):
+        with pytest.raises(ValueError, match=f"multiple must be a positive int .bytes., got {bad!r}"):
+            pad_rows(q6, bad)
