@@ -1,7 +1,7 @@
 """Prefill at the bench shapes timed three ways, ours and SDPA cuDNN: triton's do_bench (as the suite times), CUDA-graph
 replay (no host work) and host time per eager call; then cProfile of 200 eager calls of ours at D128 S4096.
 
-    PYTHONPATH=. python bench/lab/prefill_host.py
+    PYTHONPATH=. python bench/lab/prefill_host.py [fp8]     # fp8: the fp8 e4m3 cases only (ours; no cuDNN)
 
 When the host time per call exceeds the kernel's, do_bench measures the host: its column then differs from the
 graph's.
@@ -9,6 +9,7 @@ graph's.
 import cProfile
 import io
 import pstats
+import sys
 import time
 
 import torch
@@ -46,13 +47,19 @@ def host_us(f, n=50):
 
 
 def main():
-    for B, H, S, D, causal in SHAPES:
+    fp8 = sys.argv[1:] == ["fp8"]
+    for B, H, S, D, causal in SHAPES[:2] if fp8 else SHAPES:
         q = torch.randn(B * S, H, D, device="cuda", dtype=torch.bfloat16)
         k, v = torch.randn_like(q), torch.randn_like(q)
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
         qs, ks, vs = (t.view(B, S, H, D).transpose(1, 2) for t in (q, k, v))
+        q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+        ds = torch.ones(1, device="cuda")
 
         def ours():
+            if fp8:
+                return flash_attn_varlen(q8, k8, v8, cu, cu, S, S, causal=causal, q_descale=ds, k_descale=ds,
+                                         v_descale=ds)
             return flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
 
         def cudnn():
@@ -60,13 +67,13 @@ def main():
                 return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
 
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
-        print(f"B{B} H{H} S{S} D{D} {'causal' if causal else 'full'}:", flush=True)
-        for name, f in (("ours", ours), ("cudnn", cudnn)):
+        print(f"B{B} H{H} S{S} D{D} {'causal' if causal else 'full'}{' fp8' if fp8 else ''}:", flush=True)
+        for name, f in (("ours", ours),) + (() if fp8 else (("cudnn", cudnn),)):
             db = tt.do_bench(f, warmup=25, rep=100, return_mode="median")
             gr = tt.do_bench(graphed(f), warmup=25, rep=100, return_mode="median")
             print(f"  {name:5s} do_bench {db * 1e3:7.1f} us ({flops / db / 1e9:4.0f} TFLOP/s)  graph {gr * 1e3:7.1f} us "
                   f"({flops / gr / 1e9:4.0f})  host {host_us(f):6.1f} us per call", flush=True)
-        if (S, D, causal) == (4096, 128, False):
+        if (S, D, causal) == (4096, 128, False) or fp8:
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(200):
