@@ -19,6 +19,7 @@ from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k, pad_row
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
 from .kernels import add_rmsnorm, rope_store, silu_mul
+from .tp import local_pairs
 
 
 @dataclasses.dataclass
@@ -75,9 +76,10 @@ def _vector(qt, device) -> torch.Tensor:
     return qt.to(device=device, dtype=torch.float32).reshape(-1)
 
 
-def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None) -> None:
+def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None, experts: int | None = None) -> None:
     """ModelConfigError naming the first tensor ``cfg`` needs that ``tensors`` lacks or holds in another shape;
-    ``vocab_rows``: the rows of the embedding and output matrices when they are a tensor-parallel shard's."""
+    ``vocab_rows``: the rows of the embedding and output matrices, ``experts``: the experts of each MoE stack, when
+    they are a tensor-parallel shard's."""
     H, D = cfg.hidden, cfg.head_dim
     V = vocab_rows or cfg.vocab_size
     want = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
@@ -88,8 +90,8 @@ def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None) -> N
         want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
                      p + "attn_output.weight": (H, cfg.n_heads * D)})
         if cfg.n_experts:
-            E, F = cfg.n_experts, cfg.expert_ffn
-            want.update({p + "ffn_gate_inp.weight": (E, H), p + "ffn_gate_exps.weight": (E, F, H),
+            E, F = experts or cfg.n_experts, cfg.expert_ffn
+            want.update({p + "ffn_gate_inp.weight": (cfg.n_experts, H), p + "ffn_gate_exps.weight": (E, F, H),
                          p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)})
         else:
             want[p + "ffn_down.weight"] = (H, cfg.ffn)
@@ -134,7 +136,8 @@ class Model:
         self.dtype = dtype
         # tp.TPShard: this rank's part of the model; ``tensors`` and ``cfg`` are then its shard's (build.load_model)
         self.tp = tp if tp is not None and tp.active else None
-        self._expect_shapes(tensors, vocab_rows=self.tp.vocab_per_rank if self.tp is not None else None)
+        self._expect_shapes(tensors, vocab_rows=self.tp.vocab_per_rank if self.tp is not None else None,
+                            experts=self.local_experts)
         D, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         it = progress if progress is not None else (lambda x, **k: x)
         self.weight_bytes = 0
@@ -253,8 +256,14 @@ class Model:
                 tables[key] = route_table(m, self.dtype)
             self._routes[id(m)] = tables[key]
 
-    def _expect_shapes(self, tensors, vocab_rows: int | None = None):
-        expect_shapes(self.cfg, tensors, vocab_rows)
+    def _expect_shapes(self, tensors, vocab_rows: int | None = None, experts: int | None = None):
+        expect_shapes(self.cfg, tensors, vocab_rows, experts)
+
+    @property
+    def local_experts(self) -> int:
+        """The experts of each MoE stack this model holds: all of them, or a tensor-parallel rank's share."""
+        return self.tp.experts[1] - self.tp.experts[0] if self.tp is not None and self.cfg.n_experts else \
+            self.cfg.n_experts
 
 
     def _stored_bytes(self) -> int:
@@ -329,7 +338,9 @@ class Model:
         """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn."""
         router, gate, up, down = layer.moe
         w, e = moe_route(self._gemv(x, None, router, False), self.cfg.n_experts_used, self.cfg.expert_norm)
-        return moe_ffn(x, w, e, gate, up, down, self.cfg.n_experts)
+        if self.tp is not None:  # this rank's experts: the others' pairs weigh 0 here (tp.local_pairs)
+            w, e = local_pairs(w, e, *self.tp.experts)
+        return moe_ffn(x, w, e, gate, up, down, self.local_experts)
 
     def _mlp(self, x, layer, xl, i8: bool):
         if layer.moe is not None:

@@ -18,6 +18,7 @@ from ..qgemv.moe import moe_route
 from ..quant.tensor import dequantize
 from ..testing.attention import paged_attention_ref
 from .model import Model, StepInputs
+from .tp import local_pairs
 
 
 class TorchModel(Model):
@@ -69,14 +70,16 @@ class TorchModel(Model):
         the activation dtype, products and the weighted sum in float64."""
         router, gate, up, down = layer.moe
         w, e = moe_route(self._linear(x, [router]), self.cfg.n_experts_used, self.cfg.expert_norm)
-        G, U, D = (self._w(m).reshape(self.cfg.n_experts, -1, m.shape[-1]) for m in (gate, up, down))
+        if self.tp is not None:  # this rank's experts (tp.local_pairs); the sum over ranks before the rounding
+            w, e = local_pairs(w, e, *self.tp.experts)
+        G, U, D = (self._w(m).reshape(self.local_experts, -1, m.shape[-1]) for m in (gate, up, down))
         xf, out = x.double(), torch.zeros(x.shape[0], D.shape[1], dtype=torch.float64, device=x.device)
         for ex in e.unique().tolist():
             t, j = (e == ex).nonzero(as_tuple=True)
             g = xf[t] @ G[ex].T
             a = (torch.nn.functional.silu(g) * (xf[t] @ U[ex].T)).to(self.dtype).double()
             out.index_add_(0, t, (a @ D[ex].T).to(self.dtype).double() * w[t, j, None].double())
-        return out.to(self.dtype)
+        return self._reduce(out).to(self.dtype) if self.tp is not None else out.to(self.dtype)
 
     def _store(self, cache: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, scale: float) -> None:
         keep = slots >= 0

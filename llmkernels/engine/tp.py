@@ -10,6 +10,11 @@ Sharding never dequantizes: a weight is cut along whole rows (the output dim) or
 - The embedding and output matrices are split by vocabulary rows: a rank looks up only the ids in its range (the
   others contribute zeros to the all-reduce), and each rank's slice of the logits is gathered.
 - Norms are replicated; each rank's KV cache holds its own KV heads.
+- Mixture-of-experts layers are expert-parallel: each rank holds whole experts (E / ranks of every stack, cut along
+  the expert axis, so no format's block constrains the split), the router is replicated, and every rank routes every
+  token; a rank computes the pairs of its own experts and the sum over ranks (the all-reduce after the FFN, as for
+  down) adds the rest. Pairs of other ranks' experts still run, with weight 0 (``local_pairs``): the weights and
+  the KV cache are split, the expert compute of one token is not.
 
 Rank 0 runs the engine (scheduler, sampling) and sends each step's inputs; the other ranks (parallel.py) run the
 same forward steps in lockstep, their collectives matching rank 0's one for one.
@@ -36,6 +41,7 @@ class TPShard:
     ffn: tuple  # (first, stop) of the FFN rows
     vocab: tuple  # (first, stop) of the vocabulary rows (stop - first = vocab_per_rank, the last padded)
     vocab_per_rank: int
+    experts: tuple = (0, 0)  # (first, stop) of the experts of every MoE stack ((0, 0): a dense model)
     group: object = None  # the torch.distributed process group (None: the default group)
     allreduce: tuple = ("auto", "")  # (mode, note) of its all-reduces, as rank 0 decided (allreduce.engine_mode)
 
@@ -57,23 +63,24 @@ def plan_shards(cfg: ModelConfig, world: int, tensors=None) -> list:
     """The TPShard of every rank, or ModelConfigError naming what does not split ``world`` ways."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
-    if cfg.n_experts and world > 1:
-        raise ModelConfigError(f"{cfg.arch}: tensor parallelism over mixture-of-experts layers is not supported yet "
-                               f"(tensor_parallel_size must be 1)")
+    E = cfg.n_experts
+    if E and E % world:
+        raise ModelConfigError(f"tensor_parallel_size={world} does not divide the {E} experts (each rank holds whole "
+                               f"experts)")
     Hq, Hkv = cfg.n_heads, cfg.n_kv_heads
     if Hq % world:
         raise ModelConfigError(f"tensor_parallel_size={world} does not divide the {Hq} query heads")
     if Hkv % world and world % Hkv:
         raise ModelConfigError(f"tensor_parallel_size={world}: the {Hkv} KV heads neither divide among the ranks "
                                f"nor does the rank count divide by them")
-    if cfg.ffn % world:
+    if not E and cfg.ffn % world:
         raise ModelConfigError(f"tensor_parallel_size={world} does not divide the FFN size {cfg.ffn}")
     q_per = Hq // world
     group = Hq // Hkv
     if tensors is not None:  # row-parallel K splits must fall on block boundaries
         for i in range(cfg.n_layers):
             for name, per in ((f"blk.{i}.attn_output.weight", q_per * cfg.head_dim),
-                              (f"blk.{i}.ffn_down.weight", cfg.ffn // world)):
+                              *(() if E else ((f"blk.{i}.ffn_down.weight", cfg.ffn // world),))):
                 b = block_of(tensors[name])
                 if per % b:
                     raise ModelConfigError(f"tensor_parallel_size={world}: {name} would be cut every {per} weights "
@@ -83,13 +90,15 @@ def plan_shards(cfg: ModelConfig, world: int, tensors=None) -> list:
     for r in range(world):
         q0, q1 = r * q_per, (r + 1) * q_per
         kv = (q0 // group, -(-q1 // group))
-        shards.append(TPShard(r, world, (q0, q1), kv, (r * cfg.ffn // world, (r + 1) * cfg.ffn // world),
-                              (r * v_per, (r + 1) * v_per), v_per))
+        ffn = (0, cfg.ffn) if E else (r * cfg.ffn // world, (r + 1) * cfg.ffn // world)
+        shards.append(TPShard(r, world, (q0, q1), kv, ffn, (r * v_per, (r + 1) * v_per), v_per,
+                              (r * E // world, (r + 1) * E // world)))
     return shards
 
 
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The config one rank's model is built with: its heads and FFN share; vocab_size stays the model's."""
+    """The config one rank's model is built with: its heads and FFN share; vocab_size and n_experts stay the model's
+    (the router scores every expert; the stacks hold the rank's, ``TPShard.experts``)."""
     return dataclasses.replace(cfg, n_heads=shard.q_heads[1] - shard.q_heads[0],
                                n_kv_heads=shard.kv_heads[1] - shard.kv_heads[0], ffn=shard.ffn[1] - shard.ffn[0])
 
@@ -159,11 +168,26 @@ def shard_tensors(tensors, cfg: ModelConfig, shard: TPShard) -> dict:
             out[name] = take_cols(t, q0 * D, q1 * D)
         elif base == "ffn_down":
             out[name] = take_cols(t, f0, f1)
+        elif base in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):  # [E, N, K]: whole experts
+            out[name] = take_rows(t, *shard.experts)
         elif base in ("token_embd", "output"):
             out[name] = take_rows(t, v0, min(v1, cfg.vocab_size), pad_to=shard.vocab_per_rank)
         else:
             out[name] = t
     return out
+
+
+def local_pairs(weights: torch.Tensor, experts: torch.Tensor, first: int, stop: int):
+    """A token's routed (weight, expert) pairs [T, k] as the rank holding experts [first, stop) computes them: ids
+    relative to ``first``; another rank's pair gets weight 0 and the id of the token's first pair on this rank (or
+    0), so that it reads no expert the token does not read here anyway. Torch ops only: no host sync, CUDA graphs
+    capture it."""
+    mine = (experts >= first) & (experts < stop)
+    rel = (experts - first).to(experts.dtype)
+    n = stop - first
+    own = torch.where(mine, rel, n).amin(dim=1, keepdim=True)  # n: no pair of this token is here
+    fill = torch.where(own == n, 0, own).to(experts.dtype)
+    return torch.where(mine, weights, 0).to(weights.dtype), torch.where(mine, rel, fill).contiguous()
 
 
 def _cat(parts: list):

@@ -14,7 +14,8 @@ import torch
 from llmkernels import dequantize, quantize
 from llmkernels.engine import LLM, ModelConfigError, SamplingParams
 from llmkernels.engine.config import ModelConfig
-from llmkernels.engine.tp import plan_shards, take_cols, take_rows
+from llmkernels.engine.tp import local_pairs, plan_shards, shard_tensors, take_cols, take_rows
+from llmkernels.quant.tensor import QuantizedTensor
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are you today?", "12345 東京"]
 # big enough that O and down split on q4_k's 256-weight blocks at TP = 2: 8 heads x 64 = 512, FFN 1024
@@ -60,6 +61,85 @@ def test_shard_plan():
         plan_shards(_cfg(), 0)
 
 
+def test_shard_plan_moe():
+    """MoE layers are expert-parallel: whole experts per rank (any format, any expert width), the router whole."""
+    moe = dict(n_experts=6, n_experts_used=2, expert_ffn=96, ffn=300, n_heads=6, n_kv_heads=3)  # no FFN splits
+    shards = plan_shards(_cfg(**moe), 3)
+    assert [s.experts for s in shards] == [(0, 2), (2, 4), (4, 6)] and [s.ffn for s in shards] == [(0, 300)] * 3
+    assert plan_shards(_cfg(), 2)[1].experts == (0, 0)
+    with pytest.raises(ModelConfigError, match="tensor_parallel_size=2 does not divide the 5 experts"):
+        plan_shards(_cfg(**dict(moe, n_experts=5, n_heads=8, n_kv_heads=2)), 2)
+    E, F, H = 6, 64, 512
+    stacks = {n: quantize(torch.randn(E * rows, cols), "q8_0") for n, rows, cols in
+              (("ffn_gate_exps", F, H), ("ffn_up_exps", F, H), ("ffn_down_exps", H, F))}
+    tensors = {f"blk.0.{n}.weight": QuantizedTensor("q8_0", (E, qt.shape[0] // E, qt.shape[1]),
+                                                     qt.data.view(E, qt.shape[0] // E, -1))  # as a GGUF file holds it
+               for n, qt in stacks.items()}
+    tensors["blk.0.ffn_gate_inp.weight"] = torch.randn(E, H)
+    part = shard_tensors(tensors, _cfg(**moe), shards[1])
+    assert torch.equal(part["blk.0.ffn_gate_inp.weight"], tensors["blk.0.ffn_gate_inp.weight"])
+    for name in stacks:
+        whole, mine = tensors[f"blk.0.{name}.weight"], part[f"blk.0.{name}.weight"]
+        assert mine.shape == (2, *whole.shape[1:])
+        assert torch.equal(dequantize(mine), dequantize(whole)[2:4])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_local_pairs_sum_to_the_whole(world):
+    """The MoE FFN summed over ranks, each with its experts and local_pairs' view of the routing, is the whole
+    FFN; and a rank reads no expert for a token that the token does not choose there (or the first, when none)."""
+    torch.manual_seed(0)
+    T, E, k, H, F = 11, 8, 3, 16, 12
+    x = torch.randn(T, H, dtype=torch.float64)
+    G, U, D = torch.randn(E, F, H, dtype=torch.float64), torch.randn(E, F, H, dtype=torch.float64), \
+        torch.randn(E, H, F, dtype=torch.float64)
+    e = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, dtype=torch.float32)
+
+    def ffn(w, e, G, U, D):
+        out = torch.zeros(T, H, dtype=torch.float64)
+        for t in range(T):
+            for j in range(k):
+                g, u = G[e[t, j]] @ x[t], U[e[t, j]] @ x[t]
+                out[t] += w[t, j].double() * (D[e[t, j]] @ (torch.nn.functional.silu(g) * u))
+        return out
+
+    whole = ffn(w, e, G, U, D)
+    parts = torch.zeros_like(whole)
+    per = E // world
+    for r in range(world):
+        lo, hi = r * per, (r + 1) * per
+        lw, le = local_pairs(w, e, lo, hi)
+        assert le.dtype == e.dtype and lw.dtype == w.dtype and le.is_contiguous()
+        assert ((le >= 0) & (le < per)).all()
+        for t in range(T):
+            mine = {int(x) - lo for x in e[t] if lo <= x < hi}
+            assert set(le[t].tolist()) <= (mine or {0})
+            assert torch.equal(lw[t] != 0, (e[t] >= lo) & (e[t] < hi))
+        parts += ffn(lw, le, G[lo:hi], U[lo:hi], D[lo:hi])
+    assert torch.allclose(parts, whole, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_moe_ffn_expert_parallel_on_the_kernels(fmt):
+    """qgemv.moe_ffn per rank on its slice of GGUF-shaped stacks with local_pairs' routing, summed: the whole FFN
+    (what the kernel backend's MoE layer does at TP > 1)."""
+    from llmkernels.qgemv.moe import moe_ffn
+
+    torch.manual_seed(1)
+    T, E, k, H, F = 5, 4, 2, 256, 256
+    x = torch.randn(T, H)
+    stack = lambda rows, cols: QuantizedTensor(fmt, (E, rows, cols), quantize(  # noqa: E731
+        torch.randn(E * rows, cols) * 0.05, fmt).data.view(E, rows, -1))
+    G, U, D = stack(F, H), stack(F, H), stack(H, F)
+    e = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k)
+    whole = moe_ffn(x, w, e, G, U, D, E)
+    parts = sum(moe_ffn(x, *local_pairs(w, e, lo, lo + 2), *(take_rows(m, lo, lo + 2) for m in (G, U, D)), 2)
+                for lo in (0, 2))
+    assert (parts - whole).abs().max() <= 1e-4 * whole.abs().max()
+
+
 def _run(path, tp, **kw):
     with LLM(path, progress=False, backend="torch", dtype=torch.float16, tensor_parallel_size=tp, **kw) as llm:
         ids = llm.tokenizer.encode(PROMPTS[1])
@@ -78,6 +158,41 @@ def test_tp2_equals_tp1(model_files, arch, fmt):
     one, two = _run(path, 1), _run(path, 2)
     assert one[0] == two[0] and one[1] == two[1]
     assert (one[2] - two[2]).abs().max() <= 2e-3 * one[2].abs().max()
+
+
+# Qwen3-MoE and Mixtral shapes whose attention splits like TP_MODEL's; experts of width 256 (q4_k's down reads whole
+# blocks), 4 of them, 2 per token: 2 experts per rank at TP = 2, 1 at TP = 4
+TP_MOE = dict(TP_MODEL, ffn=256, layers=2, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("arch,fmt,tp", [("qwen3moe", "q8_0", 2), ("mixtral", "q4_k", 2), ("mixtral", "q8_0", 4)])
+def test_tp_moe_equals_tp1(model_files, arch, fmt, tp):
+    """Expert-parallel MoE layers: greedy tokens and logits at TP = 2 and 4 as at TP = 1."""
+    _, path, _ = model_files(arch, fmt, **TP_MOE)
+    one, many = _run(path, 1), _run(path, tp, page_size=4)
+    assert one[0] == many[0] and one[1] == many[1]
+    assert (one[2] - many[2]).abs().max() <= 2e-3 * one[2].abs().max()
+
+
+def test_kernel_model_moe_layer_expert_parallel(model_files):
+    """The kernel backend's MoE layer on each rank's shard (its experts, local_pairs' routing), summed over the
+    ranks: the whole model's layer (the all-reduce's sum, without processes)."""
+    from llmkernels.engine.model import Model
+    from llmkernels.engine.tp import local_config
+    from llmkernels.quant.gguf_io import read_gguf
+
+    _, path, _ = model_files("qwen3moe", "q4_k", **TP_MOE)
+    f = read_gguf(path)
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    whole = Model(cfg, f, "cpu", torch.float32)
+    x = torch.randn(6, cfg.hidden) * 0.5
+    want = whole._moe(x, whole.layers[1])
+    got = torch.zeros_like(want)
+    for shard in plan_shards(cfg, 2, f):
+        part = Model(local_config(cfg, shard), shard_tensors(f, cfg, shard), "cpu", torch.float32, tp=shard)
+        assert part.local_experts == 2 and part.layers[1].moe[1].shape[0] == 2
+        got += part._moe(x, part.layers[1])
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_tp4_replicates_kv_heads(model_files):
