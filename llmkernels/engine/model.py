@@ -262,8 +262,9 @@ class Model:
     @property
     def local_experts(self) -> int:
         """The experts of each MoE stack this model holds: all of them, or a tensor-parallel rank's share."""
-        return self.tp.experts[1] - self.tp.experts[0] if self.tp is not None and self.cfg.n_experts else \
-            self.cfg.n_experts
+        if self.tp is not None and self.cfg.n_experts:
+            return self.tp.experts[1] - self.tp.experts[0]
+        return self.cfg.n_experts
 
 
     def _stored_bytes(self) -> int:

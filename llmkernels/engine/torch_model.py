@@ -79,7 +79,7 @@ class TorchModel(Model):
             g = xf[t] @ G[ex].T
             a = (torch.nn.functional.silu(g) * (xf[t] @ U[ex].T)).to(self.dtype).double()
             out.index_add_(0, t, (a @ D[ex].T).to(self.dtype).double() * w[t, j, None].double())
-        return self._reduce(out).to(self.dtype) if self.tp is not None else out.to(self.dtype)
+        return self._reduce(out).to(self.dtype)
 
     def _store(self, cache: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, scale: float) -> None:
         keep = slots >= 0
