@@ -4,7 +4,9 @@
 
 Each candidate is first checked on a ragged batch against the float64 reference (max abs error for bf16, relative
 RMS for fp8 on the dequantized inputs), then timed next to SDPA cuDNN (bf16) on the same shapes. OVERLAP 1 runs
-each block's softmax beside the previous block's PV product (prefill_ws._overlapped_step).
+each block's softmax beside the previous block's PV product (prefill_ws._overlapped_step). ``--graph`` times our
+calls by CUDA-graph replay (an eager fp8 call spends about as long on the host as its kernel runs); SDPA cuDNN is
+timed eagerly.
 """
 import argparse
 
@@ -53,6 +55,7 @@ def main():
     p.add_argument("--dtypes", default="bf16,fp8")
     p.add_argument("--keys", default=",".join(SHAPES))
     p.add_argument("--cands", default="", help="replace the candidates, e.g. 128:128/3/1+128/2/1;256:64/2/1")
+    p.add_argument("--graph", action="store_true")
     args = p.parse_args()
     prefill.WS_MIN_WORK = 0
     for part in filter(None, args.cands.split(";")):
@@ -82,7 +85,8 @@ def main():
                         kw = {"q_descale": ds, "k_descale": ds, "v_descale": ds}
                     qx, kx, vx = (t.to(dtype) for t in (q, k, v))
                     flops = attention_flops([S] * B, H, D, causal)
-                    ms = time_ms(lambda: lk.flash_attn_varlen(qx, kx, vx, cu, cu, S, S, causal=causal, **kw))
+                    ms = time_ms(lambda: lk.flash_attn_varlen(qx, kx, vx, cu, cu, S, S, causal=causal, **kw),
+                                 cuda_graph=args.graph)
                     case = (B, H, Hkv, S, D, causal)
                     if case not in cudnn:
                         qd, kd, vd = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))

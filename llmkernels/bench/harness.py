@@ -32,7 +32,8 @@ def time_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cuda_graph: bool 
     """Median milliseconds per call of ``fn`` (CUDA events; L2 flushed between calls unless cuda_graph)."""
     import triton.testing
 
-    if cuda_graph:
+    if cuda_graph:  # do_bench_cudagraph runs fn on a stream of its own that does not wait for the inputs' writes
+        torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
