@@ -56,7 +56,8 @@ def _paged_cache(lens, ps, Hkv, D, kv, dev):
 def ws_decode_cases(dev="cuda"):
     """The Gluon decode kernel (sm_90): odd lengths, pages 8 / 16 / 32 / 64 / 128 (TMA) and 1 / 3 (rows gathered
     with cp.async), split and not, groups 7, 8 and 12 (8 and 16 padded heads), bf16 and fp8 caches (the fp8 dots and
-    the converter partition; one and two consumer warp groups), the balanced split."""
+    the converter partition; one and two consumer warp groups), the balanced split, head dim 256, soft caps and
+    left windows."""
     from llmkernels.attention import schedule
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -108,6 +109,19 @@ def _ws_decode_cases(dev, fp8_only=False):
         assert plan.ws_decode and not plan.balanced
         sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
         lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
+    # head dim 256 (a ring of three slots), soft caps, left windows from inside a key tile, split or not
+    for ps, Hq, Hkv, D, splits, kv, left, cap in ((16, 16, 8, 256, 0, torch.bfloat16, 100, 50.0),
+                                                  (32, 16, 2, 256, 3, torch.bfloat16, -1, 30.0),
+                                                  (16, 28, 4, 128, 2, torch.float8_e4m3fn, 77, 20.0)):
+        lens = [1, 17, 300, 65, 1000]
+        kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, D, kv, dev)
+        cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
+        q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
+        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                       num_splits=splits, device=dev)
+        assert plan.ws_decode
+        sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
+        lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, window_size=(left, -1), softcap=cap, **sc)
     plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
 
 

@@ -38,11 +38,12 @@ COMBINE_PDL = True
 
 
 def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o, ws_lse,
-                    scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None, mixed=False):
+                    scale, sms, balanced, k_scale=1.0, v_scale=1.0, maxnreg=None, mixed=False, softcap=0.0, left=-1):
     """The persistent Gluon decode kernel (paged_ws.py), its split partials merged by combine_kernel (the balanced
     split merges its cut units itself); False (nothing launched) where the caches have no TMA view (or, for page
     sizes it gathers by rows, a layout the gather cannot read). ``mixed``: a mixed batch's decodes (the Triton
-    kernel runs beside them: fp8 keeps the smaller ring)."""
+    kernel runs beside them: fp8 keeps the smaller ring). ``softcap``, ``left``: the call's soft cap and left window
+    (a window runs the plan's split units: the balanced split's tables cover every key)."""
     from .paged_kernel import combine_kernel
     from .paged_ws import gather_caches, launch_decode_ws, page_descriptors
     from .schedule import fp8_ring, tma_pages
@@ -54,14 +55,15 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     total_q, Hq, D = q.shape
     split = num_splits > 1
     pdl = pdl_supported(q.device) and not mixed
-    if balanced:
+    if balanced and left < 0:
         # the balanced split merges the pieces of cut units with the counters; without them, the plan's split-KV
         counters = split_counters(q.device)
         if counters is not None and tiles[0].numel() * k_cache.shape[2] <= counters.numel():
             launch_decode_ws(q, descs, balanced[1], balanced[2], page_table, seq_lens, cu_seqlens_q, tiles[0],
                              tiles[2], k_cache.shape[0], k_cache.shape[1], 1, scale * 1.4426950408889634, sms,
                              out=out, counters=counters, balanced=(balanced[0], tiles[0].numel()), k_scale=k_scale,
-                             v_scale=v_scale, maxnreg=maxnreg, gather=gather, pdl=WS_PDL if pdl else 0)
+                             v_scale=v_scale, maxnreg=maxnreg, gather=gather, pdl=WS_PDL if pdl else 0,
+                             softcap=softcap)
             return True
     # split partials merge in combine_kernel, as the Triton kernel's: H100, bf16 page 16, graph-timed, B=1 L=32768
     # (16 splits) 54.0 us against 55.5 with the merge by the last split program, B=4 L=8192 53.2 against 54.9
@@ -73,7 +75,7 @@ def _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out
     launch_decode_ws(q, descs, ws_o if split else out, ws_lse, page_table, seq_lens, cu_seqlens_q, tiles[0],
                      tiles[2], k_cache.shape[0], k_cache.shape[1], num_splits, scale * 1.4426950408889634, sms,
                      k_scale=k_scale, v_scale=v_scale, maxnreg=maxnreg, gather=gather, stages=stages,
-                     pdl=WS_PDL if pdl else 0, consumers=1 if mixed else None)
+                     pdl=WS_PDL if pdl else 0, consumers=1 if mixed else None, softcap=softcap, left=left)
     if split:
         cp = pdl and COMBINE_PDL
         combine_kernel[(total_q, Hq)](
@@ -92,14 +94,15 @@ def _launch_all(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, ls
     launches = range(len(configs) // 6)
     side = None
     # one query per sequence at its last position: a right window edge never hides a key; the rest it cannot take
-    if ws_decode and left < 0 and softcap <= 0 and sinks is None and custom_mask is None and not write_lse:
+    if ws_decode and sinks is None and custom_mask is None and not write_lse:
         mixed = len(configs) // 6 > 1  # the plan's long tiles (mixed batch) run on the Triton kernel beside it
         if mixed:
             side = _side_stream(q.device)
             side.wait_stream(torch.cuda.current_stream(q.device))
         if _ws_decode_call(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, tiles, num_splits, ws_o,
                            ws_lse, scale, num_sms(q.device), balanced, k_scale if k_scale is not None else k_scale_f,
-                           v_scale if v_scale is not None else v_scale_f, ws_maxnreg or None, mixed):
+                           v_scale if v_scale is not None else v_scale_f, ws_maxnreg or None, mixed, softcap,
+                           left):
             if not mixed:
                 return
             if num_splits > 1:

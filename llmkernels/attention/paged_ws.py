@@ -28,9 +28,10 @@ Other page sizes (1, 3, 24, ...; ``schedule.tma_pages``): the loader gathers one
 instead (GATHER), every loader thread copying 16-byte pieces and arriving on the slot's barrier when they land.
 
 Scope (``plan._ws_decode`` and ``paged._ws_decode_call``): decode batches (one query per sequence), caches of q's
-dtype or fp8, any page size, head dim 64 or 128, GROUP <= 64, contiguous caches (GATHER: rows), no left
-window, softcap, sinks, custom mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton
-kernel serves the rest.
+dtype or fp8, any page size, head dim 64 or 128 (and 256 with 16-bit caches, in a ring of three 64 KB slots),
+GROUP <= 64, contiguous caches (GATHER: rows), soft caps and left windows (the units then start at the window's
+first key tile; a windowed call runs the units even where the plan chose the balanced split), no sinks, custom
+mask or LSE output, and at least WS_DECODE_MIN_BYTES of K/V per call. The Triton kernel serves the rest.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,16 +53,27 @@ from .schedule import FP8_STAGES, FP8_STAGES16, tma_pages
 
 
 @gluon.jit
-def _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
+def _key_range(k_len, split, num_splits, left, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """(first key, last key + 1) of split ``split`` of a sequence of k_len keys: whole key tiles, from key 0 or, with
+    WINDOW, from the tile holding the window's first key k_len - 1 - left (its earlier keys are masked, _softmax)."""
+    w0 = 0
+    if WINDOW:
+        w0 = gl.maximum(k_len - 1 - left, 0) // BLOCK_N * BLOCK_N
+    chunk = ((k_len - w0 + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = gl.minimum(w0 + split * chunk, k_len)
+    hi = gl.minimum(lo + chunk, k_len)
+    return lo, hi
+
+
+@gluon.jit
+def _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, left, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     """(sequence, kv head, split, first key, last key + 1) of work unit u."""
     per_tile = num_kv_heads * num_splits
     b = gl.load(TILE_SEQ + u // per_tile)
     hk = (u % per_tile) // num_splits
     split = u % num_splits
     k_len = gl.load(SEQ_LENS + b)
-    chunk = ((k_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = gl.minimum(split * chunk, k_len)
-    hi = gl.minimum(lo + chunk, k_len)
+    lo, hi = _key_range(k_len, split, num_splits, left, BLOCK_N, WINDOW)
     return b, hk, split, lo, hi
 
 
@@ -74,14 +86,12 @@ def _unit_seq(u, n_units, TILE_SEQ, per_tile):
 
 
 @gluon.jit
-def _unit_keys(u, k_len, num_kv_heads, num_splits, BLOCK_N: gl.constexpr):
+def _unit_keys(u, k_len, num_kv_heads, num_splits, left, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     """(kv head, split, first key, last key + 1) of work unit u, whose sequence has k_len keys."""
     per_tile = num_kv_heads * num_splits
     hk = (u % per_tile) // num_splits
     split = u % num_splits
-    chunk = ((k_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = gl.minimum(split * chunk, k_len)
-    hi = gl.minimum(lo + chunk, k_len)
+    lo, hi = _key_range(k_len, split, num_splits, left, BLOCK_N, WINDOW)
     return hk, split, lo, hi
 
 
@@ -202,9 +212,9 @@ def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_ro
 
 @gluon.jit
 def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
-            TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
+            TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks, left,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-            BALANCED: gl.constexpr, GATHER: gl.constexpr):
+            BALANCED: gl.constexpr, GATHER: gl.constexpr, WINDOW: gl.constexpr):
     c = 0
     if BALANCED:
         g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
@@ -221,7 +231,7 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+            b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, left, BLOCK_N, WINDOW)
             c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
                            PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b), hk * HEAD_DIM, lo, hi, c,
                            num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
@@ -238,8 +248,8 @@ def _widen(src, dst, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_SEQ, NUM_TILES, TABLES, cap,
-               num_kv_heads, num_splits, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               STAGES16: gl.constexpr, BALANCED: gl.constexpr):
+               num_kv_heads, num_splits, left, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               STAGES16: gl.constexpr, BALANCED: gl.constexpr, WINDOW: gl.constexpr):
     """fp8 caches: widens every V tile the loader copies, in ring order, into the fp16 ring the consumer reads (its
     own warps, so the widening runs beside the consumer's dots and softmax). K needs no widening: the consumer's
     fp8 dots read it from the fp8 ring."""
@@ -250,7 +260,7 @@ def _converter(v8, v_ready, kv_empty, v16, v16_ready, v16_empty, SEQ_LENS, TILE_
         total = 0
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, BLOCK_N)
+            _, _, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, left, BLOCK_N, WINDOW)
             total += (hi - lo + BLOCK_N - 1) // BLOCK_N
     for c in range(total):
         s2 = c % STAGES16
@@ -282,15 +292,22 @@ def _scores(q_smem, k_smem, k_ready, c, st_layout: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _softmax(st, m_i, l_p, cs, key0, hi, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+def _softmax(st, m_i, l_p, cs, key0, hi, klo, softcap2, st_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+             MASKED: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Online softmax of one transposed score tile [keys, heads] with per-head score scales cs (log2 units):
     -> (P^T, alpha, row sums, row max). The row sums stay per element (l_p, summed once at the end), so the only
-    reduction across warps per tile is the maximum. MASKED: keys from hi on are out; otherwise every key counts and
-    the new maximum is finite."""
+    reduction across warps per tile is the maximum. MASKED: keys from hi on are out, and with WINDOW those before
+    klo; otherwise every key counts and the new maximum is finite. SOFTCAP: scores become c tanh(s / c) (softcap2 =
+    c log2(e), the cap in log2 units; tanh through exp2 as the Triton kernels take it)."""
     sc = st * cs[None, :]
+    if SOFTCAP:
+        sc = softcap2 * (1.0 - 2.0 / (gl.exp2(sc * (2.0 / softcap2) * 1.4426950408889634) + 1.0))
     if MASKED:
         k_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        sc = gl.where(k_pos[:, None] < hi, sc, float("-inf"))
+        ok = k_pos < hi
+        if WINDOW:
+            ok = ok & (k_pos >= klo)
+        sc = gl.where(ok[:, None], sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -353,9 +370,10 @@ def _stage_q(q, q_smem, qk_scale, cs_layout: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, qk_scale,
-            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False, STEP: gl.constexpr = 1):
+def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, qk_scale, klo,
+            softcap2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+            o_layout: gl.constexpr, KF: gl.constexpr = False, VF: gl.constexpr = False, STEP: gl.constexpr = 1,
+            WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
     """The online softmax of one unit's query heads q (_load_q) over keys [lo, hi): K tiles from the
     (k_smem, k_ready, k_empty) ring, V tiles from the (v_smem, ...) ring (the same ring for 16-bit caches; for fp8,
     the fp8 ring and the converter's fp16 ring), counted by c. -> (O [GP, HEAD_DIM] unnormalized in o_layout, row
@@ -368,7 +386,8 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
     waits for both, frees what they read and rescales O. No wgmma stays in flight across steps (ptxas answers that
     by serializing every wgmma). lo is a multiple of BLOCK_N, so only the last tile has keys past hi to mask. KF / VF:
     the K / V tiles came by cp.async (proxy fence after each wait, see _scores). STEP: this consumer takes every
-    STEP-th tile from lo (ring uses c, c + STEP, ...; see _consumer's CONSUMERS)."""
+    STEP-th tile from lo (ring uses c, c + STEP, ...; see _consumer's CONSUMERS). WINDOW: keys before klo are
+    masked too, in every tile (only a unit's first can hold them); SOFTCAP, softcap2: see _softmax."""
     GP: gl.constexpr = q_smem.shape[1]
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -387,18 +406,21 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
         mbarrier.arrive(k_empty.index(c % K_STAGES), count=1)
         if n > 1:
             nxt = _scores(q_smem, k_smem, k_ready, c + STEP, st_layout, BLOCK_N, K_STAGES, GP, KF)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, klo, softcap2, st_layout, BLOCK_N, WINDOW,
+                                          WINDOW, SOFTCAP)
             st = warpgroup_mma_wait(0, deps=(nxt,))
             mbarrier.arrive(k_empty.index((c + STEP) % K_STAGES), count=1)
         else:
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, st_layout, BLOCK_N, True)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo, hi, klo, softcap2, st_layout, BLOCK_N, True, WINDOW,
+                                          SOFTCAP)
         p_smem.index(0).store(p.to(p_smem.dtype))
         fence_async_shared()
         gl.thread_barrier()
         for i in range(1, n - 1):
             pv = _pv(p_smem.index((i - 1) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
             nxt = _scores(q_smem, k_smem, k_ready, c + 2 * STEP, st_layout, BLOCK_N, K_STAGES, GP, KF)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, 0, hi, st_layout, BLOCK_N, False)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + i * TS, hi, klo, softcap2, st_layout, BLOCK_N,
+                                          WINDOW, WINDOW, SOFTCAP)
             p_smem.index(i % 2).store(p.to(p_smem.dtype))
             acc, st = warpgroup_mma_wait(0, deps=(pv, nxt))
             mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
@@ -409,7 +431,8 @@ def _attend(q, lo, hi, c, q_smem, p_smem, k_smem, k_ready, k_empty, v_smem, v_re
             c += STEP
         if n > 1:
             pv = _pv(p_smem.index((n - 2) % 2), acc, v_smem, v_ready, c, V_STAGES, VF)
-            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * TS, hi, st_layout, BLOCK_N, True)
+            p, alpha, l_p, m_i = _softmax(st, m_i, l_p, cs, lo + (n - 1) * TS, hi, klo, softcap2, st_layout,
+                                          BLOCK_N, True, WINDOW, SOFTCAP)
             p_smem.index((n - 1) % 2).store(p.to(p_smem.dtype))
             acc = warpgroup_mma_wait(0, deps=(pv,))
             mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
@@ -461,7 +484,8 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
               v_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
               V_STAGES: gl.constexpr, SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr,
               MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr, x_o, x_ml, x_ready,
-              x_free, CONSUMERS: gl.constexpr, q_smem, p_smem, WG: gl.constexpr):
+              x_free, CONSUMERS: gl.constexpr, q_smem, p_smem, WG: gl.constexpr, left, softcap2,
+              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer WG of CONSUMERS (1 or 2): with two, each unit's (or balanced piece's) key tiles alternate between
     them (ring uses of the same parity as WG), each runs its own online softmax, and the second hands its
     (O, max, sum) to the first (_pair), which merges them and writes the output. Two independent chains of wgmma,
@@ -491,8 +515,8 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
             hi = gl.minimum((t0 + nt) * BLOCK_N, gl.load(SEQ_LENS + b))
             q = _load_q(Q, t, hk, True, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
             acc, m_i, l_i, _ = _attend(q, (t0 + WG) * BLOCK_N, hi, c + WG, q_smem, p_smem, k_smem, k_ready, k_empty,
-                                       v_smem, v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES,
-                                       o_layout, KF, VF, CONSUMERS)
+                                       v_smem, v_ready, v_empty, qk_scale, 0, softcap2, HEAD_DIM, BLOCK_N, K_STAGES,
+                                       V_STAGES, o_layout, KF, VF, CONSUMERS, False, SOFTCAP)
             c += (hi - t0 * BLOCK_N + BLOCK_N - 1) // BLOCK_N
             if CONSUMERS > 1:
                 acc, m_i, l_i = _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, kx, o_layout, WG)
@@ -548,11 +572,11 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
             k2 = gl.load(SEQ_LENS + b2)
             t2 = gl.load(CU_Q + b2).to(gl.int64)
             b3 = _unit_seq(u + 3 * P, n_units, TILE_SEQ, per_tile)
-            hk, split, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, BLOCK_N)
+            hk, split, lo, hi = _unit_keys(u, k0, num_kv_heads, num_splits, left, BLOCK_N, WINDOW)
             t = t0
             acc, m_i, l_i, _ = _attend(q0, lo + WG * BLOCK_N, hi, c + WG, q_smem, p_smem, k_smem, k_ready, k_empty,
-                                       v_smem, v_ready, v_empty, qk_scale, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES,
-                                       o_layout, KF, VF, CONSUMERS)
+                                       v_smem, v_ready, v_empty, qk_scale, k0 - 1 - left, softcap2, HEAD_DIM, BLOCK_N,
+                                       K_STAGES, V_STAGES, o_layout, KF, VF, CONSUMERS, WINDOW, SOFTCAP)
             c += (hi - lo + BLOCK_N - 1) // BLOCK_N
             if CONSUMERS > 1:
                 acc, m_i, l_i = _pair(acc, m_i, l_i, x_o, x_ml, x_ready, x_free, kx, o_layout, WG)
@@ -628,15 +652,15 @@ def _merge_unit(PO, PLSE, OUT, COUNT, TABLES, cap, idx, TILE_SEQ, CU_Q, num_kv_h
 def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SEQ_LENS, CU_Q, TILE_SEQ, NUM_TILES,
                            TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
                            stride_ls, stride_fot, stride_foh, stride_pt, num_heads, num_kv_heads, num_pages,
-                           num_splits, qk_scale, k_scale, v_scale, stride_kp, stride_ks, GROUP: gl.constexpr,
-                           HEAD_DIM: gl.constexpr,
+                           num_splits, qk_scale, k_scale, v_scale, stride_kp, stride_ks, softcap2, left,
+                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                            BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                            SPLIT: gl.constexpr, BALANCED: gl.constexpr = False, GROUP_P2: gl.constexpr = 4,
                            MERGE_PB: gl.constexpr = 16, SCALE_PTRS: gl.constexpr = False,
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
                            KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1,
-                           Q_TERMS: gl.constexpr = 3):
+                           Q_TERMS: gl.constexpr = 3, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -661,6 +685,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     gl.static_assert(FP8 or CONSUMERS == 1, "two consumer warp groups are built for fp8 caches only")
+    gl.static_assert(not (BALANCED and WINDOW), "the balanced split's tables cover every key: no window")
     # slots of BLOCK_N rows in the page copies' swizzle (the same for every row count: it depends on the row bytes)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -710,47 +735,49 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
+                       left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW)),
             (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
-                          TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
+                          TABLES, cap, num_kv_heads, num_splits, left, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED,
+                          WINDOW)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0)),
+                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
-                         p_smem1, 1)),
+                         p_smem1, 1, left, softcap2, WINDOW, SOFTCAP)),
         ], [4, 4, 4], [88, 176, 176])
     elif FP8:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
+                       left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW)),
             (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
-                          TABLES, cap, num_kv_heads, num_splits, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED)),
+                          TABLES, cap, num_kv_heads, num_splits, left, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED,
+                          WINDOW)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0)),
+                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP)),
         ], [4, 4], [96, 232])
     else:
         gl.warp_specialize([
             (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
                        NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER)),
+                       left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0)),
+                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP)),
         ], [4], [232])
 
 
@@ -780,13 +807,15 @@ def gather_caches(k_cache, v_cache):
 
 
 STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
+STAGES_D256 = 3  # head dim 256: four 64 KB slots do not fit in shared memory
 # fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q). Two carry a bf16 q's 8 bits and spare the
 # consumers a third of the S dots (H200, GQA 32/8, page 16, two consumers: B=64 L=8192 285 us against 298, B=128
 # L=2048 150 against 158, same error against float64)
 FP8_Q_TERMS_BF16 = 2
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
-                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None):
+                     balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None,
+                     softcap=0.0, left=-1):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -804,15 +833,18 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
 
     ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl.
     ``consumers``: consumer warp groups (fp8 caches: 1 or 2, default schedule.FP8_CONSUMERS up to groups of 8;
-    16-bit caches: 1)."""
+    16-bit caches: 1). ``softcap`` > 0: scores capped as c tanh(s / c); ``left`` >= 0: each query sees its last
+    left + 1 keys (a sliding window; not with ``balanced``)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
     kv_dtype = descs[0].dtype if gather else descs[0].base.dtype
     Hkv = descs[0].shape[2] if gather else descs[0].shape[1] // D
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if balanced is not None and left >= 0:
+        raise ValueError("the balanced split takes no window (left must be -1)")
     if stages is None:
-        stages = FP8_STAGES if fp8 else STAGES
+        stages = FP8_STAGES if fp8 else STAGES if D <= 128 else STAGES_D256
     if consumers is None:  # two need a padded group of 8: larger q, P^T and hand-off tiles leave no room
         consumers = schedule.FP8_CONSUMERS if fp8 and Hq // Hkv <= 8 else 1
     if consumers not in (1, 2) or (consumers == 2 and not fp8):
@@ -830,6 +862,8 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
     sval = sval + ((descs[0].stride(0), descs[0].stride(1)) if gather else (0, 0))
+    sval = sval + (float(softcap) * 1.4426950408889634 if softcap > 0 else 1.0, int(left))
+    scales.update(WINDOW=left >= 0, SOFTCAP=softcap > 0)
     if balanced is not None:
         paged_decode_ws_kernel[(sms,)](
             q, *descs, out_or_ws, lse_ws, out, counters, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
@@ -870,7 +904,8 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
-                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3):
+                 balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3, window=False,
+                 softcap=False):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -888,7 +923,8 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
     for name in ("cap", "stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_fot",
                  "stride_foh", "stride_pt", "num_heads", "num_kv_heads", "num_pages", "num_splits"):
         sig[name] = "i32"
-    sig.update(qk_scale="fp32", k_scale="fp32", v_scale="fp32", stride_kp="i32", stride_ks="i32")
+    sig.update(qk_scale="fp32", k_scale="fp32", v_scale="fp32", stride_kp="i32", stride_ks="i32", softcap2="fp32",
+               left="i32")
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "PAGE_SIZE": page_size, "STAGES": stages,
               "SPLIT": int(split and not balanced),
               "BALANCED": int(balanced), "GROUP_P2": _p2(group), "MERGE_PB": _merge_pb(group, head_dim),
@@ -896,6 +932,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "STAGES16": FP8_STAGES16,
               **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
               "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl,
-              "CONSUMERS": consumers, "Q_TERMS": q_terms}
+              "CONSUMERS": consumers, "Q_TERMS": q_terms, "WINDOW": window, "SOFTCAP": softcap}
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

@@ -297,10 +297,12 @@ def _kernel_config(name, kv_dtype, head_dim, page_size, group, few: bool = False
 def _ws_decode(device, q_lens, k_lens, page_size, num_kv_heads, head_dim, group, q_dtype, kv_dtype) -> bool:
     """Whether the batch suits the persistent Gluon decode kernel (paged_ws.py): sm_90 with Gluon, one query per
     sequence, a cache of q's dtype or fp8, any page size (8/16/32 or a multiple of 64 copied by pages with TMA, the
-    others gathered by rows with cp.async), head dim 64 or 128, group <= 64,
+    others gathered by rows with cp.async), head dim 64 or 128 (or 256 with a 16-bit cache), group <= 64,
     and enough K/V bytes to hide its host cost (fp8 caches included: since its consumer reads K as fp8, it beat the
     Triton kernel at every decode-suite shape, see bench/NOTES.md)."""
-    if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128) or group > 64:
+    if interpreter_mode() or device.type != "cuda" or head_dim not in (64, 128, 256) or group > 64:
+        return False
+    if head_dim == 256 and kv_dtype in FP8_DTYPES:  # its fp16 V ring would not fit beside the fp8 one
         return False
     if kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
         return False

@@ -364,6 +364,30 @@ def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, 
                    "trigger": False}
 
 
+@pytest.mark.parametrize("head_dim, split, kv, window, softcap", [
+    (256, False, "", True, True), (256, True, "", False, True),  # Gemma-2's shape: D 256, soft cap, windows
+    (128, True, "", True, False), (128, True, "fp8e4nv", True, True)])
+def test_ws_decode_window_softcap_compiles_without_spills(head_dim, split, kv, window, softcap):
+    call = (f"paged_ws.compile_sm90(16, {head_dim}, group=2, stages={3 if head_dim == 256 else 6 if kv else 4}, "
+            f"split={split}, kv={kv!r}, window={window}, softcap={softcap}, consumers={2 if kv else 1})")
+    assert sm90_spill_bytes(call) == 0
+    got = sm90_compile_report(call, {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "local": ".local"})
+    assert got == {"wgmma": True, "tma": True, "local": False}
+
+
+def test_ws_plan_takes_head_dim_256_with_16_bit_caches_only(monkeypatch):
+    from llmkernels.attention import plan as plan_mod
+    from llmkernels.attention import prefill
+
+    monkeypatch.setattr(plan_mod, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(prefill, "_gluon_hopper", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    q_lens, k_lens = torch.ones(64, dtype=torch.int32), torch.full((64,), 4096, dtype=torch.int32)
+    for kv, want in ((torch.bfloat16, True), (torch.float8_e4m3fn, False)):
+        assert plan_mod._ws_decode(cuda, q_lens, k_lens, 16, 8, 256, 2, torch.bfloat16, kv) is want
+    assert not plan_mod._ws_decode(cuda, q_lens, k_lens, 16, 8, 96, 2, torch.bfloat16, torch.bfloat16)
+
+
 @pytest.mark.parametrize("kv", ["", "fp8e4nv"])
 def test_ws_decode_consumer_look_ahead_survives_compilation(kv):
     # Triton 3.6 drops a loop-carried value whose only use in the loop is an inner loop's bound (the loop then
@@ -444,6 +468,49 @@ def test_ws_decode_fp8_gpu(case, kv_dtype, consumers, device, monkeypatch):
         units = p.launches[0].capacity * Hkv * p.num_splits
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         assert f"a ring of {fp8_ring(units, sms, Hq // Hkv)} TMA" in p.describe()
+
+
+# (q lens, k lens, page size, Hq, Hkv, D, plan kwargs, left window, soft cap): windows shorter and longer than the
+# sequences, starting inside a key tile and on its first key, with split units; D 256 as Gemma-2 has it
+WS_WINDOW_CASES = [
+    ([1] * 6, [1, 17, 100, 1000, 4097, 65], 16, 16, 8, 256, {}, 4095, 50.0),
+    ([1] * 5, [300, 31, 999, 1, 2000], 16, 16, 8, 256, dict(num_splits=3), 127, 0.0),
+    ([1] * 5, [300, 31, 999, 1, 2000], 16, 32, 8, 128, {}, 200, 30.0),
+    ([1] * 4, [130, 64, 65, 3000], 32, 28, 4, 128, dict(num_splits=2), 63, 0.0),
+    ([1], [30011], 16, 32, 8, 128, dict(balanced=True), 1000, 20.0),  # the balanced plan: windows run its units
+    ([1] * 3, [333, 800, 257], 16, 16, 2, 256, dict(num_splits=1), -1, 50.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("case", WS_WINDOW_CASES, ids=lambda c: f"k{c[1][:2]}D{c[5]}w{c[7]}c{int(c[8])}")
+def test_ws_decode_window_softcap_gpu(case, kv_dtype, device, monkeypatch):
+    from llmkernels.attention import plan as plan_mod
+
+    need_sm90()
+    q_lens, k_lens, ps, Hq, Hkv, D, kw, left, cap = case
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    if fp8 and D == 256:
+        pytest.skip("head dim 256 with an fp8 cache runs the Triton kernel")
+    launches = _spy_ws(monkeypatch)
+    dtype = torch.bfloat16 if fp8 else kv_dtype
+    scales = (0.05, 0.04) if fp8 else (None, None)
+    q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=dtype, kv_dtype=kv_dtype, device=device,
+                                  **({"scales": scales} if fp8 else {}))
+    if kw.get("balanced"):
+        monkeypatch.setattr(plan_mod, "BALANCE_MIN_SKEW", 0.0)
+    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=dtype, kv_dtype=kv_dtype, device=device,
+                                num_splits=kw.get("num_splits", 0))
+    assert p.ws_decode and bool(p.balanced) == bool(kw.get("balanced"))
+    q = q * 16  # larger scores, so that the cap bends them
+    out = poison(torch.empty_like(q))
+    lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out, window_size=(left, -1), softcap=cap,
+                       k_scale=scales[0], v_scale=scales[1])
+    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq, window_size=(left, -1), softcap=cap, k_scale=scales[0],
+                                 v_scale=scales[1])
+    assert_close(out, ref, dtype, "o")
+    assert launches == [False], "the call took the Gluon kernel's units"
 
 
 @pytest.mark.gpu
