@@ -69,6 +69,17 @@ def ws_decode_cases(dev="cuda"):
     schedule.FP8_CONSUMERS = shipped
 
 
+def _decode_inputs(lens, ps, Hq, Hkv, D, kv, splits, dev):
+    """One query per sequence over random caches (_paged_cache) and its plan: (q, caches, tables, plan)."""
+    kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, D, kv, dev)
+    cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
+    plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
+                                   num_splits=splits, device=dev)
+    assert plan.ws_decode
+    return q, kc, vc, pt, sl, cq, plan
+
+
 def _ws_decode_cases(dev, fp8_only=False):
     from llmkernels.attention import plan as plan_mod
 
@@ -82,13 +93,7 @@ def _ws_decode_cases(dev, fp8_only=False):
                                        (1, 16, 2, 128, 0, torch.float8_e5m2)):
         if fp8_only and kv == torch.bfloat16:
             continue
-        lens = [1, 17, 300, 65, 1000]
-        kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, D, kv, dev)
-        cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
-        q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
-        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
-                                       num_splits=splits, device=dev)
-        assert plan.ws_decode
+        q, kc, vc, pt, sl, cq, plan = _decode_inputs([1, 17, 300, 65, 1000], ps, Hq, Hkv, D, kv, splits, dev)
         sc = dict(k_scale=0.5, v_scale=torch.tensor([2.0], device=dev)) if kv != torch.bfloat16 else {}
         lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
         if splits == 0:  # the balanced split too
@@ -101,25 +106,15 @@ def _ws_decode_cases(dev, fp8_only=False):
     # many units per program (the consumer loads each next unit's q and lengths ahead), empty second splits
     lens = [(53 * i) % 611 + 1 for i in range(70)]
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
-        kc, vc, pt, sl = _paged_cache(lens, 16, 4, 128, kv, dev)
-        cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
-        q = torch.randn(len(lens), 28, 128, device=dev, dtype=torch.bfloat16)
-        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), 16, 28, 4, 128, q_dtype=q.dtype, kv_dtype=kc.dtype,
-                                       num_splits=2, device=dev)
-        assert plan.ws_decode and not plan.balanced
+        q, kc, vc, pt, sl, cq, plan = _decode_inputs(lens, 16, 28, 4, 128, kv, 2, dev)
+        assert not plan.balanced
         sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
         lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, **sc)
     # head dim 256 (a ring of three slots), soft caps, left windows from inside a key tile, split or not
     for ps, Hq, Hkv, D, splits, kv, left, cap in ((16, 16, 8, 256, 0, torch.bfloat16, 100, 50.0),
                                                   (32, 16, 2, 256, 3, torch.bfloat16, -1, 30.0),
                                                   (16, 28, 4, 128, 2, torch.float8_e4m3fn, 77, 20.0)):
-        lens = [1, 17, 300, 65, 1000]
-        kc, vc, pt, sl = _paged_cache(lens, ps, Hkv, D, kv, dev)
-        cq = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
-        q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
-        plan = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=kc.dtype,
-                                       num_splits=splits, device=dev)
-        assert plan.ws_decode
+        q, kc, vc, pt, sl, cq, plan = _decode_inputs([1, 17, 300, 65, 1000], ps, Hq, Hkv, D, kv, splits, dev)
         sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
         lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, window_size=(left, -1), softcap=cap, **sc)
     plan_mod.WS_DECODE_MIN_BYTES = 1 << 25
