@@ -450,7 +450,8 @@ def plan_paged_attention(cu_seqlens_q, seq_lens, page_size: int, num_q_heads: in
                          torch.empty(2 * sms, num_q_heads, head_dim, dtype=torch.float32, device=device),
                          torch.empty(2 * sms, num_q_heads, dtype=torch.float32, device=device)]
         _fill_balanced(plan.balanced[0], k_lens[tiles["short"][0]], num_kv_heads, sms, cap)
-        reasons.append(f"num_splits=0 -> the Gluon kernel splits the batch's key tiles evenly over {sms} programs")
+        reasons.append(f"num_splits=0 -> the Gluon kernel splits the batch's key tiles evenly over {sms} programs "
+                       f"(calls with a left window run the split-KV units instead)")
     if num_splits > 1:
         cap_tokens = max(total_q, max_tokens or 0, 1)
         plan.workspace_o = torch.empty(num_splits, cap_tokens, num_q_heads, head_dim, dtype=torch.float32,
