@@ -842,7 +842,7 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     Hkv = descs[0].shape[2] if gather else descs[0].shape[1] // D
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if balanced is not None and left >= 0:
-        raise ValueError("the balanced split takes no window (left must be -1)")
+        raise ValueError(f"left must be -1 with balanced (its tables cover every key), got {left}")
     if stages is None:
         stages = FP8_STAGES if fp8 else STAGES if D <= 128 else STAGES_D256
     if consumers is None:  # two need a padded group of 8: larger q, P^T and hand-off tiles leave no room

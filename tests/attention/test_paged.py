@@ -375,6 +375,16 @@ def test_ws_decode_window_softcap_compiles_without_spills(head_dim, split, kv, w
     assert got == {"wgmma": True, "tma": True, "local": False}
 
 
+def test_ws_decode_launch_refuses_a_window_with_the_balanced_split():
+    from llmkernels.attention import paged_ws
+
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 1, 2, 128, dtype=torch.bfloat16)  # a row-gathered cache (page size 1)
+    with pytest.raises(ValueError, match="left must be -1 with balanced"):
+        paged_ws.launch_decode_ws(q, (kc, kc), None, None, None, None, None, None, None, 4, 1, 1, 1.0, 132,
+                                  balanced=(None, 1), gather=True, left=10)
+
+
 def test_ws_plan_takes_head_dim_256_with_16_bit_caches_only(monkeypatch):
     from llmkernels.attention import plan as plan_mod
     from llmkernels.attention import prefill
