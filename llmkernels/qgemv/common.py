@@ -56,3 +56,18 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
     _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](y, out, M * N, SPLIT=split, BLOCK=BLOCK, PDL=pdl,
                                                      **pdl_options(pdl))
     return out
+
+
+def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: bool):
+    """(y, part, counters) for a GEMV launch (m1, int8, tensor-core or generic kernel) with M activation rows,
+    output ``dtype``, ``split`` K splits and ``tiles`` output tiles. With fixup, a counter buffer (see _runtime.split_counters) and room for the tiles:
+    y [1, M, N] in ``dtype``, float32 partials part [split, M, N] summed in the kernel. Otherwise counters is None
+    and y [split, M, N] (float32 when split) is also part."""
+    from .._runtime import split_counters
+
+    counters = split_counters(device) if fixup and split > 1 else None
+    if counters is not None and tiles <= counters.numel():
+        y = empty(1, M, N, dtype=dtype, device=device)
+        return y, empty(split, M, N, dtype=torch.float32, device=device), counters
+    y = empty(split, M, N, dtype=torch.float32 if split > 1 else dtype, device=device)
+    return y, y, None

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
-from .common import split_k
-from .m1 import _load, _q4k_scales, _split_words, _store_rows, lanes_width, split_outputs
+from .common import split_k, split_outputs
+from .m1 import _load, _q4k_scales, _split_words, _store_rows, lanes_width
 from .words import _block_codes, _scalars
 
 # format -> (FMT id, bytes per block or super-block, blocks per step)

@@ -2,7 +2,8 @@
 
 Each program owns BLOCK_N output rows (weight rows) and one split of K, streams the weight blocks of its rows,
 and reuses each dequantized tile for all M activation rows. M == 1 multiplies and sums in float32 on the CUDA cores
-(the reduction along K is deferred to the end); M > 1 feeds the tile to the tensor cores with tl.dot.
+(the reduction along K is deferred to the end); M > 1 feeds the tile to the tensor cores with tl.dot. With FIXUP the
+K splits of a tile sum their own partials (the last to arrive adds them), so a split product needs no second launch.
 """
 import triton
 import triton.language as tl
@@ -21,12 +22,16 @@ def _load_x(X, X2, m, m_ok, kk, k_ok, stride_xm, stride_x2m, SILU_X: tl.constexp
 
 
 @triton.jit
-def gemv_kernel(X, X2, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y,
+def gemv_kernel(X, X2, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y, PART, COUNT,
                 M, N, K, stride_xm, stride_x2m, stride_ys, stride_ym, row_bytes, scale_stride, nblocks,
-                blocks_per_split,
+                blocks_per_split, split,
                 FMT: tl.constexpr, NB: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
                 BLOCK_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
-                SILU_X: tl.constexpr, DUAL: tl.constexpr):
+                SILU_X: tl.constexpr, DUAL: tl.constexpr, FIXUP: tl.constexpr = False):
+    """Y [split, M, N] gets each split's sums (float32 partials when split > 1), or with FIXUP Y [1, M, N] the
+    whole product: the split programs of a tile store float32 partials in PART [split, M, N] and count their arrival
+    in COUNT (zero on entry, see _runtime.split_counters); the last sums them in split order, writes Y and resets
+    the counter."""
     BLOCK_K: tl.constexpr = NB * NSUB * SUB
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -70,8 +75,22 @@ def gemv_kernel(X, X2, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y,
         out2 = acc2
     if DUAL:  # gate/up fused: silu(x W_gate^T) * (x W_up^T)
         out = out / (1.0 + tl.exp(-out)) * out2
-    y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+    ok = row_ok[:, None] & m_ok[None, :]
+    if FIXUP:
+        part = PART + m[None, :] * N + rows[:, None]
+        tl.store(part + pid_k * N * M, out, mask=ok)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        # every warp's partials stored before the one thread that runs the scalar atomic releases them
+        tl.debug_barrier()
+        if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == split - 1:
+            total = tl.zeros(out.shape, dtype=tl.float32)
+            for s in range(split):
+                total += tl.load(part + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(Y + m[None, :] * stride_ym + rows[:, None], total.to(Y.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(COUNT + tile, 0)
+    else:
+        y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
+        tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit

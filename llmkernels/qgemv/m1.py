@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_trigger, pdl_wait
-from .common import split_k
+from .common import split_k, split_outputs
 from .planes import _small_int_to_f32
 
 
@@ -609,23 +609,6 @@ def _x2_offset(x, x2, elems_per_unit: int) -> int:
     if gap % unit:
         raise ValueError(f"x2 must lie a whole number of {unit}-byte units from x, got {gap} bytes")
     return gap // unit
-
-
-def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: bool):
-    """(y, part, counters) for an m1/words/int8 launch with M activation rows, output ``dtype``, ``split`` K splits
-    and ``tiles`` output tiles. With fixup, a counter buffer (see _runtime.split_counters) and room for the tiles:
-    y [1, M, N] in ``dtype``, float32 partials part [split, M, N] summed in the kernel. Otherwise counters is None
-    and y [split, M, N] (float32 when split) is also part."""
-    import torch
-
-    from .._runtime import empty, split_counters
-
-    counters = split_counters(device) if fixup and split > 1 else None
-    if counters is not None and tiles <= counters.numel():
-        y = empty(1, M, N, dtype=dtype, device=device)
-        return y, empty(split, M, N, dtype=torch.float32, device=device), counters
-    y = empty(split, M, N, dtype=torch.float32 if split > 1 else dtype, device=device)
-    return y, y, None
 
 
 def launch_m1(x, data, fmt: str, N: int, K: int, config, sms: int, unpack: int, return_kernel: bool = False,

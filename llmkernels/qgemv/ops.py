@@ -9,7 +9,7 @@ from .._pdl import pdl_supported
 from .._runtime import empty, gpu_name, has_tma, num_sms
 from ..quant.tensor import QuantizedTensor
 from . import route
-from .common import _finish, _views, split_k  # noqa: F401  (split_k: part of ops' interface)
+from .common import _finish, _views, split_k, split_outputs  # noqa: F401  (split_k: part of ops' interface)
 
 FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q8_0": 7, "q2_k": 8,
               "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "mlx": 13}
@@ -133,7 +133,7 @@ def _run(r: route.Route, op, x, x2, data, scales, biases, data2, scales2, biases
     programs_n = triton.cdiv(N, block_n)
     # the fused gate/up mode applies silu to whole sums, so it never splits K
     split, per_split = split_k(programs_n * grid_m, nblocks, nb, sms, waves=0 if op == "gate_up" else 2)
-    y = empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup=True)
     if data2 is not None:
         v8, v16, vi8 = _views(data2)
         vs = scales2 if scales2 is not None else v16
@@ -143,11 +143,12 @@ def _run(r: route.Route, op, x, x2, data, scales, biases, data2, scales2, biases
     from .kernels import gemv_kernel
 
     gemv_kernel[(programs_n, split, grid_m)](
-        x, x2 if x2 is not None else x, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y,
-        M, N, K, x.stride(0), x2.stride(0) if x2 is not None else 0, y.stride(0), y.stride(1), row_bytes,
-        scales.stride(0) if scales is not None else 0, nblocks, per_split,
+        x, x2 if x2 is not None else x, w8, w16, wi8, ws, wb, v8, v16, vi8, vs, vb, y, part,
+        counters if counters is not None else y, M, N, K, x.stride(0), x2.stride(0) if x2 is not None else 0,
+        y.stride(0), y.stride(1), row_bytes, scales.stride(0) if scales is not None else 0, nblocks, per_split, split,
         FMT=FORMAT_IDS[fmt], NB=nb, NSUB=nsub, SUB=sub, BLOCK_BYTES=block_bytes, BITS=bits or 0, BLOCK_N=block_n,
-        M_PAD=m_pad, SILU_X=op == "silu_mul", DUAL=op == "gate_up", num_warps=warps, num_stages=stages)
+        M_PAD=m_pad, SILU_X=op == "silu_mul", DUAL=op == "gate_up", FIXUP=counters is not None, num_warps=warps,
+        num_stages=stages)
     return _finish(y, x.dtype)
 
 

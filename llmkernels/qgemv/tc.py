@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
-from .common import split_k
+from .common import split_k, split_outputs
 from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
@@ -661,7 +661,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
               fmt: str = "q4_k", x2=None, fixup: bool = True, pdl=None, xt=None):
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
     MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
-    (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (m1.split_outputs)
+    (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (split_outputs)
     and a grid of at most ``waves`` programs per SM, y [1, M, N], the kernel having summed its own partials.
 
     ``config`` is (BLOCK_N, num_warps, num_stages, waves[, prefetch[, maxnreg]]); K is split until the grid has
@@ -675,7 +675,6 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     programs per SM, so that the kernel sums its own partials (bench/NOTES.md)."""
     import torch
 
-    from .m1 import split_outputs
 
     block_n, warps, stages, waves = config[:4]
     prefetch = bool(config[4]) if len(config) > 4 else False

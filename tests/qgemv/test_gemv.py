@@ -149,6 +149,30 @@ def test_bad_input(call, exc, match, device):
         call(qt, device)
 
 
+@pytest.mark.parametrize("fmt,N,K,M", [("f32", 37, 768, 1), ("bf16", 53, 1024, 1), ("q2_k", 19, 1280, 3),
+                                       ("q4_1", 70, 512, 1)])
+def test_generic_split_k_sums_in_kernel(fmt, N, K, M, device, monkeypatch):
+    """The generic kernel with K split: the last program of each tile sums the partials (no second launch), and
+    resets its counter, so repeated calls (a replayed graph) stay right; the splits are forced by a large SM count."""
+    from llmkernels._runtime import split_counters
+    from llmkernels.qgemv import common, ops, route
+
+    monkeypatch.setattr(ops, "num_sms", lambda device: 64)
+    splits, sums = [], []
+    monkeypatch.setattr(ops, "split_k", lambda *a, **kw: splits.append(common.split_k(*a, **kw)) or splits[-1])
+    real = common._splitk_sum_kernel
+    monkeypatch.setattr(common, "_splitk_sum_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (sums.append(grid), real[grid])[1]})())
+    qt = weights(fmt, {}, N, K, device)
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float16
+    assert route.choose("gemv", fmt, M, N, K, dtype, target=ops.target(qt.device)).kernel == "generic"
+    for _ in range(2):
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        rel_close(lk.gemv(x, qt), gemv_ref(x, qt), dtype)
+    assert splits and all(split > 1 for split, _ in splits), splits
+    assert sums == [] and int(split_counters(qt.device).abs().sum()) == 0
+
+
 GPU_SHAPES = [(4096, 4096), (1000, 14336), (129, 2048), (32768 + 64, 1024)]
 
 
