@@ -17,11 +17,12 @@ from ..qgemv.m1 import lane_pos, lanes_width
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, eps,
+def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, eps,
                         HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr, PRE: tl.constexpr = False):
+                        PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0):
     """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
-    rounded to the activation dtype as a separate call would write it). With I8 the row is a tile [BLOCK / 32, 2, 16]
+    rounded to the activation dtype as a separate call would write it; with TOPK, x is the sum of rows row * TOPK ..
+    of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row is a tile [BLOCK / 32, 2, 16]
     (blocks of 32 as two halves), the shape the rounding per block and its 16-byte stores in i8 lane order need;
     otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354 against 364-365 tok/s, H100)."""
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
@@ -35,7 +36,14 @@ def _add_rmsnorm_kernel(X, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, st
     else:
         cols = tl.arange(0, BLOCK)
     mask = cols < H
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if TOPK > 0:  # a mixture-of-experts FFN's pair products, summed here instead of by a launch of their own
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(XW + row * TOPK + j) * tl.load(X + (row * TOPK + j) * stride_x + cols, mask=mask,
+                                                          other=0.0).to(tl.float32)
+        x = acc.to(X.dtype.element_ty)
+    else:
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if PRE:  # a post-norm (Gemma 2/3) of the block's output before it joins the residual stream
         pf = x.to(tl.float32)
         pr = 1.0 / tl.sqrt(tl.sum(pf * pf) / H + eps)
@@ -61,9 +69,11 @@ def _add_rmsnorm_kernel(X, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, st
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, lanes: bool = False, i8: bool = False,
-                pre_weight: torch.Tensor | None = None):
+                pre_weight: torch.Tensor | None = None, x_weights: torch.Tensor | None = None):
     """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first. With ``pre_weight``
     ([H], a post-norm such as Gemma's), x stands for rmsnorm(x) * pre_weight in all of that (x is not written).
+    With ``x_weights`` (float32 [T, k], contiguous), x is [T * k, H] and row t stands for the weighted sum of its
+    rows t * k .. t * k + k - 1, as qgemv.moe.moe_combine computes it (a mixture-of-experts FFN's pair products).
 
     x, residual: [T, H] fp16/bf16/fp32 (last dim contiguous); weight: [H] any float dtype. Returns y [T, H], and with
     ``lanes`` (y, y in lane order [T, lanes_width(H)]) for qgemv.ops.gemv_lanes; with ``i8`` (H a multiple of 32)
@@ -71,11 +81,17 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     [T, lanes_width(H)] in i8 lane order, ds float32 [T, H / 32, 2], for qgemv.ops.gemv_i8_lanes.
     """
     T, H = x.shape
+    k = 0
+    if x_weights is not None:
+        T, k = x_weights.shape
+        if x.shape[0] != T * k or x_weights.dtype != torch.float32 or not x_weights.is_contiguous():
+            raise ValueError(f"add_rmsnorm: x_weights must be contiguous float32 [T, k] with x [T * k, H], got "
+                             f"{x_weights.dtype} {tuple(x_weights.shape)} for x {tuple(x.shape)}")
     if lanes and i8:
         raise ValueError("add_rmsnorm: lanes and i8 are two layouts of one copy; ask for one")
     if i8 and H % 32:
         raise ValueError(f"add_rmsnorm: i8 needs H a multiple of 32, got {H}")
-    y = out if out is not None else torch.empty_like(x)
+    y = out if out is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
     yl, ds = y, y
     if lanes or i8:
         yl = torch.empty(T, lanes_width(H), dtype=torch.int8 if i8 else y.dtype, device=y.device)
@@ -88,10 +104,11 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,
         # engine q4_k batch 1, H = 4096, tok/s with 4 / 8 / 16 warps: exact 363.3 / 369.4 / 371.0, act_int8 428.5 /
         # 427.4 / 432.8; bench/NOTES.md)
-        _add_rmsnorm_kernel[(T,)](x, r, weight, pre_weight if pre_weight is not None else weight, y, yl, ds,
+        pw = pre_weight if pre_weight is not None else weight
+        _add_rmsnorm_kernel[(T,)](x, x_weights if k else x, r, weight, pw, y, yl, ds,
                                   x.stride(0), r.stride(0), y.stride(0), yl.stride(0), ds.stride(0), H, eps,
                                   HAS_RES=residual is not None, LANES=lanes, I8=i8, BLOCK=BLOCK, PDL=pdl,
-                                  PRE=pre_weight is not None, num_warps=min(16, max(4, BLOCK // 256)),
+                                  PRE=pre_weight is not None, TOPK=k, num_warps=min(16, max(4, BLOCK // 256)),
                                   **pdl_options(pdl))
     if i8:
         return y, (yl, ds)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 import torch
 
 from ..attention.paged import paged_attention
-from ..qgemv.moe import moe_ffn, moe_route
+from ..qgemv.moe import moe_combine, moe_ffn, moe_route
 from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k, pad_rows
 from .allreduce import AllReduce
@@ -56,6 +57,13 @@ class Layer:
     moe: tuple | None = None  # (router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F]) in place of gate_up/down
     window: int = -1  # left edge of the sliding window (-1: the whole context)
     rope: int = 0  # which RoPE table: 0 the model's, 1 the sliding-window layers' (gemma3)
+
+
+class _Pairs(NamedTuple):
+    """A mixture-of-experts FFN's output before its weighted sum: the pairs' products y [T * top_k, H] and their
+    weights w float32 [T, top_k] (qgemv.moe.moe_ffn with combine=False)."""
+    y: torch.Tensor
+    w: torch.Tensor
 
 
 def stack_runs(qts: list) -> list:
@@ -312,8 +320,12 @@ class Model:
         op = "lanes" if xl is not None and not isinstance(xl, tuple) else "gemv"
         return run_route(self._route(m, op, x.shape[0], i8), op, x, m, xl)
 
-    def _norm(self, T, i8, mats, *args, **kw):
-        """add_rmsnorm, -> (x, x in lane order, or (q, ds) of x rounded to int8 in i8 lane order, or None)."""
+    def _norm(self, T, i8, mats, x, *args, **kw):
+        """add_rmsnorm, -> (x, x in lane order, or (q, ds) of x rounded to int8 in i8 lane order, or None). x may be
+        a mixture-of-experts FFN's _Pairs, which the norm's kernel sums."""
+        if isinstance(x, _Pairs):
+            x, kw = x.y, dict(kw, x_weights=x.w)
+        args = (x, *args)
         if self._i8(T, i8, *mats):
             return add_rmsnorm(*args, **kw, i8=True)
         if self._lanes(T, i8, *mats):
@@ -341,7 +353,9 @@ class Model:
         w, e = moe_route(self._gemv(x, None, router, False), self.cfg.n_experts_used, self.cfg.expert_norm)
         if self.tp is not None:  # this rank's experts: the others' pairs weigh 0 here (tp.local_pairs)
             w, e = local_pairs(w, e, *self.tp.experts)
-        return moe_ffn(x, w, e, gate, up, down, self.local_experts)
+            return moe_ffn(x, w, e, gate, up, down, self.local_experts)
+        # one rank: the weighted sum is left to the next add_rmsnorm (one launch fewer per layer)
+        return _Pairs(*moe_ffn(x, w, e, gate, up, down, self.local_experts, combine=False))
 
     def _mlp(self, x, layer, xl, i8: bool):
         if layer.moe is not None:
@@ -397,6 +411,8 @@ class Model:
             post = layer.post_ffn_norm
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
+        if isinstance(delta, _Pairs):
+            delta = moe_combine(delta.y, delta.w)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
         if self.output_pad:  # the output matrix padded with zero blocks along K (see _pad_output): x padded to match
             x = torch.zeros(hs.shape[0], self.output.shape[1], dtype=hs.dtype, device=hs.device)

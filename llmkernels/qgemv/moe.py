@@ -437,11 +437,14 @@ def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: Quantized
 
 
 def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate: QuantizedTensor,
-            up: QuantizedTensor, down: QuantizedTensor, num_experts: int) -> torch.Tensor:
+            up: QuantizedTensor, down: QuantizedTensor, num_experts: int, *, combine: bool = True):
     """A mixture-of-experts SwiGLU FFN: out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with
     e = experts[t, j] (``moe_route``'s outputs). Two MoE GEMV launches and the weighted sum; no host
     synchronisation, so it runs inside CUDA graphs (the ids are not range-checked here: moe_route makes them).
-    gate, up: [E, F, K] (or [E * F, K]); down: [E, K, F]. Returns [T, K] in x's dtype."""
+    gate, up: [E, F, K] (or [E * F, K]); down: [E, K, F]. Returns [T, K] in x's dtype, or with ``combine=False``
+    the sum left to the caller: (the pairs' products [T * top_k, K] in x's dtype, token t's in rows t * top_k ..,
+    and the weights as float32 [T, top_k]), which ``moe_combine`` or the engine's add_rmsnorm (``x_weights``) sum
+    in float32 and round to x's dtype."""
     T, k = experts.shape
     e = experts.reshape(-1).contiguous()  # token t's experts are pairs t * k .. t * k + k - 1
     F = _check_stack("gate", gate, num_experts)
@@ -458,7 +461,17 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate:
             y = _launch(_silu_mul(gu, F), down, None, H, num_experts, e, None)
     else:
         y = _unfused_products(x, e, gate, up, down, num_experts, F, H, k)
-    out = empty(T, H, dtype=x.dtype, device=x.device)
+    if not combine:
+        return y, weights.float().contiguous()
+    return moe_combine(y, weights)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[t * top_k + j] in float32, rounded to y's dtype: the weighted sum of
+    ``moe_ffn(..., combine=False)``'s products [T * top_k, H] with its weights [T, top_k]."""
+    T, k = weights.shape
+    H = y.shape[1]
+    out = empty(T, H, dtype=y.dtype, device=y.device)
     if T:
         block_h = min(1024, triton.next_power_of_2(H))
         moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, weights.float().contiguous(), out, H, TOP_K=k,

@@ -55,6 +55,31 @@ def test_add_rmsnorm_pre_weight(dtype, device):
     assert torch.equal(yl[:, lane_positions(H).to(device)], y2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_rmsnorm_sums_expert_pairs(dtype, device):
+    """x_weights: x holds a mixture-of-experts FFN's pair products, summed by the kernel exactly as moe_combine
+    sums them (same bits), in every output layout; bad weights are refused."""
+    from llmkernels.qgemv.moe import moe_combine
+
+    T, k, H = 3, 5, 160
+    pairs = torch.randn(T * k, H, dtype=dtype, device=device)
+    xw = torch.softmax(torch.randn(T, k, device=device), -1)
+    w = torch.randn(H, device=device)
+    r = torch.randn(T, H, dtype=dtype, device=device)
+    combined = moe_combine(pairs, xw)
+    want_sum = (pairs.double().view(T, k, H) * xw.double()[:, :, None]).sum(1)
+    assert_close(combined, want_sum, dtype)
+    r1, r2 = r.clone(), r.clone()
+    y = add_rmsnorm(pairs, w, 1e-6, residual=r1, x_weights=xw)
+    assert y.shape == (T, H) and torch.equal(y, add_rmsnorm(combined, w, 1e-6, residual=r2)) and torch.equal(r1, r2)
+    y, yl = add_rmsnorm(pairs, w, 1e-6, x_weights=xw, lanes=True)
+    assert torch.equal(y, add_rmsnorm(combined, w, 1e-6))
+    assert torch.equal(yl[:, lane_positions(H).to(device)], y)
+    for bad in (xw.double(), xw.t(), xw[:2]):
+        with pytest.raises(ValueError, match="x_weights"):
+            add_rmsnorm(pairs, w, 1e-6, x_weights=bad)
+
+
 @pytest.mark.parametrize("H", [96, 4096])
 def test_add_rmsnorm_i8(H, device):
     """i8=True: y as without it (to rounding: the sum of squares runs over another tile shape), and y rounded to

@@ -4,7 +4,7 @@ import torch
 
 import llmkernels as lk
 from llmkernels.qgemv import route
-from llmkernels.qgemv.moe import group_pairs, moe_ffn, moe_gate_up_silu, moe_gemv, moe_route
+from llmkernels.qgemv.moe import group_pairs, moe_combine, moe_ffn, moe_gate_up_silu, moe_gemv, moe_route
 from llmkernels.testing import assert_close, moe_gate_up_silu_ref, moe_gemv_ref
 
 FORMATS = [("f16", {}), ("bf16", {}), ("q8_0", {}), ("q4_0", {}), ("q5_1", {}), ("q4_k", {}), ("q6_k", {}),
@@ -208,7 +208,11 @@ def test_moe_ffn_decode_matches_per_pair_reference(fmt, device, monkeypatch):
     assert route.moe_tc(T * k, E)
     with route.override(exclude={"moe_tc"}):
         rel_close(moe_ffn(x, w, e, gate, up, down, E), ref, torch.float16)
-    assert calls == {"q8_0": [], "q4_k": [True, False], "q6_k": [False]}[fmt]
+        # the sum left to the caller: the pairs' products and float32 weights, which moe_combine adds as moe_ffn does
+        pairs, pw = moe_ffn(x, w, e, gate, up, down, E, combine=False)
+        assert pairs.shape == (T * k, H) and pw.dtype == torch.float32 and torch.equal(pw, w)
+        assert torch.equal(moe_combine(pairs, pw), moe_ffn(x, w, e, gate, up, down, E))
+    assert calls == {"q8_0": [], "q4_k": [True, False], "q6_k": [False]}[fmt] * 3
 
 
 def test_moe_m1_builds_compile_for_sm90():
