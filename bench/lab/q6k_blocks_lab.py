@@ -5,7 +5,9 @@ wide; blocks restrided to 224 bytes let them be 8 bytes wide (6.7% more bytes). 
 products (8 pairs of [2048, 768] out of 128 experts) and dense q6_k matrices of Llama-3-8B / Gemma-2-9B shapes,
 with the routed kernel (gemv: the tensor-core kernel for q6_k) beside.
 
-    PYTHONPATH=. python bench/lab/q6k_blocks_lab.py [--gemma-v]     # --gemma-v: that matrix only
+    PYTHONPATH=. python bench/lab/q6k_blocks_lab.py [--gemma-v] [--routed]
+
+(--gemma-v: that matrix only; --routed: the routed gemv and the tensor-core kernel's split-K rules only)
 
 us per call by CUDA-graph replay over six weight sets (L2 overflowed), TB/s of the 210-byte bytes; each output
 checked against the stock layout's.
@@ -15,8 +17,10 @@ import sys
 import torch
 
 from llmkernels.bench.harness import time_graph_ms
-from llmkernels.qgemv import m1, gemv
-from llmkernels.qgemv.ops import tc_padding
+from llmkernels.qgemv import gemv, m1, route
+from llmkernels.qgemv.common import _finish
+from llmkernels.qgemv.ops import target, tc_padding
+from llmkernels.qgemv.tc import launch_tc
 from llmkernels.quant.tensor import pad_k, pad_rows
 from llmkernels.testing.random_weights import random_qtensor
 
@@ -48,7 +52,7 @@ def us(fns):
 
 def case(name, x, stock, aligned, N, K, nbytes, kw_sets):
     print(f"{name} ({nbytes / 1e6:.1f} MB of 210-byte blocks):", flush=True)
-    for cfg in CONFIGS:
+    for cfg in [] if "--routed" in sys.argv else CONFIGS:
         try:
             y0 = run(x, stock[0], N, K, cfg, 210, **kw_sets[0]).float().sum(0)
             y1 = run(x, aligned[0], N, K, cfg, 224, **kw_sets[0]).float().sum(0)
@@ -86,6 +90,11 @@ def main():
         t2 = us([lambda q=q: gemv(xr, q) for q in routed])
         print(f"  routed gemv: {t2:6.2f} us ({N * K * 210 // 256 / t2 / 1e6:.2f} TB/s of the unpadded bytes)",
               flush=True)
+        r = route.choose("gemv", "q6_k", 1, N, Kp, torch.bfloat16, target=target(x.device))
+        if r.kernel == "tc":  # the split-K rule: K split within the wave and summed in the kernel, or a second launch
+            t3 = us([lambda q=q: _finish(launch_tc(xr, q.data, N, Kp, r.config, 132, 2, fixup=False), xr.dtype)
+                     for q in routed])
+            print(f"  tc {r.config} with its partials summed by a second launch: {t3:6.2f} us", flush=True)
 
 
 if __name__ == "__main__":
