@@ -662,8 +662,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     """Run gemv_tc_kernel for x [M, K] (fp16/bf16) and GGUF blocks of ``fmt`` (q4_k, q5_k, q6_k, q4_0, q8_0), or
     MLX 4-bit words with ``scales``/``biases`` [N, K / group_size] (``fmt`` is then ignored); returns y [split, M, N]
     (float32 partials when split > 1, for ops._finish to sum), or with ``fixup``, a counter buffer (split_outputs)
-    and K split only as far as the grid stays within ``waves`` programs per SM, y [1, M, N], the kernel having
-    summed its own partials.
+    and a grid of at most ``waves`` programs per SM, y [1, M, N], the kernel having summed its own partials.
 
     ``config`` is (BLOCK_N, num_warps, num_stages, waves[, prefetch[, maxnreg]]); K is split until the grid has
     ``waves`` programs per SM. With ``x2`` (like x) the activations are silu(x) * x2 (silu_mul_gemv), rounded to x's
@@ -672,7 +671,8 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     some shapes and loses at M = 8; bench/NOTES.md). maxnreg caps the registers per thread (q6_k: 153 ->
     127 with no spill, a fourth program per SM; bench/NOTES.md). ``pdl`` (default: pdl_supported) launches
     it with programmatic dependent launch. ``xt``: x already in the kernel's k order (tc_order(x, fmt)), read through
-    a TMA descriptor (the kernel's XT; not with x2)."""
+    a TMA descriptor (the kernel's XT; not with x2); K is then split only as far as the grid stays within ``waves``
+    programs per SM, so that the kernel sums its own partials (bench/NOTES.md)."""
     import torch
 
 
@@ -686,10 +686,9 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     nblocks = K // 256
     programs_n = triton.cdiv(N, block_n)
     grid_m = triton.cdiv(M, m_pad)
-    # with fixup K is split only as far as the grid stays within ``waves`` programs per SM, the condition for the
-    # kernel to sum its own partials (each program then waits for its arrival atomic once, not once per wave): a
-    # split that overflowed the wave would cost a second launch for the sums and a tail of programs
-    split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves, fit=fixup or xt is not None)
+    split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves, fit=xt is not None)
+    # the kernel sums its own partials only when the whole grid fits in the ``waves`` programs per SM: each program
+    # then waits for its arrival atomic once, not once per wave (bench/NOTES.md)
     fixup = fixup and programs_n * grid_m * split <= waves * sms
     y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup)
     w8 = data.view(torch.uint8)
