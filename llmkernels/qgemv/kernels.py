@@ -3,7 +3,8 @@
 Each program owns BLOCK_N output rows (weight rows) and one split of K, streams the weight blocks of its rows,
 and reuses each dequantized tile for all M activation rows. M == 1 multiplies and sums in float32 on the CUDA cores
 (the reduction along K is deferred to the end); M > 1 feeds the tile to the tensor cores with tl.dot. With FIXUP the
-K splits of a tile sum their own partials (the last to arrive adds them), so a split product needs no second launch.
+K splits of a tile sum their own partials (the last to arrive adds them), so a small split product (a MoE router)
+needs no second launch.
 """
 import triton
 import triton.language as tl

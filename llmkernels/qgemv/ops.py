@@ -133,7 +133,8 @@ def _run(r: route.Route, op, x, x2, data, scales, biases, data2, scales2, biases
     programs_n = triton.cdiv(N, block_n)
     # the fused gate/up mode applies silu to whole sums, so it never splits K
     split, per_split = split_k(programs_n * grid_m, nblocks, nb, sms, waves=0 if op == "gate_up" else 2)
-    y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m, fixup=True)
+    y, part, counters = split_outputs(M, x.dtype, x.device, N, split, programs_n * grid_m,
+                                      fixup=N * K <= route.GENERIC_FIXUP_MAX_WEIGHTS)
     if data2 is not None:
         v8, v16, vi8 = _views(data2)
         vs = scales2 if scales2 is not None else v16

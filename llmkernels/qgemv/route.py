@@ -84,6 +84,10 @@ I8_Q6_LONG_K = 8192
 LANES_MIN_WEIGHTS = 1 << 25
 # the engine pads q6_k matrices of at least this many weights whose K is not a multiple of 2048 (ops.tc_padding)
 PAD_MIN_WEIGHTS = 1 << 22
+# the generic kernel sums its own split-K partials for matrices up to this many weights (a router: the second launch
+# is most of its time); larger ones keep the separate sum, which measured faster than the in-kernel sum for the
+# tensor-core kernel's q6_k downs at M = 1 (bench/NOTES.md)
+GENERIC_FIXUP_MAX_WEIGHTS = 1 << 20
 LANES_DEFAULT = (2, 1, 4, 3, 8, 1, 1)  # (R, NB, warps, stages, KT, H, waves) when the table has no "lanes/q4_k"
 # fused silu_mul_gemv, q4_k, M = 1, large matrices: twice the rows per thread and lanes over half chunks, three
 # programs per SM (table key "m1/q4_k/silu_large")

@@ -151,12 +151,16 @@ def test_bad_input(call, exc, match, device):
 
 @pytest.mark.parametrize("fmt,N,K,M", [("f32", 37, 768, 1), ("bf16", 53, 1024, 1), ("q2_k", 19, 1280, 3),
                                        ("q4_1", 70, 512, 1)])
-def test_generic_split_k_sums_in_kernel(fmt, N, K, M, device, monkeypatch):
-    """The generic kernel with K split: the last program of each tile sums the partials (no second launch), and
-    resets its counter, so repeated calls (a replayed graph) stay right; the splits are forced by a large SM count."""
+@pytest.mark.parametrize("small", [True, False])
+def test_generic_split_k_sums_in_kernel(fmt, N, K, M, small, device, monkeypatch):
+    """The generic kernel with K split: for matrices up to route.GENERIC_FIXUP_MAX_WEIGHTS the last program of each
+    tile sums the partials (no second launch) and resets its counter, so repeated calls (a replayed graph) stay
+    right; larger ones get the separate sum. The splits are forced by a large SM count."""
     from llmkernels._runtime import split_counters
     from llmkernels.qgemv import common, ops, route
 
+    if not small:
+        monkeypatch.setattr(route, "GENERIC_FIXUP_MAX_WEIGHTS", N * K - 1)
     monkeypatch.setattr(ops, "num_sms", lambda device: 64)
     splits, sums = [], []
     monkeypatch.setattr(ops, "split_k", lambda *a, **kw: splits.append(common.split_k(*a, **kw)) or splits[-1])
@@ -170,7 +174,7 @@ def test_generic_split_k_sums_in_kernel(fmt, N, K, M, device, monkeypatch):
         x = torch.randn(M, K, dtype=dtype, device=device)
         rel_close(lk.gemv(x, qt), gemv_ref(x, qt), dtype)
     assert splits and all(split > 1 for split, _ in splits), splits
-    assert sums == [] and int(split_counters(qt.device).abs().sum()) == 0
+    assert (sums == []) == small and int(split_counters(qt.device).abs().sum()) == 0
 
 
 GPU_SHAPES = [(4096, 4096), (1000, 14336), (129, 2048), (32768 + 64, 1024)]
