@@ -22,9 +22,10 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
                         PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0):
     """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
     rounded to the activation dtype as a separate call would write it; with TOPK, x is the sum of rows row * TOPK ..
-    of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row is a tile [BLOCK / 32, 2, 16]
-    (blocks of 32 as two halves), the shape the rounding per block and its 16-byte stores in i8 lane order need;
-    otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354 against 364-365 tok/s, H100)."""
+    of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row
+    is a tile [BLOCK / 32, 2, 16] (blocks of 32 as two halves), the shape the rounding per block and its 16-byte
+    stores in i8 lane order need; otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354
+    against 364-365 tok/s, H100)."""
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)

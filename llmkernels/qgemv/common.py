@@ -60,9 +60,9 @@ def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
 
 def split_outputs(M: int, dtype, device, N: int, split: int, tiles: int, fixup: bool):
     """(y, part, counters) for a GEMV launch (m1, int8, tensor-core or generic kernel) with M activation rows,
-    output ``dtype``, ``split`` K splits and ``tiles`` output tiles. With fixup, a counter buffer (see _runtime.split_counters) and room for the tiles:
-    y [1, M, N] in ``dtype``, float32 partials part [split, M, N] summed in the kernel. Otherwise counters is None
-    and y [split, M, N] (float32 when split) is also part."""
+    output ``dtype``, ``split`` K splits and ``tiles`` output tiles. With fixup, a counter buffer (see
+    _runtime.split_counters) and room for the tiles: y [1, M, N] in ``dtype``, float32 partials part [split, M, N]
+    summed in the kernel. Otherwise counters is None and y [split, M, N] (float32 when split) is also part."""
     from .._runtime import split_counters
 
     counters = split_counters(device) if fixup and split > 1 else None

@@ -111,6 +111,27 @@ def test_report_merges_case_limited_runs(tmp_path):
     assert [(r["case"], r["value"]) for r in latest_tables(tmp_path)["G"]["tp"][2]] == [("a", 5.0)]
 
 
+def test_report_keeps_the_last_run_with_a_peer(tmp_path):
+    """A newer whole run without an anchor an older one had (llama.cpp not given) leads the section; the older run
+    follows whole, labelled with the missing anchor; once a newer run has the anchor again, only it shows."""
+    import json
+
+    from llmkernels.bench.report import earlier_anchor_runs, render
+
+    def write(name, value, anchors=None):
+        row = {"suite": "families", "case": "m", "metric": "tokens/s", "value": value, "anchors": anchors or {}}
+        (tmp_path / name).write_text(json.dumps({"gpu": "G", "rows": [row], "commit": name[:8]}))
+
+    write("20260101-000000-g-families.json", 300.0, {"llama.cpp tg128": 200.0})
+    write("20260102-000000-g-families.json", 310.0)
+    assert earlier_anchor_runs(tmp_path)["G"]["families"][0].startswith("20260101")
+    text = render(tmp_path)
+    assert text.index("| m | tokens/s | 310.0") < text.index("The latest run with llama.cpp tg128 beside")
+    assert "| m | tokens/s | 300.0 | - | 200.0 (1.50x) |" in text
+    write("20260103-000000-g-families.json", 320.0, {"llama.cpp tg128": 210.0})
+    assert earlier_anchor_runs(tmp_path) == {} and "The latest run with" not in render(tmp_path)
+
+
 def test_case_filter_that_matches_nothing_is_refused(monkeypatch, capsys):
     """bench -k TEXT: an empty TEXT is a usage error; a TEXT no case name holds says so and exits 2 before anything
     is timed (the GPU and its measured ceilings are stood in for)."""
