@@ -45,6 +45,29 @@ def _splitk_sum_kernel(P, Y, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: t
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def store_tile(out, rows, m, ok, Y, PART, COUNT, M, N, pid_k, split, tile, stride_ys, stride_ym, FIXUP: tl.constexpr):
+    """Store a program's float32 sums ``out`` [rows, m] (mask ``ok``) for K split ``pid_k`` of ``split``.
+
+    With FIXUP the split programs of output tile ``tile`` store partials in PART [split, M, N] and count their arrival
+    in COUNT (zero on entry, see _runtime.split_counters); the last to arrive sums them in split order (the bits of
+    _splitk_sum_kernel), writes Y [1, M, N] and resets the counter. Otherwise Y [split, M, N] gets the partials (with
+    one split, the result)."""
+    if FIXUP:
+        part = PART + m[None, :] * N + rows[:, None]
+        tl.store(part + pid_k * N * M, out, mask=ok)
+        # every warp's partials stored before the one thread that runs the scalar atomic releases them
+        tl.debug_barrier()
+        if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == split - 1:
+            total = tl.zeros(out.shape, dtype=tl.float32)
+            for s in range(split):
+                total += tl.load(part + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(Y + m[None, :] * stride_ym + rows[:, None], total.to(Y.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(COUNT + tile, 0)
+    else:
+        tl.store(Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None], out.to(Y.dtype.element_ty), mask=ok)
+
+
 def _finish(y: torch.Tensor, out_dtype) -> torch.Tensor:
     """The [M, N] result of a launch that wrote ``y`` [split, M, N] (float32 partials when split > 1)."""
     split, M, N = y.shape

@@ -9,6 +9,7 @@ needs no second launch.
 import triton
 import triton.language as tl
 
+from .common import store_tile
 from .dequant import dequant_tile
 
 
@@ -76,22 +77,8 @@ def gemv_kernel(X, X2, W8, W16, WI8, WS, WB, V8, V16, VI8, VS, VB, Y, PART, COUN
         out2 = acc2
     if DUAL:  # gate/up fused: silu(x W_gate^T) * (x W_up^T)
         out = out / (1.0 + tl.exp(-out)) * out2
-    ok = row_ok[:, None] & m_ok[None, :]
-    if FIXUP:
-        part = PART + m[None, :] * N + rows[:, None]
-        tl.store(part + pid_k * N * M, out, mask=ok)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        # every warp's partials stored before the one thread that runs the scalar atomic releases them
-        tl.debug_barrier()
-        if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == split - 1:
-            total = tl.zeros(out.shape, dtype=tl.float32)
-            for s in range(split):
-                total += tl.load(part + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(Y + m[None, :] * stride_ym + rows[:, None], total.to(Y.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(COUNT + tile, 0)
-    else:
-        y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
-        tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=ok)
+    store_tile(out, rows, m, row_ok[:, None] & m_ok[None, :], Y, PART, COUNT, M, N, pid_k, split,
+               pid_m * tl.num_programs(0) + pid_n, stride_ys, stride_ym, FIXUP)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
-from .common import split_k, split_outputs
+from .common import split_k, split_outputs, store_tile
 from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
 
@@ -561,21 +561,8 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     pdl_trigger(PDL)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < N)[:, None] & m_ok[None, :]
-    if FIXUP:
-        part = PART + m[None, :] * N + rows[:, None]
-        tl.store(part + pid_k * N * M, acc, mask=ok)
-        # every warp's partials stored before the one-thread release (as m1._store_rows)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        tl.debug_barrier()
-        if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-            total = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-            for s in range(tl.num_programs(1)):
-                total += tl.load(part + s * N * M, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(Y + m[None, :] * stride_ym + rows[:, None], total.to(Y.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(COUNT + tile, 0)
-    else:
-        y_ptrs = Y + pid_k * stride_ys + m[None, :] * stride_ym + rows[:, None]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
+    store_tile(acc, rows, m, ok, Y, PART, COUNT, M, N, pid_k, tl.num_programs(1), pid_m * tl.num_programs(0) + pid_n,
+               stride_ys, stride_ym, FIXUP)
 
 
 def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, scales=None, biases=None) -> bool:
