@@ -347,19 +347,20 @@ class Model:
             return self._stacked(x, xl, mats, i8), None
         return self._gemv(x, xl, mats[0], i8), self._gemv(x, xl, mats[1], i8)
 
-    def _moe(self, x, layer):
-        """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn."""
+    def _moe(self, x, layer, combine: bool = True):
+        """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn. On one rank with
+        ``combine`` off, the pairs' products and weights (_Pairs) for the next add_rmsnorm to sum."""
         router, gate, up, down = layer.moe
         w, e = moe_route(self._gemv(x, None, router, False), self.cfg.n_experts_used, self.cfg.expert_norm)
         if self.tp is not None:  # this rank's experts: the others' pairs weigh 0 here (tp.local_pairs)
             w, e = local_pairs(w, e, *self.tp.experts)
+        if self.tp is not None or combine:
             return moe_ffn(x, w, e, gate, up, down, self.local_experts)
-        # one rank: the weighted sum is left to the next add_rmsnorm (one launch fewer per layer)
         return _Pairs(*moe_ffn(x, w, e, gate, up, down, self.local_experts, combine=False))
 
     def _mlp(self, x, layer, xl, i8: bool):
-        if layer.moe is not None:
-            return self._moe(x, layer)
+        if layer.moe is not None:  # on one rank the weighted sum is left to the next add_rmsnorm (a launch fewer)
+            return self._moe(x, layer, combine=False)
         # gate and up as one stacked matrix: one GEMV (the fastest kernel of the format), then silu(g) * u
         gu = self._stacked(x, xl, layer.gate_up, i8)
         if self.cfg.act != "silu":  # GeGLU: the activation kernel (in lane order too where down reads that), then down
