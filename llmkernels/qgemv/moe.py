@@ -311,7 +311,7 @@ def _tc_products(x, qt, qt_up, N, num_experts, groups, P, token_ids, top_k, x2=N
     (``groups``: (pairs, block_expert, block_m) from group_pairs)."""
     pairs, block_expert, block_m = groups
     K = qt.shape[-1]
-    config = route.moe_tc_config(target(x.device), route.tc_name(qt.format, qt.bits or 0), block_m, x2 is not None)
+    config = route.moe_tc_config(target(x.device), route.tc_name(qt.format, qt.bits or 0), block_m, x2 is not None, N)
     unpack = 1 if interpreter_mode() else 2
     mlx = qt.format == "mlx"
     kw = dict(fmt=qt.format, token_ids=token_ids, x2=x2, group_size=qt.group_size or 0)

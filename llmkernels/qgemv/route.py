@@ -282,9 +282,10 @@ def m1_key(name: str, M: int) -> str:
 
 def m1_config(t: Target, name: str, M: int, small: bool = False) -> tuple:
     """The m1 kernel's config for format ``name`` at M rows: the tuned table's M-class entry, else its M = 1 entry
-    (the interpreter: a small fixed tile, the smallest with ``small``). q6_k takes at least 2 threads per chunk."""
+    (the interpreter: the smallest tile with ``small``, else a large one, its cost being per program and op). q6_k
+    takes at least 2 threads per chunk."""
     if t.interpreter:
-        cfg = (1, 1, 1, 1) if small else (2, 1, 4, 1)
+        cfg = (1, 1, 1, 1) if small else (8, 1, 16, 1)
     else:
         cfg = tuple(lookup("gemv", t.gpu, m1_key(name, M)) or lookup("gemv", t.gpu, f"m1/{name}") or (4, 1, 4, 3))
     if name == "q6_k" and (len(cfg) < 6 or cfg[5] < 2):
@@ -295,18 +296,18 @@ def m1_config(t: Target, name: str, M: int, small: bool = False) -> tuple:
 def lanes_config(t: Target, N: int, glu: bool) -> tuple:
     """The lane-order kernel's config (GLU needs an even R: two weight rows per output)."""
     if t.interpreter:
-        return (2 if glu else 1, 1, 1, 1, 8) if N < 128 else (2, 1, 4, 1, 8)
+        return (2 if glu else 1, 1, 1, 1, 8) if N < 128 else (8, 1, 16, 1, 8)
     config = tuple(lookup("gemv", t.gpu, "lanes/q4_k") or LANES_DEFAULT)
     return config if not glu or config[0] % 2 == 0 else LANES_DEFAULT
 
 
 def i8_lanes_config(t: Target, fmt: str, N: int, K: int) -> tuple:
     """(R, warps, waves, stages[, KT]) of the int8 lane kernels."""
-    if t.interpreter:  # q6_k programs take 8 / KT rows per warp and R
+    if t.interpreter:  # q6_k programs take 8 / KT rows per warp and R; 128-row tiles for model-sized matrices
         small = N < (64 if fmt == "q6_k" else 128)
         if fmt == "q6_k":
-            return (1, 1, 1, 1, 2) if small else (1, 4, 1, 1, 4)
-        return (1, 1, 1, 1) if small else (2, 4, 1, 1)
+            return (1, 1, 1, 1, 2) if small else (4, 16, 1, 1, 4)
+        return (1, 1, 1, 1) if small else (8, 16, 1, 1)
     key = "q6_k/long" if fmt == "q6_k" and K >= I8_Q6_LONG_K else fmt
     return tuple(lookup("gemv", t.gpu, f"i8lanes/{key}") or I8_LANES_DEFAULTS[key])
 
@@ -315,16 +316,17 @@ def i8_config(t: Target, fmt: str, N: int, K: int) -> tuple:
     """(R, GP, warps, stages) of the generic int8 kernel, per size class (the best config of one class loses up to
     1.4x on another)."""
     if t.interpreter:
-        return (2, 4, 1, 1) if N < 128 else (2, 4, 4, 1)
+        return (2, 4, 1, 1) if N < 128 else (2, 4, 16, 1)
     size = "wide" if N >= 32768 else ("large" if N * K > 32 * 2**20 else "small")
     return tuple(lookup("gemv", t.gpu, f"i8/{fmt}/{size}") or (1, 4, 4, 3))
 
 
-def tc_config(t: Target, name: str, M: int, silu: bool, xt_rows: int = 0) -> tuple:
+def tc_config(t: Target, name: str, M: int, silu: bool, xt_rows: int = 0, N: int = 0) -> tuple:
     """(BLOCK_N, warps, stages, waves[, ahead, register cap]) of the tensor-core kernel; ``xt_rows`` (32 or 64):
-    x read by TMA, whose table entry or K split takes over."""
+    x read by TMA, whose table entry or K split takes over. The interpreter takes 128-row tiles for N >= 128 (N = 0:
+    unknown, 16)."""
     if t.interpreter:
-        return (16, 4, 1, 2)
+        return (16, 4, 1, 2) if N < 128 else (128, 4, 1, 2)
     config = tuple((M == 1 and lookup("gemv", t.gpu, f"tc/{name}/m1"))
                    or (silu and lookup("gemv", t.gpu, f"tc/{name}/silu"))
                    or lookup("gemv", t.gpu, f"tc/{name}") or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
@@ -366,16 +368,17 @@ def moe_tc(pairs: int, num_experts: int) -> bool:
     return pairs >= MOE_TC_MIN_REUSE * distinct
 
 
-def moe_tc_config(t: Target, name: str, block_m: int, silu: bool) -> tuple:
-    """The tensor-core kernel's config for MoE products: the table's ``moe_tc/<format>[/silu]`` entry, else for the
-    down product (``silu``: silu(gate) * up formed as it loads) of the K-quants MOE_TC_DOWN, else tc_config's."""
+def moe_tc_config(t: Target, name: str, block_m: int, silu: bool, N: int = 0) -> tuple:
+    """The tensor-core kernel's config for MoE products of N rows per expert: the table's ``moe_tc/<format>[/silu]``
+    entry, else for the down product (``silu``: silu(gate) * up formed as it loads) of the K-quants MOE_TC_DOWN, else
+    tc_config's."""
     key = f"moe_tc/{name}" + ("/silu" if silu else "")
     entry = None if t.interpreter else lookup("gemv", t.gpu, key)
     if entry is not None:
         return tuple(entry)
     if silu and not t.interpreter and name in MOE_TC_DOWN:
         return MOE_TC_DOWN[name]
-    return tc_config(t, name, block_m, silu)
+    return tc_config(t, name, block_m, silu, N=N)
 
 
 def moe_tc_rows(pairs: int, num_experts: int) -> int:
@@ -490,7 +493,7 @@ def _choose(q: Query, o: Operands, t: Target, excluded: frozenset) -> Route:
         rows = tc_rows(M)
         xt = (op == "gemv" and M >= TC_XT_MIN_M and K % 256 == 0 and not (rows == 64 and name in TC_XT_NOT_64)
               and t.tma)
-        return Route("tc", tc_config(t, name, M, op == "silu_mul", rows if xt and not t.interpreter else 0), xt=xt,
+        return Route("tc", tc_config(t, name, M, op == "silu_mul", rows if xt and not t.interpreter else 0, N), xt=xt,
                      rule=f"tensor cores from M = {first}")
     if (ok("m1") and m1_reads(fmt, bits) and M <= M1_MAX_M[fmt] and op in ("gemv", "silu_mul") and o.aligned
             and o.m1_x):

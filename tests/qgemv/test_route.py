@@ -73,7 +73,8 @@ def test_route_details():
     assert route.choose("gemv", "q4_k", 1, 14336, 4096, torch.float16, target=H200).lane_copy
     assert not route.choose("lanes", "q4_k", 1, 14336, 4096, torch.float16, target=H200).lane_copy
     interp = route.Target("cpu-interpreter", interpreter=True)
-    assert route.choose("gemv", "q4_k", 8, 4096, 4096, torch.float16, target=interp).config == (16, 4, 1, 2)
+    assert route.choose("gemv", "q4_k", 8, 4096, 4096, torch.float16, target=interp).config == (128, 4, 1, 2)
+    assert route.choose("gemv", "q4_k", 8, 96, 4096, torch.float16, target=interp).config == (16, 4, 1, 2)
     r = route.choose("gemv", "q4_1", 3, 40, 256, torch.float16, target=interp)
     assert r.kernel == "generic" and r.config == (16, 2, 4, 1)
 
@@ -107,10 +108,13 @@ def test_bad_queries_are_refused():
 def test_route_table_holds_what_choose_says(fmt, N, K):
     """ops.route_table (the engine's routes, chosen at load) answers as route.choose would at every M, also past
     MID_M where one entry serves all; an override active when the table is made stays in it."""
-    from llmkernels import quantize
     from llmkernels.qgemv.ops import operands, route_table, table_route, target
+    from llmkernels.quant import GGUF_FORMATS
+    from llmkernels.quant.tensor import QuantizedTensor
 
-    qt = quantize(torch.randn(N, K), fmt)
+    # routes depend on the shape and the storage, not the values: random block bytes, not a slow quantization
+    qt = QuantizedTensor.from_raw(torch.randint(0, 256, (N, GGUF_FORMATS[fmt].bytes_per_row(K)), dtype=torch.uint8),
+                                  fmt, (N, K))
     table = route_table(qt, torch.float16)
     x = torch.empty(1, K, dtype=torch.float16)
     o = operands("gemv", x, None, qt.data, None, qt.scales, qt.biases, fmt, 0, K)
