@@ -97,8 +97,8 @@ M1_FORMATS = ("q4_k", "q5_k", "q6_k")  # and MLX 4/8-bit (m1.M1_LAYOUTS)
 
 @dataclass(frozen=True)
 class Target:
-    """Where a product runs: ``gpu`` keys the tuned tables; the interpreter takes small fixed tiles; ``tma``: the
-    tensor-core kernel may read x by TMA."""
+    """Where a product runs: ``gpu`` keys the tuned tables; the interpreter takes fixed tiles (small ones below 128
+    rows, large ones above); ``tma``: the tensor-core kernel may read x by TMA."""
     gpu: str
     interpreter: bool = False
     tma: bool = True
