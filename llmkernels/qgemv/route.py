@@ -241,11 +241,15 @@ def lanes_apply(M: int, dtype, fmt: str, K: int, act_int8: bool = False, aligned
             and dtype in (torch.float16, torch.bfloat16) and K % 256 == 0 and aligned)
 
 
+# under the interpreter, matrices with fewer rows take small tiles (their masks tested), larger ones large tiles
+INTERPRETER_SMALL_N = 128
+
+
 # --- configs ----------------------------------------------------------------------------------------------------
 def _interpreter_config(N: int, nb_small: int):
     """Small tiles exercise the masks of small test shapes; model-sized matrices (N >= 128) take large tiles,
     because the interpreter's cost is per program and per loop step, not per element."""
-    return (16, nb_small, 4, 1) if N < 128 else (64, 4 * nb_small, 4, 1)
+    return (16, nb_small, 4, 1) if N < INTERPRETER_SMALL_N else (64, 4 * nb_small, 4, 1)
 
 
 def generic_config(t: Target, fmt: str, M: int, N: int, K: int, bits: int, group_size: int) -> tuple:
@@ -296,7 +300,7 @@ def m1_config(t: Target, name: str, M: int, small: bool = False) -> tuple:
 def lanes_config(t: Target, N: int, glu: bool) -> tuple:
     """The lane-order kernel's config (GLU needs an even R: two weight rows per output)."""
     if t.interpreter:
-        return (2 if glu else 1, 1, 1, 1, 8) if N < 128 else (8, 1, 16, 1, 8)
+        return (2 if glu else 1, 1, 1, 1, 8) if N < INTERPRETER_SMALL_N else (8, 1, 16, 1, 8)
     config = tuple(lookup("gemv", t.gpu, "lanes/q4_k") or LANES_DEFAULT)
     return config if not glu or config[0] % 2 == 0 else LANES_DEFAULT
 
@@ -304,7 +308,7 @@ def lanes_config(t: Target, N: int, glu: bool) -> tuple:
 def i8_lanes_config(t: Target, fmt: str, N: int, K: int) -> tuple:
     """(R, warps, waves, stages[, KT]) of the int8 lane kernels."""
     if t.interpreter:  # q6_k programs take 8 / KT rows per warp and R; 128-row tiles for model-sized matrices
-        small = N < (64 if fmt == "q6_k" else 128)
+        small = N < (64 if fmt == "q6_k" else INTERPRETER_SMALL_N)
         if fmt == "q6_k":
             return (1, 1, 1, 1, 2) if small else (4, 16, 1, 1, 4)
         return (1, 1, 1, 1) if small else (8, 16, 1, 1)
@@ -316,7 +320,7 @@ def i8_config(t: Target, fmt: str, N: int, K: int) -> tuple:
     """(R, GP, warps, stages) of the generic int8 kernel, per size class (the best config of one class loses up to
     1.4x on another)."""
     if t.interpreter:
-        return (2, 4, 1, 1) if N < 128 else (2, 4, 16, 1)
+        return (2, 4, 1, 1) if N < INTERPRETER_SMALL_N else (2, 4, 16, 1)
     size = "wide" if N >= 32768 else ("large" if N * K > 32 * 2**20 else "small")
     return tuple(lookup("gemv", t.gpu, f"i8/{fmt}/{size}") or (1, 4, 4, 3))
 
@@ -326,7 +330,7 @@ def tc_config(t: Target, name: str, M: int, silu: bool, xt_rows: int = 0, N: int
     x read by TMA, whose table entry or K split takes over. The interpreter takes 128-row tiles for N >= 128 (N = 0:
     unknown, 16)."""
     if t.interpreter:
-        return (16, 4, 1, 2) if N < 128 else (128, 4, 1, 2)
+        return (16, 4, 1, 2) if N < INTERPRETER_SMALL_N else (128, 4, 1, 2)
     config = tuple((M == 1 and lookup("gemv", t.gpu, f"tc/{name}/m1"))
                    or (silu and lookup("gemv", t.gpu, f"tc/{name}/silu"))
                    or lookup("gemv", t.gpu, f"tc/{name}") or TC_DEFAULTS.get(name, (64, 4, 1, 4)))
@@ -401,7 +405,8 @@ def moe_m1_config(t: Target, fmt: str, N: int, K: int, glu: bool) -> tuple:
     moe``), else the dense M = 1 entry; GLU takes an even R, and the lanes along K are no more than an expert's
     blocks (K = 768 is 3 super-blocks)."""
     entry = None if t.interpreter else lookup("gemv", t.gpu, f"moe_m1/{fmt}")
-    config = tuple(entry) if entry is not None else m1_config(t, fmt, 1, small=t.interpreter and N < 128)
+    small = t.interpreter and N < INTERPRETER_SMALL_N
+    config = tuple(entry) if entry is not None else m1_config(t, fmt, 1, small=small)
     if glu and config[0] % 2:  # a gate and an up row per thread
         config = (config[0] + 1,) + config[1:]
     if len(config) > 4:
@@ -476,7 +481,7 @@ def _choose(q: Query, o: Operands, t: Target, excluded: frozenset) -> Route:
         if (ok("lanes") and N * K >= LANES_MIN_WEIGHTS and lanes_apply(M, dtype, fmt, K, False, o.aligned)):
             return Route("lanes", lanes_config(t, N, True), lane_copy=True,
                          rule="gate_up, q4_k, M = 1, large: both projections in lane order")
-        config = (2, 1, 1, 1) if t.interpreter and N < 128 else m1_config(t, "q4_k", M)
+        config = (2, 1, 1, 1) if t.interpreter and N < INTERPRETER_SMALL_N else m1_config(t, "q4_k", M)
         if ok("glu") and config[0] % 2 == 0:
             return Route("glu", config, rule=f"gate_up, q4_k, M <= {M1_MAX_M['q4_k']}: m1 GLU")
     if q.act_int8 and op != "gate_up" and M <= I8_MAX_M.get(fmt, 0) and dtype != torch.float32:
@@ -497,7 +502,7 @@ def _choose(q: Query, o: Operands, t: Target, excluded: frozenset) -> Route:
                      rule=f"tensor cores from M = {first}")
     if (ok("m1") and m1_reads(fmt, bits) and M <= M1_MAX_M[fmt] and op in ("gemv", "silu_mul") and o.aligned
             and o.m1_x):
-        small = t.interpreter and N < 128
+        small = t.interpreter and N < INTERPRETER_SMALL_N
         if op == "silu_mul" and fmt == "q4_k" and M == 1 and N * K >= LANES_MIN_WEIGHTS and not t.interpreter:
             config = tuple(lookup("gemv", t.gpu, "m1/q4_k/silu_large") or SILU_LARGE_DEFAULT)
         else:
