@@ -44,7 +44,7 @@ def case(B, L, fp8=False):
     if host > 200:
         pr = cProfile.Profile(); pr.enable()
         for _ in range(10): f()
-        pr.disable(); sio = io.StringIO(); pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(12); print(sio.getvalue()[:3500])
+        pr.disable(); sio = io.StringIO(); [pstats.Stats(pr, stream=sio).sort_stats(k).print_stats(25) for k in ("tottime", "cumulative")]; print(sio.getvalue())
     print(plan.describe().splitlines()[-3:], flush=True)
 for B, L in ((6, 8100), (1, 32768), (64, 8192), (16, 4096), (64, 1024)):
     case(B, L)

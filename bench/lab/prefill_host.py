@@ -81,7 +81,8 @@ def main():
             pr.disable()
             torch.cuda.synchronize()
             out = io.StringIO()
-            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(15)
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(pr, stream=out).sort_stats(key).print_stats(25)
             print(out.getvalue())
 
 
