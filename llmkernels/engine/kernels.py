@@ -17,15 +17,16 @@ from ..qgemv.m1 import lane_pos, lanes_width
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, eps,
-                        HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
+def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, y_width,
+                        eps, HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0):
     """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
     rounded to the activation dtype as a separate call would write it; with TOPK, x is the sum of rows row * TOPK ..
     of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row
     is a tile [BLOCK / 32, 2, 16] (blocks of 32 as two halves), the shape the rounding per block and its 16-byte
     stores in i8 lane order need; otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354
-    against 364-365 tok/s, H100)."""
+    against 364-365 tok/s, H100). Y's row is y_width >= H wide: its columns past H get zeros (every term there is
+    0: x and w load as 0)."""
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +58,7 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf) / H + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < y_width)
     if LANES:  # a second copy in the q4_k GEMV's lane order (qgemv.m1.lane_pos)
         tl.store(YL + row * stride_yl + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
     if I8:  # y rounded to int8 per block of 32 (as int8.quantize_act rounds it), in i8 lane order
@@ -80,6 +81,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     ``lanes`` (y, y in lane order [T, lanes_width(H)]) for qgemv.ops.gemv_lanes; with ``i8`` (H a multiple of 32)
     (y, (q, ds)), y rounded to int8 per block of 32 as qgemv.int8.quantize_act(y, lanes=True) rounds it: q int8
     [T, lanes_width(H)] in i8 lane order, ds float32 [T, H / 32, 2], for qgemv.ops.gemv_i8_lanes.
+
+    ``out`` [T, W] (last dim contiguous) receives y; W may exceed H, and its columns past H are then set to zero (x
+    for a matrix padded with zero blocks along K, with no padding launch); y is out[:, :H].
     """
     T, H = x.shape
     k = 0
@@ -92,7 +96,11 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         raise ValueError("add_rmsnorm: lanes and i8 are two layouts of one copy; ask for one")
     if i8 and H % 32:
         raise ValueError(f"add_rmsnorm: i8 needs H a multiple of 32, got {H}")
+    if out is not None and (out.dim() != 2 or out.shape[0] != T or out.shape[1] < H or out.stride(1) != 1):
+        raise ValueError(f"add_rmsnorm: out must be [T={T}, >= H={H}] with its last dim contiguous, got shape "
+                         f"{tuple(out.shape)}, strides {tuple(out.stride())}")
     y = out if out is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
+    y_width = y.shape[1]
     yl, ds = y, y
     if lanes or i8:
         yl = torch.empty(T, lanes_width(H), dtype=torch.int8 if i8 else y.dtype, device=y.device)
@@ -101,16 +109,18 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     if T:
         r = residual if residual is not None else x
         pdl = pdl_supported(x.device)
-        BLOCK = max(32, triton.next_power_of_2(H))
+        BLOCK = max(32, triton.next_power_of_2(y_width))
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,
         # engine q4_k batch 1, H = 4096, tok/s with 4 / 8 / 16 warps: exact 363.3 / 369.4 / 371.0, act_int8 428.5 /
         # 427.4 / 432.8; bench/NOTES.md)
         pw = pre_weight if pre_weight is not None else weight
         _add_rmsnorm_kernel[(T,)](x, x_weights if k else x, r, weight, pw, y, yl, ds,
-                                  x.stride(0), r.stride(0), y.stride(0), yl.stride(0), ds.stride(0), H, eps,
+                                  x.stride(0), r.stride(0), y.stride(0), yl.stride(0), ds.stride(0), H, y_width,
+                                  eps,
                                   HAS_RES=residual is not None, LANES=lanes, I8=i8, BLOCK=BLOCK, PDL=pdl,
                                   PRE=pre_weight is not None, TOPK=k, num_warps=min(16, max(4, BLOCK // 256)),
                                   **pdl_options(pdl))
+    y = y[:, :H] if y_width > H else y
     if i8:
         return y, (yl, ds)
     return (y, yl) if lanes else y
@@ -212,8 +222,9 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, YL, stride_gu, stride_y, stride_yl, F, LANES: tl.constexpr, BLOCK: tl.constexpr,
+def _silu_mul_kernel(GU, Y, YL, stride_gu, stride_y, stride_yl, F, y_width, LANES: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr, GELU: tl.constexpr = False):
+    """Columns [F, y_width) of Y get zeros (g and u load as 0 there, and act(0) * 0 = 0)."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -226,24 +237,31 @@ def _silu_mul_kernel(GU, Y, YL, stride_gu, stride_y, stride_yl, F, LANES: tl.con
         y = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * u
     else:
         y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < y_width)
     if LANES:
         tl.store(YL + row * stride_yl + lane_pos(cols), y.to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, lanes: bool = False, act: str = "silu"):
+def silu_mul(gate_up: torch.Tensor, lanes: bool = False, act: str = "silu", out: torch.Tensor | None = None):
     """act(g) * u for gate_up = [g | u] of shape [T, 2F] (one fused gate/up projection), act = silu or gelu_tanh (GeGLU);
-    returns [T, F], and with ``lanes`` (y, y in lane order [T, lanes_width(F)]) for qgemv.ops.gemv_lanes."""
+    returns [T, F], and with ``lanes`` (y, y in lane order [T, lanes_width(F)]) for qgemv.ops.gemv_lanes. ``out``
+    [T, W >= F] (last dim contiguous) receives y, its columns past F set to zero (x for a matrix padded along K);
+    y is then out[:, :F]."""
     if act not in ("silu", "gelu_tanh"):
         raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
     T, F2 = gate_up.shape
     F = F2 // 2
-    y = torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
+    if out is not None and (out.dim() != 2 or out.shape[0] != T or out.shape[1] < F or out.stride(1) != 1):
+        raise ValueError(f"silu_mul: out must be [T={T}, >= F={F}] with its last dim contiguous, got shape "
+                         f"{tuple(out.shape)}, strides {tuple(out.stride())}")
+    y = out if out is not None else torch.empty(T, F, dtype=gate_up.dtype, device=gate_up.device)
+    W = y.shape[1]
     yl = torch.empty(T, lanes_width(F), dtype=y.dtype, device=y.device) if lanes else y
     if T:
         BLOCK = 1024
         pdl = pdl_supported(gate_up.device)
-        _silu_mul_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, y, yl, gate_up.stride(0), y.stride(0), yl.stride(0), F,
-                                                      LANES=lanes, BLOCK=BLOCK, PDL=pdl, GELU=act == "gelu_tanh",
+        _silu_mul_kernel[(T, triton.cdiv(W, BLOCK))](gate_up, y, yl, gate_up.stride(0), y.stride(0), yl.stride(0), F,
+                                                      W, LANES=lanes, BLOCK=BLOCK, PDL=pdl, GELU=act == "gelu_tanh",
                                                       **pdl_options(pdl))
+    y = y[:, :F] if W > F else y
     return (y, yl) if lanes else y

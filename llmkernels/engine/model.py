@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._runtime import empty
 from ..attention.paged import paged_attention
 from ..qgemv.moe import moe_combine, moe_ffn, moe_route
 from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
@@ -202,6 +203,7 @@ class Model:
         self._embed_row_bytes = self.tok_embd.nbytes // cfg.vocab_size
         self.output_pad = self._pad_output()
         self.padded = self._pad_layers()
+        self._zero_tail = None  # (x, its zero-padded buffer) from the last _norm, for _gemv
         self.qkv_width = (Hq + 2 * Hkv) * D
         self.bind_routes()
 
@@ -315,8 +317,12 @@ class Model:
 
     def _gemv(self, x, xl, m, i8: bool):
         """x @ m^T by m's route; ``xl``: x in lane order, or (q, ds) of x rounded to int8 in i8 lane order."""
-        if id(m) in self.padded:  # padded along K at load (_pad_layers): x with zero columns to match, as it lies
-            x, xl = torch.nn.functional.pad(x, (0, m.shape[1] - x.shape[1])), None
+        if id(m) in self.padded:  # padded along K at load (_pad_layers): x with zero columns to match
+            z = self._zero_tail
+            if z is not None and z[0] is x and z[1].shape[1] == m.shape[1]:
+                x, xl = z[1], None  # _norm wrote x into a buffer of that width with zeros past H
+            else:
+                x, xl = torch.nn.functional.pad(x, (0, m.shape[1] - x.shape[1])), None
         op = "lanes" if xl is not None and not isinstance(xl, tuple) else "gemv"
         return run_route(self._route(m, op, x.shape[0], i8), op, x, m, xl)
 
@@ -328,9 +334,17 @@ class Model:
         args = (x, *args)
         if self._i8(T, i8, *mats):
             return add_rmsnorm(*args, **kw, i8=True)
+        # a matrix padded along K among them (a q6_k V): the norm writes x into a buffer that wide, zeros past H,
+        # which _gemv hands to that matrix (two launches fewer than padding x there)
+        wide = max((m.shape[1] for m in mats if id(m) in self.padded), default=0)
+        if wide:
+            kw = dict(kw, out=empty(T, wide, dtype=x.dtype, device=x.device))
         if self._lanes(T, i8, *mats):
-            return add_rmsnorm(*args, **kw, lanes=True)
-        return add_rmsnorm(*args, **kw), None
+            y, yl = add_rmsnorm(*args, **kw, lanes=True)
+        else:
+            y, yl = add_rmsnorm(*args, **kw), None
+        self._zero_tail = (y, kw["out"]) if wide else None
+        return y, yl
 
     def _stacked(self, x, xl, mats, i8: bool):
         """The product with matrices stored as one stack or as separate pieces (concatenated along N)."""
@@ -366,7 +380,7 @@ class Model:
         if self.cfg.act != "silu":  # GeGLU: the activation kernel (in lane order too where down reads that), then down
             if self._lanes(gu.shape[0], i8, layer.down):
                 return self._gemv(*silu_mul(gu, lanes=True, act=self.cfg.act), layer.down, i8)
-            return self._gemv(silu_mul(gu, act=self.cfg.act), None, layer.down, i8)
+            return self._gemv(self._act(gu, layer.down), None, layer.down, i8)
         F = gu.shape[1] // 2
         r = self._route(layer.down, "silu_mul", gu.shape[0], i8)
         if i8 and r.kernel in ("i8", "i8_lanes") and id(layer.down) not in self.padded:
@@ -377,7 +391,17 @@ class Model:
         # there, 261.9 without in an earlier run on another machine (file 20261122-192031)
         if self._lanes(gu.shape[0], i8, layer.down):
             return self._gemv(*silu_mul(gu, lanes=True), layer.down, i8)
-        return self._gemv(silu_mul(gu), None, layer.down, i8)
+        return self._gemv(self._act(gu, layer.down), None, layer.down, i8)
+
+    def _act(self, gu, down):
+        """silu_mul (or GeGLU) of the gate/up product; for a down matrix padded along K, written into a buffer of its
+        width with zeros past F, which _gemv hands to it."""
+        if id(down) not in self.padded:
+            return silu_mul(gu, act=self.cfg.act)
+        out = empty(gu.shape[0], down.shape[1], dtype=gu.dtype, device=gu.device)
+        y = silu_mul(gu, act=self.cfg.act, out=out)
+        self._zero_tail = (y, out)
+        return y
 
     def forward(self, inp: StepInputs, k_caches, v_caches, plan, *, kv_scales=(1.0, 1.0),
                 act_int8: bool = False) -> torch.Tensor:
@@ -410,14 +434,15 @@ class Model:
                                residual=h, pre_weight=layer.post_attn_norm)
             delta = self._reduce(self._mlp(x, layer, xl, i8))
             post = layer.post_ffn_norm
+        self._zero_tail = None
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         if isinstance(delta, _Pairs):
             delta = moe_combine(delta.y, delta.w)
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
         if self.output_pad:  # the output matrix padded with zero blocks along K (see _pad_output): x padded to match
-            x = torch.zeros(hs.shape[0], self.output.shape[1], dtype=hs.dtype, device=hs.device)
-            add_rmsnorm(ds, self.output_norm, cfg.rms_eps, residual=hs, out=x[:, :cfg.hidden], pre_weight=post)
+            x = empty(hs.shape[0], self.output.shape[1], dtype=hs.dtype, device=hs.device)
+            add_rmsnorm(ds, self.output_norm, cfg.rms_eps, residual=hs, out=x, pre_weight=post)  # zeros past H
             xl = None
         else:
             x, xl = self._norm(hs.shape[0], i8, [self.output], ds, self.output_norm, cfg.rms_eps, residual=hs,

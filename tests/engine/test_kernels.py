@@ -32,6 +32,26 @@ def test_add_rmsnorm(H, device):
     assert yl.shape == (5, 2048) and torch.equal(yl[:, lane_positions(H).to(device)], y)
 
 
+@pytest.mark.parametrize("H,W", [(100, 160), (96, 512), (256, 256)])
+def test_add_rmsnorm_into_wider_out(H, W, device):
+    """out wider than H (x for a matrix padded with zero blocks along K): y lands in its first H columns, the rest
+    become zeros (out starts as NaN), the same bits as the plain call, with lanes and a post-norm too; the residual
+    stream is updated once. A narrower out, or one of other rows, is an error naming out."""
+    x = torch.randn(3, H, dtype=torch.float16, device=device)
+    r, w, pw = torch.randn_like(x), torch.randn(H, device=device), torch.randn(H, device=device)
+    r2 = r.clone()
+    want = add_rmsnorm(x, w, 1e-5, residual=r2, pre_weight=pw)
+    out = torch.full((3, W), float("nan"), dtype=torch.float16, device=device)
+    y, yl = add_rmsnorm(x, w, 1e-5, residual=r, pre_weight=pw, out=out, lanes=True)
+    assert y.shape == (3, H) and y.data_ptr() == out.data_ptr() and torch.equal(y, want) and torch.equal(r, r2)
+    assert torch.equal(out[:, H:], torch.zeros(3, W - H, dtype=torch.float16, device=device))
+    assert torch.equal(yl[:, lane_positions(H).to(device)], want)
+    for bad in (torch.empty(3, H - 1, dtype=torch.float16, device=device),
+                torch.empty(4, W, dtype=torch.float16, device=device)):
+        with pytest.raises(ValueError, match=r"out must be \[T=3, >= H="):
+            add_rmsnorm(x, w, 1e-5, out=bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_add_rmsnorm_pre_weight(dtype, device):
     """pre_weight (Gemma's post-norms): the same bits as normalizing x in a call of its own first, then adding."""
@@ -111,6 +131,15 @@ def test_silu_mul(device):
     y, yl = silu_mul(gu, lanes=True, act="gelu_tanh")
     assert_close(y, torch.nn.functional.gelu(g, approximate="tanh") * u, torch.float16)
     assert torch.equal(yl[:, lane_positions(1100).to(device)], y)
+    # into a wider out (x of a down matrix padded along K): the same bits, zeros past F (out starts as NaN; 2100
+    # columns take a second program past F's), both activations
+    for act in ("silu", "gelu_tanh"):
+        out = torch.full((3, 2100), float("nan"), dtype=torch.float16, device=device)
+        y = silu_mul(gu, act=act, out=out)
+        assert y.shape == (3, 1100) and y.data_ptr() == out.data_ptr() and torch.equal(y, silu_mul(gu, act=act))
+        assert torch.equal(out[:, 1100:], torch.zeros(3, 1000, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match=r"out must be \[T=3, >= F=1100\]"):
+        silu_mul(gu, out=torch.empty(3, 1000, dtype=torch.float16, device=device))
 
 
 def rope_ref(x, pos, inv_freq, neox, mscale=1.0):
