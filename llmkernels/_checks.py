@@ -130,7 +130,8 @@ def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
 
 def _capturing() -> bool:
     """Inside CUDA-graph capture or a torch.compile trace, value checks (which sync) are skipped."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    # is_initialized: no capture can run before CUDA is initialized, and it is cheaper than is_available
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         return True
     try:
         return torch.compiler.is_compiling()

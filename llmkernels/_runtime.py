@@ -25,20 +25,42 @@ def default_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+_FACTS: dict = {}  # (what, device index) -> value, for devices CUDA has initialized
+
+
+def _index(device):
+    """The device index a fact is cached under: None -> 0 (what these functions read then), an int, a CUDA
+    torch.device's index; None for the current device (torch.device("cuda")), which is not cached."""
+    return device if isinstance(device, int) else (0 if device is None else getattr(device, "index", None))
+
+
+def _device_fact(what: str, device, read, fallback):
+    """read(device or 0) on a CUDA device, else ``fallback``; cached per device index once CUDA is initialized:
+    every kernel launch asks for these, and torch's lookups (availability included) cost microseconds a call."""
+    import torch
+
+    idx = _index(device)
+    if idx is not None and (what, idx) in _FACTS:
+        return _FACTS[(what, idx)]
+    if getattr(device, "type", "cuda") != "cuda" or not torch.cuda.is_available():
+        return fallback
+    value = read(device or 0)
+    if idx is not None and torch.cuda.is_initialized():
+        _FACTS[(what, idx)] = value
+    return value
+
+
 def num_sms(device=None) -> int:
     import torch
 
-    if torch.cuda.is_available() and (device is None or getattr(device, "type", "cuda") == "cuda"):
-        return torch.cuda.get_device_properties(device or 0).multi_processor_count
-    return 4  # interpreter: a small pretend GPU keeps split decisions testable
+    # interpreter: a small pretend GPU (4 SMs) keeps split decisions testable
+    return _device_fact("sms", device, lambda d: torch.cuda.get_device_properties(d).multi_processor_count, 4)
 
 
 def gpu_name(device=None) -> str:
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(device or 0)
-    return "cpu-interpreter"
+    return _device_fact("name", device, torch.cuda.get_device_name, "cpu-interpreter")
 
 
 _CAPABILITY: dict = {}

@@ -86,3 +86,31 @@ def test_one_cu_seqlens_for_q_and_k_is_copied_once(monkeypatch):
     for _ in range(3):
         lk.flash_attn_varlen(q, k, v, cu, cu, 7, 8, causal=True)
     assert len(copies) == 2
+
+
+def test_device_facts_cached_per_index_once_cuda_is_initialized(monkeypatch):
+    """num_sms / gpu_name read torch once per device index after CUDA is initialized (a kernel launch asks each time),
+    never for the current device (no index) and not before initialization (a test's stand-in GPU is not
+    remembered); CPU devices get the interpreter's values."""
+    import torch
+
+    from llmkernels import _runtime
+
+    monkeypatch.setattr(_runtime, "_FACTS", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reads = []
+
+    def read(d):
+        reads.append(d)
+        return f"gpu{len(reads)}"
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert _runtime._device_fact("name", None, read, "cpu") == "gpu1"
+    assert _runtime._device_fact("name", None, read, "cpu") == "gpu2"  # not initialized: read again
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert _runtime._device_fact("name", 1, read, "cpu") == "gpu3"
+    assert _runtime._device_fact("name", torch.device("cuda", 1), read, "cpu") == "gpu3"  # cached under index 1
+    assert _runtime._device_fact("name", torch.device("cuda"), read, "cpu") == "gpu4"
+    assert _runtime._device_fact("name", torch.device("cuda"), read, "cpu") == "gpu5"  # current device: no cache
+    assert _runtime._device_fact("name", torch.device("cpu"), read, "cpu") == "cpu"
+    assert reads == [0, 0, 1, torch.device("cuda"), torch.device("cuda")]
