@@ -2,6 +2,7 @@
 
     python tools/profile_decode.py [fmt] [batch] [layers]     # synthetic Llama-3-8B shape, e.g. q4_k 1 32
     python tools/profile_decode.py FAMILY [batch]             # a families-suite model, e.g. qwen3-30b-a3b 1
+    python tools/profile_decode.py tpN [batch] [70b]          # the tp suite's q4_k_m file on N GPUs (rank 0's kernels)
 """
 import sys
 import tempfile
@@ -17,6 +18,14 @@ from llmkernels.engine import LLM, SamplingParams
 def _engine(what: str, batch: int, layers: int, tmp: str):
     if what in FAMILIES:
         return _load(family_gguf(tmp, what), (batch,))
+    if what.startswith("tp"):  # rank 0's kernels; an all-reduce's time includes its wait for the other ranks
+        from llmkernels.bench.suites.llamacpp import synthetic_gguf
+
+        path = synthetic_gguf(tmp, vocab=True, shape="70b" if layers == 80 else "8b")
+        llm = LLM(path, tensor_parallel_size=int(what[2:]), max_num_seqs=max(batch, 1), max_model_len=1024,
+                  progress=False)
+        llm.capture_graphs([min(1 << (batch - 1).bit_length(), llm.runner.max_graph_batch)], [])
+        return llm
     model = synthetic_model(what, llama3_8b_config(layers))
     return LLM.from_model(model, max_num_seqs=max(batch, 1), max_model_len=1024)
 
@@ -58,6 +67,7 @@ def main():
     end.record()
     torch.cuda.synchronize()
     print(f"wall {start.elapsed_time(end) / steps:.3f} ms per step")
+    llm.close()
 
 
 if __name__ == "__main__":
