@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 SYMM_MAX_BYTES = 1 << 20  # decode steps up to batch 128 at hidden 4096 in bf16
 MODES = ("auto", "nccl", "symm")
@@ -44,8 +46,10 @@ class AllReduce:
     """Sum over the ranks of ``group`` of a tensor: ``ar(x)`` returns the sum (``x`` itself, summed in place, or a new
     tensor); callers use the returned tensor."""
 
-    def __init__(self, group, device: torch.device, dtype: torch.dtype, mode: str | None = None, note: str = ""):
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, mode: str | None = None, note: str = "",
+                 hidden: int = 0):
         self.group = group
+        self.fused = None  # FusedRows: add_rmsnorm's in-kernel all-reduce of rows of ``hidden`` (symmetric memory)
         self.mode = mode or os.environ.get("LLMK_ALLREDUCE", "auto")
         if self.mode not in MODES:
             raise ValueError(f"LLMK_ALLREDUCE must be auto, nccl or symm, got {self.mode!r}")
@@ -55,6 +59,10 @@ class AllReduce:
             try:
                 self._setup_symm(device, dtype)
                 self.why = f"symmetric-memory one-shot up to {SYMM_MAX_BYTES} bytes, NCCL above"
+                if hidden and dtype in (torch.float16, torch.bfloat16) and os.environ.get("LLMK_FUSED_ALLREDUCE",
+                                                                                        "1") != "0":
+                    self.fused = FusedRows(self.name, device, dtype, hidden)
+                    self.why += f"; fused into add_rmsnorm up to {self.fused.rows} rows"
             except (RuntimeError, AttributeError, ImportError) as e:
                 if self.mode == "symm":
                     raise RuntimeError(f"LLMK_ALLREDUCE=symm: symmetric memory could not be set up: {e}") from e
@@ -88,3 +96,83 @@ class AllReduce:
 
         dist.all_reduce(x, group=self.group)
         return x
+
+
+# --- the all-reduce fused into add_rmsnorm ------------------------------------------------------------------------
+# A decode step's row-parallel partials feed a residual add and an RMSNorm. One kernel can do all three: each row's
+# program stages its partial in this rank's symmetric buffer, signals the peers, waits for theirs and sums every
+# rank's row over NVLink before the norm: one launch where the one-shot all-reduce and add_rmsnorm take two.
+FUSED_SPIN_LIMIT = 1 << 26  # polls of a peer's flag (seconds) before the kernel traps instead of hanging the process
+
+
+@triton.jit
+def _trap(v):
+    return tl.inline_asm_elementwise("trap; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.constexpr, SPIN: tl.constexpr):
+    """Row ``row`` of x (H wide, elements at ``cols``) summed over the WORLD ranks, each running this on its own
+    partial x of the same row.
+
+    PTRS [WORLD] int64: each rank's symmetric buffer (two slots of ``rows`` rows of H, used in turn, then int32 flags
+    [rows, WORLD] at byte ``flag_off``); CNT [rows] int32: this rank's count of the row's sums so far. The counts
+    move alike on every rank (they run the same steps), so the n-th sum of a row waits for flag >= n from each peer:
+    no flag is ever reset, and CUDA graphs replay the kernel with its arguments as captured. A slot is written again
+    two sums later, when every peer has passed the next sum's barrier and so has finished reading it. The sum runs
+    over the ranks in order in float32 on every rank: every rank gets the same bits."""
+    n = tl.load(CNT + row) + 1
+    tl.store(CNT + row, n)
+    at = ((n & 1) * rows + row) * H + cols
+    base = tl.load(PTRS + rank)
+    tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
+    tl.debug_barrier()  # every thread's part of the row is stored before the release below
+    for r in tl.static_range(WORLD):
+        if r != rank:  # flag [row, rank] in peer r's buffer
+            peer_flags = (tl.load(PTRS + r) + flag_off).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(peer_flags + row * WORLD + rank, 1, sem="release", scope="sys")
+    own_flags = (base + flag_off).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            f = own_flags + row * WORLD + r
+            seen = tl.atomic_add(f, 0, sem="acquire", scope="sys")
+            polls = 0
+            while seen - n < 0:  # wrap-safe: counts are compared as a difference
+                seen = tl.atomic_add(f, 0, sem="acquire", scope="sys")
+                polls += 1
+                if polls > SPIN:  # a peer is gone: fail the launch rather than spin forever
+                    seen = _trap(seen) + n
+    tl.debug_barrier()
+    acc = tl.zeros(x.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        p = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(x.dtype)), 16)
+        acc += tl.load(p + at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc.to(x.dtype)
+
+
+class FusedRows:
+    """The symmetric buffer, flags and counts of ``peer_sum`` for rows of ``hidden`` elements of ``dtype``: up to
+    ``rows`` rows a call (SYMM_MAX_BYTES of partials). Made on every rank in the same order (a rendezvous)."""
+
+    def __init__(self, group_name: str, device: torch.device, dtype: torch.dtype, hidden: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.hidden, self.dtype = hidden, dtype
+        self.rows = max(1, SYMM_MAX_BYTES // (hidden * dtype.itemsize))
+        data = 2 * self.rows * hidden * dtype.itemsize
+        self.flag_off = -(-data // 128) * 128
+        buf = symm_mem.empty(self.flag_off + 4 * self.rows * 64, dtype=torch.uint8, device=device)
+        buf.zero_()  # flags start at 0 before any peer can know where they are
+        hdl = symm_mem.rendezvous(buf, group_name)
+        self.world, self.rank = hdl.world_size, hdl.rank
+        if self.world > 64:
+            raise ValueError(f"the fused all-reduce supports up to 64 ranks, got {self.world}")
+        self.buf = buf  # kept alive: the peers read it
+        self.ptrs = torch.tensor(hdl.buffer_ptrs, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(self.rows, dtype=torch.int32, device=device)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.hidden and 0 < x.shape[0] <= self.rows
+
+    def args(self) -> tuple:
+        return self.ptrs, self.counts, self.rows, self.flag_off, self.rank

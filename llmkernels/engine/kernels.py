@@ -14,19 +14,21 @@ from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from ..kv_cache import FP8_DTYPES
 from ..qgemv.int8 import i8_lane_base, quantize_blocks
 from ..qgemv.m1 import lane_pos, lanes_width
+from .allreduce import FUSED_SPIN_LIMIT, peer_sum
 
 
 @triton.jit
 def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, y_width,
                         eps, HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0):
+                        PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0, PTRS=None, CNT=None,
+                        peer_rows=0, flag_off=0, rank=0, WORLD: tl.constexpr = 0, SPIN: tl.constexpr = 1):
     """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
     rounded to the activation dtype as a separate call would write it; with TOPK, x is the sum of rows row * TOPK ..
     of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row
     is a tile [BLOCK / 32, 2, 16] (blocks of 32 as two halves), the shape the rounding per block and its 16-byte
     stores in i8 lane order need; otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354
     against 364-365 tok/s, H100). Y's row is y_width >= H wide: its columns past H get zeros (every term there is
-    0: x and w load as 0)."""
+    0: x and w load as 0). With WORLD > 0, x is one rank's partial, summed over the ranks first (allreduce.peer_sum)."""
     pdl_wait(PDL)  # PDL (see _pdl.py): a short kernel lets the next one launch at once
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -46,6 +48,8 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
         x = acc.to(X.dtype.element_ty)
     else:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if WORLD > 0:  # a tensor-parallel row-parallel product's partials: the all-reduce happens here
+        x = peer_sum(x, row, cols, mask, H, PTRS, CNT, peer_rows, flag_off, rank, WORLD, SPIN)
     if PRE:  # a post-norm (Gemma 2/3) of the block's output before it joins the residual stream
         pf = x.to(tl.float32)
         pr = 1.0 / tl.sqrt(tl.sum(pf * pf) / H + eps)
@@ -71,7 +75,7 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, lanes: bool = False, i8: bool = False,
-                pre_weight: torch.Tensor | None = None, x_weights: torch.Tensor | None = None):
+                pre_weight: torch.Tensor | None = None, x_weights: torch.Tensor | None = None, peers=None):
     """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first. With ``pre_weight``
     ([H], a post-norm such as Gemma's), x stands for rmsnorm(x) * pre_weight in all of that (x is not written).
     With ``x_weights`` (float32 [T, k], contiguous), x is [T * k, H] and row t stands for the weighted sum of its
@@ -84,6 +88,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
     ``out`` [T, W] (last dim contiguous) receives y; W may exceed H, and its columns past H are then set to zero (x
     for a matrix padded with zero blocks along K, with no padding launch); y is out[:, :H].
+
+    ``peers`` (an ``allreduce.FusedRows`` whose ``fits(x)``, on a tensor-parallel rank): x is this rank's partial of a
+    row-parallel product, summed over the ranks inside the kernel before everything else (every rank calls this).
     """
     T, H = x.shape
     k = 0
@@ -106,8 +113,13 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         yl = torch.empty(T, lanes_width(H), dtype=torch.int8 if i8 else y.dtype, device=y.device)
     if i8:
         ds = torch.empty(T, H // 32, 2, dtype=torch.float32, device=y.device)
+    if peers is not None and (x_weights is not None or not peers.fits(x)):
+        raise ValueError(f"add_rmsnorm: peers sums [<= {peers.rows}, {peers.hidden}] {peers.dtype} rows without "
+                         f"x_weights, got x {x.dtype} {tuple(x.shape)}")
     if T:
         r = residual if residual is not None else x
+        fused = dict(PTRS=peers.ptrs, CNT=peers.counts, peer_rows=peers.rows, flag_off=peers.flag_off,
+                     rank=peers.rank, WORLD=peers.world, SPIN=FUSED_SPIN_LIMIT) if peers is not None else {}
         pdl = pdl_supported(x.device)
         BLOCK = max(32, triton.next_power_of_2(y_width))
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,
@@ -119,7 +131,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
                                   eps,
                                   HAS_RES=residual is not None, LANES=lanes, I8=i8, BLOCK=BLOCK, PDL=pdl,
                                   PRE=pre_weight is not None, TOPK=k, num_warps=min(16, max(4, BLOCK // 256)),
-                                  **pdl_options(pdl))
+                                  **fused, **pdl_options(pdl))
     y = y[:, :H] if y_width > H else y
     if i8:
         return y, (yl, ds)

@@ -415,9 +415,12 @@ class Model:
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         delta = None
         post = None  # the post-norm weight still to apply to delta (Gemma): fused into the next norm's kernel
+        fused = self._fused_reduce(T)  # tensor parallel: the norms sum the row-parallel partials (else _reduce)
+        reduce = (lambda d: d) if fused is not None else self._reduce  # noqa: E731
         for li, layer in enumerate(self.layers):
             x, xl = self._norm(T, i8, layer.qkv, delta if delta is not None else h, layer.attn_norm, cfg.rms_eps,
-                               residual=h if delta is not None else None, pre_weight=post)
+                               residual=h if delta is not None else None, pre_weight=post,
+                               peers=fused if delta is not None else None)
             qkv, v = self._qkv(x, xl, layer.qkv, i8)
             inv_freq, mscale = self.ropes[layer.rope]
             q = rope_store(qkv, inp.positions, inp.slots, inv_freq, k_caches[li], v_caches[li],
@@ -429,11 +432,13 @@ class Model:
                                 inp.max_q, causal=True, plan=plan, validate=False, softmax_scale=cfg.attn_scale or None,
                                 window_size=(layer.window, -1), softcap=cfg.attn_softcap,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
-            delta = self._reduce(self._gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, i8))
+            delta = reduce(self._gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, i8))
             x, xl = self._norm(T, i8, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps,
-                               residual=h, pre_weight=layer.post_attn_norm)
-            delta = self._reduce(self._mlp(x, layer, xl, i8))
+                               residual=h, pre_weight=layer.post_attn_norm, peers=fused)
+            delta = reduce(self._mlp(x, layer, xl, i8))
             post = layer.post_ffn_norm
+        if fused is not None and delta is not None:  # the last layer's partials: no norm of theirs sums them
+            delta = self._reduce(delta)
         self._zero_tail = None
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
@@ -474,9 +479,16 @@ class Model:
         """The sum over ranks of a row-parallel product's partials."""
         if self.tp is not None:
             if getattr(self, "_all_reduce", None) is None:  # made at the first step, once the group exists
-                self._all_reduce = AllReduce(self.tp.group, self.device, self.dtype, *self.tp.allreduce)
+                self._all_reduce = AllReduce(self.tp.group, self.device, self.dtype, *self.tp.allreduce,
+                                             hidden=self.cfg.hidden)
             return self._all_reduce(x)
         return x
+
+    def _fused_reduce(self, T: int):
+        """The FusedRows that add_rmsnorm sums a step's T rows of partials with (one launch for the all-reduce and
+        the norm), or None: one rank, NCCL, or more rows than its buffer holds."""
+        f = getattr(getattr(self, "_all_reduce", None), "fused", None) if self.tp is not None else None
+        return f if f is not None and T <= f.rows and self.dtype == f.dtype else None
 
     def _gather_logits(self, y: torch.Tensor) -> torch.Tensor:
         """Every rank's vocabulary slice of the logits [S, V / ranks] side by side: [S, vocab_size]."""

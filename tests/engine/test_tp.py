@@ -346,6 +346,87 @@ print("ok")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-4000:]
 
 
+def _fused_rank(rank, world, init, H, dtype_name):
+    """One rank of test_gpu_fused_all_reduce_norm (asserts; a failing rank fails the spawn)."""
+    import torch.distributed as dist
+
+    from llmkernels.engine.allreduce import AllReduce
+    from llmkernels.engine.kernels import add_rmsnorm
+    from llmkernels.engine.parallel import SAFE_ENV
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    dev, dtype = torch.device("cuda", rank), getattr(torch, dtype_name)
+    f = AllReduce(None, dev, dtype, "symm", hidden=H).fused
+    assert f is not None and f.world == world and f.rank == rank
+    g = torch.Generator().manual_seed(0)  # the same inputs on every rank; each takes its own partial
+
+    def case(T):
+        parts, r0, w = torch.randn(world, T, H, generator=g), torch.randn(T, H, generator=g), torch.randn(H, generator=g)
+        ps = parts.to(dtype)
+        s = ps[0].float()
+        for q in range(1, world):  # in rank order, as the kernel sums
+            s = s + ps[q].float()
+        h = (r0.to(dtype).float() + s.to(dtype).float()).to(dtype)
+        hf = h.double()
+        y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).double() * w.double()
+        return ps[rank].to(dev), r0.to(dtype).to(dev), w.to(dev), h, y
+
+    def check(y, res, h, want):
+        assert torch.equal(res.cpu(), h), (res.cpu() - h).abs().max()
+        assert (y.double().cpu() - want).abs().max() <= 2e-2 * want.abs().max()
+        every = [torch.empty_like(y) for _ in range(world)]
+        dist.all_gather(every, y.contiguous())
+        assert all(torch.equal(e, every[0]) for e in every)  # the ranks' residual streams stay identical
+
+    for T in (1, 3, f.rows, 5, 1, 2, f.rows - 1):  # each row's count moves with the calls that include it
+        x, res, w, h, want = case(T)
+        out = torch.full((T, H), float("nan"), dtype=dtype, device=dev)
+        check(add_rmsnorm(x, w, 1e-6, residual=res, out=out, peers=f), res, h, want)
+    # captured once, replayed with new inputs: the counts live on the device, so replays keep the ranks in step
+    T = 4
+    x, res, w = (torch.zeros(T, H, dtype=dtype, device=dev), torch.zeros(T, H, dtype=dtype, device=dev),
+                 torch.zeros(H, dtype=dtype, device=dev))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        add_rmsnorm(x, w, 1e-6, residual=res.clone(), peers=f)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        y = add_rmsnorm(x, w, 1e-6, residual=res, peers=f)
+    for _ in range(3):
+        nx, nres, nw, h, want = case(T)
+        x.copy_(nx), res.copy_(nres), w.copy_(nw)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y, res, h, want)
+    with pytest.raises(ValueError, match="peers sums"):
+        add_rmsnorm(torch.zeros(f.rows + 1, H, dtype=dtype, device=dev), w, 1e-6, peers=f)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph.reset()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,dtype", [(4096, "bfloat16"), (1000, "float16")])
+def test_gpu_fused_all_reduce_norm(H, dtype):
+    """add_rmsnorm with ``peers`` on 2 GPUs: the sum of the ranks' partials (in rank order), the residual add and
+    the norm, equal to the float64 reference; the same bits on both ranks; row counts moving across batches of
+    different sizes; replays of a captured graph; outputs poisoned before the call."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from llmkernels.engine.parallel import _free_port
+
+    root = str(Path(__file__).resolve().parents[2])
+    code = (f"import sys, torch.multiprocessing as mp; sys.path.insert(0, {root!r}); "
+            f"from tests.engine.test_tp import _fused_rank; "
+            f"mp.spawn(_fused_rank, args=(2, 'tcp://127.0.0.1:{_free_port()}', {H}, {dtype!r}), nprocs=2)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
 def test_engine_mode_after_a_symm_rendezvous(monkeypatch):
     from llmkernels.engine import allreduce
     from llmkernels.engine.allreduce import AllReduce, engine_mode
