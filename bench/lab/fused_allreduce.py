@@ -1,6 +1,6 @@
 """The all-reduce fused into add_rmsnorm against the one-shot all-reduce followed by add_rmsnorm, on 2 GPUs.
 
-    python bench/lab/fused_allreduce.py [hidden]
+    python bench/lab/fused_allreduce.py [hidden] [--quick]   # --quick: 4 pairs, 2 replays (for compute-sanitizer)
 
 64 (all-reduce, norm) pairs of [batch, hidden] bf16 per CUDA graph (a decode step of the 8B shape has 64), replayed
 20 times; us per pair, rank 0's clock.
@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 PAIRS, REPS = 64, 20
 
 
-def _rank(rank, world, init, H):
+def _rank(rank, world, init, H, pairs=PAIRS, reps=REPS):
     from llmkernels.engine.allreduce import AllReduce
     from llmkernels.engine.kernels import add_rmsnorm
     from llmkernels.engine.parallel import SAFE_ENV
@@ -40,20 +40,20 @@ def _rank(rank, world, init, H):
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=s):
-                for _ in range(PAIRS):
+                for _ in range(pairs):
                     one()
             for _ in range(3):
                 g.replay()
             torch.cuda.synchronize()
             dist.barrier()
             ts = []
-            for _ in range(REPS):
+            for _ in range(reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 g.replay()
                 b.record()
                 torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3 / PAIRS)
+                ts.append(a.elapsed_time(b) * 1e3 / pairs)
             times[name] = sorted(ts)[len(ts) // 2]
             torch.cuda.synchronize()
             dist.barrier()
@@ -67,5 +67,8 @@ def _rank(rank, world, init, H):
 if __name__ == "__main__":
     from llmkernels.engine.parallel import _free_port
 
-    H = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-    mp.spawn(_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", H), nprocs=2)
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    if "--quick" in sys.argv:
+        PAIRS, REPS = 4, 2
+    H = int(args[0]) if args else 4096
+    mp.spawn(_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", H, PAIRS, REPS), nprocs=2)
