@@ -52,6 +52,23 @@ def test_add_rmsnorm_into_wider_out(H, W, device):
             add_rmsnorm(x, w, 1e-5, out=bad)
 
 
+def test_add_rmsnorm_peers_are_checked():
+    """``peers`` (a tensor-parallel rank's FusedRows) sums rows of its width and dtype, at most its row count, and
+    not with x_weights: anything else is a ValueError before any launch (every rank raises alike; none waits)."""
+    from llmkernels.engine.allreduce import FusedRows
+
+    f = FusedRows.__new__(FusedRows)
+    f.rows, f.hidden, f.dtype = 4, 64, torch.float16
+    w = torch.ones(64)
+    for x in (torch.zeros(5, 64, dtype=torch.float16), torch.zeros(2, 32, dtype=torch.float16),
+              torch.zeros(2, 64, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"peers sums \[<= 4, 64\] torch.float16 rows"):
+            add_rmsnorm(x, w, 1e-6, peers=f)
+    with pytest.raises(ValueError, match="without x_weights"):
+        add_rmsnorm(torch.zeros(4, 64, dtype=torch.float16), w, 1e-6, peers=f,
+                    x_weights=torch.ones(2, 2, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_add_rmsnorm_pre_weight(dtype, device):
     """pre_weight (Gemma's post-norms): the same bits as normalizing x in a call of its own first, then adding."""
