@@ -61,7 +61,9 @@ class AllReduce:
                 self.why = f"symmetric-memory one-shot up to {SYMM_MAX_BYTES} bytes, NCCL above"
                 if hidden and dtype in (torch.float16, torch.bfloat16) and os.environ.get("LLMK_FUSED_ALLREDUCE",
                                                                                         "1") != "0":
-                    self.fused = FusedRows(self.name, device, dtype, hidden)
+                    import torch.distributed as dist
+
+                    self.fused = FusedRows(self.name, dist.get_world_size(self.group), device, dtype, hidden)
                     self.why += f"; fused into add_rmsnorm up to {self.fused.rows} rows"
             except (RuntimeError, AttributeError, ImportError) as e:
                 if self.mode == "symm":
@@ -102,6 +104,7 @@ class AllReduce:
 # A decode step's row-parallel partials feed a residual add and an RMSNorm. One kernel can do all three: each row's
 # program stages its partial in this rank's symmetric buffer, signals the peers, waits for theirs and sums every
 # rank's row over NVLink before the norm: one launch where the one-shot all-reduce and add_rmsnorm take two.
+FUSED_PUSH = True  # each rank writes its row into the peers' buffers (see peer_sum)
 FUSED_SPIN_LIMIT = 1 << 26  # polls of a peer's flag (seconds) before the kernel traps instead of hanging the process
 
 
@@ -111,21 +114,31 @@ def _trap(v):
 
 
 @triton.jit
-def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.constexpr, SPIN: tl.constexpr):
+def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.constexpr, SPIN: tl.constexpr,
+             PUSH: tl.constexpr = False):
     """Row ``row`` of x (H wide, elements at ``cols``) summed over the WORLD ranks, each running this on its own
     partial x of the same row.
 
-    PTRS [WORLD] int64: each rank's symmetric buffer (two slots of ``rows`` rows of H, used in turn, then int32 flags
+    PTRS [WORLD] int64: each rank's symmetric buffer (2 x WORLD slots of ``rows`` rows of H, then int32 flags
     [rows, WORLD] at byte ``flag_off``); CNT [rows] int32: this rank's count of the row's sums so far. The counts
     move alike on every rank (they run the same steps), so the n-th sum of a row waits for flag >= n from each peer:
-    no flag is ever reset, and CUDA graphs replay the kernel with its arguments as captured. A slot is written again
-    two sums later, when every peer has passed the next sum's barrier and so has finished reading it. The sum runs
-    over the ranks in order in float32 on every rank: every rank gets the same bits."""
+    no flag is ever reset, and CUDA graphs replay the kernel with its arguments as captured. Slots alternate
+    between odd and even sums; one is written again two sums later, when every peer has passed the next sum's
+    barrier and so has finished reading it. Pull (PUSH False): each rank stores its row in its own buffer and reads
+    the peers'; push: each rank stores its row into every peer's buffer (slot of its rank) and reads only its own.
+    The sum runs over the ranks in order in float32 on every rank: every rank gets the same bits."""
     n = tl.load(CNT + row) + 1
     tl.store(CNT + row, n)
-    at = ((n & 1) * rows + row) * H + cols
+    par = n & 1
     base = tl.load(PTRS + rank)
-    tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
+    if PUSH:
+        at = ((par * WORLD + rank) * rows + row) * H + cols
+        for r in tl.static_range(WORLD):
+            if r != rank:
+                tl.store(tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
+    else:
+        at = (par * rows + row) * H + cols
+        tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
     tl.debug_barrier()  # every thread's part of the row is stored before the release below
     for r in tl.static_range(WORLD):
         if r != rank:  # flag [row, rank] in peer r's buffer
@@ -144,9 +157,16 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
                     seen = _trap(seen) + n
     tl.debug_barrier()
     acc = tl.zeros(x.shape, dtype=tl.float32)
+    own = tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16)
     for r in tl.static_range(WORLD):
-        p = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(x.dtype)), 16)
-        acc += tl.load(p + at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if r == rank:
+            acc += x.to(tl.float32)
+        elif PUSH:
+            acc += tl.load(own + ((par * WORLD + r) * rows + row) * H + cols, mask=mask, other=0.0,
+                           cache_modifier=".cg").to(tl.float32)
+        else:
+            p = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(x.dtype)), 16)
+            acc += tl.load(p + at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     return acc.to(x.dtype)
 
 
@@ -154,25 +174,23 @@ class FusedRows:
     """The symmetric buffer, flags and counts of ``peer_sum`` for rows of ``hidden`` elements of ``dtype``: up to
     ``rows`` rows a call (SYMM_MAX_BYTES of partials). Made on every rank in the same order (a rendezvous)."""
 
-    def __init__(self, group_name: str, device: torch.device, dtype: torch.dtype, hidden: int):
+    def __init__(self, group_name: str, world: int, device: torch.device, dtype: torch.dtype, hidden: int):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if world > 64:
+            raise ValueError(f"the fused all-reduce supports up to 64 ranks, got {world}")
         self.hidden, self.dtype = hidden, dtype
         self.rows = max(1, SYMM_MAX_BYTES // (hidden * dtype.itemsize))
-        data = 2 * self.rows * hidden * dtype.itemsize
+        self.push = FUSED_PUSH  # room for either way (the lab compares them)
+        data = 2 * world * self.rows * hidden * dtype.itemsize
         self.flag_off = -(-data // 128) * 128
         buf = symm_mem.empty(self.flag_off + 4 * self.rows * 64, dtype=torch.uint8, device=device)
         buf.zero_()  # flags start at 0 before any peer can know where they are
         hdl = symm_mem.rendezvous(buf, group_name)
         self.world, self.rank = hdl.world_size, hdl.rank
-        if self.world > 64:
-            raise ValueError(f"the fused all-reduce supports up to 64 ranks, got {self.world}")
         self.buf = buf  # kept alive: the peers read it
         self.ptrs = torch.tensor(hdl.buffer_ptrs, dtype=torch.int64, device=device)
         self.counts = torch.zeros(self.rows, dtype=torch.int32, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.hidden and 0 < x.shape[0] <= self.rows
-
-    def args(self) -> tuple:
-        return self.ptrs, self.counts, self.rows, self.flag_off, self.rank
