@@ -114,6 +114,12 @@ def _trap(v):
 
 
 @triton.jit
+def _fence_sys(v):
+    return tl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.constexpr, SPIN: tl.constexpr,
              PUSH: tl.constexpr = False):
     """Row ``row`` of x (H wide, elements at ``cols``) summed over the WORLD ranks, each running this on its own
@@ -127,8 +133,7 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
     barrier and so has finished reading it. Pull (PUSH False): each rank stores its row in its own buffer and reads
     the peers'; push: each rank stores its row into every peer's buffer (slot of its rank) and reads only its own.
     The sum runs over the ranks in order in float32 on every rank: every rank gets the same bits."""
-    n = tl.load(CNT + row) + 1
-    tl.store(CNT + row, n)
+    n = tl.load(CNT + row) + 1  # stored back after the barriers below, once every warp has read the old count
     par = n & 1
     base = tl.load(PTRS + rank)
     if PUSH:
@@ -139,7 +144,10 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
     else:
         at = (par * rows + row) * H + cols
         tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
-    tl.debug_barrier()  # every thread's part of the row is stored before the release below
+    # each thread's stores reach the system before the CTA barrier, so that the one thread's release below
+    # publishes the whole row
+    _fence_sys(tl.arange(0, 32))
+    tl.debug_barrier()
     for r in tl.static_range(WORLD):
         if r != rank:  # flag [row, rank] in peer r's buffer
             peer_flags = (tl.load(PTRS + r) + flag_off).to(tl.pointer_type(tl.int32))
@@ -156,6 +164,7 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
                 if polls > SPIN:  # a peer is gone: fail the launch rather than spin forever
                     seen = _trap(seen) + n
     tl.debug_barrier()
+    tl.store(CNT + row, n)
     acc = tl.zeros(x.shape, dtype=tl.float32)
     own = tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16)
     for r in tl.static_range(WORLD):
