@@ -104,7 +104,7 @@ class AllReduce:
 # A decode step's row-parallel partials feed a residual add and an RMSNorm. One kernel can do all three: each row's
 # program stages its partial in this rank's symmetric buffer, signals the peers, waits for theirs and sums every
 # rank's row over NVLink before the norm: one launch where the one-shot all-reduce and add_rmsnorm take two.
-FUSED_PUSH = True  # each rank writes its row into the peers' buffers (see peer_sum)
+FUSED_PUSH = False  # pull: each rank reads the peers' rows (see peer_sum; push is the lab's alternative)
 FUSED_SPIN_LIMIT = 1 << 26  # polls of a peer's flag (seconds) before the kernel traps instead of hanging the process
 
 
@@ -144,9 +144,8 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
     else:
         at = (par * rows + row) * H + cols
         tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
-    # each thread's stores reach the system before the CTA barrier, so that the one thread's release below
-    # publishes the whole row
-    _fence_sys(tl.arange(0, 32))
+    if PUSH:  # each thread's remote stores reach the peer before the CTA barrier and the one thread's release
+        _fence_sys(tl.arange(0, 32))
     tl.debug_barrier()
     for r in tl.static_range(WORLD):
         if r != rank:  # flag [row, rank] in peer r's buffer
@@ -190,7 +189,7 @@ class FusedRows:
             raise ValueError(f"the fused all-reduce supports up to 64 ranks, got {world}")
         self.hidden, self.dtype = hidden, dtype
         self.rows = max(1, SYMM_MAX_BYTES // (hidden * dtype.itemsize))
-        self.push = FUSED_PUSH  # room for either way (the lab compares them)
+        self.push = FUSED_PUSH  # room for either way (bench/lab/fused_allreduce.py compares them)
         data = 2 * world * self.rows * hidden * dtype.itemsize
         self.flag_off = -(-data // 128) * 128
         buf = symm_mem.empty(self.flag_off + 4 * self.rows * 64, dtype=torch.uint8, device=device)
