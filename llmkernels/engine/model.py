@@ -331,6 +331,8 @@ class Model:
         a mixture-of-experts FFN's _Pairs, which the norm's kernel sums."""
         if isinstance(x, _Pairs):
             x, kw = x.y, dict(kw, x_weights=x.w)
+        if kw.get("peers") is not None and not kw["peers"].fits(x):  # shapes alike on every rank: all take this
+            x, kw = self._reduce(x), dict(kw, peers=None)
         args = (x, *args)
         if self._i8(T, i8, *mats):
             return add_rmsnorm(*args, **kw, i8=True)
