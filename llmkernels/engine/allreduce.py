@@ -105,7 +105,7 @@ class AllReduce:
 # program stages its partial in this rank's symmetric buffer, signals the peers, waits for theirs and sums every
 # rank's row over NVLink before the norm: one launch where the one-shot all-reduce and add_rmsnorm take two.
 FUSED_PUSH = False  # pull: each rank reads the peers' rows (see peer_sum; push is the lab's alternative)
-FUSED_SPIN_LIMIT = 1 << 26  # polls of a peer's flag (seconds) before the kernel traps instead of hanging the process
+FUSED_SPIN_LIMIT = 1 << 26  # polls of a peer's flag (tens of seconds) before the kernel traps rather than hang
 
 
 @triton.jit
@@ -180,7 +180,8 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
 
 class FusedRows:
     """The symmetric buffer, flags and counts of ``peer_sum`` for rows of ``hidden`` elements of ``dtype``: up to
-    ``rows`` rows a call (SYMM_MAX_BYTES of partials). Made on every rank in the same order (a rendezvous)."""
+    ``rows`` rows a call (SYMM_MAX_BYTES of partials, and no more rows than SMs). Made on every rank in the same order
+    (a rendezvous)."""
 
     def __init__(self, group_name: str, world: int, device: torch.device, dtype: torch.dtype, hidden: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -188,7 +189,10 @@ class FusedRows:
         if world > 64:
             raise ValueError(f"the fused all-reduce supports up to 64 ranks, got {world}")
         self.hidden, self.dtype = hidden, dtype
-        self.rows = max(1, SYMM_MAX_BYTES // (hidden * dtype.itemsize))
+        # at most one row per SM: every row's program must be resident at once, or two ranks could each wait on
+        # rows the other has not started
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.rows = max(1, min(SYMM_MAX_BYTES // (hidden * dtype.itemsize), sms))
         self.push = FUSED_PUSH  # room for either way (bench/lab/fused_allreduce.py compares them)
         data = 2 * world * self.rows * hidden * dtype.itemsize
         self.flag_off = -(-data // 128) * 128

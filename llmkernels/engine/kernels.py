@@ -119,8 +119,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
                          f"x_weights, got x {x.dtype} {tuple(x.shape)}")
     if T:
         r = residual if residual is not None else x
-        fused = dict(PTRS=peers.ptrs, CNT=peers.counts, peer_rows=peers.rows, flag_off=peers.flag_off,
-                     rank=peers.rank, WORLD=peers.world, SPIN=FUSED_SPIN_LIMIT, PUSH=peers.push) if peers is not None else {}
+        fused = {} if peers is None else dict(PTRS=peers.ptrs, CNT=peers.counts, peer_rows=peers.rows,
+                                               flag_off=peers.flag_off, rank=peers.rank, WORLD=peers.world,
+                                               SPIN=FUSED_SPIN_LIMIT, PUSH=peers.push)
         pdl = pdl_supported(x.device)
         BLOCK = max(32, triton.next_power_of_2(y_width))
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,

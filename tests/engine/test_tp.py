@@ -363,7 +363,8 @@ def _fused_rank(rank, world, init, H, dtype_name):
     g = torch.Generator().manual_seed(0)  # the same inputs on every rank; each takes its own partial
 
     def case(T):
-        parts, r0, w = torch.randn(world, T, H, generator=g), torch.randn(T, H, generator=g), torch.randn(H, generator=g)
+        parts, r0 = torch.randn(world, T, H, generator=g), torch.randn(T, H, generator=g)
+        w = torch.randn(H, generator=g)
         ps = parts.to(dtype)
         s = ps[0].float()
         for q in range(1, world):  # in rank order, as the kernel sums
@@ -416,8 +417,8 @@ def _fused_rank(rank, world, init, H, dtype_name):
 @pytest.mark.parametrize("H,dtype", [(4096, "bfloat16"), (1000, "float16")])
 def test_gpu_fused_all_reduce_norm(H, dtype):
     """add_rmsnorm with ``peers`` on 2 GPUs, rows pushed and pulled: the sum of the ranks' partials (in rank order),
-    the residual add and the norm, equal to the float64 reference; the same bits on both ranks; row counts moving across batches of
-    different sizes; replays of a captured graph; outputs poisoned before the call."""
+    the residual add and the norm, equal to the float64 reference; the same bits on both ranks; row counts moving
+    across batches of different sizes; replays of a captured graph; outputs poisoned before the call."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from llmkernels.engine.parallel import _free_port
