@@ -1,5 +1,4 @@
-"""The all-reduce fused into add_rmsnorm (peers' rows pulled, or pushed) against the one-shot all-reduce followed by
-add_rmsnorm, on 2 GPUs.
+"""The all-reduce fused into add_rmsnorm against the one-shot all-reduce followed by add_rmsnorm, on 2 GPUs.
 
     python bench/lab/fused_allreduce.py [hidden] [--quick]   # --quick: 4 pairs, 2 replays (for compute-sanitizer)
 
@@ -33,9 +32,7 @@ def _rank(rank, world, init, H, pairs=PAIRS, reps=REPS):
         res = torch.randn(T, H, device=dev, dtype=torch.bfloat16) * 0
         times = {}
         for name, one in (("one-shot + add_rmsnorm", lambda: add_rmsnorm(ar(x), w, 1e-6, residual=res)),
-                          ("fused pull", lambda: add_rmsnorm(x, w, 1e-6, residual=res, peers=f)),
-                          ("fused push", lambda: add_rmsnorm(x, w, 1e-6, residual=res, peers=f))):
-            f.push = name == "fused push"
+                          ("fused", lambda: add_rmsnorm(x, w, 1e-6, residual=res, peers=f))):
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
                 for _ in range(3):

@@ -104,7 +104,6 @@ class AllReduce:
 # A decode step's row-parallel partials feed a residual add and an RMSNorm. One kernel can do all three: each row's
 # program stages its partial in this rank's symmetric buffer, signals the peers, waits for theirs and sums every
 # rank's row over NVLink before the norm: one launch where the one-shot all-reduce and add_rmsnorm take two.
-FUSED_PUSH = False  # pull: each rank reads the peers' rows (see peer_sum; push is the lab's alternative)
 FUSED_SPIN_LIMIT = 1 << 26  # polls of a peer's flag (tens of seconds) before the kernel traps rather than hang
 
 
@@ -114,39 +113,23 @@ def _trap(v):
 
 
 @triton.jit
-def _fence_sys(v):
-    return tl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.constexpr, SPIN: tl.constexpr,
-             PUSH: tl.constexpr = False):
+def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.constexpr, SPIN: tl.constexpr):
     """Row ``row`` of x (H wide, elements at ``cols``) summed over the WORLD ranks, each running this on its own
     partial x of the same row.
 
-    PTRS [WORLD] int64: each rank's symmetric buffer (2 x WORLD slots of ``rows`` rows of H, then int32 flags
+    PTRS [WORLD] int64: each rank's symmetric buffer (2 slots of ``rows`` rows of H, then int32 flags
     [rows, WORLD] at byte ``flag_off``); CNT [rows] int32: this rank's count of the row's sums so far. The counts
     move alike on every rank (they run the same steps), so the n-th sum of a row waits for flag >= n from each peer:
     no flag is ever reset, and CUDA graphs replay the kernel with its arguments as captured. Slots alternate
     between odd and even sums; one is written again two sums later, when every peer has passed the next sum's
-    barrier and so has finished reading it. Pull (PUSH False): each rank stores its row in its own buffer and reads
-    the peers'; push: each rank stores its row into every peer's buffer (slot of its rank) and reads only its own.
-    The sum runs over the ranks in order in float32 on every rank: every rank gets the same bits."""
+    barrier and so has finished reading it. Each rank stores its row in its own buffer and reads the peers'. The sum
+    runs over the ranks in order in float32 on every rank: every rank gets the same bits."""
     n = tl.load(CNT + row) + 1  # stored back after the barriers below, once every warp has read the old count
     par = n & 1
     base = tl.load(PTRS + rank)
-    if PUSH:
-        at = ((par * WORLD + rank) * rows + row) * H + cols
-        for r in tl.static_range(WORLD):
-            if r != rank:
-                tl.store(tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
-    else:
-        at = (par * rows + row) * H + cols
-        tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
-    if PUSH:  # each thread's remote stores reach the peer before the CTA barrier and the one thread's release
-        _fence_sys(tl.arange(0, 32))
-    tl.debug_barrier()
+    at = (par * rows + row) * H + cols
+    tl.store(tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16) + at, x, mask=mask)
+    tl.debug_barrier()  # every thread's part of the row is stored before the one thread's release below
     for r in tl.static_range(WORLD):
         if r != rank:  # flag [row, rank] in peer r's buffer
             peer_flags = (tl.load(PTRS + r) + flag_off).to(tl.pointer_type(tl.int32))
@@ -165,13 +148,9 @@ def peer_sum(x, row, cols, mask, H, PTRS, CNT, rows, flag_off, rank, WORLD: tl.c
     tl.debug_barrier()
     tl.store(CNT + row, n)
     acc = tl.zeros(x.shape, dtype=tl.float32)
-    own = tl.multiple_of(base.to(tl.pointer_type(x.dtype)), 16)
     for r in tl.static_range(WORLD):
         if r == rank:
             acc += x.to(tl.float32)
-        elif PUSH:
-            acc += tl.load(own + ((par * WORLD + r) * rows + row) * H + cols, mask=mask, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
         else:
             p = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(x.dtype)), 16)
             acc += tl.load(p + at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -193,8 +172,7 @@ class FusedRows:
         # rows the other has not started
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.rows = max(1, min(SYMM_MAX_BYTES // (hidden * dtype.itemsize), sms))
-        self.push = FUSED_PUSH  # room for either way (bench/lab/fused_allreduce.py compares them)
-        data = 2 * world * self.rows * hidden * dtype.itemsize
+        data = 2 * self.rows * hidden * dtype.itemsize
         self.flag_off = -(-data // 128) * 128
         buf = symm_mem.empty(self.flag_off + 4 * self.rows * 64, dtype=torch.uint8, device=device)
         buf.zero_()  # flags start at 0 before any peer can know where they are

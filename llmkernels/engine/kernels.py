@@ -21,8 +21,7 @@ from .allreduce import FUSED_SPIN_LIMIT, peer_sum
 def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, y_width,
                         eps, HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0, PTRS=None, CNT=None,
-                        peer_rows=0, flag_off=0, rank=0, WORLD: tl.constexpr = 0, SPIN: tl.constexpr = 1,
-                        PUSH: tl.constexpr = False):
+                        peer_rows=0, flag_off=0, rank=0, WORLD: tl.constexpr = 0, SPIN: tl.constexpr = 1):
     """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
     rounded to the activation dtype as a separate call would write it; with TOPK, x is the sum of rows row * TOPK ..
     of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row
@@ -50,7 +49,7 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
     else:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if WORLD > 0:  # a tensor-parallel row-parallel product's partials: the all-reduce happens here
-        x = peer_sum(x, row, cols, mask, H, PTRS, CNT, peer_rows, flag_off, rank, WORLD, SPIN, PUSH)
+        x = peer_sum(x, row, cols, mask, H, PTRS, CNT, peer_rows, flag_off, rank, WORLD, SPIN)
     if PRE:  # a post-norm (Gemma 2/3) of the block's output before it joins the residual stream
         pf = x.to(tl.float32)
         pr = 1.0 / tl.sqrt(tl.sum(pf * pf) / H + eps)
@@ -121,7 +120,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         r = residual if residual is not None else x
         fused = {} if peers is None else dict(PTRS=peers.ptrs, CNT=peers.counts, peer_rows=peers.rows,
                                                flag_off=peers.flag_off, rank=peers.rank, WORLD=peers.world,
-                                               SPIN=FUSED_SPIN_LIMIT, PUSH=peers.push)
+                                               SPIN=FUSED_SPIN_LIMIT)
         pdl = pdl_supported(x.device)
         BLOCK = max(32, triton.next_power_of_2(y_width))
         # 256 elements per warp, 4 to 16 warps: at batch 1 the one program's latency is what the step pays (H100,

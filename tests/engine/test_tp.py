@@ -350,7 +350,7 @@ def _fused_rank(rank, world, init, H, dtype_name):
     """One rank of test_gpu_fused_all_reduce_norm (asserts; a failing rank fails the spawn)."""
     import torch.distributed as dist
 
-    from llmkernels.engine.allreduce import FUSED_PUSH, AllReduce
+    from llmkernels.engine.allreduce import AllReduce
     from llmkernels.engine.kernels import add_rmsnorm
     from llmkernels.engine.parallel import SAFE_ENV
 
@@ -381,13 +381,10 @@ def _fused_rank(rank, world, init, H, dtype_name):
         dist.all_gather(every, y.contiguous())
         assert all(torch.equal(e, every[0]) for e in every)  # the ranks' residual streams stay identical
 
-    for push in (True, False):  # rows written into the peers' buffers, or read from them
-        f.push = push
-        for T in (1, 3, f.rows, 5, 1, 2, f.rows - 1):  # each row's count moves with the calls that include it
-            x, res, w, h, want = case(T)
-            out = torch.full((T, H), float("nan"), dtype=dtype, device=dev)
-            check(add_rmsnorm(x, w, 1e-6, residual=res, out=out, peers=f), res, h, want)
-    f.push = FUSED_PUSH
+    for T in (1, 3, f.rows, 5, 1, 2, f.rows - 1):  # each row's count moves with the calls that include it
+        x, res, w, h, want = case(T)
+        out = torch.full((T, H), float("nan"), dtype=dtype, device=dev)
+        check(add_rmsnorm(x, w, 1e-6, residual=res, out=out, peers=f), res, h, want)
     # captured once, replayed with new inputs: the counts live on the device, so replays keep the ranks in step
     T = 4
     x, res, w = (torch.zeros(T, H, dtype=dtype, device=dev), torch.zeros(T, H, dtype=dtype, device=dev),
@@ -416,8 +413,8 @@ def _fused_rank(rank, world, init, H, dtype_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,dtype", [(4096, "bfloat16"), (1000, "float16")])
 def test_gpu_fused_all_reduce_norm(H, dtype):
-    """add_rmsnorm with ``peers`` on 2 GPUs, rows pushed and pulled: the sum of the ranks' partials (in rank order),
-    the residual add and the norm, equal to the float64 reference; the same bits on both ranks; row counts moving
+    """add_rmsnorm with ``peers`` on 2 GPUs: the sum of the ranks' partials (in rank order), the residual add and the
+    norm, equal to the float64 reference; the same bits on both ranks; row counts moving
     across batches of different sizes; replays of a captured graph; outputs poisoned before the call."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
