@@ -62,11 +62,18 @@ def ws_decode_cases(dev="cuda"):
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
+    from llmkernels.attention import paged_ws
+
     shipped = schedule.FP8_CONSUMERS
     for n in (2, 1):
         schedule.FP8_CONSUMERS = n
         _ws_decode_cases(dev, fp8_only=n != shipped)
     schedule.FP8_CONSUMERS = shipped
+    # the loader's other orders of a 16-bit cache's copies (paged_ws's LEAD) and ring depths
+    lead, stages = paged_ws.KV_LEAD, paged_ws.STAGES_LEAD
+    for paged_ws.KV_LEAD, paged_ws.STAGES_LEAD in ((-1, stages), (2, 3), (1, 2)):
+        _ws_decode_cases(dev, bf16_only=True)
+    paged_ws.KV_LEAD, paged_ws.STAGES_LEAD = lead, stages
 
 
 def _decode_inputs(lens, ps, Hq, Hkv, D, kv, splits, dev):
@@ -80,7 +87,7 @@ def _decode_inputs(lens, ps, Hq, Hkv, D, kv, splits, dev):
     return q, kc, vc, pt, sl, cq, plan
 
 
-def _ws_decode_cases(dev, fp8_only=False):
+def _ws_decode_cases(dev, fp8_only=False, bf16_only=False):
     from llmkernels.attention import plan as plan_mod
 
     plan_mod.WS_DECODE_MIN_BYTES = 0
@@ -91,7 +98,7 @@ def _ws_decode_cases(dev, fp8_only=False):
                                        # page sizes gathered by rows (cp.async)
                                        (1, 32, 8, 128, 0, torch.bfloat16), (3, 28, 4, 64, 2, torch.float8_e4m3fn),
                                        (1, 16, 2, 128, 0, torch.float8_e5m2)):
-        if fp8_only and kv == torch.bfloat16:
+        if (fp8_only and kv == torch.bfloat16) or (bf16_only and kv != torch.bfloat16):
             continue
         q, kc, vc, pt, sl, cq, plan = _decode_inputs([1, 17, 300, 65, 1000], ps, Hq, Hkv, D, kv, splits, dev)
         sc = dict(k_scale=0.5, v_scale=torch.tensor([2.0], device=dev)) if kv != torch.bfloat16 else {}
@@ -105,7 +112,7 @@ def _ws_decode_cases(dev, fp8_only=False):
             plan_mod.BALANCE_MIN_SKEW = 1.25
     # many units per program (the consumer loads each next unit's q and lengths ahead), empty second splits
     lens = [(53 * i) % 611 + 1 for i in range(70)]
-    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+    for kv in (torch.bfloat16,) if bf16_only else (torch.bfloat16, torch.float8_e4m3fn):
         q, kc, vc, pt, sl, cq, plan = _decode_inputs(lens, 16, 28, 4, 128, kv, 2, dev)
         assert not plan.balanced
         sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
@@ -114,6 +121,8 @@ def _ws_decode_cases(dev, fp8_only=False):
     for ps, Hq, Hkv, D, splits, kv, left, cap in ((16, 16, 8, 256, 0, torch.bfloat16, 100, 50.0),
                                                   (32, 16, 2, 256, 3, torch.bfloat16, -1, 30.0),
                                                   (16, 28, 4, 128, 2, torch.float8_e4m3fn, 77, 20.0)):
+        if bf16_only and kv != torch.bfloat16:
+            continue
         q, kc, vc, pt, sl, cq, plan = _decode_inputs([1, 17, 300, 65, 1000], ps, Hq, Hkv, D, kv, splits, dev)
         sc = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
         lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=plan, window_size=(left, -1), softcap=cap, **sc)

@@ -53,6 +53,42 @@ from .schedule import FP8_STAGES, FP8_STAGES16, tma_pages
 
 
 @gluon.jit
+def _now():
+    """The GPU's global nanosecond timer (for TRACE)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_l2(ptrs, nbytes):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from each of ptrs (16-byte aligned): no data moves
+    into the SM, so it may run before the PDL wait."""
+    return gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                     [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_first(KP, VP, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES, stride_pt, num_kv_heads, num_pages,
+                    num_splits, left, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                    TILES: gl.constexpr, WINDOW: gl.constexpr):
+    """L2 prefetches of the first TILES key tiles (K and V rows of this program's first unit), issued before the
+    PDL wait so that they stream while the previous kernel finishes and the first TMA copies after the wait hit L2.
+    The plan's tables and the page table come from host copies, not from the kernel before; the page ids are
+    clamped into the cache, so even a stale value only prefetches the wrong rows."""
+    pid = gl.program_id(0)
+    if pid < gl.load(NUM_TILES) * num_kv_heads * num_splits:
+        b, hk, _, lo, hi = _unit(pid, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, left, BLOCK_N, WINDOW)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        key = lo + gl.arange(0, TILES * BLOCK_N, layout=layout)
+        key = gl.where(key < hi, key, lo)
+        page = gl.load(PAGE_TABLE + b.to(gl.int64) * stride_pt + key // PAGE_SIZE)
+        page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+        off = (page.to(gl.int64) * PAGE_SIZE + key % PAGE_SIZE) * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
+        nbytes = gl.full([TILES * BLOCK_N], HEAD_DIM * KP.dtype.element_ty.primitive_bitwidth // 8, gl.int32, layout)
+        _prefetch_l2(KP + off, nbytes)
+        _prefetch_l2(VP + off, nbytes)
+
+
+@gluon.jit
 def _key_range(k_len, split, num_splits, left, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     """(first key, last key + 1) of split ``split`` of a sequence of k_len keys: whole key tiles, from key 0 or, with
     WINDOW, from the tile holding the window's first key k_len - 1 - left (its earlier keys are masked, _softmax)."""
@@ -128,35 +164,56 @@ def _piece(g, g1, ti, CU_T, num_kv_heads):
 
 
 @gluon.jit
-def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, n_pages, col, lo, hi, c,
-               num_pages, sub, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-               STAGES: gl.constexpr):
-    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring; -> the ring counter."""
+def _issue_tile(desc, smem, ready, empty, rows, col, c, sub, STAGES: gl.constexpr):
+    """TMA copies of one K or V tile (the sub-tiles of ROWS cache rows from rows[r], head column col) into ring
+    slot c % STAGES, once its reader has freed that half of the slot."""
+    ROWS: gl.constexpr = desc.block_type.shape[0]
+    NSUB: gl.constexpr = sub.shape[0]
+    s = c % STAGES
+    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), NSUB * desc.block_type.nbytes)
+    for r in gl.static_range(NSUB):
+        row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
+        tma.async_copy_global_to_shared(desc, [row, col], ready.index(s), smem.index(s).slice(r * ROWS, ROWS))
+
+
+@gluon.jit
+def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row, n_pages, col, lo, hi, c,
+               num_pages, sub, r1, c1, r2, c2, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr):
+    """Copy the K and V tiles of keys [lo, hi) of one (sequence, kv head) into the ring. LEAD > 0: each V tile is
+    copied LEAD tiles after its K tile, the order the consumer reads them in (K one tile ahead of its step, V one
+    behind), so that neither copy waits for the other's half of a slot to be freed; (r1, c1) and (r2, c2) are the
+    rows and head columns of the last two tiles, whose V copies are still to come (they carry across units).
+    -> (ring counter, r1, c1, r2, c2)."""
     ROWS: gl.constexpr = desc_k.block_type.shape[0]
     NSUB: gl.constexpr = BLOCK_N // ROWS
     rows = _page_rows(pt_row, lo, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
     for start in range(lo, hi, BLOCK_N):
         # the next tile's page ids load while this tile's copies are issued (used one iteration later)
         nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
-        s = c % STAGES
-        mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(s), NSUB * desc_k.block_type.nbytes)
-        for r in gl.static_range(NSUB):
-            row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
-            tma.async_copy_global_to_shared(desc_k, [row, col], k_ready.index(s),
-                                            k_smem.index(s).slice(r * ROWS, ROWS))
-        mbarrier.expect(v_ready.index(s), NSUB * desc_v.block_type.nbytes)
-        for r in gl.static_range(NSUB):
-            row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
-            tma.async_copy_global_to_shared(desc_v, [row, col], v_ready.index(s),
-                                            v_smem.index(s).slice(r * ROWS, ROWS))
+        _issue_tile(desc_k, k_smem, k_ready, k_empty, rows, col, c, sub, STAGES)
+        if LEAD <= 0:
+            _issue_tile(desc_v, v_smem, v_ready, v_empty, rows, col, c, sub, STAGES)
+        elif LEAD == 1:
+            if c >= 1:
+                _issue_tile(desc_v, v_smem, v_ready, v_empty, r1, c1, c - 1, sub, STAGES)
+            r1 = rows
+            c1 = col
+        else:
+            if c >= 2:
+                _issue_tile(desc_v, v_smem, v_ready, v_empty, r2, c2, c - 2, sub, STAGES)
+            r2 = r1
+            c2 = c1
+            r1 = rows
+            c1 = col
         rows = nxt
         c += 1
-    return c
+    return c, r1, c1, r2, c2
 
 
 @gluon.jit
-def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, lo, hi, c, stride_kp, stride_ks,
+def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row, col, lo, hi, c, stride_kp, stride_ks,
                  g_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
     """GATHER (page sizes TMA cannot copy by pages, e.g. 1 or 3): every loader thread copies its 16-byte pieces of
     each K and V tile of keys [lo, hi) with cp.async, one cache row per key, and arrives on the slot's barrier when
@@ -178,9 +235,10 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, 
         off = row0[:, None] + cols[None, :]
         m2 = ok[:, None]  # broadcast along the row: constant over each piece
         s = c % STAGES
-        mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)
+        mbarrier.wait(k_empty.index(s), ((c // STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(k_smem.index(s), K + off, mask=m2)
         async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+        mbarrier.wait(v_empty.index(s), ((c // STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(v_smem.index(s), V + off, mask=m2)
         async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
         key, ok, page = nkey, nok, npage
@@ -189,32 +247,40 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, 
 
 
 @gluon.jit
-def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, k_len, col, lo, hi, c, num_pages,
-               stride_kp, stride_ks, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-               GATHER: gl.constexpr):
-    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA, or with GATHER
-    (desc_k / desc_v are then the caches' pointers) rows by cp.async; -> the ring counter."""
+def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row, k_len, col, lo, hi, c,
+               num_pages, stride_kp, stride_ks, sub, r1, c1, r2, c2, sub_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, LEAD: gl.constexpr):
+    """Keys [lo, hi) of one (sequence, kv head), k_len keys in all, into the ring: whole pages by TMA (V copies LEAD
+    tiles behind K, see _load_keys), or with GATHER (desc_k / desc_v are then the caches' pointers) rows by
+    cp.async; -> (ring counter, r1, c1, r2, c2)."""
     if GATHER:  # 16-byte pieces, rows over the threads
         VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
         TPR: gl.constexpr = k_smem.shape[2] // VEC
         g_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
-        c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row, col, lo, hi, c,
+        c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row, col, lo, hi, c,
                          stride_kp, stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES)
     else:
-        NSUB: gl.constexpr = BLOCK_N // desc_k.block_type.shape[0]
-        # every thread holds all NSUB rows: picking one out is a few selects in registers, no cross-warp reduction
-        sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
-        c = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, pt_row,
-                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages,
-                       gl.arange(0, NSUB, layout=sub_layout), sub_layout, BLOCK_N, PAGE_SIZE, STAGES)
-    return c
+        c, r1, c1, r2, c2 = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row,
+                                       (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages, sub, r1, c1,
+                                       r2, c2, sub_layout, BLOCK_N, PAGE_SIZE, STAGES, LEAD)
+    return c, r1, c1, r2, c2
 
 
 @gluon.jit
-def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES,
-            TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks, left,
+def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
+            NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks, left,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-            BALANCED: gl.constexpr, GATHER: gl.constexpr, WINDOW: gl.constexpr):
+            BALANCED: gl.constexpr, GATHER: gl.constexpr, WINDOW: gl.constexpr, LEAD: gl.constexpr, TRACE):
+    """K and V copies of this program's units (or balanced range) in ring order; k_empty / v_empty free a slot's K
+    and V halves (the same barrier array, counting both readers, where they are not freed apart)."""
+    NSUB: gl.constexpr = 1 if GATHER else BLOCK_N // desc_k.block_type.shape[0]
+    # every thread holds all NSUB rows of a tile: picking one out is a few selects in registers
+    sub_layout: gl.constexpr = gl.BlockedLayout([NSUB], [32], [gl.num_warps()], [0])
+    sub = gl.arange(0, NSUB, layout=sub_layout)
+    r1 = gl.zeros([NSUB], gl.int32, sub_layout)  # the V copies still to come (LEAD > 0): rows and head columns
+    r2 = r1
+    c1 = gl.program_id(0) * 0
+    c2 = c1
     c = 0
     if BALANCED:
         g, g1, ti = _balanced_range(TABLES, cap, num_kv_heads)
@@ -222,19 +288,30 @@ def _loader(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TAB
             hk, t0, nt, _, n = _piece(g, g1, ti, TABLES, num_kv_heads)
             b = gl.load(TILE_SEQ + ti)
             k_len = gl.load(SEQ_LENS + b)
-            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b.to(gl.int64) * stride_pt, k_len, hk * HEAD_DIM, t0 * BLOCK_N,
-                           gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages, stride_kp, stride_ks, BLOCK_N,
-                           PAGE_SIZE, STAGES, GATHER)
+            c, r1, c1, r2, c2 = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                           PAGE_TABLE + b.to(gl.int64) * stride_pt, k_len, hk * HEAD_DIM,
+                                           t0 * BLOCK_N, gl.minimum((t0 + nt) * BLOCK_N, k_len), c, num_pages,
+                                           stride_kp, stride_ks, sub, r1, c1, r2, c2, sub_layout, BLOCK_N, PAGE_SIZE,
+                                           STAGES, GATHER, LEAD)
             g += nt
             ti += ((t0 + nt == n) & (hk == num_kv_heads - 1)).to(gl.int32)
     else:
         n_units = gl.load(NUM_TILES) * num_kv_heads * num_splits
         for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
             b, hk, _, lo, hi = _unit(u, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, left, BLOCK_N, WINDOW)
-            c = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                           PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b), hk * HEAD_DIM, lo, hi, c,
-                           num_pages, stride_kp, stride_ks, BLOCK_N, PAGE_SIZE, STAGES, GATHER)
+            c, r1, c1, r2, c2 = _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                           PAGE_TABLE + b.to(gl.int64) * stride_pt, gl.load(SEQ_LENS + b),
+                                           hk * HEAD_DIM, lo, hi, c, num_pages, stride_kp, stride_ks, sub, r1, c1, r2,
+                                           c2, sub_layout, BLOCK_N, PAGE_SIZE, STAGES, GATHER, LEAD)
+    # the last tiles' V copies
+    if LEAD >= 2:
+        if c >= 2:
+            _issue_tile(desc_v, v_smem, v_ready, v_empty, r2, c2, c - 2, sub, STAGES)
+    if LEAD >= 1:
+        if c >= 1:
+            _issue_tile(desc_v, v_smem, v_ready, v_empty, r1, c1, c - 1, sub, STAGES)
+    if TRACE is not None:  # the last copy issued (see _consumer)
+        gl.store(TRACE + 4 * gl.program_id(0) + 3, _now())
 
 
 @gluon.jit
@@ -485,7 +562,7 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
               V_STAGES: gl.constexpr, SPLIT: gl.constexpr, BALANCED: gl.constexpr, GROUP_P2: gl.constexpr,
               MERGE_PB: gl.constexpr, SCALE_PTRS: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr, x_o, x_ml, x_ready,
               x_free, CONSUMERS: gl.constexpr, q_smem, p_smem, WG: gl.constexpr, left, softcap2,
-              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, TRACE):
     """Consumer WG of CONSUMERS (1 or 2): with two, each unit's (or balanced piece's) key tiles alternate between
     them (ring uses of the same parity as WG), each runs its own online softmax, and the second hands its
     (O, max, sum) to the first (_pair), which merges them and writes the output. Two independent chains of wgmma,
@@ -565,6 +642,12 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
         k1 = gl.load(SEQ_LENS + b1)
         t1 = gl.load(CU_Q + b1).to(gl.int64)
         b2 = _unit_seq(u0 + 2 * P, n_units, TILE_SEQ, per_tile)
+        if TRACE is not None:  # start, first K tile in, end (below)
+            if WG == 0:
+                gl.store(TRACE + 4 * u0, _now())
+                if u0 < n_units:
+                    mbarrier.wait(k_ready.index(0), 0)
+                gl.store(TRACE + 4 * u0 + 1, _now())
         q0 = _load_q(Q, t0, (u0 % per_tile) // num_splits, u0 < n_units, stride_qt, stride_qh, GROUP, M, HEAD_DIM)
         for u in range(u0, n_units, P):
             un = u + P
@@ -592,6 +675,9 @@ def _consumer(Q, O, LSE, OUT, COUNT, k_smem, k_ready, k_empty, v_smem, v_ready, 
                     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
                     gl.store(LSE + split * stride_ls + t * num_heads + head_o, lse, mask=orow < GROUP)
             q0, k0, t0, k1, t1, b2 = q1, k1, t1, k2, t2, b3
+        if TRACE is not None:
+            if WG == 0:
+                gl.store(TRACE + 4 * u0 + 2, _now())
 
 
 @gluon.jit
@@ -660,7 +746,8 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            F16_LAYOUT: gl.constexpr = None, STAGES16: gl.constexpr = 4, GP: gl.constexpr = 8,
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
                            KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1,
-                           Q_TERMS: gl.constexpr = 3, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+                           Q_TERMS: gl.constexpr = 3, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+                           LEAD: gl.constexpr = -1, TRACE=None, PREFETCH: gl.constexpr = 0, KPTR=None, VPTR=None):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -680,7 +767,16 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     that kernel's end; 2, the next kernel may also launch then.
 
     fp8 caches only: CONSUMERS, consumer warp groups (1 or 2), each with its own q and P^T buffers; two take
-    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q)."""
+    alternate key tiles of every unit and merge (see _consumer, _pair). Q_TERMS: e4m3 terms of q (_stage_q).
+
+    16-bit caches: LEAD -1, a slot is refilled once both its K and V are read; LEAD >= 0, its K and V halves are
+    freed and refilled apart, and with TMA pages each V copy is issued LEAD tiles after its K copy (_load_keys).
+
+    PREFETCH (PDL > 0, units mode, TMA pages): before the PDL wait, L2 prefetches of the first PREFETCH key tiles
+    of each program's first unit from the caches KPTR / VPTR (_prefetch_first).
+
+    TRACE (int64 [grid, 4], units mode, for bench/lab): each program's global-timer ns at its consumer's start, its
+    first K tile's arrival, its consumer's end and its loader's last copy."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
     kv_layout: gl.constexpr = KV_LAYOUT if GATHER else desc_k.layout
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
@@ -692,12 +788,26 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # 16-bit caches with LEAD >= 0: a slot's K and V halves are freed apart (kv_empty frees K, v_free V); else
+    # kv_empty counts both readers (fp8: the consumer's K dots and the converter's widening of V)
+    SEPARATE: gl.constexpr = LEAD >= 0 and not FP8
+    LOADER_LEAD: gl.constexpr = LEAD if SEPARATE and not GATHER else 0  # V copies LEAD tiles behind K (_load_keys)
     READY: gl.constexpr = 32 * gl.num_warps() if GATHER else 1  # GATHER: every loader thread arrives
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=READY)
         mbarrier.init(v_ready.index(i), count=READY)
-        mbarrier.init(kv_empty.index(i), count=2)  # K's reader and V's reader each free the slot once
+        mbarrier.init(kv_empty.index(i), count=1 if SEPARATE else 2)
+    if SEPARATE:
+        v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(v_free.index(i), count=1)
+    else:
+        v_free = kv_empty
     dtype16: gl.constexpr = gl.float16 if FP8 else dtype
+    if PREFETCH > 0:
+        gl.static_assert(PDL > 0 and not BALANCED and not GATHER, "PREFETCH runs before the PDL wait of units mode")
+        _prefetch_first(KPTR, VPTR, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES, stride_pt, num_kv_heads, num_pages,
+                        num_splits, left, HEAD_DIM, BLOCK_N, PAGE_SIZE, PREFETCH, WINDOW)
     if PDL > 0:
         gdc_wait()
     if PDL > 1:
@@ -727,15 +837,16 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     else:
         v_ring = v_smem
         v_ring_ready = v_ready
-        v_ring_empty = kv_empty
+        v_ring_empty = v_free
     if FP8 and CONSUMERS == 2:
         q_smem1 = gl.allocate_shared_memory(q_dtype, [TERMS, GP, HEAD_DIM], Q_LAYOUT)
         p_smem1 = gl.allocate_shared_memory(dtype16, [2, BLOCK_N, GP], P_LAYOUT)
     if FP8 and CONSUMERS == 2:
         gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW)),
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, v_free, PAGE_TABLE, SEQ_LENS,
+                       TILE_SEQ, NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp,
+                       stride_ks, left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW, LOADER_LEAD,
+                       TRACE)),
             (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
                           TABLES, cap, num_kv_heads, num_splits, left, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED,
                           WINDOW)),
@@ -744,19 +855,20 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP)),
+                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP, TRACE)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem1,
-                         p_smem1, 1, left, softcap2, WINDOW, SOFTCAP)),
+                         p_smem1, 1, left, softcap2, WINDOW, SOFTCAP, TRACE)),
         ], [4, 4, 4], [88, 176, 176])
     elif FP8:
         gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW)),
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, v_free, PAGE_TABLE, SEQ_LENS,
+                       TILE_SEQ, NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp,
+                       stride_ks, left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW, LOADER_LEAD,
+                       TRACE)),
             (_converter, (v_smem, v_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS, TILE_SEQ, NUM_TILES,
                           TABLES, cap, num_kv_heads, num_splits, left, HEAD_DIM, BLOCK_N, STAGES, STAGES16, BALANCED,
                           WINDOW)),
@@ -765,19 +877,20 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP)),
+                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP, TRACE)),
         ], [4, 4], [96, 232])
     else:
         gl.warp_specialize([
-            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, PAGE_TABLE, SEQ_LENS, TILE_SEQ,
-                       NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp, stride_ks,
-                       left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW)),
+            (_loader, (desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, kv_empty, v_free, PAGE_TABLE, SEQ_LENS,
+                       TILE_SEQ, NUM_TILES, TABLES, cap, stride_pt, num_kv_heads, num_pages, num_splits, stride_kp,
+                       stride_ks, left, HEAD_DIM, BLOCK_N, PAGE_SIZE, STAGES, BALANCED, GATHER, WINDOW, LOADER_LEAD,
+                       TRACE)),
             (_consumer, (Q, O, LSE, OUT, COUNT, k_smem, k_ready, kv_empty, v_ring, v_ring_ready, v_ring_empty, SEQ_LENS,
                          TILE_SEQ, NUM_TILES, CU_Q, TABLES, K_SCALE, V_SCALE, cap, stride_qt, stride_qh, stride_os,
                          stride_ot, stride_oh, stride_ls, stride_fot, stride_foh, num_heads, num_kv_heads, num_splits,
                          qk_scale, k_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, SPLIT, BALANCED,
                          GROUP_P2, MERGE_PB, SCALE_PTRS, GATHER, VF, x_o, x_ml, x_ready, x_free, CONSUMERS, q_smem,
-                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP)),
+                         p_smem, 0, left, softcap2, WINDOW, SOFTCAP, TRACE)),
         ], [4], [232])
 
 
@@ -806,16 +919,33 @@ def gather_caches(k_cache, v_cache):
     return k_cache, v_cache
 
 
-STAGES = 4  # ring slots of 64 keys, 16-bit caches: the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
+# ring slots of 64 keys, 16-bit caches, each slot refilled once its K and V are both read (LEAD -1; the row
+# gather): the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
+STAGES = 4
+# 16-bit caches copied by pages with the V copies behind K (LEAD >= 1): fewer slots are faster (H200, GQA 32/8, page
+# 16, LEAD 1, % of read bandwidth at B1 L32768 / B16 L4096 / B64 L1024, bench/NOTES.md: 2 slots 80.1 / 90.5 / 89.3,
+# 3 79.9 / 90.8 / 89.0, LEAD 2 with 4 77.3 / 88.3 / 87.5, 5 74.6 / 88.1 / 87.7)
+STAGES_LEAD = 3
 STAGES_D256 = 3  # head dim 256: four 64 KB slots do not fit in shared memory
 # fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q). Two carry a bf16 q's 8 bits and spare the
 # consumers a third of the S dots (H200, GQA 32/8, page 16, two consumers: B=64 L=8192 285 us against 298, B=128
 # L=2048 150 against 158, same error against float64)
 FP8_Q_TERMS_BF16 = 2
+# 16-bit caches copied by pages: the loader's V copies LEAD tiles behind K and a slot's halves freed apart
+# (paged_decode_ws_kernel's LEAD; -1 refills a slot once both halves are read). H200, GQA 32/8, page 16, same run,
+# % of read bandwidth at B1 L32768 / B16 L4096 / B64 L1024 / B64 L8192 / B128 L2048 (bench/NOTES.md): LEAD -1 with
+# 4 slots 78.2 / 88.5 / 87.6 / 96.7 / 94.9, LEAD 1 with 3 slots 79.6 / 90.3 / 88.4 / 98.4 / 96.5
+KV_LEAD = 1
+# key tiles of each program's first unit prefetched into L2 before the PDL wait (paged_decode_ws_kernel's PREFETCH)
+PREFETCH_TILES = 0
+# the register cap of a launch that names none (None: ptxas's own, 255 per thread)
+MAXNREG = None
+
+
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
                      balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None,
-                     softcap=0.0, left=-1):
+                     softcap=0.0, left=-1, lead=None, trace=None, prefetch=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -834,7 +964,9 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     ``pdl``: the kernel's PDL mode (0, 1 or 2, see paged_decode_ws_kernel); nonzero launches with launch_pdl.
     ``consumers``: consumer warp groups (fp8 caches: 1 or 2, default schedule.FP8_CONSUMERS up to groups of 8;
     16-bit caches: 1). ``softcap`` > 0: scores capped as c tanh(s / c); ``left`` >= 0: each query sees its last
-    left + 1 keys (a sliding window; not with ``balanced``)."""
+    left + 1 keys (a sliding window; not with ``balanced``). ``lead``: the kernel's LEAD for 16-bit caches copied by
+    pages (default KV_LEAD; fp8 caches and the row gather take -1). ``trace``: the kernel's TRACE buffer (units mode). ``prefetch``: the kernel's
+    PREFETCH where it applies (PDL on, units mode, TMA pages; default PREFETCH_TILES)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
@@ -843,8 +975,9 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if balanced is not None and left >= 0:
         raise ValueError(f"left must be -1 with balanced (its tables cover every key), got {left}")
+    lead = -1 if fp8 or gather else KV_LEAD if lead is None else lead
     if stages is None:
-        stages = FP8_STAGES if fp8 else STAGES if D <= 128 else STAGES_D256
+        stages = FP8_STAGES if fp8 else STAGES_D256 if D > 128 else STAGES_LEAD if lead >= 1 else STAGES
     if consumers is None:  # two need a padded group of 8: larger q, P^T and hand-off tiles leave no room
         consumers = schedule.FP8_CONSUMERS if fp8 and Hq // Hkv <= 8 else 1
     if consumers not in (1, 2) or (consumers == 2 and not fp8):
@@ -858,7 +991,7 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
                   **_step_consts(Hq // Hkv, D, block_n, kv_dtype),
                   GATHER=gather, KV_LAYOUT=smem_layout(block_n, D, kv_dtype) if gather else None, PDL=pdl,
                   CONSUMERS=consumers, Q_TERMS=FP8_Q_TERMS_BF16 if q.dtype == torch.bfloat16 else 3,
-                  **pdl_options(pdl > 0))
+                  LEAD=lead, TRACE=trace, **pdl_options(pdl > 0))
     sargs = (k_scale, v_scale) if ptrs else (q, q)
     sval = (1.0, 1.0) if ptrs else (float(k_scale), float(v_scale))
     sval = sval + ((descs[0].stride(0), descs[0].stride(1)) if gather else (0, 0))
@@ -874,6 +1007,10 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
             num_warps=4, maxnreg=maxnreg, **scales)
         return
     split = num_splits > 1
+    maxnreg = MAXNREG if maxnreg is None else maxnreg
+    pf = PREFETCH_TILES if prefetch is None else prefetch
+    if pf > 0 and pdl > 0 and not gather:
+        scales.update(PREFETCH=pf, KPTR=descs[0].base, VPTR=descs[1].base)
     paged_decode_ws_kernel[(sms,)](
         q, *descs, out_or_ws, lse_ws if split else q, out_or_ws, num_tiles, page_table,
         seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, *sargs, 0, q.stride(0), q.stride(1),
@@ -905,7 +1042,7 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
                  balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3, window=False,
-                 softcap=False):
+                 softcap=False, lead=None, trace=False, prefetch=0):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -932,6 +1069,16 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
               "STAGES16": FP8_STAGES16,
               **_step_consts(group, head_dim, block_n, _SIG_DTYPES[kv or dtype]), "GATHER": gather,
               "KV_LAYOUT": smem_layout(block_n, head_dim, _SIG_DTYPES[kv or dtype]) if gather else None, "PDL": pdl,
-              "CONSUMERS": consumers, "Q_TERMS": q_terms, "WINDOW": window, "SOFTCAP": softcap}
+              "CONSUMERS": consumers, "Q_TERMS": q_terms, "WINDOW": window, "SOFTCAP": softcap,
+              "LEAD": -1 if kv or gather else KV_LEAD if lead is None else lead}
+    if trace:
+        sig["TRACE"] = "*i64"
+    else:
+        consts["TRACE"] = None
+    consts["PREFETCH"] = prefetch
+    if prefetch:
+        sig.update(KPTR=f"*{kv or dtype}", VPTR=f"*{kv or dtype}")
+    else:
+        consts.update(KPTR=None, VPTR=None)
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

@@ -364,6 +364,16 @@ def test_ws_decode_compiles_for_sm90_without_spills(page_size, head_dim, split, 
                    "trigger": False}
 
 
+@pytest.mark.parametrize("lead, stages", [(-1, 4), (2, 3)])
+def test_ws_decode_loader_orders_compile_without_spills(lead, stages):
+    call = f"paged_ws.compile_sm90(16, 128, stages={stages}, lead={lead})"
+    assert sm90_spill_bytes(call) == 0
+    # LEAD >= 0: a second barrier array frees the V halves (mbarrier inits: K and V ready per slot, one or two
+    # empties per slot, the two consumers' hand-off pair)
+    inits = sm90_compile_text(call, "ptx").count("mbarrier.init")
+    assert inits == (4 if lead >= 0 else 3) * stages + 2, inits
+
+
 @pytest.mark.parametrize("head_dim, split, kv, window, softcap", [
     (256, False, "", True, True), (256, True, "", False, True),  # Gemma-2's shape: D 256, soft cap, windows
     (128, True, "", True, False), (128, True, "fp8e4nv", True, True)])
@@ -442,6 +452,33 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
     assert_close(o, ro, dtype, "o")
     assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
     assert len(launches) == n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead, stages", [(-1, 4), (0, 3), (1, 2), (2, 3), (2, 4)])
+@pytest.mark.parametrize("case", [WS_CASES[i] for i in (0, 1, 4, 6)], ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}")
+def test_ws_decode_loader_orders_gpu(case, lead, stages, device, monkeypatch):
+    # the loader's orders of a 16-bit cache's copies (paged_ws's LEAD: a slot's halves freed together or apart, V
+    # copies up to two tiles behind K, carried across units and pieces) and ring depths down to two slots
+    from llmkernels.attention import paged_ws
+    from llmkernels.attention import plan as plan_mod
+
+    need_sm90()
+    monkeypatch.setattr(paged_ws, "KV_LEAD", lead)
+    monkeypatch.setattr(paged_ws, "STAGES", stages)
+    monkeypatch.setattr(paged_ws, "STAGES_LEAD", stages)
+    launches = _spy_ws(monkeypatch)
+    q_lens, k_lens, ps, Hq, Hkv, D, kw = case
+    q, kc, vc, pt, sl, cq = build(q_lens, k_lens, ps, Hq, Hkv, D, dtype=torch.bfloat16, device=device)
+    if kw.get("balanced"):
+        monkeypatch.setattr(plan_mod, "BALANCE_MIN_SKEW", 0.0)
+    p = lk.plan_paged_attention(cq.cpu(), sl.cpu(), ps, Hq, Hkv, D, q_dtype=q.dtype, kv_dtype=q.dtype, device=device,
+                                num_splits=kw.get("num_splits", 0))
+    out = poison(torch.empty_like(q))
+    lk.paged_attention(q, kc, vc, pt, sl, cq, 1, plan=p, out=out)
+    ref, _ = paged_attention_ref(q, kc, vc, pt, sl, cq)
+    assert_close(out, ref, torch.bfloat16, "o")
+    assert launches, "the call did not take the Gluon kernel"
 
 
 @pytest.mark.gpu
