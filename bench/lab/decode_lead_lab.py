@@ -1,13 +1,12 @@
 """bf16 decode-suite shapes (GQA 32/8, D 128, page 16) with the loader's V copies LEAD tiles behind K (paged_ws's
-LEAD; -1: a slot refilled once both halves are read), other ring depths, PDL modes (paged.WS_PDL) and L2
-prefetches before the PDL wait (paged_ws.PREFETCH_TILES), timed as the decode suite times them (its _case:
-CUDA-graph replays over L2-overflowing copies). Each variant runs every shape twice, with the first variant in
-between, so drift between variants shows.
+LEAD; -1: a slot refilled once both halves are read), other ring depths and PDL modes (paged.WS_PDL), timed as the
+decode suite times them (its _case: CUDA-graph replays over L2-overflowing copies). Each variant runs every shape
+twice, with the first variant in between, so drift between variants shows.
 
-    PYTHONPATH=. python bench/lab/decode_lead_lab.py [LEAD/STAGES[/PDL[/PREFETCH[/MAXNREG]]] ...]   # -1/4 1/3/2/2/128
+    PYTHONPATH=. python bench/lab/decode_lead_lab.py [LEAD/STAGES[/PDL] ...]     # e.g. -1/4 1/3 1/3/2
 
-MAXNREG: paged_ws.MAXNREG (0: none); STAGES sets every 16-bit ring depth (STAGES, STAGES_LEAD, STAGES_D256).
-``--d256``: Gemma-2-9B's attention shape instead (GQA 16/8, D 256).
+STAGES sets every 16-bit ring depth (paged_ws's STAGES, STAGES_LEAD, STAGES_D256). ``--d256``: Gemma-2-9B's
+attention shape instead (GQA 16/8, D 256).
 """
 import sys
 
@@ -21,8 +20,8 @@ from llmkernels.bench.suites import decode as dec
 SHAPES = [(1, 32768), (16, 4096), (64, 1024), (64, 8192), (128, 2048)]
 
 
-def run(ctx, B, L, lead, stages, pdl=1, prefetch=0, maxnreg=0):
-    W.KV_LEAD, PG.WS_PDL, W.PREFETCH_TILES, W.MAXNREG = lead, pdl, prefetch, maxnreg or None
+def run(ctx, B, L, lead, stages, pdl=1):
+    W.KV_LEAD, PG.WS_PDL = lead, pdl
     W.STAGES = W.STAGES_LEAD = W.STAGES_D256 = stages
     try:
         row = dec._case(ctx, B, L, 16, torch.bfloat16)()
@@ -51,7 +50,7 @@ def main():
             table.setdefault((v, B, L), []).extend(got)
             print(f"{'/'.join(map(str, v)):10s} B{B} L{L}: " + " / ".join(f"{p:.1f}% ({n})" for p, n in got),
                   flush=True)
-    print("\nLEAD/STAGES/PDL/PREFETCH/MAXNREG: % of read bandwidth, median of the runs (B1 L32768 / B16 L4096 / B64 L1024 / "
+    print("\nLEAD/STAGES[/PDL]: % of read bandwidth, median of the runs (B1 L32768 / B16 L4096 / B64 L1024 / "
           "B64 L8192 / B128 L2048)")
     for v in variants:
         meds = []

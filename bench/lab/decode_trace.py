@@ -2,7 +2,7 @@
 start, first K tile in, consumer end, loader's last copy) in the decode suite's timing (CUDA-graph replays over
 L2-overflowing copies; the last call of the last replay is read). GQA 32/8, D 128, page 16.
 
-    PYTHONPATH=. python bench/lab/decode_trace.py [LEAD/STAGES[/PDL[/PREFETCH[/MAXNREG]]] ...]   # e.g. -1/4 1/3/2/2/128
+    PYTHONPATH=. python bench/lab/decode_trace.py [LEAD/STAGES[/PDL] ...]     # e.g. -1/4 1/3 1/3/2
 """
 import sys
 
@@ -18,7 +18,7 @@ SHAPES = [(1, 32768), (16, 4096), (64, 1024)]
 
 
 def main():
-    variants = [tuple(int(x) for x in a.split("/")) for a in sys.argv[1:]] or [(-1, 4), (2, 3)]
+    variants = [tuple(int(x) for x in a.split("/")) for a in sys.argv[1:]] or [(-1, 4), (1, 3)]
     dec._sdpa_graph_ms = lambda q, kvs: None
     bw = measure_read_bandwidth()
     print(f"read bandwidth {bw:.3f} TB/s", flush=True)
@@ -27,8 +27,8 @@ def main():
     launch = W.launch_decode_ws
     W.launch_decode_ws = lambda *a, **k: launch(*a, **k, trace=trace)
     for v in variants:
-        lead, stages, pdl, prefetch, maxnreg = v + (1, 0, 0)[len(v) - 2:]
-        W.KV_LEAD, PG.WS_PDL, W.PREFETCH_TILES, W.MAXNREG = lead, pdl, prefetch, maxnreg or None
+        lead, stages, pdl = v + (1,)[len(v) - 2:]
+        W.KV_LEAD, PG.WS_PDL = lead, pdl
         W.STAGES = W.STAGES_LEAD = W.STAGES_D256 = stages
         for B, L in SHAPES:
             trace.zero_()

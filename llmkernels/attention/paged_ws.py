@@ -59,36 +59,6 @@ def _now():
 
 
 @gluon.jit
-def _prefetch_l2(ptrs, nbytes):
-    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from each of ptrs (16-byte aligned): no data moves
-    into the SM, so it may run before the PDL wait."""
-    return gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                     [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_first(KP, VP, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES, stride_pt, num_kv_heads, num_pages,
-                    num_splits, left, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                    TILES: gl.constexpr, WINDOW: gl.constexpr):
-    """L2 prefetches of the first TILES key tiles (K and V rows of this program's first unit), issued before the
-    PDL wait so that they stream while the previous kernel finishes and the first TMA copies after the wait hit L2.
-    The plan's tables and the page table come from host copies, not from the kernel before; the page ids are
-    clamped into the cache, so even a stale value only prefetches the wrong rows."""
-    pid = gl.program_id(0)
-    if pid < gl.load(NUM_TILES) * num_kv_heads * num_splits:
-        b, hk, _, lo, hi = _unit(pid, TILE_SEQ, SEQ_LENS, num_kv_heads, num_splits, left, BLOCK_N, WINDOW)
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        key = lo + gl.arange(0, TILES * BLOCK_N, layout=layout)
-        key = gl.where(key < hi, key, lo)
-        page = gl.load(PAGE_TABLE + b.to(gl.int64) * stride_pt + key // PAGE_SIZE)
-        page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
-        off = (page.to(gl.int64) * PAGE_SIZE + key % PAGE_SIZE) * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
-        nbytes = gl.full([TILES * BLOCK_N], HEAD_DIM * KP.dtype.element_ty.primitive_bitwidth // 8, gl.int32, layout)
-        _prefetch_l2(KP + off, nbytes)
-        _prefetch_l2(VP + off, nbytes)
-
-
-@gluon.jit
 def _key_range(k_len, split, num_splits, left, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     """(first key, last key + 1) of split ``split`` of a sequence of k_len keys: whole key tiles, from key 0 or, with
     WINDOW, from the tile holding the window's first key k_len - 1 - left (its earlier keys are masked, _softmax)."""
@@ -164,13 +134,14 @@ def _piece(g, g1, ti, CU_T, num_kv_heads):
 
 
 @gluon.jit
-def _issue_tile(desc, smem, ready, empty, rows, col, c, sub, STAGES: gl.constexpr):
+def _issue_tile(desc, smem, ready, empty, rows, col, c, sub, STAGES: gl.constexpr, WAIT: gl.constexpr = True):
     """TMA copies of one K or V tile (the sub-tiles of ROWS cache rows from rows[r], head column col) into ring
-    slot c % STAGES, once its reader has freed that half of the slot."""
+    slot c % STAGES, once its reader has freed that half of the slot (WAIT; else the caller has waited)."""
     ROWS: gl.constexpr = desc.block_type.shape[0]
     NSUB: gl.constexpr = sub.shape[0]
     s = c % STAGES
-    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+    if WAIT:
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(s), NSUB * desc.block_type.nbytes)
     for r in gl.static_range(NSUB):
         row = gl.sum(gl.where(sub == r, rows, 0), axis=0)
@@ -193,8 +164,8 @@ def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
         # the next tile's page ids load while this tile's copies are issued (used one iteration later)
         nxt = _page_rows(pt_row, start + BLOCK_N, n_pages, num_pages, PAGE_SIZE, NSUB, ROWS, sub_layout)
         _issue_tile(desc_k, k_smem, k_ready, k_empty, rows, col, c, sub, STAGES)
-        if LEAD <= 0:
-            _issue_tile(desc_v, v_smem, v_ready, v_empty, rows, col, c, sub, STAGES)
+        if LEAD <= 0:  # -1: one barrier frees the whole slot, waited for above
+            _issue_tile(desc_v, v_smem, v_ready, v_empty, rows, col, c, sub, STAGES, LEAD == 0)
         elif LEAD == 1:
             if c >= 1:
                 _issue_tile(desc_v, v_smem, v_ready, v_empty, r1, c1, c - 1, sub, STAGES)
@@ -214,10 +185,12 @@ def _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
 
 @gluon.jit
 def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row, col, lo, hi, c, stride_kp, stride_ks,
-                 g_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+                 g_layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 APART: gl.constexpr):
     """GATHER (page sizes TMA cannot copy by pages, e.g. 1 or 3): every loader thread copies its 16-byte pieces of
     each K and V tile of keys [lo, hi) with cp.async, one cache row per key, and arrives on the slot's barrier when
-    its copies land (the barriers count every loader thread). Keys from hi on are zero-filled."""
+    its copies land (the barriers count every loader thread). Keys from hi on are zero-filled. APART: the slot's
+    halves are freed apart (k_empty, v_empty), else k_empty frees both."""
     VEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
     cols = gl.max_contiguous(gl.multiple_of(col + gl.arange(0, k_smem.shape[2], layout=gl.SliceLayout(0, g_layout)),
@@ -238,7 +211,8 @@ def _gather_keys(K, V, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_ro
         mbarrier.wait(k_empty.index(s), ((c // STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(k_smem.index(s), K + off, mask=m2)
         async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
-        mbarrier.wait(v_empty.index(s), ((c // STAGES) & 1) ^ 1)
+        if APART:
+            mbarrier.wait(v_empty.index(s), ((c // STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(v_smem.index(s), V + off, mask=m2)
         async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
         key, ok, page = nkey, nok, npage
@@ -258,7 +232,7 @@ def _copy_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
         TPR: gl.constexpr = k_smem.shape[2] // VEC
         g_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
         c = _gather_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row, col, lo, hi, c,
-                         stride_kp, stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES)
+                         stride_kp, stride_ks, g_layout, BLOCK_N, PAGE_SIZE, STAGES, LEAD >= 0)
     else:
         c, r1, c1, r2, c2 = _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pt_row,
                                        (k_len + PAGE_SIZE - 1) // PAGE_SIZE, col, lo, hi, c, num_pages, sub, r1, c1,
@@ -747,7 +721,7 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
                            Q_LAYOUT: gl.constexpr = None, P_LAYOUT: gl.constexpr = None, GATHER: gl.constexpr = False,
                            KV_LAYOUT: gl.constexpr = None, PDL: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1,
                            Q_TERMS: gl.constexpr = 3, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-                           LEAD: gl.constexpr = -1, TRACE=None, PREFETCH: gl.constexpr = 0, KPTR=None, VPTR=None):
+                           LEAD: gl.constexpr = -1, TRACE=None):
     """Units mode (BALANCED off): with SPLIT, O / LSE take float32 partials for combine_kernel (OUT and COUNT are
     unused). BALANCED: each program takes its range of key tiles (TABLES: ``balanced_tables`` for
     ``cap`` tiles); O / LSE are [2 * grid, Hq, D] / [2 * grid, Hq] partial slots, OUT the output, COUNT the
@@ -772,9 +746,6 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     16-bit caches: LEAD -1, a slot is refilled once both its K and V are read; LEAD >= 0, its K and V halves are
     freed and refilled apart, and with TMA pages each V copy is issued LEAD tiles after its K copy (_load_keys).
 
-    PREFETCH (PDL > 0, units mode, TMA pages): before the PDL wait, L2 prefetches of the first PREFETCH key tiles
-    of each program's first unit from the caches KPTR / VPTR (_prefetch_first).
-
     TRACE (int64 [grid, 4], units mode, for bench/lab): each program's global-timer ns at its consumer's start, its
     first K tile's arrival, its consumer's end and its loader's last copy."""
     dtype: gl.constexpr = desc_k.dtype.element_ty if GATHER else desc_k.dtype
@@ -791,7 +762,8 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     # 16-bit caches with LEAD >= 0: a slot's K and V halves are freed apart (kv_empty frees K, v_free V); else
     # kv_empty counts both readers (fp8: the consumer's K dots and the converter's widening of V)
     SEPARATE: gl.constexpr = LEAD >= 0 and not FP8
-    LOADER_LEAD: gl.constexpr = LEAD if SEPARATE and not GATHER else 0  # V copies LEAD tiles behind K (_load_keys)
+    # the loader's LEAD (_load_keys): V copies LEAD tiles behind K; 0 waits for each half apart, -1 once per slot
+    LOADER_LEAD: gl.constexpr = (0 if GATHER else LEAD) if SEPARATE else -1
     READY: gl.constexpr = 32 * gl.num_warps() if GATHER else 1  # GATHER: every loader thread arrives
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=READY)
@@ -804,10 +776,6 @@ def paged_decode_ws_kernel(Q, desc_k, desc_v, O, LSE, OUT, COUNT, PAGE_TABLE, SE
     else:
         v_free = kv_empty
     dtype16: gl.constexpr = gl.float16 if FP8 else dtype
-    if PREFETCH > 0:
-        gl.static_assert(PDL > 0 and not BALANCED and not GATHER, "PREFETCH runs before the PDL wait of units mode")
-        _prefetch_first(KPTR, VPTR, PAGE_TABLE, SEQ_LENS, TILE_SEQ, NUM_TILES, stride_pt, num_kv_heads, num_pages,
-                        num_splits, left, HEAD_DIM, BLOCK_N, PAGE_SIZE, PREFETCH, WINDOW)
     if PDL > 0:
         gdc_wait()
     if PDL > 1:
@@ -936,16 +904,12 @@ FP8_Q_TERMS_BF16 = 2
 # % of read bandwidth at B1 L32768 / B16 L4096 / B64 L1024 / B64 L8192 / B128 L2048 (bench/NOTES.md): LEAD -1 with
 # 4 slots 78.2 / 88.5 / 87.6 / 96.7 / 94.9, LEAD 1 with 3 slots 79.6 / 90.3 / 88.4 / 98.4 / 96.5
 KV_LEAD = 1
-# key tiles of each program's first unit prefetched into L2 before the PDL wait (paged_decode_ws_kernel's PREFETCH)
-PREFETCH_TILES = 0
-# the register cap of a launch that names none (None: ptxas's own, 255 per thread)
-MAXNREG = None
 
 
 def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqlens_q, tile_seq, num_tiles,
                      num_pages, page_size, num_splits, qk_scale, sms, block_n=64, stages=None, out=None, counters=None,
                      balanced=None, k_scale=1.0, v_scale=1.0, maxnreg=None, gather=False, pdl=0, consumers=None,
-                     softcap=0.0, left=-1, lead=None, trace=None, prefetch=None):
+                     softcap=0.0, left=-1, lead=None, trace=None):
     """One persistent launch over every (tile, KV head, split) unit; with num_splits > 1 it writes the float32
     partials of ``out_or_ws`` [splits, tokens, Hq, D] and ``lse_ws`` [splits, tokens, Hq], which the caller merges
     with combine_kernel.
@@ -965,8 +929,7 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     ``consumers``: consumer warp groups (fp8 caches: 1 or 2, default schedule.FP8_CONSUMERS up to groups of 8;
     16-bit caches: 1). ``softcap`` > 0: scores capped as c tanh(s / c); ``left`` >= 0: each query sees its last
     left + 1 keys (a sliding window; not with ``balanced``). ``lead``: the kernel's LEAD for 16-bit caches copied by
-    pages (default KV_LEAD; fp8 caches and the row gather take -1). ``trace``: the kernel's TRACE buffer (units mode). ``prefetch``: the kernel's
-    PREFETCH where it applies (PDL on, units mode, TMA pages; default PREFETCH_TILES)."""
+    pages (default KV_LEAD; fp8 caches and the row gather take -1). ``trace``: the kernel's TRACE buffer (units mode)."""
     import torch
 
     Hq, D = q.shape[1], q.shape[2]
@@ -1007,10 +970,6 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
             num_warps=4, maxnreg=maxnreg, **scales)
         return
     split = num_splits > 1
-    maxnreg = MAXNREG if maxnreg is None else maxnreg
-    pf = PREFETCH_TILES if prefetch is None else prefetch
-    if pf > 0 and pdl > 0 and not gather:
-        scales.update(PREFETCH=pf, KPTR=descs[0].base, VPTR=descs[1].base)
     paged_decode_ws_kernel[(sms,)](
         q, *descs, out_or_ws, lse_ws if split else q, out_or_ws, num_tiles, page_table,
         seq_lens, cu_seqlens_q, tile_seq, num_tiles, num_tiles, *sargs, 0, q.stride(0), q.stride(1),
@@ -1042,7 +1001,7 @@ def _merge_pb(group: int, head_dim: int) -> int:
 
 def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, split=False, dtype="bf16",
                  balanced=False, kv="", scale_ptrs=False, gather=None, pdl=0, consumers=1, q_terms=3, window=False,
-                 softcap=False, lead=None, trace=False, prefetch=0):
+                 softcap=False, lead=None, trace=False):
     """paged_decode_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); ``kv`` "fp8e4nv" or
     "fp8e5" for an fp8 cache (q is ``dtype``); ``gather``: the cp.async loader (GATHER; by default where the page
     size asks for it)."""
@@ -1075,10 +1034,6 @@ def compile_sm90(page_size=16, head_dim=128, group=4, block_n=64, stages=3, spli
         sig["TRACE"] = "*i64"
     else:
         consts["TRACE"] = None
-    consts["PREFETCH"] = prefetch
-    if prefetch:
-        sig.update(KPTR=f"*{kv or dtype}", VPTR=f"*{kv or dtype}")
-    else:
-        consts.update(KPTR=None, VPTR=None)
+
     return _compile_sm90(paged_decode_ws_kernel, sig, consts,
                          aligned=("desc_k", "desc_v", "stride_kp", "stride_ks") if gather else ())

@@ -156,6 +156,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def tree_changed() -> bool:
+    """Whether the tracked files differ from the commit git_commit names (a run of uncommitted code)."""
+    if os.environ.get("LLMK_COMMIT"):
+        return False
+    try:
+        out = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                      stderr=subprocess.DEVNULL, cwd=Path(__file__).parent)
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return bool(out.strip())
+
+
 def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: list[str], path: Path | None = None
                   ) -> Path:
     """Write the results file (a new name from the time and suites, or ``path``: the same file rewritten as a run
@@ -168,6 +180,7 @@ def write_results(rows: list[Row], ctx: Context, out_dir: str | Path, suites: li
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": git_commit(),
+        **({"tree_changed": True} if tree_changed() else {}),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "read_bandwidth_TBps": round(ctx.read_bw_TBps, 4),
         "copy_bandwidth_TBps": round(ctx.copy_bw_TBps, 4),

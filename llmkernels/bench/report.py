@@ -90,7 +90,9 @@ def _table(rows) -> list:
 
 
 def _source(name: str, doc: dict) -> str:
-    return (f"`{name}`: commit {str(doc.get('commit', '?'))[:10]}, {doc.get('date', '?')}, "
+    changed = " with uncommitted changes" + (f" ({doc['tree_note']})" if doc.get("tree_note") else "") \
+        if doc.get("tree_changed") else ""
+    return (f"`{name}`: commit {str(doc.get('commit', '?'))[:10]}{changed}, {doc.get('date', '?')}, "
             f"torch {doc.get('torch', '?')}, triton {doc.get('triton', '?')}, "
             f"read bandwidth {doc.get('read_bandwidth_TBps', 0):.3f} TB/s")
 

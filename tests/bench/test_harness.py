@@ -91,6 +91,20 @@ def test_report_from_committed_results(tmp_path):
     assert out.read_text() == text
 
 
+def test_report_names_runs_of_uncommitted_code(tmp_path, monkeypatch):
+    import llmkernels.bench.harness as H
+    from llmkernels.bench.report import render
+
+    monkeypatch.setattr(H, "tree_changed", lambda: True)
+    ctx = Context(read_bw_TBps=3.0, copy_bw_TBps=2.9, matmul_TFLOPs=700.0)
+    path = write_results([Row("decode", "B1 L32768 page16 bf16", "TB/s", 2.4, 80.0, {})], ctx, tmp_path, ["decode"])
+    doc = json.loads(path.read_text())
+    assert doc["tree_changed"] is True
+    doc["gpu"] = "NVIDIA G"
+    path.write_text(json.dumps(dict(doc, tree_note="the kernel of abc1234")))
+    assert "with uncommitted changes (the kernel of abc1234)" in render(tmp_path)
+
+
 def test_report_merges_case_limited_runs(tmp_path):
     """A run limited with -k updates only its rows: the older whole run's other rows stay, marked rows name their file;
     a later whole run replaces everything."""
