@@ -6,8 +6,10 @@ partitions of the program walk the same list:
 
 - the loader (default partition, 4 warps, one thread issuing) reads each tile's page ids one tile ahead and copies
   K and V pages with TMA into a ring of STAGES slots of BLOCK_N keys (``k_ready`` / ``v_ready`` with transaction
-  counts, ``kv_empty`` once both readers of the slot, K's and V's, are done). It runs ahead across unit
-  boundaries, so the next unit's first pages are in flight while this one finishes: no per-unit pipeline fill;
+  counts). With 16-bit caches a slot's K and V halves are freed apart and each V copy goes one tile after its K
+  copy (LEAD), the order the consumer reads them in; fp8 caches free a slot once both readers are done. It runs
+  ahead across unit boundaries, so the next unit's first pages are in flight while this one finishes: no per-unit
+  pipeline fill;
 - the consumer (one warp group): the products transposed, S^T = K Q^T and O^T = V^T P^T with wgmma (keys and head
   dims as M, the GROUP query heads padded to a multiple of 8 as N, so the softmax runs on [64 keys, 8] for GROUP 4
   instead of [64 padded heads, 64 keys]), software-pipelined so that each tile's softmax runs beside the previous
