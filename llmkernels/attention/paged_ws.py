@@ -892,19 +892,17 @@ def gather_caches(k_cache, v_cache):
 # ring slots of 64 keys, 16-bit caches, each slot refilled once its K and V are both read (LEAD -1; the row
 # gather): the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
 STAGES = 4
-# 16-bit caches copied by pages with the V copies behind K (LEAD >= 1): fewer slots are faster (H200, GQA 32/8, page
-# 16, LEAD 1, % of read bandwidth at B1 L32768 / B16 L4096 / B64 L1024, bench/NOTES.md: 2 slots 80.1 / 90.5 / 89.3,
-# 3 79.9 / 90.8 / 89.0, LEAD 2 with 4 77.3 / 88.3 / 87.5, 5 74.6 / 88.1 / 87.7)
+# 16-bit caches copied by pages with the V copies behind K (LEAD >= 1): on the H200 three slots and two ran alike,
+# four and five slower (bench/NOTES.md)
 STAGES_LEAD = 3
 STAGES_D256 = 3  # head dim 256: four 64 KB slots do not fit in shared memory
 # fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q). Two carry a bf16 q's 8 bits and spare the
 # consumers a third of the S dots (H200, GQA 32/8, page 16, two consumers: B=64 L=8192 285 us against 298, B=128
 # L=2048 150 against 158, same error against float64)
 FP8_Q_TERMS_BF16 = 2
-# 16-bit caches copied by pages: the loader's V copies LEAD tiles behind K and a slot's halves freed apart
-# (paged_decode_ws_kernel's LEAD; -1 refills a slot once both halves are read). H200, GQA 32/8, page 16, same run,
-# % of read bandwidth at B1 L32768 / B16 L4096 / B64 L1024 / B64 L8192 / B128 L2048 (bench/NOTES.md): LEAD -1 with
-# 4 slots 78.2 / 88.5 / 87.6 / 96.7 / 94.9, LEAD 1 with 3 slots 79.6 / 90.3 / 88.4 / 98.4 / 96.5
+# 16-bit caches copied by pages: the loader's V copies LEAD tiles behind K, a slot's halves freed apart
+# (paged_decode_ws_kernel's LEAD): 1 with three slots ran 1-2% faster than -1 with four at every decode-suite shape
+# on the H200, 2 no faster (bench/NOTES.md)
 KV_LEAD = 1
 
 
