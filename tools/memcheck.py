@@ -71,7 +71,7 @@ def ws_decode_cases(dev="cuda"):
     schedule.FP8_CONSUMERS = shipped
     # the loader's other orders of a 16-bit cache's copies (paged_ws's LEAD) and ring depths
     lead, stages = paged_ws.KV_LEAD, paged_ws.STAGES_LEAD
-    for paged_ws.KV_LEAD, paged_ws.STAGES_LEAD in ((-1, stages), (2, 3), (1, 2)):
+    for paged_ws.KV_LEAD, paged_ws.STAGES_LEAD in ((-1, stages), (2, 3), (1, 4)):
         _ws_decode_cases(dev, bf16_only=True)
     paged_ws.KV_LEAD, paged_ws.STAGES_LEAD = lead, stages
 

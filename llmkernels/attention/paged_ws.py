@@ -892,8 +892,8 @@ def gather_caches(k_cache, v_cache):
 # ring slots of 64 keys, 16-bit caches, each slot refilled once its K and V are both read (LEAD -1; the row
 # gather): the step holds up to three (H100, B=16 L=4096: 3 are 8% slower)
 STAGES = 4
-# 16-bit caches copied by pages with the V copies behind K (LEAD >= 1): on the H200 three slots and two ran alike,
-# four and five slower (bench/NOTES.md)
+# 16-bit caches copied by pages with the V copies behind K (LEAD >= 1): on the H200 three slots ran faster than four
+# or five (bench/NOTES.md; fewer than three is raised to three, below)
 STAGES_LEAD = 3
 STAGES_D256 = 3  # head dim 256: four 64 KB slots do not fit in shared memory
 # fp8 caches: e4m3 terms of a bf16 q (fp16 q takes 3; see _stage_q). Two carry a bf16 q's 8 bits and spare the
@@ -938,6 +938,9 @@ def launch_decode_ws(q, descs, out_or_ws, lse_ws, page_table, seq_lens, cu_seqle
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if balanced is not None and left >= 0:
         raise ValueError(f"left must be -1 with balanced (its tables cover every key), got {left}")
+    if lead is not None and lead not in (-1, 0, 1, 2):
+        raise ValueError(f"lead must be -1, 0, 1 or 2 (V copies that many tiles behind K; -1: slots refilled whole), "
+                         f"got {lead!r}")
     lead = -1 if fp8 or gather else KV_LEAD if lead is None else lead
     if stages is None:
         stages = FP8_STAGES if fp8 else STAGES_D256 if D > 128 else STAGES_LEAD if lead >= 1 else STAGES

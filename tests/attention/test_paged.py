@@ -395,6 +395,17 @@ def test_ws_decode_launch_refuses_a_window_with_the_balanced_split():
                                   balanced=(None, 1), gather=True, left=10)
 
 
+@pytest.mark.parametrize("lead", [3, -2, 1.5])
+def test_ws_decode_launch_refuses_an_unknown_lead(lead):
+    from llmkernels.attention import paged_ws
+
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 1, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="lead must be -1, 0, 1 or 2"):
+        paged_ws.launch_decode_ws(q, (kc, kc), None, None, None, None, None, None, None, 4, 1, 1, 1.0, 132,
+                                  gather=True, lead=lead)
+
+
 def test_ws_plan_takes_head_dim_256_with_16_bit_caches_only(monkeypatch):
     from llmkernels.attention import plan as plan_mod
     from llmkernels.attention import prefill
@@ -455,11 +466,11 @@ def test_ws_decode_gpu(case, dtype, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lead, stages", [(-1, 4), (0, 3), (1, 2), (2, 3), (2, 4)])
+@pytest.mark.parametrize("lead, stages", [(-1, 4), (0, 3), (1, 3), (1, 4), (2, 3), (2, 4)])
 @pytest.mark.parametrize("case", [WS_CASES[i] for i in (0, 1, 4, 6)], ids=lambda c: f"k{c[1][:3]}p{c[2]}H{c[3]}/{c[4]}")
 def test_ws_decode_loader_orders_gpu(case, lead, stages, device, monkeypatch):
     # the loader's orders of a 16-bit cache's copies (paged_ws's LEAD: a slot's halves freed together or apart, V
-    # copies up to two tiles behind K, carried across units and pieces) and ring depths down to two slots
+    # copies up to two tiles behind K, carried across units and pieces) and ring depths of three and four slots
     from llmkernels.attention import paged_ws
     from llmkernels.attention import plan as plan_mod
 
