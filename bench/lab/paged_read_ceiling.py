@@ -1,15 +1,19 @@
 """The read ceiling of the decode suite's shapes (GQA 32/8, D=128, page 16, randomly permuted page table): a
 persistent Gluon kernel (one program per SM) that only copies K and V with TMA into a ring of shared-memory slots
-and waits for them, no attention. Three orders of the same bytes, the same [16, 128] TMA boxes:
+and waits for them, no attention. Four orders of the same bytes, the same [16, 128] TMA boxes:
 
 - m0: units (sequence, kv head[, split]), 64-key tiles of one head = 4 pages: what paged_ws's loader reads;
 - m1: units (sequence, split), tiles of one page of all 8 kv heads (16 contiguous rows of Hkv * D);
-- m2: K / V contiguous as [B, Hkv, L, D] (the layout the SDPA cuDNN anchor reads), units as m0.
+- m2: K / V contiguous as [B, Hkv, L, D] (the layout the SDPA cuDNN anchor reads), units as m0;
+- m3: units (sequence, pair of kv heads[, split]), 64-key tiles of both heads (each page's two boxes issued back to
+  back): the bytes of a 16-bit m0 tile for a one-byte cache.
 
 Graph-timed over L2-overflowing copies; % of the read bandwidth measured in the same run. With ``attn``, each shape
 also runs the bench's decode case (paged_attention through a plan, and SDPA cuDNN on contiguous bf16 K/V).
 
-    PYTHONPATH=. python bench/lab/paged_read_ceiling.py [attn]
+    PYTHONPATH=. python bench/lab/paged_read_ceiling.py [attn] [fp8] [mMODE/STAGES[/STAGES...] ...]   # m0/4 m3/3/4
+
+``fp8``: only the one-byte cache.
 """
 import sys
 import torch
@@ -45,6 +49,13 @@ def _issue(i, desc_k, desc_v, k_smem, v_smem, ready, PT, pid, P, T, pps, L, S,
             pg = sp * T + t
             row = gl.load(PT + b * pps + pg) * 16
             col = r * D
+        elif MODE == 3:  # NCOPY = 2 heads x 4 pages
+            b = u // (HKV // 2 * S)
+            h = 2 * ((u // S) % (HKV // 2)) + r % 2
+            sp = u % S
+            pg = (sp * T + t) * (NCOPY // 2) + r // 2
+            row = gl.load(PT + b * pps + pg) * 16
+            col = h * D
         else:
             b = u // (HKV * S)
             h = (u // S) % HKV
@@ -82,7 +93,7 @@ def read_kernel(desc_k, desc_v, PT, n_units, T, pps, L, S, MODE: gl.constexpr, N
 
 def case(B, L, dtype, mode, stages, splits):
     pps = L // 16
-    ncopy = 8 if mode == 1 else 4
+    ncopy = 8 if mode in (1, 3) else 4
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_bytes = 2 * B * L * HKV * D * elem
     n = copies_for(kv_bytes, most=4)
@@ -103,6 +114,9 @@ def case(B, L, dtype, mode, stages, splits):
         if mode == 1:
             n_units = B * splits
             T = pps // splits
+        elif mode == 3:
+            n_units = B * HKV // 2 * splits
+            T = pps // 4 // splits
         else:
             n_units = B * HKV * splits
             T = pps // ncopy // splits
@@ -119,12 +133,14 @@ def main():
     bw = measure_read_bandwidth()
     print(f"read bandwidth {bw:.3f} TB/s", flush=True)
     shapes = [(1, 32768, 16), (16, 4096, 1), (64, 1024, 1), (64, 8192, 1), (128, 2048, 1)]
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "fp8")):
+    dtypes = ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "fp8"))
+    modes = [(int(m[1]), tuple(int(x) for x in m.split("/")[1:])) for m in sys.argv[1:] if m[0] == "m"]
+    for dtype, name in dtypes[1:] if "fp8" in sys.argv else dtypes:
         for B, L, sp in shapes:
             res = []
-            for mode, stages_list in ((0, (4, 6)), (2, (4, 6)), (1, (2, 3))):
+            for mode, stages_list in modes or ((0, (4, 6)), (2, (4, 6)), (1, (2, 3)), (3, (3, 4))):
                 for st in stages_list:
-                    s = sp if mode != 1 else sp * HKV
+                    s = sp * HKV if mode == 1 else sp * 2 if mode == 3 and B * HKV // 2 * sp < 128 else sp
                     if mode == 1 and B * s < 128:
                         s = max(s, 128 // B)
                     try:
