@@ -6,7 +6,7 @@ split, timed as the decode suite times them (its _case: CUDA-graph replays over 
 STAGES: slots of 64 keys (K and V) in paged_ws's ring; "splits N": a fixed num_splits; "balanced": the balanced
 split forced (plan.BALANCE_MIN_SKEW = 0).
 """
-import sys, torch
+import torch
 from llmkernels.bench.harness import measure_read_bandwidth
 from llmkernels.bench.suites import decode as dec
 import llmkernels.attention.plan as P

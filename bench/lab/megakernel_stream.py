@@ -10,7 +10,10 @@ Beside it, in the same process: the same chain as cuBLAS GEMVs (torch.mv, SiLU-m
 graph, and the read bandwidth. Every op's output is checked against float32 products of the kernel's own inputs.
 
     PYTHONPATH=. python bench/lab/megakernel_stream.py [--layers 32] [--rows 16] [--stages 16] [--warps 4,8]
-                                                  [--modes 0,1,2] [--contig 0,1] [--contig-stages 32]
+                                                  [--modes 0,1,2] [--contig 0,1] [--contig-stages 32] [--xs 1,0]
+
+``--xs 1``: each op's input staged in shared memory once per op (float32, GLU applied), the products' input chunks
+then read from there, not from L2 through loop-carried registers.
 """
 import argparse
 
@@ -97,10 +100,33 @@ def _x_chunk(row, kc, K, glu, layout: gl.constexpr):
 
 
 @gluon.jit
-def _compute(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS: gl.constexpr,
-             STAGES: gl.constexpr, MODE: gl.constexpr):
+def _stage_x(x_smem, row, K, glu, layout: gl.constexpr):
+    """The op's whole input, float32 (GLU applied), into x_smem ([64, 256], one 256-wide chunk per row) in pieces
+    of 16 chunks: each piece's loads are issued together, so an op pays one L2 round trip per piece instead of one
+    per product step."""
+    X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xs = x_smem._reinterpret(gl.float32, [4, 16, BK], X3)
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+    k = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    nk = K // BK
+    gl.thread_barrier()  # every warp is past its reads of the op before
+    for p in range(0, nk, 16):
+        offs = (p + r)[:, None] * BK + k[None, :]
+        m = (p + r < nk)[:, None] & (k < BK)[None, :]
+        a = gl.load(row + offs, mask=m, other=0.0).to(gl.float32)
+        if glu != 0:
+            u = gl.load(row + UP + offs, mask=m, other=0.0).to(gl.float32)
+            a = a / (1.0 + gl.exp(-a)) * u
+        xs.index(p // 16).store(a)
+    gl.thread_barrier()  # the whole input is in shared memory before any warp reads it
+
+
+@gluon.jit
+def _compute(w_smem, x_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS: gl.constexpr,
+             STAGES: gl.constexpr, MODE: gl.constexpr, XS: gl.constexpr):
     """MODE 0: the chain. 1: slots freed as they land, no products and no input loads (what the loader alone
-    streams in this structure). 2: products without waiting on the counters (no op boundaries)."""
+    streams in this structure). 2: products without waiting on the counters (no op boundaries). XS: the op's
+    input staged in shared memory once per op (_stage_x), not from L2 through loop-carried registers."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [ROWS, 256]: warps by rows
     XK: gl.constexpr = gl.SliceLayout(0, L)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
@@ -119,25 +145,32 @@ def _compute(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, S
         if op != cur:
             if (op > 0) & (MODE == 0):  # every tile of the op before: its output is this op's input
                 _wait_op(OPS, CNT, ERR, op, SPIN)
-            # the input's 256-column chunks come from L2 four chunks ahead of their products, across the op's
-            # tiles here (the last chunks of a tile prefetch the next tile's first)
             xrow = ACT + op.to(gl.int64) * act_stride
-            x0 = _x_chunk(xrow, 0, K, glu, XK)
-            x1 = _x_chunk(xrow, 1, K, glu, XK)
-            x2 = _x_chunk(xrow, 2, K, glu, XK)
-            x3 = _x_chunk(xrow, 3, K, glu, XK)
+            if XS:
+                if MODE != 1:
+                    _stage_x(x_smem, xrow, K, glu, L)
+            else:
+                # the input's 256-column chunks come from L2 four chunks ahead of their products, across the
+                # op's tiles here (the last chunks of a tile prefetch the next tile's first)
+                x0 = _x_chunk(xrow, 0, K, glu, XK)
+                x1 = _x_chunk(xrow, 1, K, glu, XK)
+                x2 = _x_chunk(xrow, 2, K, glu, XK)
+                x3 = _x_chunk(xrow, 3, K, glu, XK)
             cur = op
         nk = K // BK  # even (K is 4096 or 14336): two slots per step, one barrier for both
         acc = gl.zeros([ROWS, BK], gl.float32, L)
         for kc in range(0, nk, 2):
             a4 = kc + 4
             a4 = gl.where(a4 >= nk, a4 - nk, a4)
-            if MODE == 1:
+            if (MODE == 1) | XS:
                 x4 = x0
                 x5 = x1
             else:
                 x4 = _x_chunk(xrow, a4, K, glu, XK)
                 x5 = _x_chunk(xrow, a4 + 1, K, glu, XK)
+            if XS:  # ahead of the waits: they do not depend on the slots
+                x0 = x_smem.index(kc).load(XK)
+                x1 = x_smem.index(kc + 1).load(XK)
             s0 = c % STAGES
             s1 = (c + 1) % STAGES
             mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -152,7 +185,8 @@ def _compute(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, S
                 mbarrier.arrive(empty.index(s0), count=1)
                 mbarrier.arrive(empty.index(s1), count=1)
                 acc += w0 * x0[None, :] + w1 * x1[None, :]
-            x0, x1, x2, x3 = x2, x3, x4, x5
+            if not XS:
+                x0, x1, x2, x3 = x2, x3, x4, x5
             c += 2
         y = gl.sum(acc, axis=1)
         gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + rows, y.to(ACT.dtype.element_ty))
@@ -179,12 +213,15 @@ def _x_block(row, q, glu, layout: gl.constexpr, SUB: gl.constexpr):
 
 
 @gluon.jit
-def _compute_contig(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS: gl.constexpr,
-                    STAGES: gl.constexpr, MODE: gl.constexpr):
+def _compute_contig(w_smem, x_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN,
+                    ROWS: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr, XS: gl.constexpr):
     """The products of CONTIG tiles: each slot is SUB 256-wide pieces of one weight row (K / 256 / SUB slots a
-    row), its input pieces from L2 two slots ahead; a row's dot is summed after its last slot. MODE as _compute."""
+    row), its input pieces from L2 two slots ahead (XS: from shared memory, staged once per op); a row's dot is
+    summed after its last slot. MODE as _compute."""
     SUB: gl.constexpr = w_smem.shape[1]
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [SUB, 256]
+    XB: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xb = x_smem._reinterpret(gl.float32, [64 // SUB, SUB, BK], XB)
     c = 0
     cur = -1
     done = 0
@@ -200,15 +237,21 @@ def _compute_contig(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_st
             if (op > 0) & (MODE == 0):  # every tile of the op before: its output is this op's input
                 _wait_op(OPS, CNT, ERR, op, SPIN)
             xrow = ACT + op.to(gl.int64) * act_stride
-            x0 = _x_block(xrow, 0, glu, L, SUB)
-            x1 = _x_block(xrow, 1 % spr, glu, L, SUB)
+            if XS:
+                if MODE != 1:
+                    _stage_x(x_smem, xrow, K, glu, L)
+            else:
+                x0 = _x_block(xrow, 0, glu, L, SUB)
+                x1 = _x_block(xrow, 1 % spr, glu, L, SUB)
             cur = op
         acc = gl.zeros([SUB, BK], gl.float32, L)
         for j in range(ROWS * spr):
-            if MODE == 1:
+            if (MODE == 1) | XS:
                 x2 = x0
             else:
                 x2 = _x_block(xrow, (j + 2) % spr, glu, L, SUB)
+            if XS:
+                x0 = xb.index(j % spr).load(L)
             s = c % STAGES
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
             if MODE == 1:
@@ -222,7 +265,8 @@ def _compute_contig(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_st
                 gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + j // spr,
                          gl.sum(gl.sum(acc, axis=1), axis=0).to(ACT.dtype.element_ty))
                 acc = gl.zeros([SUB, BK], gl.float32, L)
-            x0, x1 = x1, x2
+            if not XS:
+                x0, x1 = x1, x2
             c += 1
         done += 1
         if nop != op:
@@ -235,30 +279,34 @@ def _compute_contig(w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_st
 @gluon.jit
 def stream_kernel(desc_a, desc_b, LISTS, COUNTS, list_stride, OPS, ACT, CNT, ERR, act_stride, SPIN,
                   ROWS: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr = 4, MODE: gl.constexpr = 0,
-                  CONTIG: gl.constexpr = False):
+                  CONTIG: gl.constexpr = False, XS: gl.constexpr = False):
     """CW: the compute partition's warps (one per scheduler leaves every load's latency exposed); MODE: see
     _compute; CONTIG: the descriptors view each stacked matrix as [rows * K / 256, 256] and a tile streams front to
-    back (_compute_contig)."""
+    back (_compute_contig); XS: each op's input staged in shared memory (64 KB of float32)."""
     pid = gl.program_id(0)
     LIST = LISTS + pid * list_stride
     n_my = gl.load(COUNTS + pid)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, desc_a.block_type.shape[0], BK], desc_a.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if XS:  # one 256-wide float32 chunk per row (the rank-1 layout is each row's)
+        x_smem = gl.allocate_shared_memory(gl.float32, [64, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        x_smem = w_smem
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     if CONTIG:
         gl.warp_specialize([
             (_loader, (desc_a, desc_b, w_smem, ready, empty, LIST, n_my, STAGES, ROWS, CONTIG)),
-            (_compute_contig, (w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS, STAGES,
-                               MODE)),
+            (_compute_contig, (w_smem, x_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS,
+                               STAGES, MODE, XS)),
         ], [CW], [232 if CW == 4 else 192])
     else:
         gl.warp_specialize([
             (_loader, (desc_a, desc_b, w_smem, ready, empty, LIST, n_my, STAGES, ROWS, CONTIG)),
-            (_compute, (w_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS, STAGES,
-                        MODE)),
+            (_compute, (w_smem, x_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN, ROWS, STAGES,
+                        MODE, XS)),
         ], [CW], [232 if CW == 4 else 192])
 
 
@@ -266,17 +314,20 @@ def layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-def build(layers, rows, programs, device="cuda"):
-    """Stacked weights (A: QKV, O, gate/up per layer; B: down), the op table (OPS: the tiles of each op, which its
-    counter reaches), each program's tile list in op order ((op, weight row, K, output row) per tile)."""
-    per_a = QKV + HIDDEN + 2 * FFN
-    wa = torch.randn(layers * per_a, HIDDEN, device=device, dtype=torch.bfloat16) / HIDDEN ** 0.5
-    wb = torch.randn(layers * HIDDEN, FFN, device=device, dtype=torch.bfloat16) / FFN ** 0.5
-    ops = []  # (desc, first row, rows, K, glu)
+def llama_ops(layers, per_a):
+    """The chain's ops (matrix 0 or 1, first row in its stacked matrix, rows, K, GLU input): per layer QKV, O and
+    gate/up in matrix 0 (per_a rows a layer), down in matrix 1."""
+    ops = []
     for li in range(layers):
         a0 = li * per_a
         ops += [(0, a0, QKV, HIDDEN, 0), (0, a0 + QKV, HIDDEN, HIDDEN, 0), (0, a0 + QKV + HIDDEN, 2 * FFN, HIDDEN, 0),
                 (1, li * HIDDEN, HIDDEN, FFN, 1)]
+    return ops
+
+
+def tile_lists(ops, rows, programs, device):
+    """The op table (OPS: the tiles of each op, which its counter reaches) and each program's tile list in op order
+    ((op, weight row, K, output row) per tile; tiles dealt round-robin, each op's first program rotated on)."""
     lists = [[] for _ in range(programs)]
     rot = 0
     table = []
@@ -291,8 +342,17 @@ def build(layers, rows, programs, device="cuda"):
     for p, x in enumerate(lists):
         if x:
             lt[p, :len(x)] = torch.tensor(x, dtype=torch.int32)
-    return (wa, wb, ops, torch.tensor(table, dtype=torch.int32, device=device), lt.to(device),
+    return (torch.tensor(table, dtype=torch.int32, device=device), lt.to(device),
             torch.tensor([len(x) for x in lists], dtype=torch.int32, device=device))
+
+
+def build(layers, rows, programs, device="cuda"):
+    """Stacked bf16 weights (A: QKV, O, gate/up per layer; B: down), the ops and their tile lists."""
+    per_a = QKV + HIDDEN + 2 * FFN
+    wa = torch.randn(layers * per_a, HIDDEN, device=device, dtype=torch.bfloat16) / HIDDEN ** 0.5
+    wb = torch.randn(layers * HIDDEN, FFN, device=device, dtype=torch.bfloat16) / FFN ** 0.5
+    ops = llama_ops(layers, per_a)
+    return (wa, wb, ops) + tile_lists(ops, rows, programs, device)
 
 
 def main():
@@ -309,6 +369,7 @@ def main():
     ap.add_argument("--modes", default="0,1,2", help="stream_kernel's MODE (1 and 2 are timed, not checked)")
     ap.add_argument("--contig", default="0,1", help="0: [rows, 256] column boxes; 1: tiles front to back")
     ap.add_argument("--contig-stages", default="32", help="ring slots (of [8, 256]) with --contig 1")
+    ap.add_argument("--xs", default="1,0", help="1: each op's input staged in shared memory")
     args = ap.parse_args()
     bw = measure_read_bandwidth()
     P = num_sms()
@@ -326,19 +387,22 @@ def main():
         va, vb = wa.view(-1, COLS), wb.view(-1, COLS)
         descs[1] = (TensorDescriptor(va, list(va.shape), [COLS, 1], [SUB, COLS], layout()),
                     TensorDescriptor(vb, list(vb.shape), [COLS, 1], [SUB, COLS], layout()))
-        configs = [(ct, int(x), int(y), int(z)) for ct in (int(v) for v in args.contig.split(","))
+        configs = [(ct, int(x), int(y), int(z), int(xs)) for xs in args.xs.split(",")
+                   for ct in (int(v) for v in args.contig.split(","))
                    for x in (args.contig_stages if ct else args.stages).split(",")
                    for y in args.warps.split(",") for z in args.modes.split(",")]
-        for contig, stages, cw, mode in configs:
+        for contig, stages, cw, mode, xs in configs:
+            if mode == 1 and xs and "0" in args.xs.split(","):
+                continue  # MODE 1 reads no input: the same kernel either way
             da, db = descs[contig]
             name = (f"rows {rows} {'front to back' if contig else 'column boxes'} stages {stages} warps {cw} "
-                    f"mode {mode}")
+                    f"mode {mode} x {'smem' if xs else 'L2'}")
 
             def run():
                 cnt.zero_()
                 stream_kernel[(P,)](da, db, lists, counts, lists.stride(0), table, act, cnt, err, act_stride,
                                     1 << 20, ROWS=rows, STAGES=stages, CW=cw, MODE=mode, CONTIG=bool(contig),
-                                    num_warps=4)
+                                    XS=bool(xs), num_warps=4)
             try:
                 run()
                 torch.cuda.synchronize()

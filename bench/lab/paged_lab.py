@@ -130,7 +130,6 @@ def main():
     for kvname in args.kv.split(","):
         kv = KV[kvname]
         for ps in [int(s) for s in args.pages.split(",")]:
-            key = _key(kv, ps)
             for cfg in configs:
                 if time.time() - t0 > args.budget:
                     print("budget spent", flush=True)

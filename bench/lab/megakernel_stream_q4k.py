@@ -1,0 +1,358 @@
+"""megakernel_stream.py's chain (32 llama-8B-shaped layers of batch-1 GEMVs, a counter per op, a TMA loader running
+across op boundaries) on q4_k weights with int8 activations, the arithmetic of the engine's act_int8 path: what the
+one-kernel step's weight streaming reaches on the format its batch-1 target is set on.
+
+Weights: each matrix's GGUF q4_k blocks split into two planes, the 128 code bytes of every block ([N, K / 2]) and
+its 16 header bytes (d, dmin, the 12 bytes of 6-bit scales and mins: [N, K / 16]), the same bytes in all. A ring
+slot is one [16, 256] box of codes (16 rows, 2 super-blocks) and the [16, 32] box of their headers. Activations:
+every program rounds the op's whole input to int8 per block of 32 (d = absmax / 127, s = d * sum q, as
+qgemv.int8.quantize_act) into shared memory once per op, GLU applied first for the down products. Products: a
+thread takes one 64-weight chunk (sub-blocks 2c and 2c + 1) of one row and super-block: its 8 code words masked to
+low and high nibbles, 16 dp4a against the chunk's int8 words, then d * sc * dx * dot - dmin * mn * s per sub-block.
+
+Every op's output is checked against dequantize(W) @ x' in float64, x' the int8 rounding of the kernel's own
+input, and the same arithmetic is checked on the CPU (``--emulate``: the planes, the scale decoding and the
+integer dots in torch, against gguf_codec's dequantization).
+
+    PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py [--layers 32] [--stages 16,24] [--warps 4,8] [--modes 0,1,2]
+    PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py --emulate       # CPU
+"""
+import argparse
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from megakernel_stream import FFN, HIDDEN, QKV, UP, _entry, _wait_op, llama_ops, tile_lists
+
+ROWS_PER_WARP = 4  # a tile has 4 rows per compute warp (the thread layout L4 below)
+CB = 256  # code bytes per row and slot: 2 super-blocks
+HB = 32  # header bytes per row and slot
+XBLK = gl.constexpr(128)  # blocks of 32 activations rounded per staging piece
+LO = gl.constexpr(0x0F0F0F0F)
+
+
+@gluon.jit
+def _loader(dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES: gl.constexpr):
+    """Each tile's slots in order: codes [rows, 256] at byte 256 j of its rows, headers [rows, 32] at byte 32 j."""
+    c = 0
+    _, row, K, _ = _entry(LIST, 0, n_my)
+    for i in range(n_my):
+        _, nrow, nK, _ = _entry(LIST, i + 1, n_my)
+        for j in range(K // 512):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), dc_a.block_type.nbytes + dh_a.block_type.nbytes)
+            if K == UP:  # the down products' matrix
+                tma.async_copy_global_to_shared(dc_b, [row, j * 256], ready.index(s), c_smem.index(s))
+                tma.async_copy_global_to_shared(dh_b, [row, j * 32], ready.index(s), h_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(dc_a, [row, j * 256], ready.index(s), c_smem.index(s))
+                tma.async_copy_global_to_shared(dh_a, [row, j * 32], ready.index(s), h_smem.index(s))
+            c += 1
+        row, K = nrow, nK
+
+
+@gluon.jit
+def _stage_q(xq_smem, xd_smem, row, K, glu):
+    """The op's input (its ACT row, or SiLU(first K) * (next K) of it) rounded to int8 per block of 32 into
+    xq_smem, (d, s) per block into xd_smem: pieces of 128 blocks, each piece's loads issued together."""
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])  # [128 blocks, 32]
+    Q3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xq = xq_smem._reinterpret(gl.int8, [4, XBLK, 32], Q3)
+    xd = xd_smem._reinterpret(gl.float32, [4, XBLK, 2], Q3)
+    b = gl.arange(0, XBLK, layout=gl.SliceLayout(1, LQ))
+    e = gl.arange(0, 32, layout=gl.SliceLayout(0, LQ))
+    nb = K // 32
+    gl.thread_barrier()  # every warp is past its reads of the op before
+    for p in range(0, nb, XBLK):
+        offs = (p + b)[:, None] * 32 + e[None, :]
+        m = (p + b < nb)[:, None] & (e < 32)[None, :]
+        a = gl.load(row + offs, mask=m, other=0.0).to(gl.float32)
+        if glu != 0:
+            u = gl.load(row + UP + offs, mask=m, other=0.0).to(gl.float32)
+            a = a / (1.0 + gl.exp(-a)) * u
+        amax = gl.max(gl.abs(a), axis=1)
+        d = amax / 127.0
+        inv = gl.where(amax > 0, 127.0 / gl.where(amax > 0, amax, 1.0), 0.0)
+        v = a * inv[:, None]
+        q = gl.where(v >= 0, gl.floor(v + 0.5), -gl.floor(0.5 - v))
+        s = d * gl.sum(q, axis=1)
+        xq.index(p // XBLK).store(q.to(gl.int8))
+        xd.index(p // XBLK).slice(0, 1, dim=1).store(d[:, None])
+        xd.index(p // XBLK).slice(1, 1, dim=1).store(s[:, None])
+    gl.thread_barrier()  # the whole input is in shared memory before any warp reads it
+
+
+@gluon.jit
+def _dp4a(a, b):
+    """sum over the 4 bytes k of a_k * b_k (a's bytes unsigned nibbles, b's signed int8)."""
+    return gl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, gl.zeros_like(a)],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _f16_lo(w):
+    """The low 16 bits of int32 words as float16 -> float32."""
+    return (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _scale_min(w1, w2, w3, j):
+    """(6-bit scale, 6-bit min) of sub-block j (a tensor, 0..7) from the 12 scale bytes as int32 words."""
+    sh = 8 * (j % 4)
+    first = j < 4
+    sc = gl.where(first, (w1 >> sh) & 63, ((w3 >> sh) & 0xF) | ((w1 >> (sh + 2)) & 0x30))
+    mn = gl.where(first, (w2 >> sh) & 63, ((w3 >> (sh + 4)) & 0xF) | ((w2 >> (sh + 2)) & 0x30))
+    return sc.to(gl.float32), mn.to(gl.float32)
+
+
+@gluon.jit
+def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
+    """One slot's increments [rows, 2 blocks, 4 chunks, 1]: super-blocks 2 kp and 2 kp + 1 of the tile's rows
+    (every factor in L4, its missing dims of size 1, so they broadcast without layout conversions)."""
+    W4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    W3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    R: gl.constexpr = c_slot.shape[0]
+    codes = c_slot._reinterpret(gl.int32, [R, 2, 4, 8], W4).load(L4)
+    # the chunk's 64 int8 activations: words 0-7 with the low nibbles (sub-block 2c), 8-15 with the high
+    X3: gl.constexpr = gl.SliceLayout(0, L4)  # [blocks, chunks, words]
+    xv = xq_smem._reinterpret(gl.int32, [32, 2, 4, 16], W3).index(kp)
+    x_lo = xv.slice(0, 8, dim=2).load(X3)[None, :, :, :]
+    x_hi = xv.slice(8, 8, dim=2).load(X3)[None, :, :, :]
+    s_lo = gl.sum(_dp4a(codes & LO, x_lo), axis=3, keep_dims=True).to(gl.float32)
+    s_hi = gl.sum(_dp4a((codes >> 4) & LO, x_hi), axis=3, keep_dims=True).to(gl.float32)
+    # per (block, chunk): d0, s0 (sub-block 2c), d1, s1 (2c + 1) of the activations
+    xd = xd_smem._reinterpret(gl.float32, [32, 2, 4, 4], W3).index(kp)
+    dx0 = xd.slice(0, 1, dim=2).load(X3)[None, :, :, :]
+    sx0 = xd.slice(1, 1, dim=2).load(X3)[None, :, :, :]
+    dx1 = xd.slice(2, 1, dim=2).load(X3)[None, :, :, :]
+    sx1 = xd.slice(3, 1, dim=2).load(X3)[None, :, :, :]
+    # per (row, block): the header words, broadcast over the chunks
+    H3: gl.constexpr = gl.SliceLayout(3, L4)  # [rows, blocks, chunks]
+    hv = h_slot._reinterpret(gl.int32, [R, 2, 4], W3)
+    w0 = hv.slice(0, 1, dim=2).load(H3)[:, :, :, None]
+    w1 = hv.slice(1, 1, dim=2).load(H3)[:, :, :, None]
+    w2 = hv.slice(2, 1, dim=2).load(H3)[:, :, :, None]
+    w3 = hv.slice(3, 1, dim=2).load(H3)[:, :, :, None]
+    d = _f16_lo(w0)
+    dmin = _f16_lo(w0 >> 16)
+    C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
+    c = gl.arange(0, 4, layout=C1)[None, None, :, None]
+    sc0, mn0 = _scale_min(w1, w2, w3, 2 * c)
+    sc1, mn1 = _scale_min(w1, w2, w3, 2 * c + 1)
+    return d * (sc0 * dx0 * s_lo + sc1 * dx1 * s_hi) - dmin * (mn0 * sx0 + mn1 * sx1)
+
+
+@gluon.jit
+def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN,
+             STAGES: gl.constexpr, MODE: gl.constexpr):
+    """MODE 0: the chain; 1: slots freed as they land (the loader alone); 2: products without the counters."""
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
+    R1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+    ROWS: gl.constexpr = c_smem.shape[1]
+    rows = gl.arange(0, ROWS, layout=R1)
+    c = 0
+    cur = -1
+    done = 0
+    op, _, K, out0 = _entry(LIST, 0, n_my)
+    for i in range(n_my):
+        nop, _, nK, nout0 = _entry(LIST, i + 1, n_my)
+        glu = (K == UP).to(gl.int32)
+        if op != cur:
+            if (op > 0) & (MODE == 0):
+                _wait_op(OPS, CNT, ERR, op, SPIN)
+            if MODE != 1:
+                _stage_q(xq_smem, xd_smem, ACT + op.to(gl.int64) * act_stride, K, glu)
+            cur = op
+        acc = gl.zeros([ROWS, 2, 4, 1], gl.float32, L4)
+        for kp in range(0, K // 512, 2):  # two slots per step, one barrier for both
+            s0 = c % STAGES
+            s1 = (c + 1) % STAGES
+            mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
+            mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
+            if MODE == 1:
+                mbarrier.arrive(empty.index(s0), count=1)
+                mbarrier.arrive(empty.index(s1), count=1)
+            else:
+                acc += _slot_dot(c_smem.index(s0), h_smem.index(s0), xq_smem, xd_smem, kp, L4)
+                acc += _slot_dot(c_smem.index(s1), h_smem.index(s1), xq_smem, xd_smem, kp + 1, L4)
+                gl.thread_barrier()  # every warp has read both slots
+                mbarrier.arrive(empty.index(s0), count=1)
+                mbarrier.arrive(empty.index(s1), count=1)
+            c += 2
+        y = gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1)
+        gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + rows, y.to(ACT.dtype.element_ty))
+        done += 1
+        if nop != op:
+            gl.thread_barrier()  # every warp's stores come before the one-thread release
+            gl.atomic_add(CNT + op, done, sem="release")
+            done = 0
+        op, K, out0 = nop, nK, nout0
+
+
+@gluon.jit
+def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, ACT, CNT, ERR, act_stride, SPIN,
+                      STAGES: gl.constexpr, CW: gl.constexpr = 4, MODE: gl.constexpr = 0):
+    pid = gl.program_id(0)
+    LIST = LISTS + pid * list_stride
+    n_my = gl.load(COUNTS + pid)
+    ROWS: gl.constexpr = dc_a.block_type.shape[0]  # 4 * CW
+    c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 256], dc_a.layout)
+    h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 32], dh_a.layout)
+    # the op's int8 input (up to 16384) and its (d, s) per block of 32, flat; each user views them as it reads
+    xq_smem = gl.allocate_shared_memory(gl.int8, [16384], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    xd_smem = gl.allocate_shared_memory(gl.float32, [1024], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES)),
+        (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,
+                    SPIN, STAGES, MODE)),
+    ], [CW], [232 if CW == 4 else 192])
+
+
+def planes(blocks):
+    """GGUF q4_k bytes [N, K / 256 * 144] -> (codes [N, K / 2], headers [N, K / 16]) uint8."""
+    N = blocks.shape[0]
+    b = blocks.view(N, -1, 144)
+    return b[:, :, 16:].reshape(N, -1).contiguous(), b[:, :, :16].reshape(N, -1).contiguous()
+
+
+def round_int8(x):
+    """x [K] float32 -> (q int8 [K], d [K / 32], s [K / 32]) as qgemv.int8.quantize_act rounds it."""
+    xb = x.view(-1, 32)
+    amax = xb.abs().amax(1)
+    d = amax / 127
+    inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    v = xb * inv[:, None]
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v))
+    return q.to(torch.int8).view(-1), d, d * q.sum(1)
+
+
+def emulate(codes, hdr, x):
+    """The kernel's arithmetic in torch (float64): planes and x [K] -> y [N]. Checks the layout and the scale
+    decoding on the CPU."""
+    from llmkernels.quant.scales import unpack_scales6
+
+    N = codes.shape[0]
+    q, dx, sx = round_int8(x.float())
+    nb = codes.shape[1] // 128
+    h = hdr.view(N, nb, 16)
+    d = h[:, :, 0:2].contiguous().view(torch.float16).double()  # [N, nb, 1]
+    dmin = h[:, :, 2:4].contiguous().view(torch.float16).double()
+    sc, mn = unpack_scales6(h[:, :, 4:16].reshape(-1, 12))
+    sc, mn = sc.view(N, nb, 8).double(), mn.view(N, nb, 8).double()
+    cb = codes.view(N, nb, 4, 32).to(torch.int64)
+    nib = torch.stack([cb & 0xF, cb >> 4], dim=3).view(N, nb, 8, 32)  # sub-block 2c + p
+    dots = (nib * q.view(nb, 8, 32).to(torch.int64)).sum(-1).double()  # the integer dots [N, nb, 8]
+    dxv, sxv = dx.view(nb, 8).double(), sx.view(nb, 8).double()
+    return (d * sc * dxv * dots - dmin * mn * sxv).sum((1, 2))
+
+
+def check_emulation():
+    from llmkernels.quant import dequantize
+    from llmkernels.testing.random_weights import random_qtensor
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for N, K in ((48, 4096), (40, 14336), (16, 512)):
+        qt = random_qtensor("q4_k", N, K, "cpu", scale=1.0 / (324 * K ** 0.5))
+        codes, hdr = planes(qt.data)
+        x = torch.randn(K)
+        q, dx, _ = round_int8(x)
+        xr = (q.view(-1, 32).double() * dx.double()[:, None]).view(-1)
+        ref = dequantize(qt, dtype=torch.float32).double() @ xr
+        got = emulate(codes, hdr, x)
+        e = ((got - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, e)
+        print(f"[{N}, {K}]: emulated kernel arithmetic vs dequantize(W) @ x': {e:.1e} of the largest output")
+    assert worst < 1e-6, worst
+    return worst
+
+
+def layout8(cols):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--stages", default="16,24", help="ring slots of 4.5 KB per 16 rows (8 warps, 24: too much)")
+    ap.add_argument("--warps", default="4,8", help="compute warps; a tile has 4 rows per warp")
+    ap.add_argument("--modes", default="0,1,2", help="stream_q4k_kernel's MODE (1 and 2 are timed, not checked)")
+    ap.add_argument("--emulate", action="store_true", help="check the arithmetic in torch on the CPU and stop")
+    args = ap.parse_args()
+    if args.emulate:
+        check_emulation()
+        return
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from llmkernels._runtime import num_sms
+    from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
+    from llmkernels.quant import dequantize
+    from llmkernels.quant.tensor import QuantizedTensor
+    from llmkernels.testing.random_weights import random_qtensor
+
+    bw = measure_read_bandwidth()
+    P = num_sms()
+    print(f"read bandwidth {bw:.3f} TB/s, {P} SMs", flush=True)
+    per_a = QKV + HIDDEN + 2 * FFN
+    wa = random_qtensor("q4_k", args.layers * per_a, HIDDEN, "cuda", scale=1.0 / (324 * HIDDEN ** 0.5))
+    wb = random_qtensor("q4_k", args.layers * HIDDEN, FFN, "cuda", scale=1.0 / (324 * FFN ** 0.5))
+    (ca, ha), (cb, hb) = planes(wa.data), planes(wb.data)
+    del wa, wb
+    nbytes = sum(t.numel() for t in (ca, ha, cb, hb))
+    ops = llama_ops(args.layers, per_a)
+    act_stride = 2 * FFN
+    act = torch.zeros(len(ops) + 1, act_stride, device="cuda", dtype=torch.bfloat16)
+    act[0, :HIDDEN] = torch.randn(HIDDEN, device="cuda")
+    cnt = torch.zeros(len(ops), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def desc(t, rows, cols):
+        return TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [rows, cols], layout8(cols))
+    for cw in (int(x) for x in args.warps.split(",")):
+        rows = ROWS_PER_WARP * cw
+        table, lists, counts = tile_lists(ops, rows, P, "cuda")
+        dc_a, dc_b, dh_a, dh_b = desc(ca, rows, 256), desc(cb, rows, 256), desc(ha, rows, 32), desc(hb, rows, 32)
+        for stages in (int(x) for x in args.stages.split(",")):
+            for mode in (int(x) for x in args.modes.split(",")):
+                name = f"q4_k rows {rows} stages {stages} warps {cw} mode {mode}"
+
+                def run():
+                    cnt.zero_()
+                    stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act, cnt,
+                                            err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode, num_warps=4)
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - a lab: shared memory and the like, reported
+                    print(f"{name}: {type(e).__name__} {str(e)[:300]}", flush=True)
+                    continue
+                if err.item():
+                    print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
+                    return
+                worst = float("nan")
+                for o, (d, r0, n, k, glu) in enumerate(ops if mode == 0 else []):
+                    codes, hdr = (ca, ha) if d == 0 else (cb, hb)
+                    blocks = torch.cat([hdr[r0:r0 + n].view(n, -1, 16), codes[r0:r0 + n].view(n, -1, 128)], 2)
+                    w = dequantize(QuantizedTensor("q4_k", (n, k), blocks.reshape(n, -1)), dtype=torch.float32)
+                    x = act[o, :k].float()
+                    if glu:
+                        x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()
+                    q, dx, _ = round_int8(x)
+                    ref = w.double() @ (q.view(-1, 32).double() * dx.double()[:, None]).view(-1)
+                    e = ((act[o + 1, :n].double() - ref).abs().max() / ref.abs().max()).item()
+                    worst = e if o == 0 else max(worst, e)
+                ms = time_graph_ms([run], reps=5)
+                print(f"{name}: {ms * 1e3:.1f} us per chain of {len(ops)} GEMVs, {nbytes / ms / 1e9:.3f} TB/s = "
+                      f"{100 * nbytes / ms / 1e9 / bw:.1f}% of read bandwidth; worst op error {worst:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
