@@ -1,0 +1,539 @@
+"""A first fast one-kernel decode step (Gluon, sm_90, bf16 weights, batch 1): the instruction lists of
+llmkernels.megakernel.schedule run by one persistent program per SM with two partitions, as in
+megakernel_stream.py:
+
+- a loader walks the SM's list and streams the weight boxes of every GEMV instruction (QKV, O, GATEUP, DOWN,
+  LOGITS: [16, 256] bf16, TMA) into a ring of shared-memory slots, never waiting on a counter, so the next
+  instruction's weights are in flight while the compute warps wait, or run attention, merges and norms;
+- the compute warps walk the same list: wait (acquire polls, a spin limit that records the first stuck instruction
+  and stops waiting), stage the instruction's input in shared memory once (float32: the RMSNorm of the residual
+  for QKV, GATEUP and LOGITS, the attention output for O, the FFN activation for DOWN), take the products slot by
+  slot, write the outputs, then release their counters.
+
+Same buffers, caches, RoPE and instruction semantics as the reference executor (llmkernels/megakernel/kernel.py),
+so the two can run the same Program and be compared: ``python bench/lab/megakernel_fast.py`` checks the fast step
+against the reference on a tiny bf16 llama GGUF (every step's logits), then times it on the Llama-3-8B shape against
+the engine's kernel-per-op step.
+
+    PYTHONPATH=. python bench/lab/megakernel_fast.py [--layers 32] [--context 512] [--stages 16] [--skip-check]
+"""
+import argparse
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
+BK = gl.constexpr(256)  # weight columns per ring slot
+ROWS = 16  # weight rows per slot (schedule.ROW_GRANULE: every GEMV tile is a multiple)
+MTW = gl.constexpr(8)  # int32 fields per row of the matrix table
+
+
+@gluon.jit
+def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr):
+    """(first row in its stacked matrix, K, matrix: 0 A [K = H], 1 O [K = Hq * D], 2 down [K = F], rows from
+    gate to up) of GEMV op ``op``; K 0 for the other ops."""
+    mt = MT + gl.where(layer < 0, n_layers, layer) * MTW
+    base = 0
+    K = 0
+    which = 0
+    if op == 2:  # QKV: q, k and v stacked
+        base = gl.load(mt)
+        K = H
+    elif op == 5:
+        base = gl.load(mt + 3)
+        K = KO
+        which = 1
+    elif op == 6:  # GATEUP: gate rows, then the same rows of up
+        base = gl.load(mt + 1)
+        K = H
+    elif op == 7:
+        base = gl.load(mt + 4)
+        K = F
+        which = 2
+    elif op == 8:  # LOGITS (layer -1: the table's last row)
+        base = gl.load(mt)
+        K = H
+    return base, K, which, gl.load(mt + 2) - gl.load(mt + 1)
+
+
+@gluon.jit
+def _loader(desc_a, desc_o, desc_d, w_smem, ready, empty, PROG, n_instr, MT, n_layers, H: gl.constexpr,
+            KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr):
+    c = 0
+    for j in range(n_instr):
+        p = PROG + j * NF
+        op = gl.load(p)
+        layer = gl.load(p + 1)
+        lo = gl.load(p + 2)
+        hi = gl.load(p + 3)
+        base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
+        nmat = 1 + (op == 6).to(gl.int32)
+        for r in range(lo, gl.where(K > 0, hi, lo), 16):
+            for m in range(nmat):
+                row = base + r + m * up
+                for kc in range(K // BK):
+                    s = c % STAGES
+                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
+                    if which == 0:
+                        tma.async_copy_global_to_shared(desc_a, [row, kc * BK], ready.index(s), w_smem.index(s))
+                    elif which == 1:
+                        tma.async_copy_global_to_shared(desc_o, [row, kc * BK], ready.index(s), w_smem.index(s))
+                    else:
+                        tma.async_copy_global_to_shared(desc_d, [row, kc * BK], ready.index(s), w_smem.index(s))
+                    c += 1
+
+
+@gluon.jit
+def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr):
+    """x_smem ([64, 256] float32, one 256-wide chunk per row) <- X[:K] (float32), or its RMSNorm times NW with
+    NORM; pieces of 16 chunks, each piece's loads issued together."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xs = x_smem._reinterpret(gl.float32, [4, 16, BK], X3)
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
+    k = gl.arange(0, BK, layout=gl.SliceLayout(0, LP))
+    nk = K // BK
+    inv = 1.0
+    if NORM:
+        acc = gl.zeros([16, BK], gl.float32, LP)
+        for p in range(0, nk, 16):
+            offs = (p + r)[:, None] * BK + k[None, :]
+            m = (p + r < nk)[:, None] & (k < BK)[None, :]
+            x = gl.load(X + offs, mask=m, other=0.0)
+            acc += x * x
+        inv = 1.0 / gl.sqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / K + eps)
+    gl.thread_barrier()  # every warp is past its reads of the instruction before
+    for p in range(0, nk, 16):
+        offs = (p + r)[:, None] * BK + k[None, :]
+        m = (p + r < nk)[:, None] & (k < BK)[None, :]
+        x = gl.load(X + offs, mask=m, other=0.0)
+        if NORM:
+            x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
+        xs.index(p // 16).store(x)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
+    """One 16-row subtile's products over the staged input: nk slots from the ring -> ([16] float32, c + nk)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [16, 256]: warps by rows
+    XK: gl.constexpr = gl.SliceLayout(0, L)
+    acc = gl.zeros([16, BK], gl.float32, L)
+    for kc in range(nk):
+        x = x_smem.index(kc).load(XK)
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        w = w_smem.index(s).load(L).to(gl.float32)
+        gl.thread_barrier()  # every warp has its piece of the slot in registers
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += w * x[None, :]
+        c += 1
+    return gl.sum(acc, axis=1), c
+
+
+@gluon.jit
+def _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr, GLU: gl.constexpr,
+          STAGES: gl.constexpr):
+    """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
+    gate and up subtiles taken in turn, as the loader streams them) -> c after its slots."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, L))
+    nk = K // BK
+    for r in range(lo, hi, 16):
+        y, c = _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES)
+        if GLU:
+            u, c = _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES)
+            y = y / (1.0 + gl.exp(-y)) * u
+        if ACC:
+            y += gl.load(OUT + r + rows)
+        gl.store(OUT + r + rows, y)
+    return c
+
+
+@gluon.jit
+def _embed(EMB, IDS, RESID, H: gl.constexpr, B: gl.constexpr):
+    LE: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    k = gl.arange(0, 1024, layout=LE)
+    for b in gl.static_range(B):
+        row = EMB + gl.load(IDS + b).to(gl.int64) * H
+        for k0 in range(0, H, 1024):
+            m = k0 + k < H
+            gl.store(RESID + b * H + k0 + k, gl.load(row + k0 + k, mask=m, other=0.0).to(gl.float32), mask=m)
+
+
+@gluon.jit
+def _rope(x, xp, d, ang):
+    """Interleaved RoPE of x (pairs 2 i, 2 i + 1; xp the partner of each element) at angles ang [.., D]."""
+    sign = gl.where(d % 2 == 0, -1.0, 1.0)
+    return x * gl.cos(ang) + sign * xp * gl.sin(ang)
+
+
+@gluon.jit
+def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq, qk_scale,
+          B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
+          PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One KV head's key split of every sequence, as kernel._attn_split: q of the group rotated, the last split
+    first stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp."""
+    # [GP, N, D]: the group's heads across lanes, so each thread holds a slice of q and of the output, not all
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [GP, 1, 32 // GP], [1, gl.num_warps(), 1], [2, 1, 0])
+    QL: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, D]
+    KL: gl.constexpr = gl.SliceLayout(0, L3)  # [N, D]
+    SL: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, N]
+    G: gl.constexpr = HQ // HKV
+    NQKV: gl.constexpr = (HQ + 2 * HKV) * D
+    g = gl.arange(0, GP, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, KL))
+    nn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KL))
+    nn_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SL))
+    gm = g < G
+    f_q = gl.load(INV_FREQ + dq // 2)
+    f_k = gl.load(INV_FREQ + dk // 2)
+    cache_off = (layer.to(gl.int64) * num_pages) * PAGE * HKV * D + h * D
+    for b in gl.static_range(B):
+        n = gl.load(SEQ_LENS + b)
+        pos = (n - 1).to(gl.float32)
+        qoff = b * NQKV + (h * G + g)[:, None] * D
+        qm = gm[:, None] & (dq < D)[None, :]
+        q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
+        qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
+        q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
+        if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
+            ko = b * NQKV + HQ * D + h * D
+            vo = b * NQKV + (HQ + HKV) * D + h * D
+            kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k)
+            page = gl.load(PT + b * pages_per_seq + (n - 1) // PAGE)
+            slot = cache_off + (page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
+            gl.store(KC + slot + dk, kn.to(KC.dtype.element_ty))
+            gl.store(VC + slot + dk, gl.load(QKV + vo + dk).to(VC.dtype.element_ty))
+            gl.thread_barrier()  # the new key is in the cache before any warp reads it
+        lo = split * n // S
+        hi = (split + 1) * n // S
+        m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
+        l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
+        acc = gl.zeros([GP, D], gl.float32, QL)
+        for k0 in range(lo, hi, BLOCK_N):
+            keys = k0 + nn
+            km = keys < hi
+            page = gl.load(PT + b * pages_per_seq + keys // PAGE, mask=km, other=0)
+            row = cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
+            kvm = km[:, None] & (dk < D)[None, :]
+            kt = gl.load(KC + row[:, None] + dk[None, :], mask=kvm, other=0.0).to(gl.float32)
+            s = gl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N]
+            s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            pr = gl.exp(s - m_safe[:, None])
+            alpha = gl.exp(m_i - m_safe)
+            vt = gl.load(VC + row[:, None] + dk[None, :], mask=kvm, other=0.0).to(gl.float32)
+            pv = gl.sum(pr[:, :, None] * vt[None, :, :], axis=1)  # [GP, D]
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
+            l_i = l_i * alpha + gl.sum(pr, axis=1)
+            m_i = m_new
+        has = l_i > 0
+        den = gl.where(has, l_i, 1.0)
+        base = (b * HQ + h * G + g) * S + split
+        gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
+                 mask=qm)
+        lse = gl.where(has, m_i + gl.log(den), float("-inf"))
+        gl.store(PART_L + gl.convert_layout(base, gl.SliceLayout(1, SL)), lse, mask=gl.convert_layout(gm, gl.SliceLayout(1, SL)))
+
+
+@gluon.jit
+def _merge(h, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+           S: gl.constexpr, SP: gl.constexpr):
+    LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])  # [SP, D]
+    G: gl.constexpr = HQ // HKV
+    si = gl.arange(0, SP, layout=gl.SliceLayout(1, LM))
+    di = gl.arange(0, D, layout=gl.SliceLayout(0, LM))
+    for b in gl.static_range(B):
+        for gg in gl.static_range(G):
+            hq = b * HQ + h * G + gg
+            lse = gl.load(PART_L + hq * S + si, mask=si < S, other=float("-inf"))
+            m = gl.max(lse, axis=0)
+            w = gl.where(lse == float("-inf"), 0.0, gl.exp(lse - m))
+            o = gl.load(PART_O + (hq * S + si[:, None]) * D + di[None, :], mask=(si < S)[:, None] & (di < D)[None, :],
+                        other=0.0)
+            gl.store(ATTN + hq * D + di, gl.sum(o * w[:, None], axis=0) / gl.sum(w, axis=0))
+
+
+@gluon.jit
+def _compute(w_smem, x_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ,
+             EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS, num_pages, pages_per_seq,
+             eps, qk_scale, spin_limit, B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+             D: gl.constexpr, F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr,
+             GP: gl.constexpr, STAGES: gl.constexpr):
+    ok = 1
+    c = 0
+    for j in range(n_instr):
+        p = PROG + j * NF
+        op = gl.load(p)
+        layer = gl.load(p + 1)
+        lo = gl.load(p + 2)
+        hi = gl.load(p + 3)
+        split = gl.load(p + 4)
+        wait = gl.load(p + 5)
+        target = gl.load(p + 6)
+        if (ok == 1) & (op != 0) & (wait >= 0):
+            v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+            spins = 0
+            while (v < target) & (spins < spin_limit):
+                v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+                spins += 1
+            if v < target:  # the schedule cannot finish: record where, stop waiting (wrong results, no hang)
+                if gl.atomic_cas(ERR, 0, 1) == 0:
+                    gl.atomic_xchg(ERR + 1, sm * n_instr + j)
+                ok = 0
+        # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
+        if op == 1:
+            _embed(EMB, IDS, RESID, H, B)
+        elif op == 2:
+            _stage(x_smem, RESID, NORMS + layer * 2 * H, H, eps, True)
+            c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, H, QKV, False, False, STAGES)
+        elif op == 3:
+            _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
+                  qk_scale, B, HQ, HKV, D, S, PAGE, GP, 8)
+        elif op == 4:
+            _merge(lo, PART_O, PART_L, ATTN, B, HQ, HKV, D, S, SP)
+        elif op == 5:
+            _stage(x_smem, ATTN, ATTN, HQ * D, eps, False)
+            c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, HQ * D, RESID, True, False, STAGES)
+        elif op == 6:
+            _stage(x_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True)
+            c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, H, ACT, False, True, STAGES)
+        elif op == 7:
+            _stage(x_smem, ACT, ACT, F, eps, False)
+            c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, F, RESID, True, False, STAGES)
+        elif op == 8:
+            _stage(x_smem, RESID, ONORM, H, eps, True)
+            c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, H, LOGITS, False, False, STAGES)
+        if op != 0:
+            gl.thread_barrier()  # every warp's stores come before the one-thread releases
+            for cn in range(gl.load(p + 7), gl.load(p + 8)):
+                gl.atomic_add(COUNTERS + cn, 1, sem="release")
+
+
+@gluon.jit
+def fast_step_kernel(desc_a, desc_o, desc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ,
+                     EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS, num_pages,
+                     pages_per_seq, eps, qk_scale, spin_limit, B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr,
+                     HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
+                     PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr):
+    sm = gl.program_id(0)
+    PROG_SM = PROG + sm * n_instr * NF
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, BK], desc_a.layout)
+    x_smem = gl.allocate_shared_memory(gl.float32, [64, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_loader, (desc_a, desc_o, desc_d, w_smem, ready, empty, PROG_SM, n_instr, MT, n_layers, H, HQ * D, F,
+                   STAGES)),
+        (_compute, (w_smem, x_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC,
+                    INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS, num_pages,
+                    pages_per_seq, eps, qk_scale, spin_limit, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES)),
+    ], [4], [232])
+
+
+def _layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+class FastStep:
+    """Runs a batch-1 Program over bf16 GGUF tensors (``name -> QuantizedTensor``) with the reference executor's
+    buffers and call signature (kernel.DecodeStep)."""
+
+    def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, spin_limit=1 << 22):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        if prog.geometry["batch"] != 1:
+            raise ValueError(f"the fast step runs batch 1, the program has batch {prog.geometry['batch']}")
+        L, H, D, F = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.ffn
+        KO = cfg.n_heads * D
+        for name, k in (("hidden", H), ("heads * head_dim", KO), ("ffn", F)):
+            if k % 256 or k > 16384:
+                raise ValueError(f"{name} must be a multiple of 256 up to 16384, got {k}")
+        # a subtile stores 16 whole rows: every tile (and so every section) a multiple of 16 rows
+        if (cfg.n_heads + 2 * cfg.n_kv_heads) * D % ROWS or cfg.vocab_size % ROWS:
+            raise ValueError(f"the QKV rows and the vocabulary must be multiples of {ROWS}")
+        dev = k_cache.device
+
+        def mat(name):
+            qt = tensors[name]
+            if qt.format != "bf16":
+                raise ValueError(f"{name}: the fast step reads bf16 weights, got {qt.format}")
+            return qt.data.reshape(qt.shape[0], -1).view(torch.bfloat16).to(dev)
+
+        a, o, dn, mt, rows_a, rows_o, rows_d = [], [], [], torch.zeros(L + 1, 8, dtype=torch.int32), 0, 0, 0
+        for li in range(L):
+            qkv = torch.cat([mat(f"blk.{li}.attn_{x}.weight") for x in "qkv"])
+            gate, up = mat(f"blk.{li}.ffn_gate.weight"), mat(f"blk.{li}.ffn_up.weight")
+            mt[li, :5] = torch.tensor([rows_a, rows_a + qkv.shape[0], rows_a + qkv.shape[0] + F, rows_o, rows_d])
+            a += [qkv, gate, up]
+            rows_a += qkv.shape[0] + 2 * F
+            o.append(mat(f"blk.{li}.attn_output.weight"))
+            dn.append(mat(f"blk.{li}.ffn_down.weight"))
+            rows_o += H
+            rows_d += H
+        out = "output.weight" if "output.weight" in tensors.keys() else "token_embd.weight"
+        mt[L, 0] = rows_a
+        a.append(mat(out))
+        self.a, self.o, self.d = torch.cat(a), torch.cat(o), torch.cat(dn)
+        del a, o, dn
+        self.emb = mat("token_embd.weight")
+        self.mt = mt.to(dev)
+
+        def desc(t):
+            return TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [ROWS, 256], _layout())
+        self.descs = (desc(self.a), desc(self.o), desc(self.d))
+
+        def vec(name):
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor):
+                from llmkernels.quant import dequantize
+                t = dequantize(t, torch.float32)
+            return t.float().to(dev)
+        self.norms = torch.stack([torch.stack([vec(f"blk.{i}.attn_norm.weight"), vec(f"blk.{i}.ffn_norm.weight")])
+                                  for i in range(L)]).contiguous()
+        self.onorm = vec("output_norm.weight")
+        self.prog, self.cfg, self.kc, self.vc = prog, cfg, k_cache, v_cache
+        self.inv_freq = inv_freq.float().contiguous().to(dev)
+        self.table = torch.from_numpy(prog.encode()).to(dev)
+        self.counters = torch.zeros(prog.num_counters, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        S = prog.geometry["splits"]
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.resid = torch.empty(1, H, **f32)
+        self.qkv = torch.empty(1, (cfg.n_heads + 2 * cfg.n_kv_heads) * D, **f32)
+        self.part_o = torch.empty(1, cfg.n_heads, S, D, **f32)
+        self.part_l = torch.empty(1, cfg.n_heads, S, **f32)
+        self.attn = torch.empty(1, KO, **f32)
+        self.act = torch.empty(1, F, **f32)
+        self.logits = torch.empty(1, cfg.vocab_size, **f32)
+        self.stages, self.spin_limit = stages, spin_limit
+
+    def launch(self, ids, seq_lens, page_table):
+        import triton
+
+        cfg, S = self.cfg, self.prog.geometry["splits"]
+        G = cfg.n_heads // cfg.n_kv_heads
+        self.counters.zero_()
+        fast_step_kernel[(self.prog.num_sms,)](
+            *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
+            self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm, cfg.n_layers, self.resid,
+            self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.kc.shape[1],
+            page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5, self.spin_limit, B=1,
+            H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S,
+            SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2], GP=triton.next_power_of_2(G), STAGES=self.stages,
+            num_warps=4)
+
+    def __call__(self, ids, seq_lens, page_table):
+        self.launch(ids, seq_lens, page_table)
+        if int(self.err[0]):
+            sm, j = divmod(int(self.err[1]), self.table.shape[1])
+            i = self.prog.lists[sm][j]
+            raise RuntimeError(f"fast step: SM {sm} gave up at {i.op} layer {i.layer} [{i.lo}, {i.hi}) waiting for "
+                               f"counter {i.wait} ({self.prog.counter_names[i.wait]}) to reach {i.target}")
+        return self.logits
+
+
+def check_tiny(stages, steps=9):
+    """Every step's logits of the fast step against the reference executor on a tiny bf16 llama GGUF (each with
+    its own NaN-poisoned cache, the same scattered pages), one program per SM for both."""
+    import tempfile
+
+    from llmkernels.engine import ModelConfig, convert_hf_to_gguf
+    from llmkernels.engine.config import rope_inv_freq
+    from llmkernels.megakernel import build_decode_program
+    from llmkernels.megakernel.kernel import DecodeStep
+    from llmkernels.quant import read_gguf
+    from llmkernels.testing.tiny_models import make_checkpoint
+
+    d = tempfile.mkdtemp()
+    make_checkpoint(d, "llama")
+    f = read_gguf(convert_hf_to_gguf(d, f"{d}/model-bf16.gguf", "bf16", progress=False))
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    worst = 0.0
+    for splits in (2, 3):
+        prog = build_decode_program(cfg, "bf16", batch=1, context=16, num_sms=sms, num_splits=splits)
+        page, pages = 4, 4
+        shape = (cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim)
+        caches = [torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+        table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).cuda()
+        inv, _ = rope_inv_freq(cfg)
+        ref = DecodeStep(prog, cfg, f, caches[0], caches[1], inv.cuda(), batch=1)
+        fast = FastStep(prog, cfg, f, caches[2], caches[3], inv.cuda(), stages=stages)
+        ids = torch.randint(1, cfg.vocab_size, (steps,), dtype=torch.int32)
+        for t in range(steps):
+            args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
+            want = ref(*args).clone()
+            got = fast(*args)
+            e = ((got - want).abs().max() / want.abs().max()).item()
+            worst = max(worst, e)
+            if not e < 1e-3 or got.argmax() != want.argmax():
+                print(f"splits {splits} step {t}: fast step differs from the reference: {e:.2e} of the largest "
+                      f"logit, argmax {got.argmax().item()} vs {want.argmax().item()}", flush=True)
+                return False
+    print(f"tiny bf16 llama, {steps} steps, 2 and 3 key splits, {sms} SMs: fast step = reference executor within "
+          f"{worst:.1e} of the largest logit, same argmax", flush=True)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--stages", default="16")
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args()
+    stages = [int(x) for x in args.stages.split(",")]
+    if not args.skip_check and not check_tiny(stages[0]):
+        return
+    from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
+    from llmkernels.bench.suites.engine import _decode_rate, llama3_8b_config, synthetic_tensors
+    from llmkernels.engine import LLM, Model
+    from llmkernels.engine.config import rope_inv_freq
+    from llmkernels.megakernel import build_decode_program, describe, simulate
+
+    cfg = llama3_8b_config(args.layers)
+    bw = measure_read_bandwidth() * 1e12
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    prog = build_decode_program(cfg, "bf16", batch=1, context=args.context, num_sms=sms, bandwidth=bw)
+    print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
+    tensors = synthetic_tensors("bf16", cfg)
+    page = 16
+    pages = -(-(args.context + 1) // page)
+    kc = torch.randn(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
+    ids = torch.ones(1, dtype=torch.int32, device="cuda")
+    lens = torch.full((1,), args.context, dtype=torch.int32, device="cuda")
+    inv, _ = rope_inv_freq(cfg)
+    for st in stages:
+        fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=st)
+        fast(ids, lens, table)
+        torch.cuda.synchronize()
+        ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
+        print(f"fast step, {st} slots: {ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% "
+              f"of the weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", flush=True)
+        del fast
+        torch.cuda.empty_cache()
+    del kc, vc
+    torch.cuda.empty_cache()
+    llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=1,
+                         max_model_len=args.context + 160)
+    llm.capture_graphs([1])
+    _decode_rate(llm, 1, prompt=args.context)
+    rate, _, _ = _decode_rate(llm, 1, prompt=args.context)
+    print(f"engine, kernel per op, bf16: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms per step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
