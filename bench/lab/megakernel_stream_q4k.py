@@ -73,16 +73,24 @@ def _stage_q(xq_smem, xd_smem, row, K, glu):
         if glu != 0:
             u = gl.load(row + UP + offs, mask=m, other=0.0).to(gl.float32)
             a = a / (1.0 + gl.exp(-a)) * u
-        amax = gl.max(gl.abs(a), axis=1)
-        d = amax / 127.0
-        inv = gl.where(amax > 0, 127.0 / gl.where(amax > 0, amax, 1.0), 0.0)
-        v = a * inv[:, None]
-        q = gl.where(v >= 0, gl.floor(v + 0.5), -gl.floor(0.5 - v))
-        s = d * gl.sum(q, axis=1)
-        xq.index(p // XBLK).store(q.to(gl.int8))
-        xd.index(p // XBLK).slice(0, 1, dim=1).store(d[:, None])
-        xd.index(p // XBLK).slice(1, 1, dim=1).store(s[:, None])
+        _round_store(xq, xd, a, p // XBLK)
     gl.thread_barrier()  # the whole input is in shared memory before any warp reads it
+
+
+@gluon.jit
+def _round_store(xq, xd, a, piece):
+    """Piece ``piece`` ([128 blocks, 32] float32) rounded as qgemv.int8.quantize_act: int8 q into xq [4, 128, 32],
+    (d, s) per block into xd [4, 128, 2]."""
+    amax = gl.max(gl.abs(a), axis=1)
+    c127 = gl.full(amax.shape, 127.0, gl.float32, amax.type.layout)
+    d = gl.div_rn(amax, c127)  # rounded divisions, as quantize_act (the default '/' is approximate)
+    inv = gl.where(amax > 0, gl.div_rn(c127, gl.where(amax > 0, amax, 1.0)), 0.0)
+    v = a * inv[:, None]
+    q = gl.where(v >= 0, gl.floor(v + 0.5), -gl.floor(0.5 - v))
+    s = d * gl.sum(q, axis=1)
+    xq.index(piece).store(q.to(gl.int8))
+    xd.index(piece).slice(0, 1, dim=1).store(d[:, None])
+    xd.index(piece).slice(1, 1, dim=1).store(s[:, None])
 
 
 @gluon.jit
