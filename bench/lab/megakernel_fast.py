@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from megakernel_stream_q4k import XBLK, _round_store, _slot_dot, layout8, planes
+from megakernel_stream_q4k import XBLK, _q4k_copy, _round_store, _slot_dot, q4k_descriptors
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
 BK = gl.constexpr(256)  # weight columns per ring slot
@@ -66,8 +66,8 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG, n_instr, MT,
             n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
-    K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k (FMT 1: a [16, 256] box of code bytes and the [16, 32]
-    box of their super-blocks' headers)."""
+    K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
+    bytes and their headers, _q4k_copy)."""
     c = 0
     for j in range(n_instr):
         p = PROG + j * NF
@@ -94,14 +94,11 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
                     else:
                         mbarrier.expect(ready.index(s), desc_a.block_type.nbytes + hdesc_a.block_type.nbytes)
                         if which == 0:
-                            tma.async_copy_global_to_shared(desc_a, [row, kc * 256], ready.index(s), w_smem.index(s))
-                            tma.async_copy_global_to_shared(hdesc_a, [row, kc * 32], ready.index(s), h_smem.index(s))
+                            _q4k_copy(desc_a, hdesc_a, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
                         elif which == 1:
-                            tma.async_copy_global_to_shared(desc_o, [row, kc * 256], ready.index(s), w_smem.index(s))
-                            tma.async_copy_global_to_shared(hdesc_o, [row, kc * 32], ready.index(s), h_smem.index(s))
+                            _q4k_copy(desc_o, hdesc_o, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
                         else:
-                            tma.async_copy_global_to_shared(desc_d, [row, kc * 256], ready.index(s), w_smem.index(s))
-                            tma.async_copy_global_to_shared(hdesc_d, [row, kc * 32], ready.index(s), h_smem.index(s))
+                            _q4k_copy(desc_d, hdesc_d, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
                     c += 1
 
 
@@ -425,8 +422,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
                      SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr):
-    """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k planes (desc_*: code bytes,
-    hdesc_*: headers) with int8 activations."""
+    """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
+    bytes, hdesc_*: headers, megakernel_stream_q4k.q4k_descriptors) with int8 activations."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -437,8 +434,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         xq_smem = x_smem
         xd_smem = x_smem
     else:
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 256], desc_a.layout)
-        h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 32], hdesc_a.layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 128], desc_a.layout)
+        h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 16], hdesc_a.layout)
         xq_smem = gl.allocate_shared_memory(gl.int8, [16384], flat)
         xd_smem = gl.allocate_shared_memory(gl.float32, [1024], flat)
         x_smem = xd_smem
@@ -486,12 +483,12 @@ class FastStep:
         if self.fmt not in ("bf16", "q4_k"):
             raise ValueError(f"the fast step reads bf16 or q4_k weights, got {self.fmt}")
 
-        def mat(name):  # -> the planes the loader streams: (bf16 [N, K],) or (codes, headers)
+        def mat(name):  # -> the rows as stored: bf16 [N, K] or q4_k bytes [N, K / 256 * 144]
             qt = tensors[name]
             if qt.format != self.fmt:
                 raise ValueError(f"{name}: every matrix must be {self.fmt}, got {qt.format}")
             data = qt.data.reshape(qt.shape[0], -1).to(dev)
-            return (data.view(torch.bfloat16),) if self.fmt == "bf16" else planes(data)
+            return data.view(torch.bfloat16) if self.fmt == "bf16" else data
 
         mats = {"a": [], "o": [], "d": []}
         mt = torch.zeros(L + 1, 8, dtype=torch.int32)
@@ -509,23 +506,20 @@ class FastStep:
         out = "output.weight" if "output.weight" in tensors.keys() else "token_embd.weight"
         mt[L, 0] = rows_a
         mats["a"].append(mat(out))
-        # per matrix class: its planes stacked by rows
-        self.stacks = {k: [torch.cat([m[i] for m in v]) for i in range(len(v[0]))] for k, v in mats.items()}
+        # per matrix class (K): its matrices stacked by rows, one TMA descriptor each
+        self.stacks = {k: torch.cat(v) for k, v in mats.items()}
         del mats
         emb = tensors["token_embd.weight"]
         self.emb = (emb.data.reshape(emb.shape[0], -1).view(torch.bfloat16) if self.fmt == "bf16"
                     else dequantize(emb, torch.bfloat16)).to(dev)
         self.mt = mt.to(dev)
 
-        def desc(t, cols):
-            if self.fmt == "bf16":
-                return TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [ROWS, cols], _layout())
-            return TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [ROWS, cols], layout8(cols))
         if self.fmt == "bf16":
-            self.descs = tuple(desc(self.stacks[k][0], 256) for k in "aod") * 2
+            self.descs = tuple(TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [ROWS, 256], _layout())
+                               for t in (self.stacks[k] for k in "aod")) * 2
         else:
-            self.descs = (tuple(desc(self.stacks[k][0], 256) for k in "aod")
-                          + tuple(desc(self.stacks[k][1], 32) for k in "aod"))
+            d = [q4k_descriptors(self.stacks[k], ROWS, True) for k in "aod"]
+            self.descs = tuple(x[0] for x in d) + tuple(x[1] for x in d)
 
         def vec(name):
             t = tensors[name]

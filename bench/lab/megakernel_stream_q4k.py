@@ -2,9 +2,10 @@
 across op boundaries) on q4_k weights with int8 activations, the arithmetic of the engine's act_int8 path: what the
 one-kernel step's weight streaming reaches on the format its batch-1 target is set on.
 
-Weights: each matrix's GGUF q4_k blocks split into two planes, the 128 code bytes of every block ([N, K / 2]) and
-its 16 header bytes (d, dmin, the 12 bytes of 6-bit scales and mins: [N, K / 16]), the same bytes in all. A ring
-slot is one [16, 256] box of codes (16 rows, 2 super-blocks) and the [16, 32] box of their headers. Activations:
+Weights: the GGUF q4_k blocks as stored (``--layouts gguf``: each matrix seen by TMA as [N, blocks, 144] bytes, a
+ring slot one [16, 2, 128] box of two super-blocks' code bytes of 16 rows and the [16, 2, 16] box of their headers:
+d, dmin, the 12 bytes of 6-bit scales and mins), or split into two planes (``planes``: codes [N, K / 2], headers [N,
+K / 16], slots of [16, 256] and [16, 32] boxes), the same bytes in all. Activations:
 every program rounds the op's whole input to int8 per block of 32 (d = absmax / 127, s = d * sum q, as
 qgemv.int8.quantize_act) into shared memory once per op, GLU applied first for the down products. Products: a
 thread takes one 64-weight chunk (sub-blocks 2c and 2c + 1) of one row and super-block: its 8 code words masked to
@@ -15,6 +16,7 @@ input, and the same arithmetic is checked on the CPU (``--emulate``: the planes,
 integer dots in torch, against gguf_codec's dequantization).
 
     PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py [--layers 32] [--stages 16,24] [--warps 4,8] [--modes 0,1,2]
+                                                           [--layouts gguf,planes]
     PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py --emulate       # CPU
 """
 import argparse
@@ -34,8 +36,21 @@ LO = gl.constexpr(0x0F0F0F0F)
 
 
 @gluon.jit
-def _loader(dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES: gl.constexpr):
-    """Each tile's slots in order: codes [rows, 256] at byte 256 j of its rows, headers [rows, 32] at byte 32 j."""
+def _q4k_copy(dc, dh, row, j, bar, c_slot, h_slot, GGUF: gl.constexpr):
+    """Slot j of a q4_k tile (super-blocks 2 j, 2 j + 1 of its rows): codes at byte 256 j and headers at byte 32 j
+    of the planes, or with GGUF the blocks as stored ([rows, blocks, 144] boxes: bytes 16-143, then 0-15)."""
+    if GGUF:
+        tma.async_copy_global_to_shared(dc, [row, 2 * j, 16], bar, c_slot)
+        tma.async_copy_global_to_shared(dh, [row, 2 * j, 0], bar, h_slot)
+    else:
+        tma.async_copy_global_to_shared(dc, [row, j * 256], bar, c_slot)
+        tma.async_copy_global_to_shared(dh, [row, j * 32], bar, h_slot)
+
+
+@gluon.jit
+def _loader(dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES: gl.constexpr,
+            GGUF: gl.constexpr):
+    """Each tile's slots in order (_q4k_copy)."""
     c = 0
     _, row, K, _ = _entry(LIST, 0, n_my)
     for i in range(n_my):
@@ -45,11 +60,9 @@ def _loader(dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, ST
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), dc_a.block_type.nbytes + dh_a.block_type.nbytes)
             if K == UP:  # the down products' matrix
-                tma.async_copy_global_to_shared(dc_b, [row, j * 256], ready.index(s), c_smem.index(s))
-                tma.async_copy_global_to_shared(dh_b, [row, j * 32], ready.index(s), h_smem.index(s))
+                _q4k_copy(dc_b, dh_b, row, j, ready.index(s), c_smem.index(s), h_smem.index(s), GGUF)
             else:
-                tma.async_copy_global_to_shared(dc_a, [row, j * 256], ready.index(s), c_smem.index(s))
-                tma.async_copy_global_to_shared(dh_a, [row, j * 32], ready.index(s), h_smem.index(s))
+                _q4k_copy(dc_a, dh_a, row, j, ready.index(s), c_smem.index(s), h_smem.index(s), GGUF)
             c += 1
         row, K = nrow, nK
 
@@ -202,13 +215,18 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
 
 @gluon.jit
 def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, ACT, CNT, ERR, act_stride, SPIN,
-                      STAGES: gl.constexpr, CW: gl.constexpr = 4, MODE: gl.constexpr = 0):
+                      STAGES: gl.constexpr, CW: gl.constexpr = 4, MODE: gl.constexpr = 0,
+                      GGUF: gl.constexpr = False):
     pid = gl.program_id(0)
     LIST = LISTS + pid * list_stride
     n_my = gl.load(COUNTS + pid)
     ROWS: gl.constexpr = dc_a.block_type.shape[0]  # 4 * CW
-    c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 256], dc_a.layout)
-    h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 32], dh_a.layout)
+    if GGUF:
+        c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 2, 128], dc_a.layout)
+        h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 2, 16], dh_a.layout)
+    else:
+        c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 256], dc_a.layout)
+        h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 32], dh_a.layout)
     # the op's int8 input (up to 16384) and its (d, s) per block of 32, flat; each user views them as it reads
     xq_smem = gl.allocate_shared_memory(gl.int8, [16384], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     xd_smem = gl.allocate_shared_memory(gl.float32, [1024], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -218,7 +236,7 @@ def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, A
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
-        (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES)),
+        (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES, GGUF)),
         (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,
                     SPIN, STAGES, MODE)),
     ], [CW], [232 if CW == 4 else 192])
@@ -283,8 +301,22 @@ def check_emulation():
     return worst
 
 
-def layout8(cols):
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+def layout8(rank=2):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=rank)
+
+
+def q4k_descriptors(t, rows, gguf):
+    """(codes, headers) TMA descriptors of the q4_k matrix t: the planes (codes [N, K / 2], headers [N, K / 16])
+    or, with ``gguf``, the GGUF bytes [N, K / 256 * 144] seen as [N, blocks, 144]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if gguf:
+        N, rb = t.shape
+        v = t.view(N, rb // 144, 144)
+        return tuple(TensorDescriptor(v, list(v.shape), [rb, 144, 1], [rows, 2, n], layout8(3)) for n in (128, 16))
+    codes, hdr = t
+    return tuple(TensorDescriptor(x, list(x.shape), [x.shape[1], 1], [rows, n], layout8())
+                 for x, n in ((codes, 256), (hdr, 32)))
 
 
 def main():
@@ -293,13 +325,12 @@ def main():
     ap.add_argument("--stages", default="16,24", help="ring slots of 4.5 KB per 16 rows (8 warps, 24: too much)")
     ap.add_argument("--warps", default="4,8", help="compute warps; a tile has 4 rows per warp")
     ap.add_argument("--modes", default="0,1,2", help="stream_q4k_kernel's MODE (1 and 2 are timed, not checked)")
+    ap.add_argument("--layouts", default="gguf,planes", help="gguf: the blocks as stored; planes: codes, headers")
     ap.add_argument("--emulate", action="store_true", help="check the arithmetic in torch on the CPU and stop")
     args = ap.parse_args()
     if args.emulate:
         check_emulation()
         return
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from llmkernels._runtime import num_sms
     from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
     from llmkernels.quant import dequantize
@@ -310,56 +341,56 @@ def main():
     P = num_sms()
     print(f"read bandwidth {bw:.3f} TB/s, {P} SMs", flush=True)
     per_a = QKV + HIDDEN + 2 * FFN
-    wa = random_qtensor("q4_k", args.layers * per_a, HIDDEN, "cuda", scale=1.0 / (324 * HIDDEN ** 0.5))
-    wb = random_qtensor("q4_k", args.layers * HIDDEN, FFN, "cuda", scale=1.0 / (324 * FFN ** 0.5))
-    (ca, ha), (cb, hb) = planes(wa.data), planes(wb.data)
-    del wa, wb
-    nbytes = sum(t.numel() for t in (ca, ha, cb, hb))
+    wa = random_qtensor("q4_k", args.layers * per_a, HIDDEN, "cuda", scale=1.0 / (324 * HIDDEN ** 0.5)).data
+    wb = random_qtensor("q4_k", args.layers * HIDDEN, FFN, "cuda", scale=1.0 / (324 * FFN ** 0.5)).data
+    nbytes = wa.numel() + wb.numel()
     ops = llama_ops(args.layers, per_a)
     act_stride = 2 * FFN
     act = torch.zeros(len(ops) + 1, act_stride, device="cuda", dtype=torch.bfloat16)
     act[0, :HIDDEN] = torch.randn(HIDDEN, device="cuda")
     cnt = torch.zeros(len(ops), dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for lay in args.layouts.split(","):
+        gguf = lay == "gguf"
+        ma, mb = (wa, wb) if gguf else (planes(wa), planes(wb))
+        for cw in (int(x) for x in args.warps.split(",")):
+            rows = ROWS_PER_WARP * cw
+            table, lists, counts = tile_lists(ops, rows, P, "cuda")
+            (dc_a, dh_a), (dc_b, dh_b) = q4k_descriptors(ma, rows, gguf), q4k_descriptors(mb, rows, gguf)
+            for stages in (int(x) for x in args.stages.split(",")):
+                for mode in (int(x) for x in args.modes.split(",")):
+                    name = f"q4_k {lay} rows {rows} stages {stages} warps {cw} mode {mode}"
 
-    def desc(t, rows, cols):
-        return TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [rows, cols], layout8(cols))
-    for cw in (int(x) for x in args.warps.split(",")):
-        rows = ROWS_PER_WARP * cw
-        table, lists, counts = tile_lists(ops, rows, P, "cuda")
-        dc_a, dc_b, dh_a, dh_b = desc(ca, rows, 256), desc(cb, rows, 256), desc(ha, rows, 32), desc(hb, rows, 32)
-        for stages in (int(x) for x in args.stages.split(",")):
-            for mode in (int(x) for x in args.modes.split(",")):
-                name = f"q4_k rows {rows} stages {stages} warps {cw} mode {mode}"
-
-                def run():
-                    cnt.zero_()
-                    stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act, cnt,
-                                            err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode, num_warps=4)
-                try:
-                    run()
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - a lab: shared memory and the like, reported
-                    print(f"{name}: {type(e).__name__} {str(e)[:300]}", flush=True)
-                    continue
-                if err.item():
-                    print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
-                    return
-                worst = float("nan")
-                for o, (d, r0, n, k, glu) in enumerate(ops if mode == 0 else []):
-                    codes, hdr = (ca, ha) if d == 0 else (cb, hb)
-                    blocks = torch.cat([hdr[r0:r0 + n].view(n, -1, 16), codes[r0:r0 + n].view(n, -1, 128)], 2)
-                    w = dequantize(QuantizedTensor("q4_k", (n, k), blocks.reshape(n, -1)), dtype=torch.float32)
-                    x = act[o, :k].float()
-                    if glu:
-                        x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()
-                    q, dx, _ = round_int8(x)
-                    ref = w.double() @ (q.view(-1, 32).double() * dx.double()[:, None]).view(-1)
-                    e = ((act[o + 1, :n].double() - ref).abs().max() / ref.abs().max()).item()
-                    worst = e if o == 0 else max(worst, e)
-                ms = time_graph_ms([run], reps=5)
-                print(f"{name}: {ms * 1e3:.1f} us per chain of {len(ops)} GEMVs, {nbytes / ms / 1e9:.3f} TB/s = "
-                      f"{100 * nbytes / ms / 1e9 / bw:.1f}% of read bandwidth; worst op error {worst:.1e}", flush=True)
+                    def run():
+                        cnt.zero_()
+                        stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act,
+                                                cnt, err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode,
+                                                GGUF=gguf, num_warps=4)
+                    try:
+                        run()
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001 - a lab: shared memory and the like, reported
+                        print(f"{name}: {type(e).__name__} {str(e)[:300]}", flush=True)
+                        continue
+                    if err.item():
+                        print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
+                        return
+                    worst = float("nan")
+                    for o, (d, r0, n, k, glu) in enumerate(ops if mode == 0 else []):
+                        blocks = (wa if d == 0 else wb)[r0:r0 + n]
+                        w = dequantize(QuantizedTensor("q4_k", (n, k), blocks), dtype=torch.float32)
+                        x = act[o, :k].float()
+                        if glu:
+                            x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()
+                        q, dx, _ = round_int8(x)
+                        ref = w.double() @ (q.view(-1, 32).double() * dx.double()[:, None]).view(-1)
+                        e = ((act[o + 1, :n].double() - ref).abs().max() / ref.abs().max()).item()
+                        worst = e if o == 0 else max(worst, e)
+                    ms = time_graph_ms([run], reps=5)
+                    print(f"{name}: {ms * 1e3:.1f} us per chain of {len(ops)} GEMVs, {nbytes / ms / 1e9:.3f} TB/s = "
+                          f"{100 * nbytes / ms / 1e9 / bw:.1f}% of read bandwidth; worst op error {worst:.1e}",
+                          flush=True)
+        del ma, mb
 
 
 if __name__ == "__main__":
