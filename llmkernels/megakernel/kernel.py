@@ -2,18 +2,22 @@
 
 One persistent program per SM walks its list: waits (acquire loads, with a spin limit that records a hang instead of
 wedging the GPU), runs the instruction, then signals (a CTA barrier and release atomics). This version is the
-semantics, not the speed: weights as stored in the GGUF (f16, bf16, q8_0, q4_k, q6_k: the q4_k_m mix) dequantized
-in registers by the generic GEMV's ``dequant_tile``, plain loads, no prefetch across instructions, interleaved
-RoPE, llama-family layers without biases, QK-norm, soft caps or windows. It checks what the instructions mean,
-step by step against the engine (tests/megakernel); the fast kernel is to run the same lists.
+semantics, not the speed: weights as stored in the GGUF (f32, f16, bf16, q8_0, q4_k, q6_k: the q4_k_m mix)
+dequantized in registers by the generic GEMV's ``dequant_tile``, plain loads, no prefetch across instructions,
+interleaved RoPE, llama-family layers without biases, QK-norm, soft caps or windows (``unsupported`` names what a
+model has beyond that), dense or mixture-of-experts FFNs (Mixtral). It checks what the instructions mean, step by
+step against the engine (tests/megakernel); the fast kernel is to run the same lists.
 
 The weights sit in one byte buffer (each matrix's GGUF rows, 16-byte aligned) described by a table int64
-[layers + 1, 7, 3] of (byte offset, bytes per row, format id): per layer attn_q, attn_k, attn_v, ffn_gate, ffn_up,
-attn_output, ffn_down; the last row holds token_embd and output.
+[layers + 1, 8, 3] of (byte offset, bytes per row, format id): per layer attn_q, attn_k, attn_v, ffn_gate, ffn_up,
+attn_output, ffn_down and the router (a mixture-of-experts layer: the expert stacks ffn_gate_exps, ffn_up_exps,
+ffn_down_exps in the FFN's places, expert e's rows after the e before it); the last row holds token_embd and
+output.
 
 Buffers are float32: the residual stream RESID [B, H], the fused QKV output [B, Nqkv], the attention splits'
 partials PART_O [B, Hq, S, D] / PART_L [B, Hq, S], the attention output [B, Hq * D], the FFN activation [B, F] and
-the logits [B, V]. Each step's new token is at position SEQ_LENS[b] - 1; ATTN's last split stores its rotated K and
+the logits [B, V]; with experts the router logits RLOGITS [B, E], each sequence's experts and weights ROUTE_I /
+ROUTE_W [B, k] and the experts' activations XACT [B, k, expert FFN]. Each step's new token is at position SEQ_LENS[b] - 1; ATTN's last split stores its rotated K and
 its V into the cache.
 """
 import torch
@@ -21,10 +25,13 @@ import triton
 import triton.language as tl
 
 from ..qgemv.dequant import dequant_tile
+from ..qgemv.moe import route_top_k
 from ..qgemv.ops import FORMAT_IDS
 from .schedule import FIELDS, Program
 
 NF = len(FIELDS)
+NM = 8  # matrices per layer in the table
+MAT_STRIDE = tl.constexpr(NM * 3)  # int64 fields per layer in the table
 
 
 @triton.jit
@@ -140,6 +147,9 @@ def _qdot(W8, W16, WI8, MAT, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexp
     elif fmt == 2:  # bf16
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
                         2, 8 * QNB, 1, 32, 0)
+    elif fmt == 0:  # f32 (routers)
+        acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
+                        0, 8 * QNB, 1, 32, 0)
     else:  # f16
         acc = _qdot_fmt(W8, W16, WI8, off, row_bytes, rows, rmask, K, X, scale, NW, HAS_NORM, ROW_OUT,
                         1, 8 * QNB, 1, 32, 0)
@@ -234,13 +244,15 @@ def _merge(h, PART_O, PART_L, ATTN, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.c
 @triton.jit
 def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ,
                        W8, W16, WI8, MATS, NORMS, ONORM, n_layers,
-                       RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS,
+                       RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS, RLOGITS, ROUTE_W, ROUTE_I, XACT,
                        num_pages, pages_per_seq, eps, qk_scale, spin_limit,
                        B: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        F: tl.constexpr, V: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, PAGE: tl.constexpr,
                        GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        NF: tl.constexpr, QNB: tl.constexpr = 1, VEC: tl.constexpr = False,
-                       STAGES: tl.constexpr = 1):
+                       STAGES: tl.constexpr = 1, E: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+                       TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, FE: tl.constexpr = 1,
+                       RENORM: tl.constexpr = True):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     sm = tl.program_id(0)
     ok = 1
@@ -265,11 +277,11 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 ok = 0
         if (ok == 1) & (op != 0):
             rows0 = tl.arange(0, BLOCK_R)
-            mats = MATS + layer * 21  # this layer's 7 matrices x (offset, bytes per row, format)
+            mats = MATS + layer * MAT_STRIDE  # this layer's matrices x (offset, bytes per row, format)
             if op == 1:  # EMBED
                 for b in range(B):
                     tok = tl.load(IDS + b)
-                    _qdot(W8, W16, WI8, MATS + n_layers * 21, tok + tl.arange(0, 2), tl.arange(0, 2) < 1, H,
+                    _qdot(W8, W16, WI8, MATS + n_layers * MAT_STRIDE, tok + tl.arange(0, 2), tl.arange(0, 2) < 1, H,
                           RESID + b * H, 1.0, ONORM, False, True)
             elif op == 2:  # QKV: rows of one section (q, k or v; tiles never straddle two)
                 nw = NORMS + layer * 2 * H
@@ -324,9 +336,54 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     for r0 in range(lo, hi, BLOCK_R):
                         rows = r0 + rows0
                         rm = rows < hi
-                        acc = _qdot(W8, W16, WI8, MATS + n_layers * 21 + 3, rows, rm, H, RESID + b * H, inv,
+                        acc = _qdot(W8, W16, WI8, MATS + n_layers * MAT_STRIDE + 3, rows, rm, H, RESID + b * H, inv,
                                     ONORM, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
                         tl.store(LOGITS + b * V + rows, acc, mask=rm)
+            elif E > 1:  # (constexpr) a mixture-of-experts model: dense builds leave these ops out
+                if op == 9:  # ROUTER: rows of the router (one per expert) after the FFN's RMSNorm
+                    nw = NORMS + layer * 2 * H + H
+                    for b in range(B):
+                        inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
+                        for r0 in range(lo, hi, BLOCK_R):
+                            rows = r0 + rows0
+                            rm = rows < hi
+                            acc = _qdot(W8, W16, WI8, mats + 21, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB,
+                                        STAGES=STAGES)
+                            tl.store(RLOGITS + b * E + rows, acc, mask=rm)
+                elif op == 10:  # TOPK: every sequence's experts and weights
+                    ee = tl.arange(0, BLOCK_E)
+                    kk = tl.arange(0, BLOCK_TK)
+                    for b in range(B):
+                        z = tl.load(RLOGITS + b * E + ee, mask=ee < E, other=float("-inf"))
+                        w, ids = route_top_k(z, ee < E, TOP_K, BLOCK_TK, RENORM)
+                        tl.store(ROUTE_W + b * TOP_K + kk, w, mask=kk < TOP_K)
+                        tl.store(ROUTE_I + b * TOP_K + kk, ids, mask=kk < TOP_K)
+                elif op == 11:  # XGATEUP: SiLU(gate) * up of the expert in each sequence's slot ``split``
+                    nw = NORMS + layer * 2 * H + H
+                    for b in range(B):
+                        inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
+                        e = tl.load(ROUTE_I + b * TOP_K + split)
+                        for r0 in range(lo, hi, BLOCK_R):
+                            rows = r0 + rows0
+                            rm = rows < hi
+                            g = _qdot(W8, W16, WI8, mats + 9, e * FE + rows, rm, H, RESID + b * H, inv, nw, True,
+                                      QNB=QNB, VEC=VEC, STAGES=STAGES)
+                            u = _qdot(W8, W16, WI8, mats + 12, e * FE + rows, rm, H, RESID + b * H, inv, nw, True,
+                                      QNB=QNB, VEC=VEC, STAGES=STAGES)
+                            tl.store(XACT + (b * TOP_K + split) * FE + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
+                elif op == 12:  # XDOWN: the residual += the weighted sum of the k experts' down rows
+                    for b in range(B):
+                        for r0 in range(lo, hi, BLOCK_R):
+                            rows = r0 + rows0
+                            rm = rows < hi
+                            acc = tl.zeros([BLOCK_R], tl.float32)
+                            for j in range(TOP_K):
+                                e = tl.load(ROUTE_I + b * TOP_K + j)
+                                y = _qdot(W8, W16, WI8, mats + 18, e * H + rows, rm, FE, XACT + (b * TOP_K + j) * FE,
+                                          1.0, XACT, False, QNB=QNB, VEC=VEC, STAGES=STAGES)
+                                acc += tl.load(ROUTE_W + b * TOP_K + j) * y
+                            r = RESID + b * H + rows
+                            tl.store(r, tl.load(r, mask=rm, other=0.0) + acc, mask=rm)
             tl.debug_barrier()  # every thread's stores issued before the release below
             sig_lo = tl.load(p + 7)
             sig_hi = tl.load(p + 8)
@@ -334,8 +391,23 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 tl.atomic_add(COUNTERS + c, 1, sem="release")
 
 
-MATRICES = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "attn_output", "ffn_down")
-FORMATS = ("f16", "bf16", "q8_0", "q4_k", "q6_k")
+MATRICES = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "attn_output", "ffn_down", "ffn_gate_inp")
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_k", "q6_k")
+
+
+def unsupported(cfg) -> list:
+    """What the decode step does not run of ``cfg`` (empty: it runs the model): each a short phrase."""
+    out = []
+    checks = ((cfg.rope_style != "interleaved", f"{cfg.rope_style} RoPE"), (cfg.qkv_bias, "QKV biases"),
+              (cfg.qk_norm, "QK-norm"), (cfg.fused, "fused QKV and gate/up tensors"),
+              (cfg.post_norms, "post-norms"), (cfg.embed_scale != 1.0, "scaled embeddings"),
+              (cfg.act != "silu", f"the {cfg.act} activation"), (cfg.attn_softcap > 0, "attention soft-capping"),
+              (cfg.final_softcap > 0, "logit soft-capping"), (bool(cfg.sliding_window), "sliding windows"),
+              (cfg.rope_scaling == "yarn", "YaRN RoPE scaling"))
+    for bad, what in checks:
+        if bad:
+            out.append(what)
+    return out
 
 
 def pack_weights(tensors, cfg, device) -> tuple:
@@ -345,10 +417,12 @@ def pack_weights(tensors, cfg, device) -> tuple:
     from ..quant.tensor import dequantize
 
     L = cfg.n_layers
-    names = [[f"blk.{i}.{m}.weight" for m in MATRICES] for i in range(L)]
+    moe = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
+    names = [[f"blk.{i}.{moe.get(m, m) if cfg.n_experts else m}.weight"
+              if cfg.n_experts or m != "ffn_gate_inp" else None for m in MATRICES] for i in range(L)]
     out = "output.weight" if "output.weight" in tensors.keys() else "token_embd.weight"
-    names.append(["token_embd.weight", out] + [None] * 5)
-    table = torch.zeros(L + 1, 7, 3, dtype=torch.int64)
+    names.append(["token_embd.weight", out] + [None] * (NM - 2))
+    table = torch.zeros(L + 1, NM, 3, dtype=torch.int64)
     chunks, off = [], 0
     for i, row in enumerate(names):
         for j, name in enumerate(row):
@@ -357,7 +431,10 @@ def pack_weights(tensors, cfg, device) -> tuple:
             qt = tensors[name]
             if qt.format not in FORMATS:
                 raise ValueError(f"{name}: format {qt.format} is not one the decode step reads ({', '.join(FORMATS)})")
-            data = qt.data.reshape(qt.shape[0], -1).view(torch.uint8)
+            rows = 1
+            for n in qt.shape[:-1]:  # expert stacks [E, N, K]: E * N rows
+                rows *= n
+            data = qt.data.reshape(rows, -1).view(torch.uint8)
             table[i, j] = torch.tensor([off, data.shape[1], FORMAT_IDS[qt.format]])
             chunks.append(data.reshape(-1))
             pad = -data.numel() % 16  # every matrix 16-byte aligned (its f16 fields at even offsets)
@@ -396,6 +473,9 @@ class DecodeStep:
                  blocks_per_step: int = 1, vector_loads: bool = False, stages: int = 1):
         if batch != prog.geometry["batch"]:
             raise ValueError(f"batch must be the program's ({prog.geometry['batch']}), got {batch}")
+        missing = unsupported(cfg)
+        if missing:
+            raise ValueError(f"the decode step does not run {cfg.arch} models with {', '.join(missing)}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             want = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
             if t.dim() != 5 or (t.shape[0], t.shape[3], t.shape[4]) != want or t.dtype not in (torch.float16,
@@ -420,6 +500,13 @@ class DecodeStep:
         self.attn = torch.empty(B, cfg.n_heads * D, **f32)
         self.act = torch.empty(B, cfg.ffn, **f32)
         self.logits = torch.empty(B, cfg.vocab_size, **f32)
+        E, k, FE = max(cfg.n_experts, 1), max(cfg.n_experts_used, 1), max(cfg.expert_ffn, 1)
+        self.rlogits = torch.empty(B, E, **f32)
+        self.route_w = torch.empty(B, k, **f32)
+        self.route_i = torch.empty(B, k, dtype=torch.int32, device=dev)
+        self.xact = torch.empty(B, k, FE, **f32)
+        self.moe = dict(E=E, BLOCK_E=triton.next_power_of_2(E), TOP_K=k, BLOCK_TK=triton.next_power_of_2(k), FE=FE,
+                        RENORM=bool(cfg.expert_norm))
         self.spin_limit = spin_limit
         if blocks_per_step not in (1, 2, 4):
             raise ValueError(f"blocks_per_step must be 1, 2 or 4, got {blocks_per_step!r}")
@@ -445,10 +532,10 @@ class DecodeStep:
             self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table, self.kc, self.vc,
             self.inv_freq, self.w8, self.w8.view(torch.float16), self.w8.view(torch.int8), self.mats, self.norms,
             self.onorm, cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act,
-            self.logits, self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
+            self.logits, self.rlogits, self.route_w, self.route_i, self.xact, self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
             self.spin_limit, B=self.batch, H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
             F=cfg.ffn, V=cfg.vocab_size, S=S, SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2],
-            GP=triton.next_power_of_2(G), BLOCK_N=16, NF=NF, **self.tiles)
+            GP=triton.next_power_of_2(G), BLOCK_N=16, NF=NF, **self.tiles, **self.moe)
         if int(self.err[0]):
             n = int(self.err[1])
             sm, j = divmod(n, self.table.shape[1])
@@ -461,20 +548,23 @@ class DecodeStep:
 
 def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  ffn: int = 14336, vocab: int = 128256, splits: int = 16, num_warps: int = 4, blocks_per_step: int = 1,
-                 block_r: int = 16, vector_loads: bool = False, stages: int = 1):
+                 block_r: int = 16, vector_loads: bool = False, stages: int = 1, experts: int = 0, top_k: int = 0):
     """decode_step_kernel compiled for sm_90 without a GPU (set TRITON_INTERPRET=0 before importing llmkernels), for
-    the Llama-3-8B shape by default: for tests and for reading the code the compiler makes."""
+    the Llama-3-8B shape by default (``experts`` > 0: Mixtral's, ``top_k`` of them per token, each ``ffn`` wide):
+    for tests and for reading the code the compiler makes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32", SEQ_LENS="*i32", PT="*i32", KC="*bf16",
                 VC="*bf16", INV_FREQ="*fp32", W8="*u8", W16="*fp16", WI8="*i8", MATS="*i64", NORMS="*fp32",
                 ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32", ATTN="*fp32",
-                ACT="*fp32", LOGITS="*fp32")
+                ACT="*fp32", LOGITS="*fp32", RLOGITS="*fp32", ROUTE_W="*fp32", ROUTE_I="*i32", XACT="*fp32")
     consts = dict(B=batch, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, V=vocab, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=16, GP=triton.next_power_of_2(heads // kv_heads),
                   BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step, VEC=int(vector_loads),
-                  STAGES=stages)
+                  STAGES=stages, E=max(experts, 1), BLOCK_E=triton.next_power_of_2(max(experts, 1)),
+                  TOP_K=max(top_k, 1), BLOCK_TK=triton.next_power_of_2(max(top_k, 1)), FE=ffn if experts else 1,
+                  RENORM=1)
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})

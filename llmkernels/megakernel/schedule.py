@@ -14,6 +14,15 @@ one to a range of counters. The counters are zeroed before each step. Ops, per l
 - GATEUP: the same rows of gate and up, after the RMSNorm (recomputed), as SiLU(gate) * up.
 - DOWN: rows of W_down over the FFN activation, added into the residual stream in place.
 
+A mixture-of-experts layer (Mixtral, Qwen3-MoE) has, instead of GATEUP and DOWN:
+
+- ROUTER: rows of the router matrix (one per expert) after the RMSNorm (recomputed): the router logits.
+- TOPK: every sequence's experts and weights: softmax over the logits, the top k, renormalized where the model
+  says so (as qgemv.moe.moe_route).
+- XGATEUP: rows of one routed expert's gate and up (the expert in slot ``split`` of each sequence's top k), after
+  the RMSNorm, as SiLU(gate) * up.
+- XDOWN: rows of W_down of every sequence's k experts, weighted and summed, added into the residual stream.
+
 EMBED writes the batch's embedding rows into the residual stream first and LOGITS (rows of the output matrix after
 the final RMSNorm) ends the step.
 
@@ -35,7 +44,7 @@ from ..engine.config import ModelConfig
 from ..engine.convert import mix_format
 from ..quant import GGUF_FORMATS
 
-OPS = ("END", "EMBED", "QKV", "ATTN", "MERGE", "O", "GATEUP", "DOWN", "LOGITS")
+OPS = ("END", "EMBED", "QKV", "ATTN", "MERGE", "O", "GATEUP", "DOWN", "LOGITS", "ROUTER", "TOPK", "XGATEUP", "XDOWN")
 OP = {name: i for i, name in enumerate(OPS)}
 FIELDS = ("op", "layer", "lo", "hi", "split", "wait", "target", "sig_lo", "sig_hi")
 ROW_GRANULE = 16  # GEMV tiles are multiples of this many rows
@@ -47,7 +56,7 @@ class Instr:
     layer: int
     lo: int  # first row (GEMV ops), KV head (ATTN, MERGE)
     hi: int  # end row, or KV head + 1
-    split: int  # key split (ATTN), else 0
+    split: int  # key split (ATTN), expert slot (XGATEUP), else 0
     wait: int  # counter to wait on; -1: none
     target: int  # the value it must reach
     sig_lo: int  # counters [sig_lo, sig_hi) get one each when done
@@ -96,8 +105,13 @@ def matrix_bytes(cfg: ModelConfig, fmt: str) -> dict:
         out[("k", li)] = row("attn_k", li, H)
         out[("v", li)] = row("attn_v", li, H)
         out[("o", li)] = row("attn_output", li, cfg.n_heads * D)
-        out[("gateup", li)] = row("ffn_gate", li, H) + row("ffn_up", li, H)
-        out[("down", li)] = row("ffn_down", li, F)
+        if cfg.n_experts:  # one expert's rows; the router stays float32 in a GGUF (convert.py)
+            out[("router", li)] = GGUF_FORMATS["f32"].bytes_per_row(H)
+            out[("xgateup", li)] = row("ffn_gate_exps", li, H) + row("ffn_up_exps", li, H)
+            out[("xdown", li)] = row("ffn_down_exps", li, cfg.expert_ffn)
+        else:
+            out[("gateup", li)] = row("ffn_gate", li, H) + row("ffn_up", li, H)
+            out[("down", li)] = row("ffn_down", li, F)
     return out
 
 
@@ -125,8 +139,6 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     ``num_splits``: key splits per KV head (default: enough that the ATTN instructions fill the SMs). SMs are
     assigned greedily in the global order, each instruction to the SM that can finish it first under the cost model
     of ``simulate`` (``bandwidth``, ``prefetch_bytes``, ``signal_latency``)."""
-    if cfg.n_experts:
-        raise ValueError("build_decode_program: mixture-of-experts FFNs are not scheduled yet")
     if not isinstance(batch, int) or not 1 <= batch <= 8:
         raise ValueError(f"batch must be 1..8 for the one-kernel decode step, got {batch!r}")
     for name, v in (("num_sms", num_sms), ("context", context)):
@@ -136,7 +148,7 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     try:
         for li in range(cfg.n_layers):
-            for name in ("attn_q", "attn_v", "ffn_down"):
+            for name in ("attn_q", "attn_v", "ffn_down_exps" if cfg.n_experts else "ffn_down"):
                 GGUF_FORMATS[mix_format(fmt, f"blk.{li}.{name}.weight", cfg.n_layers)]
         GGUF_FORMATS[mix_format(fmt, "output.weight", cfg.n_layers)]
     except KeyError:
@@ -166,6 +178,27 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
                     counts[c] = counts.get(c, 0) + 1
         return counts
 
+    def moe(li, wait, target):
+        """ROUTER tiles, one TOPK, XGATEUP tiles per expert slot, XDOWN tiles -> (counter, target) of the layer's
+        end. A batch's sequences may route to different experts: the cost model counts each one's rows."""
+        k, Fe = cfg.n_experts_used, cfg.expert_ffn
+        r_done, t_done, gu_done, down_done = (counter(f"layer {li} {n}") for n in ("router", "topk", "xgateup",
+                                                                                   "xdown"))
+        n_r = gemv("ROUTER", li, [("router", 0, cfg.n_experts, rb[("router", li)])], wait, target,
+                   lambda *a: (r_done, r_done + 1))
+        add("TOPK", li, 0, batch, r_done, n_r[r_done], t_done, t_done + 1, 0)
+        t = tile_rows([(Fe, rb[("xgateup", li)])] * k, num_sms)
+        n_gu = 0
+        for j in range(k):
+            for r in range(0, Fe, t):
+                hi = min(Fe, r + t)
+                add("XGATEUP", li, r, hi, t_done, 1, gu_done, gu_done + 1, batch * (hi - r) * rb[("xgateup", li)],
+                    split=j)
+                n_gu += 1
+        n_down = gemv("XDOWN", li, [("xdown", 0, cfg.hidden, batch * k * rb[("xdown", li)])], gu_done, n_gu,
+                      lambda *a: (down_done, down_done + 1))
+        return down_done, n_down[down_done]
+
     embed_done = counter("embed")
     add("EMBED", -1, 0, cfg.hidden, -1, 0, embed_done, embed_done + 1, batch * rb[("embed", -1)])
     wait, target = embed_done, 1
@@ -173,7 +206,7 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     for li in range(cfg.n_layers):
         qkv = [counter(f"layer {li} qkv group {h}") for h in range(Hkv)]
         part = [counter(f"layer {li} attn head {h} splits") for h in range(Hkv)]
-        attn, o_done, gu_done, down_done = (counter(f"layer {li} {n}") for n in ("attn", "o", "gateup", "down"))
+        attn, o_done = counter(f"layer {li} attn"), counter(f"layer {li} o")
         q_rows, kv_rows = cfg.n_heads * D, Hkv * D
 
         def group_range(name, lo, hi):  # KV groups whose rows [lo, hi) of a section touch
@@ -191,6 +224,10 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
         for h in range(Hkv):
             add("MERGE", li, h, h + 1, part[h], S, attn, attn + 1, batch * G * S * (D + 1) * 4)
         n_o = gemv("O", li, [("o", 0, cfg.hidden, rb[("o", li)])], attn, Hkv, lambda *a: (o_done, o_done + 1))
+        if cfg.n_experts:
+            wait, target = moe(li, o_done, n_o[o_done])
+            continue
+        gu_done, down_done = counter(f"layer {li} gateup"), counter(f"layer {li} down")
         n_gu = gemv("GATEUP", li, [("gateup", 0, cfg.ffn, rb[("gateup", li)])], o_done, n_o[o_done],
                     lambda *a: (gu_done, gu_done + 1))
         n_down = gemv("DOWN", li, [("down", 0, cfg.hidden, rb[("down", li)])], gu_done, n_gu[gu_done],
@@ -200,7 +237,8 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     gemv("LOGITS", -1, [("logits", 0, cfg.vocab_size, rb[("logits", -1)])], wait, target,
          lambda *a: (done, done + 1))
     weight_bytes = sum(i.nbytes for i in instrs if i.op not in ("ATTN", "MERGE"))
-    geo = dict(group=G, head_dim=D, splits=S, q_rows=cfg.n_heads * D, kv_rows=Hkv * D, batch=batch)
+    geo = dict(group=G, head_dim=D, splits=S, q_rows=cfg.n_heads * D, kv_rows=Hkv * D, batch=batch,
+               expert_ffn=cfg.expert_ffn)
     prog = Program(num_sms, [[] for _ in range(num_sms)], len(names), names, weight_bytes, kv_total, geo)
     _assign(prog, instrs, bandwidth, prefetch_bytes, signal_latency)
     return prog
@@ -262,8 +300,8 @@ def check(prog: Program, hazards: bool = True) -> None:
 
 
 def _name(i: Instr) -> str:
-    return f"{i.op} layer {i.layer} [{i.lo}, {i.hi})" + (f" split {i.split}" if i.op == "ATTN" else "") + \
-        f" (#{i.order})"
+    extra = f" split {i.split}" if i.op == "ATTN" else f" slot {i.split}" if i.op == "XGATEUP" else ""
+    return f"{i.op} layer {i.layer} [{i.lo}, {i.hi})" + extra + f" (#{i.order})"
 
 
 def _check_coverage(instrs: list) -> None:
@@ -311,6 +349,15 @@ def _accesses(i: Instr, geo: dict) -> list:
         return [("resid", "r", whole), ("act", "w", own)]
     if i.op == "DOWN":
         return [("act", "r", whole), ("resid", "r", own), ("resid", "w", own)]
+    if i.op == "ROUTER":
+        return [("resid", "r", whole), ("rlogits", "w", own)]
+    if i.op == "TOPK":
+        return [("rlogits", "r", whole), ("route", "w", whole)]
+    if i.op == "XGATEUP":
+        fe = geo["expert_ffn"]
+        return [("resid", "r", whole), ("route", "r", whole), ("xact", "w", [(i.split * fe + i.lo, i.split * fe + i.hi)])]
+    if i.op == "XDOWN":
+        return [("xact", "r", whole), ("route", "r", whole), ("resid", "r", own), ("resid", "w", own)]
     return [("resid", "r", whole), ("logits", "w", own)]  # LOGITS
 
 

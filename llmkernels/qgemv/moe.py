@@ -192,6 +192,19 @@ def moe_route_kernel(LOGITS, W, IDS, E, stride_l, BLOCK_E: tl.constexpr, TOP_K: 
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     z = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    w, ids = route_top_k(z, ok, TOP_K, BLOCK_K, RENORM)
+    ks = tl.arange(0, BLOCK_K)
+    tl.store(W + t * TOP_K + ks, w, mask=ks < TOP_K)
+    tl.store(IDS + t * TOP_K + ks, ids, mask=ks < TOP_K)
+
+
+@triton.jit
+def route_top_k(z, ok, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    """One token's routing from its router logits z [BLOCK_E] (ok: the real experts): softmax, the TOP_K largest
+    (first index among ties) -> (weights float32 [BLOCK_K], experts int32 [BLOCK_K]), renormalized with RENORM.
+    Shared with the one-kernel decode step (megakernel/kernel.py)."""
+    BLOCK_E: tl.constexpr = z.shape[0]
+    offs = tl.arange(0, BLOCK_E)
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(ok, p, -2.0)  # padding ranks below a taken expert (-1), which ranks below every probability
@@ -206,8 +219,7 @@ def moe_route_kernel(LOGITS, W, IDS, E, stride_l, BLOCK_E: tl.constexpr, TOP_K: 
         p = tl.where(offs == i, -1.0, p)
     if RENORM:
         w = w / tl.sum(w, axis=0)
-    tl.store(W + t * TOP_K + ks, w, mask=ks < TOP_K)
-    tl.store(IDS + t * TOP_K + ks, ids, mask=ks < TOP_K)
+    return w, ids
 
 
 @triton.jit

@@ -9,8 +9,8 @@ from llmkernels.megakernel.kernel import DecodeStep
 from llmkernels.quant import read_gguf
 
 
-def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, step_kw=None, **kw):
-    _, path, _ = model_files("llama", fmt)
+def _setup(model_files, batch, num_sms, device, fmt="f16", T=6, step_kw=None, arch="llama", **kw):
+    _, path, _ = model_files(arch, fmt)
     f = read_gguf(path)
     cfg = ModelConfig.from_gguf(f.metadata, f.keys())
     prog = build_decode_program(cfg, fmt, batch=batch, context=16, num_sms=num_sms, **kw)
@@ -70,6 +70,30 @@ def test_steps_match_the_engine(model_files, fmt, batch, blocks_per_step, vector
     _match_the_engine(path, cfg, step, table, T, batch, "cpu")
 
 
+@pytest.mark.parametrize("fmt, batch", [("f16", 1), ("q8_0", 2)])
+def test_mixture_of_experts_steps_match_the_engine(model_files, fmt, batch):
+    """Mixtral (5 experts, top 2 per token): ROUTER tiles, TOPK, the routed experts' XGATEUP tiles and XDOWN's
+    weighted sum give every step's logits of the engine, whose experts differ between the batch's sequences."""
+    path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", fmt, arch="mixtral", num_splits=2)
+    assert cfg.n_experts == 5 and cfg.n_experts_used == 2
+    assert {i.op for i in prog.instructions} >= {"ROUTER", "TOPK", "XGATEUP", "XDOWN"}
+    _match_the_engine(path, cfg, step, table, T, batch, "cpu")
+    assert ((step.route_i >= 0) & (step.route_i < 5)).all() and torch.allclose(step.route_w.sum(1), torch.ones(batch))
+
+
+def test_models_it_does_not_run_are_refused(model_files):
+    """Qwen3's neox RoPE and QK-norm are not in the decode step: refused at construction, naming them, never run."""
+    _, path, _ = model_files("qwen3", "f16")
+    f = read_gguf(path)
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    prog = build_decode_program(cfg, "f16", batch=1, context=16, num_sms=1)
+    shape = (cfg.n_layers, 4, 4, cfg.n_kv_heads, cfg.head_dim)
+    kc = torch.zeros(shape, dtype=torch.float16)
+    inv, _ = rope_inv_freq(cfg)
+    with pytest.raises(ValueError, match="does not run qwen3 models with neox RoPE, QK-norm"):
+        DecodeStep(prog, cfg, f, kc, kc.clone(), inv, batch=1)
+
+
 def test_sequences_at_different_positions(model_files):
     """A batch whose sequences are at different positions (RoPE angles, split bounds and pages per sequence): the
     first sequence runs five steps alone first, through a batch-1 step on the same caches. Three key splits."""
@@ -81,11 +105,12 @@ def test_sequences_at_different_positions(model_files):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, batch", [("f16", 1), ("q4_k_m", 5), ("bf16", 2)])
-def test_gpu_steps_match_the_engine(model_files, fmt, batch):
+@pytest.mark.parametrize("arch, fmt, batch", [("llama", "f16", 1), ("llama", "q4_k_m", 5), ("llama", "bf16", 2),
+                                              ("mixtral", "q8_0", 3)])
+def test_gpu_steps_match_the_engine(model_files, arch, fmt, batch):
     """The same with one program per SM, concurrent, waiting on each other's counters."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    path, cfg, prog, step, table, T = _setup(model_files, batch, sms, "cuda", fmt, T=9)
+    path, cfg, prog, step, table, T = _setup(model_files, batch, sms, "cuda", fmt, T=9, arch=arch)
     _match_the_engine(path, cfg, step, table, T, batch, "cuda")
 
 
