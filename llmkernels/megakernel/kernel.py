@@ -4,8 +4,8 @@ One persistent program per SM walks its list: waits (acquire loads, with a spin 
 wedging the GPU), runs the instruction, then signals (a CTA barrier and release atomics). This version is the
 semantics, not the speed: weights as stored in the GGUF (f32, f16, bf16, q8_0, q4_k, q6_k: the q4_k_m mix)
 dequantized in registers by the generic GEMV's ``dequant_tile``, plain loads, no prefetch across instructions,
-interleaved RoPE, llama-family layers without biases, QK-norm, soft caps or windows (``unsupported`` names what a
-model has beyond that), dense or mixture-of-experts FFNs (Mixtral). It checks what the instructions mean, step by
+interleaved or neox RoPE, QK-norm (Qwen3), llama-family layers without biases, soft caps or windows
+(``unsupported`` names what a model has beyond that), dense or mixture-of-experts FFNs (Mixtral, Qwen3-MoE). It checks what the instructions mean, step by
 step against the engine (tests/megakernel); the fast kernel is to run the same lists.
 
 The weights sit in one byte buffer (each matrix's GGUF rows, 16-byte aligned) described by a table int64
@@ -17,14 +17,15 @@ output.
 Buffers are float32: the residual stream RESID [B, H], the fused QKV output [B, Nqkv], the attention splits'
 partials PART_O [B, Hq, S, D] / PART_L [B, Hq, S], the attention output [B, Hq * D], the FFN activation [B, F] and
 the logits [B, V]; with experts the router logits RLOGITS [B, E], each sequence's experts and weights ROUTE_I /
-ROUTE_W [B, k] and the experts' activations XACT [B, k, expert FFN]. Each step's new token is at position SEQ_LENS[b] - 1; ATTN's last split stores its rotated K and
-its V into the cache.
+ROUTE_W [B, k] and the experts' activations XACT [B, k, expert FFN]. Each step's new token is at position
+SEQ_LENS[b] - 1; ATTN's last split stores its rotated K and its V into the cache.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ..qgemv.dequant import dequant_tile
+from ..quant.tensor import dequantize
 from ..qgemv.moe import route_top_k
 from ..qgemv.ops import FORMAT_IDS
 from .schedule import FIELDS, Program
@@ -157,38 +158,55 @@ def _qdot(W8, W16, WI8, MAT, rows, rmask, K, X, scale, NW, HAS_NORM: tl.constexp
 
 
 @triton.jit
-def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
-                qk_scale, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                S: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr):
+def _rms_pair(xe, xo, W, ev, od, eps, D: tl.constexpr):
+    """RMSNorm over a head of D held as its two RoPE halves xe, xo [.., D / 2] (at offsets ev, od), times W."""
+    inv = 1.0 / tl.sqrt((tl.sum(xe * xe, -1, keep_dims=True) + tl.sum(xo * xo, -1, keep_dims=True)) / D + eps)
+    return xe * inv * tl.load(W + ev), xo * inv * tl.load(W + od)
+
+
+@triton.jit
+def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, QKN, num_pages, pages_per_seq,
+                qk_scale, eps, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                S: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, NEOX: tl.constexpr,
+                QK_NORM: tl.constexpr):
+    """RoPE pairs (2 i, 2 i + 1), or (i, i + D / 2) with NEOX, rotated by angle i; with QK_NORM each head of q and
+    the new k RMS-normed first (QKN [layers, 2, D]: q's and k's weights), as the engine's rope_store."""
     G: tl.constexpr = HQ // HKV
     D2: tl.constexpr = D // 2
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     gi = tl.arange(0, GP)
     ii = tl.arange(0, D2)
+    ev = ii if NEOX else 2 * ii  # where each pair's two elements sit in a head
+    od = ii + D2 if NEOX else 2 * ii + 1
     gm = gi < G
     inv = tl.load(INV_FREQ + ii)
+    qn = QKN + layer * 2 * D
     for b in range(B):
         n = tl.load(SEQ_LENS + b)
         pos = n - 1
         cos = tl.cos(pos.to(tl.float32) * inv)
         sin = tl.sin(pos.to(tl.float32) * inv)
-        qrow = QKV + b * NQKV + (h * G + gi)[:, None] * D + 2 * ii[None, :]
-        qe = tl.load(qrow, mask=gm[:, None], other=0.0)
-        qo = tl.load(qrow + 1, mask=gm[:, None], other=0.0)
+        qrow = QKV + b * NQKV + (h * G + gi)[:, None] * D
+        qe = tl.load(qrow + ev[None, :], mask=gm[:, None], other=0.0)
+        qo = tl.load(qrow + od[None, :], mask=gm[:, None], other=0.0)
+        if QK_NORM:
+            qe, qo = _rms_pair(qe, qo, qn, ev[None, :], od[None, :], eps, D)
         q_e = (qe * cos[None, :] - qo * sin[None, :]) * qk_scale
         q_o = (qe * sin[None, :] + qo * cos[None, :]) * qk_scale
         cache_off = (layer.to(tl.int64) * num_pages) * PAGE * HKV * D + h * D
         if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
-            krow = QKV + b * NQKV + HQ * D + h * D + 2 * ii
-            ke = tl.load(krow)
-            ko = tl.load(krow + 1)
+            krow = QKV + b * NQKV + HQ * D + h * D
+            ke = tl.load(krow + ev)
+            ko = tl.load(krow + od)
+            if QK_NORM:
+                ke, ko = _rms_pair(ke, ko, qn + D, ev, od, eps, D)
             page = tl.load(PT + b * pages_per_seq + pos // PAGE)
             slot = cache_off + (page.to(tl.int64) * PAGE + pos % PAGE) * HKV * D
-            tl.store(KC + slot + 2 * ii, (ke * cos - ko * sin).to(KC.dtype.element_ty))
-            tl.store(KC + slot + 2 * ii + 1, (ke * sin + ko * cos).to(KC.dtype.element_ty))
-            vrow = QKV + b * NQKV + (HQ + HKV) * D + h * D + 2 * ii
-            tl.store(VC + slot + 2 * ii, tl.load(vrow).to(VC.dtype.element_ty))
-            tl.store(VC + slot + 2 * ii + 1, tl.load(vrow + 1).to(VC.dtype.element_ty))
+            tl.store(KC + slot + ev, (ke * cos - ko * sin).to(KC.dtype.element_ty))
+            tl.store(KC + slot + od, (ke * sin + ko * cos).to(KC.dtype.element_ty))
+            vrow = QKV + b * NQKV + (HQ + HKV) * D + h * D
+            tl.store(VC + slot + ev, tl.load(vrow + ev).to(VC.dtype.element_ty))
+            tl.store(VC + slot + od, tl.load(vrow + od).to(VC.dtype.element_ty))
             tl.debug_barrier()
         lo = split * n // S
         hi = (split + 1) * n // S
@@ -201,18 +219,18 @@ def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PA
             km = keys < hi
             page = tl.load(PT + b * pages_per_seq + keys // PAGE, mask=km, other=0)
             row = cache_off + (page.to(tl.int64) * PAGE + keys % PAGE) * HKV * D
-            kp = KC + row[:, None] + 2 * ii[None, :]
-            ke = tl.load(kp, mask=km[:, None], other=0.0).to(tl.float32)
-            ko = tl.load(kp + 1, mask=km[:, None], other=0.0).to(tl.float32)
+            kp = KC + row[:, None]
+            ke = tl.load(kp + ev[None, :], mask=km[:, None], other=0.0).to(tl.float32)
+            ko = tl.load(kp + od[None, :], mask=km[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q_e[:, None, :] * ke[None, :, :] + q_o[:, None, :] * ko[None, :, :], 2)  # [GP, BLOCK_N]
             s = tl.where(km[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            vp = VC + row[:, None] + 2 * ii[None, :]
-            ve = tl.load(vp, mask=km[:, None], other=0.0).to(tl.float32)
-            vo = tl.load(vp + 1, mask=km[:, None], other=0.0).to(tl.float32)
+            vp = VC + row[:, None]
+            ve = tl.load(vp + ev[None, :], mask=km[:, None], other=0.0).to(tl.float32)
+            vo = tl.load(vp + od[None, :], mask=km[:, None], other=0.0).to(tl.float32)
             acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
             acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -220,8 +238,8 @@ def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PA
         has = l_i > 0
         den = tl.where(has, l_i, 1.0)
         base = ((b * HQ + h * G + gi) * S + split)
-        tl.store(PART_O + base[:, None] * D + 2 * ii[None, :], acc_e / den[:, None], mask=gm[:, None])
-        tl.store(PART_O + base[:, None] * D + 2 * ii[None, :] + 1, acc_o / den[:, None], mask=gm[:, None])
+        tl.store(PART_O + base[:, None] * D + ev[None, :], acc_e / den[:, None], mask=gm[:, None])
+        tl.store(PART_O + base[:, None] * D + od[None, :], acc_o / den[:, None], mask=gm[:, None])
         tl.store(PART_L + base, tl.where(has, m_i + tl.log(den), float("-inf")), mask=gm)
 
 
@@ -242,7 +260,7 @@ def _merge(h, PART_O, PART_L, ATTN, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.c
 
 
 @triton.jit
-def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ,
+def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, QKN,
                        W8, W16, WI8, MATS, NORMS, ONORM, n_layers,
                        RESID, QKV, PART_O, PART_L, ATTN, ACT, LOGITS, RLOGITS, ROUTE_W, ROUTE_I, XACT,
                        num_pages, pages_per_seq, eps, qk_scale, spin_limit,
@@ -252,7 +270,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                        NF: tl.constexpr, QNB: tl.constexpr = 1, VEC: tl.constexpr = False,
                        STAGES: tl.constexpr = 1, E: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                        TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, FE: tl.constexpr = 1,
-                       RENORM: tl.constexpr = True):
+                       RENORM: tl.constexpr = True, NEOX: tl.constexpr = False, QK_NORM: tl.constexpr = False):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     sm = tl.program_id(0)
     ok = 1
@@ -296,8 +314,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                                     QNB=QNB, VEC=VEC, STAGES=STAGES)
                         tl.store(QKV + b * NQKV + rows, acc, mask=rm)
             elif op == 3:  # ATTN
-                _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages,
-                            pages_per_seq, qk_scale, B, HQ, HKV, D, S, PAGE, BLOCK_N, GP)
+                _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, QKN, num_pages,
+                            pages_per_seq, qk_scale, eps, B, HQ, HKV, D, S, PAGE, BLOCK_N, GP, NEOX, QK_NORM)
             elif op == 4:  # MERGE
                 _merge(lo, PART_O, PART_L, ATTN, B, HQ, HKV, D, S, SP)
             elif op == 5:  # O: the residual += W_o rows . attention
@@ -398,8 +416,8 @@ FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_k", "q6_k")
 def unsupported(cfg) -> list:
     """What the decode step does not run of ``cfg`` (empty: it runs the model): each a short phrase."""
     out = []
-    checks = ((cfg.rope_style != "interleaved", f"{cfg.rope_style} RoPE"), (cfg.qkv_bias, "QKV biases"),
-              (cfg.qk_norm, "QK-norm"), (cfg.fused, "fused QKV and gate/up tensors"),
+    checks = ((cfg.rope_style not in ("interleaved", "neox"), f"{cfg.rope_style} RoPE"), (cfg.qkv_bias, "QKV biases"),
+              (cfg.fused, "fused QKV and gate/up tensors"),
               (cfg.post_norms, "post-norms"), (cfg.embed_scale != 1.0, "scaled embeddings"),
               (cfg.act != "silu", f"the {cfg.act} activation"), (cfg.attn_softcap > 0, "attention soft-capping"),
               (cfg.final_softcap > 0, "logit soft-capping"), (bool(cfg.sliding_window), "sliding windows"),
@@ -411,11 +429,9 @@ def unsupported(cfg) -> list:
 
 
 def pack_weights(tensors, cfg, device) -> tuple:
-    """(byte buffer, matrix table int64 [layers + 1, 7, 3], norms float32 [layers, 2, H], output norm float32 [H])
+    """(byte buffer, matrix table int64 [layers + 1, 8, 3], norms float32 [layers, 2, H], output norm float32 [H])
     from GGUF tensors (``name -> QuantizedTensor``, as ``read_gguf`` gives them; a missing output.weight is the
     tied embedding)."""
-    from ..quant.tensor import dequantize
-
     L = cfg.n_layers
     moe = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
     names = [[f"blk.{i}.{moe.get(m, m) if cfg.n_experts else m}.weight"
@@ -506,7 +522,14 @@ class DecodeStep:
         self.route_i = torch.empty(B, k, dtype=torch.int32, device=dev)
         self.xact = torch.empty(B, k, FE, **f32)
         self.moe = dict(E=E, BLOCK_E=triton.next_power_of_2(E), TOP_K=k, BLOCK_TK=triton.next_power_of_2(k), FE=FE,
-                        RENORM=bool(cfg.expert_norm))
+                        RENORM=bool(cfg.expert_norm), NEOX=cfg.rope_style == "neox", QK_NORM=bool(cfg.qk_norm))
+        self.qkn = torch.zeros(cfg.n_layers, 2, D, **f32)  # q's and k's RMSNorm weights per layer (QK-norm)
+        if cfg.qk_norm:
+            for i in range(cfg.n_layers):
+                for j, name in enumerate(("attn_q_norm", "attn_k_norm")):
+                    t = tensors[f"blk.{i}.{name}.weight"]
+                    t = t if isinstance(t, torch.Tensor) else dequantize(t, torch.float32)
+                    self.qkn[i, j] = t.float().to(dev)
         self.spin_limit = spin_limit
         if blocks_per_step not in (1, 2, 4):
             raise ValueError(f"blocks_per_step must be 1, 2 or 4, got {blocks_per_step!r}")
@@ -530,9 +553,10 @@ class DecodeStep:
         G = cfg.n_heads // cfg.n_kv_heads
         decode_step_kernel[(self.prog.num_sms,)](
             self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table, self.kc, self.vc,
-            self.inv_freq, self.w8, self.w8.view(torch.float16), self.w8.view(torch.int8), self.mats, self.norms,
-            self.onorm, cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act,
-            self.logits, self.rlogits, self.route_w, self.route_i, self.xact, self.kc.shape[1], page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
+            self.inv_freq, self.qkn, self.w8, self.w8.view(torch.float16), self.w8.view(torch.int8), self.mats,
+            self.norms, self.onorm, cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn,
+            self.act, self.logits, self.rlogits, self.route_w, self.route_i, self.xact, self.kc.shape[1],
+            page_table.shape[1], cfg.rms_eps, (cfg.attn_scale or cfg.head_dim ** -0.5),
             self.spin_limit, B=self.batch, H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
             F=cfg.ffn, V=cfg.vocab_size, S=S, SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2],
             GP=triton.next_power_of_2(G), BLOCK_N=16, NF=NF, **self.tiles, **self.moe)
@@ -556,7 +580,7 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
     from triton.compiler import ASTSource
 
     ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32", SEQ_LENS="*i32", PT="*i32", KC="*bf16",
-                VC="*bf16", INV_FREQ="*fp32", W8="*u8", W16="*fp16", WI8="*i8", MATS="*i64", NORMS="*fp32",
+                VC="*bf16", INV_FREQ="*fp32", QKN="*fp32", W8="*u8", W16="*fp16", WI8="*i8", MATS="*i64", NORMS="*fp32",
                 ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32", ATTN="*fp32",
                 ACT="*fp32", LOGITS="*fp32", RLOGITS="*fp32", ROUTE_W="*fp32", ROUTE_I="*i32", XACT="*fp32")
     consts = dict(B=batch, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, V=vocab, S=splits,
@@ -564,7 +588,7 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
                   BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step, VEC=int(vector_loads),
                   STAGES=stages, E=max(experts, 1), BLOCK_E=triton.next_power_of_2(max(experts, 1)),
                   TOP_K=max(top_k, 1), BLOCK_TK=triton.next_power_of_2(max(top_k, 1)), FE=ffn if experts else 1,
-                  RENORM=1)
+                  RENORM=1, NEOX=0, QK_NORM=0)
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})

@@ -355,7 +355,8 @@ def _accesses(i: Instr, geo: dict) -> list:
         return [("rlogits", "r", whole), ("route", "w", whole)]
     if i.op == "XGATEUP":
         fe = geo["expert_ffn"]
-        return [("resid", "r", whole), ("route", "r", whole), ("xact", "w", [(i.split * fe + i.lo, i.split * fe + i.hi)])]
+        slot = [(i.split * fe + i.lo, i.split * fe + i.hi)]
+        return [("resid", "r", whole), ("route", "r", whole), ("xact", "w", slot)]
     if i.op == "XDOWN":
         return [("xact", "r", whole), ("route", "r", whole), ("resid", "r", own), ("resid", "w", own)]
     return [("resid", "r", whole), ("logits", "w", own)]  # LOGITS

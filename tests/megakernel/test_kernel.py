@@ -81,16 +81,24 @@ def test_mixture_of_experts_steps_match_the_engine(model_files, fmt, batch):
     assert ((step.route_i >= 0) & (step.route_i < 5)).all() and torch.allclose(step.route_w.sum(1), torch.ones(batch))
 
 
+@pytest.mark.parametrize("arch, fmt, batch", [("qwen3", "f16", 1), ("qwen3moe", "q8_0", 2)])
+def test_neox_qk_norm_steps_match_the_engine(model_files, arch, fmt, batch):
+    """Qwen3 and Qwen3-MoE: neox RoPE pairs (i, i + D / 2) and each head of q and k RMS-normed before RoPE."""
+    path, cfg, prog, step, table, T = _setup(model_files, batch, 1, "cpu", fmt, arch=arch, num_splits=2)
+    assert cfg.rope_style == "neox" and cfg.qk_norm and bool(cfg.n_experts) == (arch == "qwen3moe")
+    _match_the_engine(path, cfg, step, table, T, batch, "cpu")
+
+
 def test_models_it_does_not_run_are_refused(model_files):
-    """Qwen3's neox RoPE and QK-norm are not in the decode step: refused at construction, naming them, never run."""
-    _, path, _ = model_files("qwen3", "f16")
+    """Qwen2's QKV biases are not in the decode step: refused at construction, naming them, never run."""
+    _, path, _ = model_files("qwen2", "f16")
     f = read_gguf(path)
     cfg = ModelConfig.from_gguf(f.metadata, f.keys())
     prog = build_decode_program(cfg, "f16", batch=1, context=16, num_sms=1)
     shape = (cfg.n_layers, 4, 4, cfg.n_kv_heads, cfg.head_dim)
     kc = torch.zeros(shape, dtype=torch.float16)
     inv, _ = rope_inv_freq(cfg)
-    with pytest.raises(ValueError, match="does not run qwen3 models with neox RoPE, QK-norm"):
+    with pytest.raises(ValueError, match="does not run qwen2 models with QKV biases"):
         DecodeStep(prog, cfg, f, kc, kc.clone(), inv, batch=1)
 
 
