@@ -337,15 +337,15 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
 
 
 @gluon.jit
-def _merge(h, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-           S: gl.constexpr, SP: gl.constexpr):
+def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
+           SP: gl.constexpr):
+    """Query heads [lo, hi): their splits merged (kernel._merge)."""
     LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])  # [SP, D]
-    G: gl.constexpr = HQ // HKV
     si = gl.arange(0, SP, layout=gl.SliceLayout(1, LM))
     di = gl.arange(0, D, layout=gl.SliceLayout(0, LM))
     for b in gl.static_range(B):
-        for gg in gl.static_range(G):
-            hq = b * HQ + h * G + gg
+        for gg in range(lo, hi):
+            hq = b * HQ + gg
             lse = gl.load(PART_L + hq * S + si, mask=si < S, other=float("-inf"))
             m = gl.max(lse, axis=0)
             w = gl.where(lse == float("-inf"), 0.0, gl.exp(lse - m))
@@ -392,7 +392,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
             _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
                   qk_scale, B, HQ, HKV, D, S, PAGE, GP, 8)
         elif op == 4:
-            _merge(lo, PART_O, PART_L, ATTN, B, HQ, HKV, D, S, SP)
+            _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
             _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID, True,

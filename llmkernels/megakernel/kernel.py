@@ -244,14 +244,14 @@ def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PA
 
 
 @triton.jit
-def _merge(h, PART_O, PART_L, ATTN, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-           S: tl.constexpr, SP: tl.constexpr):
-    G: tl.constexpr = HQ // HKV
+def _merge(lo, hi, PART_O, PART_L, ATTN, B: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+           SP: tl.constexpr):
+    """Query heads [lo, hi): their S splits' partials merged by their log-sum-exps."""
     si = tl.arange(0, SP)
     di = tl.arange(0, D)
     for b in range(B):
-        for g in range(G):
-            hq = b * HQ + h * G + g
+        for g in range(lo, hi):
+            hq = b * HQ + g
             lse = tl.load(PART_L + hq * S + si, mask=si < S, other=float("-inf"))
             m = tl.max(lse, 0)
             w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
@@ -317,7 +317,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, QKN, num_pages,
                             pages_per_seq, qk_scale, eps, B, HQ, HKV, D, S, PAGE, BLOCK_N, GP, NEOX, QK_NORM)
             elif op == 4:  # MERGE
-                _merge(lo, PART_O, PART_L, ATTN, B, HQ, HKV, D, S, SP)
+                _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
             elif op == 5:  # O: the residual += W_o rows . attention
                 for b in range(B):
                     for r0 in range(lo, hi, BLOCK_R):

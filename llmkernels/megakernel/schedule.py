@@ -9,7 +9,8 @@ one to a range of counters. The counters are zeroed before each step. Ops, per l
 - ATTN: one KV head and one key split of every sequence: RoPE on the group's query heads, attention over its split
   of the cache, written as a float32 partial with its log-sum-exp; the last split rotates the new token's K and
   stores it and its V into the cache first.
-- MERGE: one KV head's splits merged into the attention output.
+- MERGE: query heads [lo, hi) of one KV group, their splits merged into the attention output (one head per
+  instruction where the SMs allow: a merge's partials are read on the step's critical path).
 - O: rows of W_o over the attention output, added into the residual stream in place.
 - GATEUP: the same rows of gate and up, after the RMSNorm (recomputed), as SiLU(gate) * up.
 - DOWN: rows of W_down over the FFN activation, added into the residual stream in place.
@@ -54,8 +55,8 @@ ROW_GRANULE = 16  # GEMV tiles are multiples of this many rows
 class Instr:
     op: str
     layer: int
-    lo: int  # first row (GEMV ops), KV head (ATTN, MERGE)
-    hi: int  # end row, or KV head + 1
+    lo: int  # first row (GEMV ops), KV head (ATTN), first query head (MERGE)
+    hi: int  # end row, KV head + 1, or end query head
     split: int  # key split (ATTN), expert slot (XGATEUP), else 0
     wait: int  # counter to wait on; -1: none
     target: int  # the value it must reach
@@ -155,6 +156,8 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
         raise ValueError(f"fmt must be a GGUF format or a mix such as q4_k_m, got {fmt!r}") from None
     Hkv, G, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     S = num_splits or max(1, num_sms // Hkv)
+    # query heads per MERGE: the fewest (a divisor of the group) that keep the merges within the SMs
+    mh = next(d for d in range(1, G + 1) if G % d == 0 and cfg.n_heads // d <= max(num_sms, Hkv))
     rb = matrix_bytes(cfg, fmt)
     names, instrs = [], []
 
@@ -165,10 +168,10 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     def add(op, layer, lo, hi, wait, target, sig_lo, sig_hi, nbytes, split=0):
         instrs.append(Instr(op, layer, lo, hi, split, wait, target, sig_lo, sig_hi, int(nbytes), len(instrs)))
 
-    def gemv(op, layer, sections, wait, target, signals):
+    def gemv(op, layer, sections, wait, target, signals, granule=ROW_GRANULE):
         """Tiles over sections [(name, first row, rows, bytes per row)]; ``signals(name, lo, hi)`` -> counter
         range. Returns the counters' expected counts {counter: tiles signalling it}."""
-        t = tile_rows([(n, b) for _, _, n, b in sections], num_sms)
+        t = tile_rows([(n, b) for _, _, n, b in sections], num_sms, granule)
         counts = {}
         for name, base, n, b in sections:
             for r in range(0, n, t):
@@ -184,8 +187,9 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
         k, Fe = cfg.n_experts_used, cfg.expert_ffn
         r_done, t_done, gu_done, down_done = (counter(f"layer {li} {n}") for n in ("router", "topk", "xgateup",
                                                                                    "xdown"))
+        # the router is small and on the critical path: rows spread over every SM, not 16-row tiles
         n_r = gemv("ROUTER", li, [("router", 0, cfg.n_experts, rb[("router", li)])], wait, target,
-                   lambda *a: (r_done, r_done + 1))
+                   lambda *a: (r_done, r_done + 1), granule=1)
         add("TOPK", li, 0, batch, r_done, n_r[r_done], t_done, t_done + 1, 0)
         t = tile_rows([(Fe, rb[("xgateup", li)])] * k, num_sms)
         n_gu = 0
@@ -221,9 +225,10 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
                 kv = keys * (s + 1) // S - keys * s // S
                 kv_total += kv
                 add("ATTN", li, h, h + 1, qkv[h], counts[qkv[h]], part[h], part[h] + 1, kv, split=s)
-        for h in range(Hkv):
-            add("MERGE", li, h, h + 1, part[h], S, attn, attn + 1, batch * G * S * (D + 1) * 4)
-        n_o = gemv("O", li, [("o", 0, cfg.hidden, rb[("o", li)])], attn, Hkv, lambda *a: (o_done, o_done + 1))
+        for q0 in range(0, cfg.n_heads, mh):
+            add("MERGE", li, q0, q0 + mh, part[q0 // G], S, attn, attn + 1, batch * mh * S * (D + 1) * 4)
+        n_o = gemv("O", li, [("o", 0, cfg.hidden, rb[("o", li)])], attn, cfg.n_heads // mh,
+                   lambda *a: (o_done, o_done + 1))
         if cfg.n_experts:
             wait, target = moe(li, o_done, n_o[o_done])
             continue
@@ -247,9 +252,10 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
 def _cost(i: Instr, free: float, ready: float, per_sm_bw: float, prefetch: int, latency: float) -> float:
     """When instruction ``i`` finishes on an SM free at ``free`` whose inputs are ready at ``ready`` (plus the
     signal's ``latency``): its bytes stream from ``free``, up to ``prefetch`` of them before the inputs arrive
-    (weights, and the cache's older keys, do not depend on this step's producers; MERGE's partials do)."""
+    (weights, and the cache's older keys, do not depend on this step's producers; MERGE's partials do, and which
+    expert's rows an XGATEUP streams is what its TOPK input decides)."""
     t = i.nbytes / per_sm_bw
-    early = 0.0 if i.op == "MERGE" else min(i.nbytes, prefetch) / per_sm_bw
+    early = 0.0 if i.op in ("MERGE", "XGATEUP") else min(i.nbytes, prefetch) / per_sm_bw
     return max(free + t, ready + latency + t - early)
 
 
@@ -341,8 +347,8 @@ def _accesses(i: Instr, geo: dict) -> list:
                              (qr + kvr + h * D, qr + kvr + (h + 1) * D)]),
                (f"cache {i.layer}", "r", own), ("part", "w", [(h * S + i.split, h * S + i.split + 1)])]
         return out + ([(f"new {i.layer}", "w", own)] if i.split == S - 1 else [])
-    if i.op == "MERGE":
-        return [("part", "r", [(i.lo * S, i.hi * S)]), ("attn", "w", own)]
+    if i.op == "MERGE":  # query heads [lo, hi) of KV head lo // G
+        return [("part", "r", [(i.lo // G * S, (i.lo // G + 1) * S)]), ("attn", "w", own)]
     if i.op == "O":
         return [("attn", "r", whole), ("resid", "r", own), ("resid", "w", own)]
     if i.op == "GATEUP":

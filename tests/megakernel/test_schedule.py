@@ -28,7 +28,7 @@ def test_llama3_8b_layers_schedule_is_sound(fmt, batch):
     ops = [i.op for i in prog.instructions]
     assert ops[0] == "EMBED" and ops[-1] == "LOGITS"
     per_layer = {op: sum(1 for i in prog.instructions if i.op == op and i.layer == 1) for op in S.OPS[2:8]}
-    assert per_layer["ATTN"] == 8 * (132 // 8) and per_layer["MERGE"] == 8
+    assert per_layer["ATTN"] == 8 * (132 // 8) and per_layer["MERGE"] == 32  # one per query head
     # the weights of the step are all streamed once
     rb = S.matrix_bytes(cfg, fmt)
     want = batch * rb[("embed", -1)] + cfg.vocab_size * rb[("logits", -1)] + sum(
@@ -86,7 +86,8 @@ def test_qwen3_moe_layers_schedule_is_sound():
     S.check(prog)
     per_layer = {op: sum(1 for i in prog.instructions if i.op == op and i.layer == 1)
                  for op in ("ROUTER", "TOPK", "XGATEUP", "XDOWN")}
-    assert per_layer["TOPK"] == 1 and per_layer["XGATEUP"] % 8 == 0 and per_layer["ROUTER"] >= 1
+    # the router's 128 rows one per SM (it is on the critical path), the expert slots' tiles a multiple of 8
+    assert per_layer["TOPK"] == 1 and per_layer["XGATEUP"] % 8 == 0 and per_layer["ROUTER"] == 128
 
 
 def test_tile_rows():
@@ -137,7 +138,7 @@ def test_simulate_names_a_deadlock():
     prog = S.build_decode_program(_tiny(n_layers=1), "q8_0", num_sms=1)
     lst = prog.lists[0]
     a = next(n for n, i in enumerate(lst) if i.op == "ATTN" and i.lo == 1)
-    m = next(n for n, i in enumerate(lst) if i.op == "MERGE" and i.lo == 1)
+    m = next(n for n, i in enumerate(lst) if i.op == "MERGE" and i.lo // 3 == 1)  # KV head 1's query heads
     lists = [lst[:a] + lst[a + 1:m + 1] + [lst[a]] + lst[m + 1:]]  # head 1's MERGE before the split it waits for
     with pytest.raises(RuntimeError, match="deadlocks: SM 0 at MERGE layer 0 .* waiting on layer 0 attn head 1 "
                                            r"splits \(0/1\)"):
