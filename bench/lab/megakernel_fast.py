@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from megakernel_stream_q4k import XBLK, _q4k_copy, _round_store, _slot_dot, q4k_descriptors
+from megakernel_stream_q4k import _inv_rms, _q4k_copy, _slot_dot, _stage_q, q4k_descriptors
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
 BK = gl.constexpr(256)  # weight columns per ring slot
@@ -114,13 +114,7 @@ def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr):
     nk = K // BK
     inv = 1.0
     if NORM:
-        acc = gl.zeros([16, BK], gl.float32, LP)
-        for p in range(0, nk, 16):
-            offs = (p + r)[:, None] * BK + k[None, :]
-            m = (p + r < nk)[:, None] & (k < BK)[None, :]
-            x = gl.load(X + offs, mask=m, other=0.0)
-            acc += x * x
-        inv = 1.0 / gl.sqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / K + eps)
+        inv = _inv_rms(X, K, eps)
     gl.thread_barrier()  # every warp is past its reads of the instruction before
     for p in range(0, nk, 16):
         offs = (p + r)[:, None] * BK + k[None, :]
@@ -170,36 +164,6 @@ def _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr, GL
 
 
 @gluon.jit
-def _stage_q8(xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr):
-    """xq_smem / xd_smem <- X[:K] (float32; its RMSNorm times NW with NORM) rounded to int8 per block of 32, as
-    the engine's act_int8 path (megakernel_stream_q4k._round_store)."""
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])  # [128 blocks, 32]
-    Q3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    xq = xq_smem._reinterpret(gl.int8, [4, XBLK, 32], Q3)
-    xd = xd_smem._reinterpret(gl.float32, [4, XBLK, 2], Q3)
-    b = gl.arange(0, XBLK, layout=gl.SliceLayout(1, LQ))
-    e = gl.arange(0, 32, layout=gl.SliceLayout(0, LQ))
-    nb = K // 32
-    inv = 1.0
-    if NORM:
-        acc = gl.zeros([XBLK, 32], gl.float32, LQ)
-        for p in range(0, nb, XBLK):
-            offs = (p + b)[:, None] * 32 + e[None, :]
-            x = gl.load(X + offs, mask=(p + b < nb)[:, None] & (e < 32)[None, :], other=0.0)
-            acc += x * x
-        inv = 1.0 / gl.sqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / K + eps)
-    gl.thread_barrier()  # every warp is past its reads of the instruction before
-    for p in range(0, nb, XBLK):
-        offs = (p + b)[:, None] * 32 + e[None, :]
-        m = (p + b < nb)[:, None] & (e < 32)[None, :]
-        x = gl.load(X + offs, mask=m, other=0.0)
-        if NORM:
-            x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
-        _round_store(xq, xd, x, p // XBLK)
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
               GLU: gl.constexpr, STAGES: gl.constexpr):
     """_gemv on q4_k slots (megakernel_stream_q4k._slot_dot: dp4a on the int8 input)."""
@@ -234,7 +198,7 @@ def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT:
     if FMT == 0:
         _stage(x_smem, X, NW, K, eps, NORM)
     else:
-        _stage_q8(xq_smem, xd_smem, X, NW, K, eps, NORM)
+        _stage_q(xq_smem, xd_smem, X, NW, K, eps, 0, NORM)
 
 
 @gluon.jit
@@ -627,10 +591,10 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
     from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
-    from llmkernels.bench.suites.engine import _decode_rate, llama3_8b_config, synthetic_tensors
-    from llmkernels.engine import LLM, Model
+    from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_tensors
     from llmkernels.engine.config import rope_inv_freq
     from llmkernels.megakernel import build_decode_program, describe, simulate
+    from megakernel_step import engine_rate
 
     stages = [int(x) for x in args.stages.split(",")]
     cfg = llama3_8b_config(args.layers)
@@ -662,13 +626,9 @@ def main():
             torch.cuda.empty_cache()
         del kc, vc
         torch.cuda.empty_cache()
-        llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=1,
-                             max_model_len=args.context + 160)
-        llm.capture_graphs([1])
-        _decode_rate(llm, 1, prompt=args.context)
-        rate, _, _ = _decode_rate(llm, 1, prompt=args.context)
+        rate = engine_rate(cfg, tensors, args.context)
         print(f"engine, kernel per op, {fmt}: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms per step", flush=True)
-        del llm, tensors
+        del tensors
         torch.cuda.empty_cache()
 
 

@@ -77,12 +77,17 @@ def main():
         del step
     del kc, vc
     torch.cuda.empty_cache()
-    llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=1,
-                         max_model_len=args.context + 160)
-    llm.capture_graphs([1])
-    _decode_rate(llm, 1, prompt=args.context)
-    rate, _, _ = _decode_rate(llm, 1, prompt=args.context)
+    rate = engine_rate(cfg, tensors, args.context)
     print(f"engine, kernel per op: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms per step", flush=True)
+
+
+def engine_rate(cfg, tensors, context: int) -> float:
+    """The engine's batch-1 decode rate (tokens/s, CUDA graphs, as the engine suite measures it) on these weights
+    after a ``context``-token prompt."""
+    llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=1, max_model_len=context + 160)
+    llm.capture_graphs([1])
+    _decode_rate(llm, 1, prompt=context)
+    return _decode_rate(llm, 1, prompt=context)[0]
 
 
 if __name__ == "__main__":

@@ -87,6 +87,18 @@ def _wait_op(OPS, CNT, ERR, op, SPIN):
 
 
 @gluon.jit
+def _release(CNT, op, nop, done):
+    """A tile of ``op`` done here: one release per op and program (a release's fence costs microseconds under
+    load), after its last tile (the next is of ``nop``) -> the tiles still to release."""
+    done += 1
+    if nop != op:
+        gl.thread_barrier()  # every warp's stores come before the one-thread release
+        gl.atomic_add(CNT + op, done, sem="release")
+        done = 0
+    return done
+
+
+@gluon.jit
 def _x_chunk(row, kc, K, glu, layout: gl.constexpr):
     """Columns [256 kc, 256 (kc + 1)) of an op's input, float32 (zero past K): its ACT row, or SiLU(first K) *
     (next K) of it (K = UP: only the down products take the GLU)."""
@@ -190,12 +202,7 @@ def _compute(w_smem, x_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_s
             c += 2
         y = gl.sum(acc, axis=1)
         gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + rows, y.to(ACT.dtype.element_ty))
-        done += 1
-        # one release per op and program (a release's fence costs microseconds under load), after its last tile
-        if nop != op:
-            gl.thread_barrier()  # every warp's stores come before the one-thread release
-            gl.atomic_add(CNT + op, done, sem="release")
-            done = 0
+        done = _release(CNT, op, nop, done)
         op, K, out0 = nop, nK, nout0
 
 
@@ -268,11 +275,7 @@ def _compute_contig(w_smem, x_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR
             if not XS:
                 x0, x1 = x1, x2
             c += 1
-        done += 1
-        if nop != op:
-            gl.thread_barrier()
-            gl.atomic_add(CNT + op, done, sem="release")
-            done = 0
+        done = _release(CNT, op, nop, done)
         op, K, out0 = nop, nK, nout0
 
 
@@ -355,6 +358,35 @@ def build(layers, rows, programs, device="cuda"):
     return (wa, wb, ops) + tile_lists(ops, rows, programs, device)
 
 
+def measure(name, run, err, ops, act, nbytes, bw, product, check=True):
+    """Run a chain once (a launch that fails is reported: None), stop on a timed-out wait ("stop"), with ``check``
+    compare every op with ``product(matrix, first row, rows, x)`` of its own input x (GLU applied), then time it."""
+    from llmkernels.bench.harness import time_graph_ms
+
+    try:
+        run()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a lab: shared memory and the like, reported
+        print(f"{name}: {type(e).__name__} {str(e)[:300]}", flush=True)
+        return None
+    if err.item():
+        print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
+        return "stop"
+    worst = float("nan")
+    for o, (d, r0, n, k, glu) in enumerate(ops if check else []):
+        x = act[o, :k].float()
+        if glu:
+            x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()
+        ref = product(d, r0, n, x)
+        e = ((act[o + 1, :n].double() - ref).abs().max() / ref.abs().max()).item()
+        worst = e if o == 0 else max(worst, e)
+    ms = time_graph_ms([run], reps=5)
+    print(f"{name}: {ms * 1e3:.1f} us per chain of {len(ops)} GEMVs, {nbytes / ms / 1e9:.3f} TB/s = "
+          f"{100 * nbytes / ms / 1e9 / bw:.1f}% of read bandwidth; worst op error {worst:.1e} of its largest output",
+          flush=True)
+    return ms
+
+
 def main():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -403,29 +435,10 @@ def main():
                 stream_kernel[(P,)](da, db, lists, counts, lists.stride(0), table, act, cnt, err, act_stride,
                                     1 << 20, ROWS=rows, STAGES=stages, CW=cw, MODE=mode, CONTIG=bool(contig),
                                     XS=bool(xs), num_warps=4)
-            try:
-                run()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - a lab: shared memory and the like, reported
-                print(f"{name}: {type(e).__name__} {str(e)[:200]}", flush=True)
-                continue
-            if err.item():
-                print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
-                return
             # every op against float32 products of the kernel's own input row
-            worst = float("nan")
-            for o, (d, r0, n, k, glu) in enumerate(ops if mode == 0 else []):
-                w = (wa if d == 0 else wb)[r0:r0 + n].float()
-                x = act[o, :k].float()
-                if glu:
-                    x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()
-                ref = w @ x
-                e = ((act[o + 1, :n].float() - ref).abs().max() / ref.abs().max()).item()
-                worst = e if o == 0 else max(worst, e)
-            ms = time_graph_ms([run], reps=5)
-            print(f"{name}: {ms * 1e3:.1f} us per chain of {len(ops)} GEMVs, "
-                  f"{nbytes / ms / 1e9:.3f} TB/s = {100 * nbytes / ms / 1e9 / bw:.1f}% of read bandwidth; "
-                  f"worst op error {worst:.1e} of its largest output", flush=True)
+            if measure(name, run, err, ops, act, nbytes, bw,
+                       lambda d, r0, n, x, w=(wa, wb): w[d][r0:r0 + n].float() @ x, check=mode == 0) == "stop":
+                return
         # the anchor: the same chain as cuBLAS GEMVs, graph-replayed
         xs = [act[0, :HIDDEN].clone()]
         outs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for (_, _, n, _, _) in ops]

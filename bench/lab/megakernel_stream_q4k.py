@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from megakernel_stream import FFN, HIDDEN, QKV, UP, _entry, _wait_op, llama_ops, tile_lists
+from megakernel_stream import FFN, HIDDEN, QKV, UP, _entry, _release, _wait_op, llama_ops, measure, tile_lists
 
 ROWS_PER_WARP = 4  # a tile has 4 rows per compute warp (the thread layout L4 below)
 CB = 256  # code bytes per row and slot: 2 super-blocks
@@ -68,9 +68,25 @@ def _loader(dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, ST
 
 
 @gluon.jit
-def _stage_q(xq_smem, xd_smem, row, K, glu):
-    """The op's input (its ACT row, or SiLU(first K) * (next K) of it) rounded to int8 per block of 32 into
-    xq_smem, (d, s) per block into xd_smem: pieces of 128 blocks, each piece's loads issued together."""
+def _inv_rms(X, K, eps):
+    """1 / sqrt(mean(X[:K]^2) + eps) of a float32 row, read in pieces of 4096."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
+    k = gl.arange(0, 256, layout=gl.SliceLayout(0, LP))
+    nk = K // 256
+    acc = gl.zeros([16, 256], gl.float32, LP)
+    for p in range(0, nk, 16):
+        offs = (p + r)[:, None] * 256 + k[None, :]
+        x = gl.load(X + offs, mask=(p + r < nk)[:, None] & (k < 256)[None, :], other=0.0)
+        acc += x * x
+    return 1.0 / gl.sqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / K + eps)
+
+
+@gluon.jit
+def _stage_q(xq_smem, xd_smem, X, NW, K, eps, glu, NORM: gl.constexpr):
+    """An input row X[:K] (or SiLU(X[:K]) * X[UP:UP + K] where glu != 0; with NORM its RMSNorm times NW) rounded
+    to int8 per block of 32 into xq_smem, (d, s) per block into xd_smem: pieces of 128 blocks, each piece's loads
+    issued together."""
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])  # [128 blocks, 32]
     Q3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     xq = xq_smem._reinterpret(gl.int8, [4, XBLK, 32], Q3)
@@ -78,14 +94,19 @@ def _stage_q(xq_smem, xd_smem, row, K, glu):
     b = gl.arange(0, XBLK, layout=gl.SliceLayout(1, LQ))
     e = gl.arange(0, 32, layout=gl.SliceLayout(0, LQ))
     nb = K // 32
+    inv = 1.0
+    if NORM:
+        inv = _inv_rms(X, K, eps)
     gl.thread_barrier()  # every warp is past its reads of the op before
     for p in range(0, nb, XBLK):
         offs = (p + b)[:, None] * 32 + e[None, :]
         m = (p + b < nb)[:, None] & (e < 32)[None, :]
-        a = gl.load(row + offs, mask=m, other=0.0).to(gl.float32)
+        a = gl.load(X + offs, mask=m, other=0.0).to(gl.float32)
         if glu != 0:
-            u = gl.load(row + UP + offs, mask=m, other=0.0).to(gl.float32)
+            u = gl.load(X + UP + offs, mask=m, other=0.0).to(gl.float32)
             a = a / (1.0 + gl.exp(-a)) * u
+        if NORM:
+            a = a * inv * gl.load(NW + offs, mask=m, other=0.0)
         _round_store(xq, xd, a, p // XBLK)
     gl.thread_barrier()  # the whole input is in shared memory before any warp reads it
 
@@ -185,7 +206,7 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
             if (op > 0) & (MODE == 0):
                 _wait_op(OPS, CNT, ERR, op, SPIN)
             if MODE != 1:
-                _stage_q(xq_smem, xd_smem, ACT + op.to(gl.int64) * act_stride, K, glu)
+                _stage_q(xq_smem, xd_smem, ACT + op.to(gl.int64) * act_stride, ACT, K, 0.0, glu, False)
             cur = op
         acc = gl.zeros([ROWS, 2, 4, 1], gl.float32, L4)
         for kp in range(0, K // 512, 2):  # two slots per step, one barrier for both
@@ -205,11 +226,7 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
             c += 2
         y = gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1)
         gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + rows, y.to(ACT.dtype.element_ty))
-        done += 1
-        if nop != op:
-            gl.thread_barrier()  # every warp's stores come before the one-thread release
-            gl.atomic_add(CNT + op, done, sem="release")
-            done = 0
+        done = _release(CNT, op, nop, done)
         op, K, out0 = nop, nK, nout0
 
 
@@ -332,7 +349,7 @@ def main():
         check_emulation()
         return
     from llmkernels._runtime import num_sms
-    from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
+    from llmkernels.bench.harness import measure_read_bandwidth
     from llmkernels.quant import dequantize
     from llmkernels.quant.tensor import QuantizedTensor
     from llmkernels.testing.random_weights import random_qtensor
@@ -350,6 +367,11 @@ def main():
     act[0, :HIDDEN] = torch.randn(HIDDEN, device="cuda")
     cnt = torch.zeros(len(ops), dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    def product(d, r0, n, x):  # dequantize(W) @ x', x' the int8 rounding of the op's input
+        blocks = (wa if d == 0 else wb)[r0:r0 + n]
+        w = dequantize(QuantizedTensor("q4_k", (n, x.numel()), blocks), dtype=torch.float32)
+        q, dx, _ = round_int8(x)
+        return w.double() @ (q.view(-1, 32).double() * dx.double()[:, None]).view(-1)
     for lay in args.layouts.split(","):
         gguf = lay == "gguf"
         ma, mb = (wa, wb) if gguf else (planes(wa), planes(wb))
@@ -366,30 +388,8 @@ def main():
                         stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act,
                                                 cnt, err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode,
                                                 GGUF=gguf, num_warps=4)
-                    try:
-                        run()
-                        torch.cuda.synchronize()
-                    except Exception as e:  # noqa: BLE001 - a lab: shared memory and the like, reported
-                        print(f"{name}: {type(e).__name__} {str(e)[:300]}", flush=True)
-                        continue
-                    if err.item():
-                        print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
+                    if measure(name, run, err, ops, act, nbytes, bw, product, check=mode == 0) == "stop":
                         return
-                    worst = float("nan")
-                    for o, (d, r0, n, k, glu) in enumerate(ops if mode == 0 else []):
-                        blocks = (wa if d == 0 else wb)[r0:r0 + n]
-                        w = dequantize(QuantizedTensor("q4_k", (n, k), blocks), dtype=torch.float32)
-                        x = act[o, :k].float()
-                        if glu:
-                            x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()
-                        q, dx, _ = round_int8(x)
-                        ref = w.double() @ (q.view(-1, 32).double() * dx.double()[:, None]).view(-1)
-                        e = ((act[o + 1, :n].double() - ref).abs().max() / ref.abs().max()).item()
-                        worst = e if o == 0 else max(worst, e)
-                    ms = time_graph_ms([run], reps=5)
-                    print(f"{name}: {ms * 1e3:.1f} us per chain of {len(ops)} GEMVs, {nbytes / ms / 1e9:.3f} TB/s = "
-                          f"{100 * nbytes / ms / 1e9 / bw:.1f}% of read bandwidth; worst op error {worst:.1e}",
-                          flush=True)
         del ma, mb
 
 

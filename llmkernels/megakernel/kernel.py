@@ -165,6 +165,19 @@ def _rms_pair(xe, xo, W, ev, od, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _gate_up(W8, W16, WI8, mats, first, lo, hi, X, inv, NW, OUT, H: tl.constexpr, BLOCK_R: tl.constexpr,
+             QNB: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr):
+    """OUT[r] = SiLU(gate[first + r] . x) * (up[first + r] . x) for rows r in [lo, hi), x = X * inv * NW (the
+    layer's gate and up matrices, or an expert's rows of the stacks)."""
+    for r0 in range(lo, hi, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rm = rows < hi
+        g = _qdot(W8, W16, WI8, mats + 9, first + rows, rm, H, X, inv, NW, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
+        u = _qdot(W8, W16, WI8, mats + 12, first + rows, rm, H, X, inv, NW, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
+        tl.store(OUT + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
+
+
+@triton.jit
 def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, QKN, num_pages, pages_per_seq,
                 qk_scale, eps, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 S: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, NEOX: tl.constexpr,
@@ -331,14 +344,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 nw = NORMS + layer * 2 * H + H
                 for b in range(B):
                     inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
-                    for r0 in range(lo, hi, BLOCK_R):
-                        rows = r0 + rows0
-                        rm = rows < hi
-                        g = _qdot(W8, W16, WI8, mats + 9, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB, VEC=VEC,
-                                  STAGES=STAGES)
-                        u = _qdot(W8, W16, WI8, mats + 12, rows, rm, H, RESID + b * H, inv, nw, True, QNB=QNB,
-                                  VEC=VEC, STAGES=STAGES)
-                        tl.store(ACT + b * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
+                    _gate_up(W8, W16, WI8, mats, 0, lo, hi, RESID + b * H, inv, nw, ACT + b * F, H, BLOCK_R, QNB,
+                             VEC, STAGES)
             elif op == 7:  # DOWN: the residual += W_down rows . activation
                 for b in range(B):
                     for r0 in range(lo, hi, BLOCK_R):
@@ -380,15 +387,9 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                     nw = NORMS + layer * 2 * H + H
                     for b in range(B):
                         inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
-                        e = tl.load(ROUTE_I + b * TOP_K + split)
-                        for r0 in range(lo, hi, BLOCK_R):
-                            rows = r0 + rows0
-                            rm = rows < hi
-                            g = _qdot(W8, W16, WI8, mats + 9, e * FE + rows, rm, H, RESID + b * H, inv, nw, True,
-                                      QNB=QNB, VEC=VEC, STAGES=STAGES)
-                            u = _qdot(W8, W16, WI8, mats + 12, e * FE + rows, rm, H, RESID + b * H, inv, nw, True,
-                                      QNB=QNB, VEC=VEC, STAGES=STAGES)
-                            tl.store(XACT + (b * TOP_K + split) * FE + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
+                        e = tl.load(ROUTE_I + b * TOP_K + split)  # expert e's rows follow the e before it
+                        _gate_up(W8, W16, WI8, mats, e * FE, lo, hi, RESID + b * H, inv, nw,
+                                 XACT + (b * TOP_K + split) * FE, H, BLOCK_R, QNB, VEC, STAGES)
                 elif op == 12:  # XDOWN: the residual += the weighted sum of the k experts' down rows
                     for b in range(B):
                         for r0 in range(lo, hi, BLOCK_R):
