@@ -297,7 +297,8 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
         gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
                  mask=qm)
         lse = gl.where(has, m_i + gl.log(den), float("-inf"))
-        gl.store(PART_L + gl.convert_layout(base, gl.SliceLayout(1, SL)), lse, mask=gl.convert_layout(gm, gl.SliceLayout(1, SL)))
+        LS: gl.constexpr = gl.SliceLayout(1, SL)
+        gl.store(PART_L + gl.convert_layout(base, LS), lse, mask=gl.convert_layout(gm, LS))
 
 
 @gluon.jit

@@ -5,8 +5,9 @@ wedging the GPU), runs the instruction, then signals (a CTA barrier and release 
 semantics, not the speed: weights as stored in the GGUF (f32, f16, bf16, q8_0, q4_k, q6_k: the q4_k_m mix)
 dequantized in registers by the generic GEMV's ``dequant_tile``, plain loads, no prefetch across instructions,
 interleaved or neox RoPE, QK-norm (Qwen3), llama-family layers without biases, soft caps or windows
-(``unsupported`` names what a model has beyond that), dense or mixture-of-experts FFNs (Mixtral, Qwen3-MoE). It checks what the instructions mean, step by
-step against the engine (tests/megakernel); the fast kernel is to run the same lists.
+(``unsupported`` names what a model has beyond that), dense or mixture-of-experts FFNs (Mixtral, Qwen3-MoE). It
+checks what the instructions mean, step by step against the engine (tests/megakernel); the fast kernel is to run
+the same lists.
 
 The weights sit in one byte buffer (each matrix's GGUF rows, 16-byte aligned) described by a table int64
 [layers + 1, 8, 3] of (byte offset, bytes per row, format id): per layer attn_q, attn_k, attn_v, ffn_gate, ffn_up,
@@ -283,7 +284,8 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                        NF: tl.constexpr, QNB: tl.constexpr = 1, VEC: tl.constexpr = False,
                        STAGES: tl.constexpr = 1, E: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                        TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, FE: tl.constexpr = 1,
-                       RENORM: tl.constexpr = True, NEOX: tl.constexpr = False, QK_NORM: tl.constexpr = False):
+                       RENORM: tl.constexpr = True, NEOX: tl.constexpr = False, QK_NORM: tl.constexpr = False,
+                       MOE: tl.constexpr = False):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     sm = tl.program_id(0)
     ok = 1
@@ -364,7 +366,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         acc = _qdot(W8, W16, WI8, MATS + n_layers * MAT_STRIDE + 3, rows, rm, H, RESID + b * H, inv,
                                     ONORM, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
                         tl.store(LOGITS + b * V + rows, acc, mask=rm)
-            elif E > 1:  # (constexpr) a mixture-of-experts model: dense builds leave these ops out
+            elif MOE:  # (constexpr) a mixture-of-experts model: dense builds leave these ops out
                 if op == 9:  # ROUTER: rows of the router (one per expert) after the FFN's RMSNorm
                     nw = NORMS + layer * 2 * H + H
                     for b in range(B):
@@ -522,7 +524,7 @@ class DecodeStep:
         self.route_w = torch.empty(B, k, **f32)
         self.route_i = torch.empty(B, k, dtype=torch.int32, device=dev)
         self.xact = torch.empty(B, k, FE, **f32)
-        self.moe = dict(E=E, BLOCK_E=triton.next_power_of_2(E), TOP_K=k, BLOCK_TK=triton.next_power_of_2(k), FE=FE,
+        self.moe = dict(MOE=bool(cfg.n_experts), E=E, BLOCK_E=triton.next_power_of_2(E), TOP_K=k, BLOCK_TK=triton.next_power_of_2(k), FE=FE,
                         RENORM=bool(cfg.expert_norm), NEOX=cfg.rope_style == "neox", QK_NORM=bool(cfg.qk_norm))
         self.qkn = torch.zeros(cfg.n_layers, 2, D, **f32)  # q's and k's RMSNorm weights per layer (QK-norm)
         if cfg.qk_norm:
@@ -589,7 +591,7 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
                   BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step, VEC=int(vector_loads),
                   STAGES=stages, E=max(experts, 1), BLOCK_E=triton.next_power_of_2(max(experts, 1)),
                   TOP_K=max(top_k, 1), BLOCK_TK=triton.next_power_of_2(max(top_k, 1)), FE=ffn if experts else 1,
-                  RENORM=1, NEOX=0, QK_NORM=0)
+                  RENORM=1, NEOX=0, QK_NORM=0, MOE=int(experts > 0))
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})
