@@ -15,8 +15,8 @@ so the two can run the same Program and be compared: ``python bench/lab/megakern
 against the reference on a tiny bf16 llama GGUF (every step's logits), then times it on the Llama-3-8B shape against
 the engine's kernel-per-op step.
 
-    PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512] [--stages 16]
-                                                     [--skip-check]
+    PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
+                                                     [--stages 16,...] [--warps 4,8] [--skip-check] [--skip-engine]
 """
 import argparse
 import functools
@@ -167,7 +167,12 @@ def _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr, GL
 def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
               GLU: gl.constexpr, STAGES: gl.constexpr):
     """_gemv on q4_k slots (megakernel_stream_q4k._slot_dot: dp4a on the int8 input)."""
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
+    # [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with 8, two
+    # threads per chunk (4 words each), so a 16-row slot still has no replicated work
+    if gl.num_warps() == 8:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [8, 1, 2, 2], [2, 2, 2, 1], [3, 2, 1, 0])
+    else:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
     for r in range(lo, hi, 16):
         y, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES)
@@ -386,7 +391,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, B: gl.constexpr, H: gl.constexpr,
                      HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
                      SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-                     FMT: gl.constexpr):
+                     FMT: gl.constexpr, CW: gl.constexpr = 4):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, megakernel_stream_q4k.q4k_descriptors) with int8 activations."""
     sm = gl.program_id(0)
@@ -416,7 +421,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                     ACT, LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, B, H, HQ, HKV, D, F, S, SP,
                     PAGE, GP, STAGES, FMT)),
-    ], [4], [232])
+    ], [CW], [232 if CW == 4 else 192])
 
 
 def _layout():
@@ -428,7 +433,7 @@ class FastStep:
     the two) with the reference executor's buffers and call signature (kernel.DecodeStep). q4_k: the products take
     the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic)."""
 
-    def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, spin_limit=1 << 22):
+    def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, warps=4, spin_limit=1 << 22):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from llmkernels.quant import dequantize
@@ -509,7 +514,9 @@ class FastStep:
         self.attn = torch.empty(1, KO, **f32)
         self.act = torch.empty(1, F, **f32)
         self.logits = torch.empty(1, cfg.vocab_size, **f32)
-        self.stages, self.spin_limit = stages, spin_limit
+        if warps not in (4, 8):
+            raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps}")
+        self.stages, self.warps, self.spin_limit = stages, warps, spin_limit
 
     def launch(self, ids, seq_lens, page_table):
         import triton
@@ -524,7 +531,7 @@ class FastStep:
             page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5, self.spin_limit, B=1,
             H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S,
             SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2], GP=triton.next_power_of_2(G), STAGES=self.stages,
-            FMT=int(self.fmt == "q4_k"), num_warps=4)
+            FMT=int(self.fmt == "q4_k"), CW=self.warps, num_warps=4)
 
     def __call__(self, ids, seq_lens, page_table):
         self.launch(ids, seq_lens, page_table)
@@ -536,7 +543,7 @@ class FastStep:
         return self.logits
 
 
-def check_tiny(fmt, stages, steps=9):
+def check_tiny(fmt, stages, warps=4, steps=9):
     """Every step's logits of the fast step against the reference executor on a tiny llama GGUF in ``fmt`` (each
     with its own NaN-poisoned cache, the same scattered pages), one program per SM for both. q4_k: the fast step's
     int8 activations make it differ from the reference (float32 activations) by their rounding, so the bound is
@@ -565,7 +572,7 @@ def check_tiny(fmt, stages, steps=9):
         table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).cuda()
         inv, _ = rope_inv_freq(cfg)
         ref = DecodeStep(prog, cfg, f, caches[0], caches[1], inv.cuda(), batch=1)
-        fast = FastStep(prog, cfg, f, caches[2], caches[3], inv.cuda(), stages=stages)
+        fast = FastStep(prog, cfg, f, caches[2], caches[3], inv.cuda(), stages=stages, warps=warps)
         ids = torch.randint(1, cfg.vocab_size, (steps,), dtype=torch.int32)
         for t in range(steps):
             args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
@@ -578,7 +585,7 @@ def check_tiny(fmt, stages, steps=9):
                 print(f"{fmt} splits {splits} step {t}: fast step differs from the reference: {e:.2e} of the "
                       f"largest logit, argmax {got.argmax().item()} vs {want.argmax().item()}", flush=True)
                 return False
-    print(f"tiny {fmt} llama, {steps} steps, 2 and 3 key splits, {sms} SMs: fast step = reference executor within "
+    print(f"tiny {fmt} llama, {warps} compute warps, {steps} steps, 2 and 3 key splits, {sms} SMs: fast step = reference executor within "
           f"{worst:.1e} of the largest logit, same argmax at {same} of {2 * steps} steps", flush=True)
     return True
 
@@ -587,9 +594,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fmt", default="bf16,q4_k")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", default="512", help="comma-separated context lengths (the engine runs the first)")
     ap.add_argument("--stages", default="16", help="ring slots (bf16: 8 KB each; q4_k: 4.5 KB, up to 24)")
+    ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
     args = ap.parse_args()
     from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
     from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_tensors
@@ -598,37 +607,44 @@ def main():
     from megakernel_step import engine_rate
 
     stages = [int(x) for x in args.stages.split(",")]
+    warps = [int(x) for x in args.warps.split(",")]
+    contexts = [int(x) for x in args.context.split(",")]
     cfg = llama3_8b_config(args.layers)
     bw = measure_read_bandwidth() * 1e12
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    inv, _ = rope_inv_freq(cfg)
     for fmt in args.fmt.split(","):
-        if not args.skip_check and not check_tiny(fmt, stages[0]):
+        if not args.skip_check and not all(check_tiny(fmt, stages[0], w) for w in warps):
             continue
-        prog = build_decode_program(cfg, fmt, batch=1, context=args.context, num_sms=sms, bandwidth=bw)
-        print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
         tensors = synthetic_tensors(fmt, cfg)
-        page = 16
-        pages = -(-(args.context + 1) // page)
-        kc = torch.randn(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
-        ids = torch.ones(1, dtype=torch.int32, device="cuda")
-        lens = torch.full((1,), args.context, dtype=torch.int32, device="cuda")
-        inv, _ = rope_inv_freq(cfg)
-        for st in stages:
-            fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=st)
-            fast(ids, lens, table)
-            torch.cuda.synchronize()
-            ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
-            print(f"{fmt} fast step, {st} slots: {ms * 1e3:.1f} us per step, "
-                  f"{100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the weight-bandwidth bound "
-                  f"({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", flush=True)
-            del fast
+        for context in contexts:
+            prog = build_decode_program(cfg, fmt, batch=1, context=context, num_sms=sms, bandwidth=bw)
+            print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
+            page = 16
+            pages = -(-(context + 1) // page)
+            kc = torch.randn(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda",
+                             dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
+            ids = torch.ones(1, dtype=torch.int32, device="cuda")
+            lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+            for w in warps:
+                for st in stages:
+                    fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=st, warps=w)
+                    fast(ids, lens, table)
+                    torch.cuda.synchronize()
+                    ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
+                    print(f"{fmt} fast step, context {context}, {w} compute warps, {st} slots: {ms * 1e3:.1f} us "
+                          f"per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the weight-bandwidth "
+                          f"bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", flush=True)
+                    del fast
+                    torch.cuda.empty_cache()
+            del kc, vc
             torch.cuda.empty_cache()
-        del kc, vc
-        torch.cuda.empty_cache()
-        rate = engine_rate(cfg, tensors, args.context)
-        print(f"engine, kernel per op, {fmt}: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms per step", flush=True)
+        if not args.skip_engine:
+            rate = engine_rate(cfg, tensors, contexts[0])
+            print(f"engine, kernel per op, {fmt}, context {contexts[0]}: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms "
+                  f"per step", flush=True)
         del tensors
         torch.cuda.empty_cache()
 
