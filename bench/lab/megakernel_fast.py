@@ -17,6 +17,7 @@ the engine's kernel-per-op step.
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
                                                      [--stages 16,...] [--warps 4,8] [--skip-check] [--skip-engine]
+                                                     [--trace]
 """
 import argparse
 import functools
@@ -26,6 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from llmkernels.attention.paged_ws import _now
 from megakernel_stream_q4k import _inv_rms, _q4k_copy, _slot_dot, _stage_q, q4k_descriptors
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
@@ -103,19 +105,7 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
 
 
 @gluon.jit
-def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr):
-    """x_smem ([64, 256] float32, one 256-wide chunk per row) <- X[:K] (float32), or its RMSNorm times NW with
-    NORM; pieces of 16 chunks, each piece's loads issued together."""
-    LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    xs = x_smem._reinterpret(gl.float32, [4, 16, BK], X3)
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
-    k = gl.arange(0, BK, layout=gl.SliceLayout(0, LP))
-    nk = K // BK
-    inv = 1.0
-    if NORM:
-        inv = _inv_rms(X, K, eps)
-    gl.thread_barrier()  # every warp is past its reads of the instruction before
+def _stage_pieces(xs, X, NW, nk, inv, r, k, NORM: gl.constexpr):
     for p in range(0, nk, 16):
         offs = (p + r)[:, None] * BK + k[None, :]
         m = (p + r < nk)[:, None] & (k < BK)[None, :]
@@ -123,6 +113,32 @@ def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr):
         if NORM:
             x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
         xs.index(p // 16).store(x)
+
+
+@gluon.jit
+def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr):
+    """x_smem ([64, 256] float32, one 256-wide chunk per row) <- X[:K] (float32), or its RMSNorm times NW with
+    NORM; pieces of 16 chunks, each piece's loads issued together (ONE: K fits one piece)."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xs = x_smem._reinterpret(gl.float32, [4, 16, BK], X3)
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
+    k = gl.arange(0, BK, layout=gl.SliceLayout(0, LP))
+    nk = K // BK
+    if NORM and ONE:  # the sum of squares from the same loads: one L2 round trip, not two
+        offs = r[:, None] * BK + k[None, :]
+        m = (r < nk)[:, None] & (k < BK)[None, :]
+        x = gl.load(X + offs, mask=m, other=0.0)
+        w = gl.load(NW + offs, mask=m, other=0.0)
+        inv = 1.0 / gl.sqrt(gl.sum(gl.sum(x * x, axis=1), axis=0) / K + eps)
+        gl.thread_barrier()  # every warp is past its reads of the instruction before
+        xs.index(0).store(x * inv * w)
+    else:
+        inv = 1.0
+        if NORM:
+            inv = _inv_rms(X, K, eps)
+        gl.thread_barrier()
+        _stage_pieces(xs, X, NW, nk, inv, r, k, NORM)
     gl.thread_barrier()
 
 
@@ -199,9 +215,9 @@ def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.co
 
 
 @gluon.jit
-def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT: gl.constexpr):
+def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT: gl.constexpr, H: gl.constexpr):
     if FMT == 0:
-        _stage(x_smem, X, NW, K, eps, NORM)
+        _stage(x_smem, X, NW, K, eps, NORM, H <= 16 * 256)
     else:
         _stage_q(xq_smem, xd_smem, X, NW, K, eps, 0, NORM)
 
@@ -235,13 +251,26 @@ def _rope(x, xp, d, ang):
 
 
 @gluon.jit
+def _kv_block(KC, VC, PT_SEQ, cache_off, keys, hi, dk, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr):
+    """The K and V rows (cache dtype) of ``keys`` (zeros at keys >= hi)."""
+    km = keys < hi
+    page = gl.load(PT_SEQ + keys // PAGE, mask=km, other=0)
+    row = cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
+    kvm = km[:, None] & (dk < D)[None, :]
+    return (gl.load(KC + row[:, None] + dk[None, :], mask=kvm, other=0.0),
+            gl.load(VC + row[:, None] + dk[None, :], mask=kvm, other=0.0))
+
+
+@gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq, qk_scale,
           B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
           PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr):
     """One KV head's key split of every sequence, as kernel._attn_split: q of the group rotated, the last split
     first stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp."""
-    # [GP, N, D]: the group's heads across lanes, so each thread holds a slice of q and of the output, not all
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [GP, 1, 32 // GP], [1, gl.num_warps(), 1], [2, 1, 0])
+    # [GP, N, D]: D across the lanes, keys across the warps, the group's heads in each thread; a block of
+    # BLOCK_N keys is one round of loads for all its K and V rows (the splits are short: latency, not bandwidth)
+    L3: gl.constexpr = gl.BlockedLayout([GP, BLOCK_N // gl.num_warps(), D // 32], [1, 1, 32], [1, gl.num_warps(), 1],
+                                        [2, 1, 0])
     QL: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, D]
     KL: gl.constexpr = gl.SliceLayout(0, L3)  # [N, D]
     SL: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, N]
@@ -278,24 +307,21 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
         m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
         l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
         acc = gl.zeros([GP, D], gl.float32, QL)
+        kt, vt = _kv_block(KC, VC, PT + b * pages_per_seq, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
         for k0 in range(lo, hi, BLOCK_N):
-            keys = k0 + nn
-            km = keys < hi
-            page = gl.load(PT + b * pages_per_seq + keys // PAGE, mask=km, other=0)
-            row = cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
-            kvm = km[:, None] & (dk < D)[None, :]
-            kt = gl.load(KC + row[:, None] + dk[None, :], mask=kvm, other=0.0).to(gl.float32)
-            s = gl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N]
+            # the next block's rows in flight while this one is computed
+            kn, vn = _kv_block(KC, VC, PT + b * pages_per_seq, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
+            s = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)  # [GP, N]
             s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             pr = gl.exp(s - m_safe[:, None])
             alpha = gl.exp(m_i - m_safe)
-            vt = gl.load(VC + row[:, None] + dk[None, :], mask=kvm, other=0.0).to(gl.float32)
-            pv = gl.sum(pr[:, :, None] * vt[None, :, :], axis=1)  # [GP, D]
+            pv = gl.sum(pr[:, :, None] * vt.to(gl.float32)[None, :, :], axis=1)  # [GP, D]
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
             l_i = l_i * alpha + gl.sum(pr, axis=1)
             m_i = m_new
+            kt, vt = kn, vn
         has = l_i > 0
         den = gl.where(has, l_i, 1.0)
         base = (b * HQ + h * G + g) * S + split
@@ -327,13 +353,16 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 @gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, B: gl.constexpr, H: gl.constexpr,
+             LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
              HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
-             SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr):
+             SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
+             TRACE: gl.constexpr):
     ok = 1
     c = 0
     for j in range(n_instr):
         p = PROG + j * NF
+        if TRACE:  # (start, waited, done) of every instruction, global nanoseconds
+            gl.store(TR + (sm * n_instr + j) * 3, _now())
         op = gl.load(p)
         layer = gl.load(p + 1)
         lo = gl.load(p + 2)
@@ -351,36 +380,40 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
                 if gl.atomic_cas(ERR, 0, 1) == 0:
                     gl.atomic_xchg(ERR + 1, sm * n_instr + j)
                 ok = 0
+        if TRACE:
+            gl.store(TR + (sm * n_instr + j) * 3 + 1, _now())
         # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
         if op == 1:
             _embed(EMB, IDS, RESID, H, B)
         elif op == 2:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT)
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False, False,
                           STAGES, FMT)
         elif op == 3:
             _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
-                  qk_scale, B, HQ, HKV, D, S, PAGE, GP, 8)
+                  qk_scale, B, HQ, HKV, D, S, PAGE, GP, 32)
         elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
-            _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT)
+            _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID, True,
                           False, STAGES, FMT)
         elif op == 6:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT)
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False, True,
                           STAGES, FMT)
         elif op == 7:
-            _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT)
+            _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True, False,
                           STAGES, FMT)
         elif op == 8:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT)
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS, False,
                           False, STAGES, FMT)
         if op != 0:
             gl.thread_barrier()  # every warp's stores come before the one-thread releases
+            if TRACE:
+                gl.store(TR + (sm * n_instr + j) * 3 + 2, _now())
             for cn in range(gl.load(p + 7), gl.load(p + 8)):
                 gl.atomic_add(COUNTERS + cn, 1, sem="release")
 
@@ -388,10 +421,10 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
 @gluon.jit
 def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS,
                      PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-                     LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, B: gl.constexpr, H: gl.constexpr,
+                     LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
                      HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
                      SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-                     FMT: gl.constexpr, CW: gl.constexpr = 4):
+                     FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, megakernel_stream_q4k.q4k_descriptors) with int8 activations."""
     sm = gl.program_id(0)
@@ -419,8 +452,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                    MT, n_layers, H, HQ * D, F, STAGES, FMT)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                    ACT, LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, B, H, HQ, HKV, D, F, S, SP,
-                    PAGE, GP, STAGES, FMT)),
+                    ACT, LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F, S,
+                    SP, PAGE, GP, STAGES, FMT, TRACE)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -433,7 +466,8 @@ class FastStep:
     the two) with the reference executor's buffers and call signature (kernel.DecodeStep). q4_k: the products take
     the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic)."""
 
-    def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, warps=4, spin_limit=1 << 22):
+    def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, warps=4, spin_limit=1 << 22,
+                 trace=False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from llmkernels.quant import dequantize
@@ -517,6 +551,7 @@ class FastStep:
         if warps not in (4, 8):
             raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps}")
         self.stages, self.warps, self.spin_limit = stages, warps, spin_limit
+        self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
 
     def launch(self, ids, seq_lens, page_table):
         import triton
@@ -528,10 +563,11 @@ class FastStep:
             *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
             self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm, cfg.n_layers, self.resid,
             self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.kc.shape[1],
-            page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5, self.spin_limit, B=1,
+            page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5, self.spin_limit,
+            self.err if self.trace is None else self.trace, B=1,
             H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S,
             SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2], GP=triton.next_power_of_2(G), STAGES=self.stages,
-            FMT=int(self.fmt == "q4_k"), CW=self.warps, num_warps=4)
+            FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, num_warps=4)
 
     def __call__(self, ids, seq_lens, page_table):
         self.launch(ids, seq_lens, page_table)
@@ -541,6 +577,28 @@ class FastStep:
             raise RuntimeError(f"fast step: SM {sm} gave up at {i.op} layer {i.layer} [{i.lo}, {i.hi}) waiting for "
                                f"counter {i.wait} ({self.prog.counter_names[i.wait]}) to reach {i.target}")
         return self.logits
+
+
+def trace_summary(prog, tr):
+    """Where an SM's time goes in a traced step: per op, the mean over SMs of the time its instructions spent
+    waiting for their counters and running (us), which add up to the step's span."""
+    tr = tr.cpu()
+    sms = prog.num_sms
+    t0 = min(int(tr[sm, 0, 0]) for sm in range(sms) if prog.lists[sm])
+    end = max(int(tr[sm, len(prog.lists[sm]) - 1, 2]) for sm in range(sms) if prog.lists[sm])
+    wait, run, count = {}, {}, {}
+    for sm in range(sms):
+        for j, ins in enumerate(prog.lists[sm]):
+            a, b, c = (int(x) for x in tr[sm, j])
+            wait[ins.op] = wait.get(ins.op, 0) + b - a
+            run[ins.op] = run.get(ins.op, 0) + c - b
+            count[ins.op] = count.get(ins.op, 0) + 1
+    lines = [f"traced step: {(end - t0) / 1e3:.1f} us from the first instruction's start to the last one's end; "
+             f"per SM (mean over {sms}), us waiting / running:"]
+    for op in count:
+        lines.append(f"  {op:8s} {count[op]:6d} instructions  wait {wait[op] / sms / 1e3:8.1f}  run "
+                     f"{run[op] / sms / 1e3:8.1f}")
+    return "\n".join(lines)
 
 
 def check_tiny(fmt, stages, warps=4, steps=9):
@@ -599,6 +657,7 @@ def main():
     ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
     args = ap.parse_args()
     from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
     from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_tensors
@@ -639,6 +698,13 @@ def main():
                           f"bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", flush=True)
                     del fast
                     torch.cuda.empty_cache()
+            if args.trace:
+                fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=stages[0], warps=warps[0], trace=True)
+                fast(ids, lens, table)
+                fast(ids, lens, table)
+                torch.cuda.synchronize()
+                print(f"{fmt}, context {context}: " + trace_summary(prog, fast.trace), flush=True)
+                del fast
             del kc, vc
             torch.cuda.empty_cache()
         if not args.skip_engine:
