@@ -16,8 +16,8 @@ against the reference on a tiny bf16 llama GGUF (every step's logits), then time
 the engine's kernel-per-op step.
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
-                                                     [--stages 16,...] [--warps 4,8] [--skip-check] [--skip-engine]
-                                                     [--trace]
+                                                     [--stages 16,...] [--warps 4,8] [--qstep 2] [--qdot 1]
+                                                     [--skip-check] [--skip-engine] [--trace]
 """
 import argparse
 import functools
@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from llmkernels.attention.paged_ws import _now
-from megakernel_stream_q4k import _inv_rms, _q4k_copy, _slot_dot, _stage_q, q4k_descriptors
+from megakernel_stream_q4k import _inv_rms, _q4k_copy, _slot_dot, _slot_dot2, _stage_q, q4k_descriptors
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
 BK = gl.constexpr(256)  # weight columns per ring slot
@@ -181,7 +181,7 @@ def _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr, GL
 
 @gluon.jit
 def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
-              GLU: gl.constexpr, STAGES: gl.constexpr):
+              GLU: gl.constexpr, STAGES: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
     """_gemv on q4_k slots (megakernel_stream_q4k._slot_dot: dp4a on the int8 input)."""
     # [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with 8, two
     # threads per chunk (4 words each), so a 16-row slot still has no replicated work
@@ -191,9 +191,9 @@ def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT,
         L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
     for r in range(lo, hi, 16):
-        y, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES)
+        y, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
         if GLU:
-            u, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES)
+            u, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
             y = y / (1.0 + gl.exp(-y)) * u
         if ACC:
             y += gl.load(OUT + r + rows)
@@ -202,15 +202,33 @@ def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT,
 
 
 @gluon.jit
-def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr, STAGES: gl.constexpr):
+def _q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4: gl.constexpr, STAGES: gl.constexpr,
+              N: gl.constexpr, QDOT: gl.constexpr):
+    """N slots' products (one barrier for all) -> (acc, c + N)."""
+    for u in gl.static_range(N):
+        mbarrier.wait(ready.index((c + u) % STAGES), ((c + u) // STAGES) & 1)
+    for u in gl.static_range(N):
+        s = (c + u) % STAGES
+        if QDOT == 1:
+            acc += _slot_dot2(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
+        else:
+            acc += _slot_dot(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
+    gl.thread_barrier()  # every warp has read the slots
+    for u in gl.static_range(N):
+        mbarrier.arrive(empty.index((c + u) % STAGES), count=1)
+    return acc, c + N
+
+
+@gluon.jit
+def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr, STAGES: gl.constexpr,
+                 QSTEP: gl.constexpr, QDOT: gl.constexpr):
     acc = gl.zeros([16, 2, 4, 1], gl.float32, L4)
-    for kp in range(K // 512):
-        s = c % STAGES
-        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        acc += _slot_dot(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp, L4)
-        gl.thread_barrier()  # every warp has read the slot
-        mbarrier.arrive(empty.index(s), count=1)
-        c += 1
+    n = K // 512
+    full = n - n % QSTEP
+    for kp in range(0, full, QSTEP):
+        acc, c = _q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, QSTEP, QDOT)
+    for kp in range(full, n):
+        acc, c = _q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, 1, QDOT)
     return gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1), c
 
 
@@ -224,11 +242,12 @@ def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT:
 
 @gluon.jit
 def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
-              GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr):
+              GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
     if FMT == 0:
         c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES)
     else:
-        c = _gemv_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES)
+        c = _gemv_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES, QSTEP,
+                      QDOT)
     return c
 
 
@@ -356,7 +375,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
              LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
              HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
              SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
-             TRACE: gl.constexpr):
+             TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -388,7 +407,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
         elif op == 2:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False, False,
-                          STAGES, FMT)
+                          STAGES, FMT, QSTEP, QDOT)
         elif op == 3:
             _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
                   qk_scale, B, HQ, HKV, D, S, PAGE, GP, 32)
@@ -397,19 +416,19 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
         elif op == 5:
             _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID, True,
-                          False, STAGES, FMT)
+                          False, STAGES, FMT, QSTEP, QDOT)
         elif op == 6:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False, True,
-                          STAGES, FMT)
+                          STAGES, FMT, QSTEP, QDOT)
         elif op == 7:
             _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True, False,
-                          STAGES, FMT)
+                          STAGES, FMT, QSTEP, QDOT)
         elif op == 8:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS, False,
-                          False, STAGES, FMT)
+                          False, STAGES, FMT, QSTEP, QDOT)
         if op != 0:
             gl.thread_barrier()  # every warp's stores come before the one-thread releases
             if TRACE:
@@ -424,7 +443,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
                      HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
                      SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-                     FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False):
+                     FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False,
+                     QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, megakernel_stream_q4k.q4k_descriptors) with int8 activations."""
     sm = gl.program_id(0)
@@ -453,7 +473,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                     ACT, LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F, S,
-                    SP, PAGE, GP, STAGES, FMT, TRACE)),
+                    SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -467,7 +487,7 @@ class FastStep:
     the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic)."""
 
     def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, warps=4, spin_limit=1 << 22,
-                 trace=False):
+                 trace=False, qstep=2, qdot=1):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from llmkernels.quant import dequantize
@@ -550,7 +570,7 @@ class FastStep:
         self.logits = torch.empty(1, cfg.vocab_size, **f32)
         if warps not in (4, 8):
             raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps}")
-        self.stages, self.warps, self.spin_limit = stages, warps, spin_limit
+        self.stages, self.warps, self.spin_limit, self.qstep, self.qdot = stages, warps, spin_limit, qstep, qdot
         self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
 
     def launch(self, ids, seq_lens, page_table):
@@ -567,7 +587,8 @@ class FastStep:
             self.err if self.trace is None else self.trace, B=1,
             H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S,
             SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2], GP=triton.next_power_of_2(G), STAGES=self.stages,
-            FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, num_warps=4)
+            FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep, QDOT=self.qdot,
+            num_warps=4)
 
     def __call__(self, ids, seq_lens, page_table):
         self.launch(ids, seq_lens, page_table)
@@ -601,7 +622,7 @@ def trace_summary(prog, tr):
     return "\n".join(lines)
 
 
-def check_tiny(fmt, stages, warps=4, steps=9):
+def check_tiny(fmt, stages, warps=4, steps=9, **q):
     """Every step's logits of the fast step against the reference executor on a tiny llama GGUF in ``fmt`` (each
     with its own NaN-poisoned cache, the same scattered pages), one program per SM for both. q4_k: the fast step's
     int8 activations make it differ from the reference (float32 activations) by their rounding, so the bound is
@@ -630,7 +651,7 @@ def check_tiny(fmt, stages, warps=4, steps=9):
         table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).cuda()
         inv, _ = rope_inv_freq(cfg)
         ref = DecodeStep(prog, cfg, f, caches[0], caches[1], inv.cuda(), batch=1)
-        fast = FastStep(prog, cfg, f, caches[2], caches[3], inv.cuda(), stages=stages, warps=warps)
+        fast = FastStep(prog, cfg, f, caches[2], caches[3], inv.cuda(), stages=stages, warps=warps, **q)
         ids = torch.randint(1, cfg.vocab_size, (steps,), dtype=torch.int32)
         for t in range(steps):
             args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
@@ -643,7 +664,8 @@ def check_tiny(fmt, stages, warps=4, steps=9):
                 print(f"{fmt} splits {splits} step {t}: fast step differs from the reference: {e:.2e} of the "
                       f"largest logit, argmax {got.argmax().item()} vs {want.argmax().item()}", flush=True)
                 return False
-    print(f"tiny {fmt} llama, {warps} compute warps, {steps} steps, 2 and 3 key splits, {sms} SMs: fast step = reference executor within "
+    print(f"tiny {fmt} llama, {warps} compute warps, {steps} steps, 2 and 3 key splits, {sms} SMs: fast step = "
+          f"reference executor within "
           f"{worst:.1e} of the largest logit, same argmax at {same} of {2 * steps} steps", flush=True)
     return True
 
@@ -655,6 +677,8 @@ def main():
     ap.add_argument("--context", default="512", help="comma-separated context lengths (the engine runs the first)")
     ap.add_argument("--stages", default="16", help="ring slots (bf16: 8 KB each; q4_k: 4.5 KB, up to 24)")
     ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
+    ap.add_argument("--qstep", type=int, default=2, help="q4_k: slots per barrier")
+    ap.add_argument("--qdot", type=int, default=1, help="q4_k: 0 _slot_dot, 1 _slot_dot2")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -673,7 +697,8 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     inv, _ = rope_inv_freq(cfg)
     for fmt in args.fmt.split(","):
-        if not args.skip_check and not all(check_tiny(fmt, stages[0], w) for w in warps):
+        q = dict(qstep=args.qstep, qdot=args.qdot)
+        if not args.skip_check and not all(check_tiny(fmt, stages[0], w, **q) for w in warps):
             continue
         tensors = synthetic_tensors(fmt, cfg)
         for context in contexts:
@@ -689,7 +714,7 @@ def main():
             lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
             for w in warps:
                 for st in stages:
-                    fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=st, warps=w)
+                    fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=st, warps=w, **q)
                     fast(ids, lens, table)
                     torch.cuda.synchronize()
                     ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
@@ -699,7 +724,8 @@ def main():
                     del fast
                     torch.cuda.empty_cache()
             if args.trace:
-                fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=stages[0], warps=warps[0], trace=True)
+                fast = FastStep(prog, cfg, tensors, kc, vc, inv.cuda(), stages=stages[0], warps=warps[0], trace=True,
+                                **q)
                 fast(ids, lens, table)
                 fast(ids, lens, table)
                 torch.cuda.synchronize()

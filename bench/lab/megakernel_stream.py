@@ -360,7 +360,8 @@ def build(layers, rows, programs, device="cuda"):
 
 def measure(name, run, err, ops, act, nbytes, bw, product, check=True):
     """Run a chain once (a launch that fails is reported: None), stop on a timed-out wait ("stop"), with ``check``
-    compare every op with ``product(matrix, first row, rows, x)`` of its own input x (GLU applied), then time it."""
+    compare every op (an int: the first ``check``) with ``product(matrix, first row, rows, x)`` of its own input x
+    (GLU applied), then time it."""
     from llmkernels.bench.harness import time_graph_ms
 
     try:
@@ -373,7 +374,8 @@ def measure(name, run, err, ops, act, nbytes, bw, product, check=True):
         print(f"{name}: a wait timed out at op {err.item() - 1}", flush=True)
         return "stop"
     worst = float("nan")
-    for o, (d, r0, n, k, glu) in enumerate(ops if check else []):
+    n_check = len(ops) if check is True else int(check)
+    for o, (d, r0, n, k, glu) in enumerate(ops[:n_check]):
         x = act[o, :k].float()
         if glu:
             x = torch.nn.functional.silu(x) * act[o, k:2 * k].float()

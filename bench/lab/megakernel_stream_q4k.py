@@ -20,6 +20,7 @@ integer dots in torch, against gguf_codec's dequantization).
     PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py --emulate       # CPU
 """
 import argparse
+import itertools
 
 import torch
 from triton.experimental import gluon
@@ -33,6 +34,7 @@ CB = 256  # code bytes per row and slot: 2 super-blocks
 HB = 32  # header bytes per row and slot
 XBLK = gl.constexpr(128)  # blocks of 32 activations rounded per staging piece
 LO = gl.constexpr(0x0F0F0F0F)
+HI = gl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as int32
 
 
 @gluon.jit
@@ -188,9 +190,55 @@ def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
 
 
 @gluon.jit
+def _slot_dot2(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
+    """_slot_dot in fewer instructions: the high nibbles kept in place (dp4a on codes & 0xF0F0F0F0 is 16 times the
+    dot), both sub-blocks' 6-bit scales and mins cut from one shift of the words chosen once per thread's chunk."""
+    W4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    W3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    R: gl.constexpr = c_slot.shape[0]
+    codes = c_slot._reinterpret(gl.int32, [R, 2, 4, 8], W4).load(L4)
+    X3: gl.constexpr = gl.SliceLayout(0, L4)
+    xv = xq_smem._reinterpret(gl.int32, [32, 2, 4, 16], W3).index(kp)
+    x_lo = xv.slice(0, 8, dim=2).load(X3)[None, :, :, :]
+    x_hi = xv.slice(8, 8, dim=2).load(X3)[None, :, :, :]
+    s_lo = gl.sum(_dp4a(codes & LO, x_lo), axis=3, keep_dims=True).to(gl.float32)
+    s_hi = gl.sum(_dp4a(codes & HI, x_hi), axis=3, keep_dims=True).to(gl.float32)
+    xd = xd_smem._reinterpret(gl.float32, [32, 2, 4, 4], W3).index(kp)
+    dx0 = xd.slice(0, 1, dim=2).load(X3)[None, :, :, :]
+    sx0 = xd.slice(1, 1, dim=2).load(X3)[None, :, :, :]
+    dx1 = xd.slice(2, 1, dim=2).load(X3)[None, :, :, :]
+    sx1 = xd.slice(3, 1, dim=2).load(X3)[None, :, :, :]
+    H3: gl.constexpr = gl.SliceLayout(3, L4)
+    hv = h_slot._reinterpret(gl.int32, [R, 2, 4], W3)
+    w0 = hv.slice(0, 1, dim=2).load(H3)[:, :, :, None]
+    w1 = hv.slice(1, 1, dim=2).load(H3)[:, :, :, None]
+    w2 = hv.slice(2, 1, dim=2).load(H3)[:, :, :, None]
+    w3 = hv.slice(3, 1, dim=2).load(H3)[:, :, :, None]
+    d = _f16_lo(w0)
+    dmin = _f16_lo(w0 >> 16)
+    C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
+    c = gl.arange(0, 4, layout=C1)[None, None, :, None]
+    # chunk c holds sub-blocks 2c and 2c + 1: bytes sh / 8 and sh / 8 + 1 of the scale words
+    first = c < 2
+    sh = 16 * (c % 2)
+    m_a = gl.where(first, 63, 0xF)
+    m_b = gl.where(first, 0, 0x30)
+    ta = gl.where(first, w1, w3) >> sh  # scales: 6 bits of w1, or 4 of w3 and 2 of w1
+    tc = gl.where(first, w2, w3 >> 4) >> sh  # mins: 6 bits of w2, or 4 of w3 >> 4 and 2 of w2
+    t1 = (w1 >> 2) >> sh
+    t2 = (w2 >> 2) >> sh
+    sc0 = ((ta & m_a) | (t1 & m_b)).to(gl.float32)
+    sc1 = (((ta >> 8) & m_a) | ((t1 >> 8) & m_b)).to(gl.float32)
+    mn0 = ((tc & m_a) | (t2 & m_b)).to(gl.float32)
+    mn1 = (((tc >> 8) & m_a) | ((t2 >> 8) & m_b)).to(gl.float32)
+    return d * (sc0 * dx0 * s_lo + (sc1 * 0.0625) * dx1 * s_hi) - dmin * (mn0 * sx0 + mn1 * sx1)
+
+
+@gluon.jit
 def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN,
-             STAGES: gl.constexpr, MODE: gl.constexpr):
-    """MODE 0: the chain; 1: slots freed as they land (the loader alone); 2: products without the counters."""
+             STAGES: gl.constexpr, MODE: gl.constexpr, STEP: gl.constexpr, DOT: gl.constexpr):
+    """MODE 0: the chain; 1: slots freed as they land (the loader alone); 2: products without the counters.
+    STEP: slots per barrier (K / 512 a multiple); DOT 1: _slot_dot2."""
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
     R1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
     ROWS: gl.constexpr = c_smem.shape[1]
@@ -209,21 +257,20 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
                 _stage_q(xq_smem, xd_smem, ACT + op.to(gl.int64) * act_stride, ACT, K, 0.0, glu, False)
             cur = op
         acc = gl.zeros([ROWS, 2, 4, 1], gl.float32, L4)
-        for kp in range(0, K // 512, 2):  # two slots per step, one barrier for both
-            s0 = c % STAGES
-            s1 = (c + 1) % STAGES
-            mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-            mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-            if MODE == 1:
-                mbarrier.arrive(empty.index(s0), count=1)
-                mbarrier.arrive(empty.index(s1), count=1)
-            else:
-                acc += _slot_dot(c_smem.index(s0), h_smem.index(s0), xq_smem, xd_smem, kp, L4)
-                acc += _slot_dot(c_smem.index(s1), h_smem.index(s1), xq_smem, xd_smem, kp + 1, L4)
-                gl.thread_barrier()  # every warp has read both slots
-                mbarrier.arrive(empty.index(s0), count=1)
-                mbarrier.arrive(empty.index(s1), count=1)
-            c += 2
+        for kp in range(0, K // 512, STEP):  # STEP slots per step, one barrier for all
+            for u in gl.static_range(STEP):
+                mbarrier.wait(ready.index((c + u) % STAGES), ((c + u) // STAGES) & 1)
+            if MODE != 1:
+                for u in gl.static_range(STEP):
+                    s = (c + u) % STAGES
+                    if DOT == 1:
+                        acc += _slot_dot2(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
+                    else:
+                        acc += _slot_dot(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
+                gl.thread_barrier()  # every warp has read the step's slots
+            for u in gl.static_range(STEP):
+                mbarrier.arrive(empty.index((c + u) % STAGES), count=1)
+            c += STEP
         y = gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1)
         gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + rows, y.to(ACT.dtype.element_ty))
         done = _release(CNT, op, nop, done)
@@ -233,7 +280,7 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
 @gluon.jit
 def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, ACT, CNT, ERR, act_stride, SPIN,
                       STAGES: gl.constexpr, CW: gl.constexpr = 4, MODE: gl.constexpr = 0,
-                      GGUF: gl.constexpr = False):
+                      GGUF: gl.constexpr = False, STEP: gl.constexpr = 2, DOT: gl.constexpr = 0):
     pid = gl.program_id(0)
     LIST = LISTS + pid * list_stride
     n_my = gl.load(COUNTS + pid)
@@ -255,7 +302,7 @@ def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, A
     gl.warp_specialize([
         (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES, GGUF)),
         (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,
-                    SPIN, STAGES, MODE)),
+                    SPIN, STAGES, MODE, STEP, DOT)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -297,6 +344,23 @@ def emulate(codes, hdr, x):
     return (d * sc * dxv * dots - dmin * mn * sxv).sum((1, 2))
 
 
+def scales_v2(hdr):
+    """_slot_dot2's scale and min decoding in torch: header bytes [n, 16] -> (sc, mn) [n, 8] int64."""
+    w = hdr.contiguous().view(torch.int32).to(torch.int64)  # [n, 4] words, sign-extended as the kernel's int32
+    w1, w2, w3 = w[:, 1:2], w[:, 2:3], w[:, 3:4]
+    sc, mn = [], []
+    for c in range(4):
+        first = c < 2
+        sh = 16 * (c % 2)
+        m_a, m_b = (63, 0) if first else (0xF, 0x30)
+        ta = (w1 if first else w3) >> sh
+        tc = (w2 if first else w3 >> 4) >> sh
+        t1, t2 = (w1 >> 2) >> sh, (w2 >> 2) >> sh
+        sc += [(ta & m_a) | (t1 & m_b), ((ta >> 8) & m_a) | ((t1 >> 8) & m_b)]
+        mn += [(tc & m_a) | (t2 & m_b), ((tc >> 8) & m_a) | ((t2 >> 8) & m_b)]
+    return torch.cat(sc, 1), torch.cat(mn, 1)
+
+
 def check_emulation():
     from llmkernels.quant import dequantize
     from llmkernels.testing.random_weights import random_qtensor
@@ -315,6 +379,14 @@ def check_emulation():
         worst = max(worst, e)
         print(f"[{N}, {K}]: emulated kernel arithmetic vs dequantize(W) @ x': {e:.1e} of the largest output")
     assert worst < 1e-6, worst
+    from llmkernels.quant.scales import unpack_scales6
+    hdr = torch.randint(0, 256, (4096, 16), dtype=torch.uint8)
+    want = unpack_scales6(hdr[:, 4:16])
+    got = scales_v2(hdr)
+    same = all(torch.equal(g, w.to(torch.int64).view(g.shape)) for g, w in zip(got, want))
+    print(f"_slot_dot2's scale and min decoding on 4096 random headers: {'equal to' if same else 'DIFFERENT FROM'} "
+          f"unpack_scales6")
+    assert same
     return worst
 
 
@@ -343,6 +415,9 @@ def main():
     ap.add_argument("--warps", default="4,8", help="compute warps; a tile has 4 rows per warp")
     ap.add_argument("--modes", default="0,1,2", help="stream_q4k_kernel's MODE (1 and 2 are timed, not checked)")
     ap.add_argument("--layouts", default="gguf,planes", help="gguf: the blocks as stored; planes: codes, headers")
+    ap.add_argument("--step", default="2", help="comma-separated: slots per barrier (2 or 4)")
+    ap.add_argument("--dot", default="0", help="comma-separated: 0 _slot_dot, 1 _slot_dot2")
+    ap.add_argument("--check-ops", type=int, default=8, help="mode 0 checks the chain's first N ops")
     ap.add_argument("--emulate", action="store_true", help="check the arithmetic in torch on the CPU and stop")
     args = ap.parse_args()
     if args.emulate:
@@ -380,15 +455,17 @@ def main():
             table, lists, counts = tile_lists(ops, rows, P, "cuda")
             (dc_a, dh_a), (dc_b, dh_b) = q4k_descriptors(ma, rows, gguf), q4k_descriptors(mb, rows, gguf)
             for stages in (int(x) for x in args.stages.split(",")):
-                for mode in (int(x) for x in args.modes.split(",")):
-                    name = f"q4_k {lay} rows {rows} stages {stages} warps {cw} mode {mode}"
+                for mode, step, dot in itertools.product(*(map(int, a.split(",")) for a in
+                                                           (args.modes, args.step, args.dot))):
+                    name = f"q4_k {lay} rows {rows} stages {stages} warps {cw} step {step} dot {dot} mode {mode}"
 
                     def run():
                         cnt.zero_()
                         stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act,
                                                 cnt, err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode,
-                                                GGUF=gguf, num_warps=4)
-                    if measure(name, run, err, ops, act, nbytes, bw, product, check=mode == 0) == "stop":
+                                                GGUF=gguf, STEP=step, DOT=dot, num_warps=4)
+                    if measure(name, run, err, ops, act, nbytes, bw, product,
+                               check=args.check_ops if mode == 0 else 0) == "stop":
                         return
         del ma, mb
 
