@@ -4,7 +4,9 @@ megakernel_stream.py:
 
 - a loader walks the SM's list and streams the weight boxes of every GEMV instruction (QKV, O, GATEUP, DOWN,
   LOGITS: [16, 256] bf16, TMA) into a ring of shared-memory slots, never waiting on a counter, so the next
-  instruction's weights are in flight while the compute warps wait, or run attention, merges and norms;
+  instruction's weights are in flight while the compute warps wait, or run attention, merges and norms; with
+  ``--kv-ring 1`` (the default) it streams every ATTN split's cached keys and values the same way, pieces of up to
+  16 keys of one KV head within a page, the new token's key and value coming from registers;
 - the compute warps walk the same list: wait (acquire polls, a spin limit that records the first stuck instruction
   and stops waiting), stage the instruction's input in shared memory once (float32: the RMSNorm of the residual
   for QKV, GATEUP and LOGITS, the attention output for O, the FFN activation for DOWN), take the products slot by
@@ -17,7 +19,7 @@ the engine's kernel-per-op step.
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
                                                      [--stages 16,...] [--warps 4,8] [--qstep 2] [--qdot 1]
-                                                     [--skip-check] [--skip-engine] [--trace]
+                                                     [--kv-ring 1] [--skip-check] [--skip-engine] [--trace]
 """
 import argparse
 import functools
@@ -65,11 +67,54 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 
 
 @gluon.jit
-def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG, n_instr, MT,
-            n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr):
+def _kv_pieces(n, split, S: gl.constexpr, PR: gl.constexpr):
+    """(first key, end key, first piece, end piece) of an ATTN split read from the cache: keys [split n / S,
+    (split + 1) n / S) without the new token n - 1 (the last split takes it from registers), in pieces of PR keys
+    that never cross a page."""
+    klo = split * n // S
+    khi = gl.minimum((split + 1) * n // S, n - 1)
+    p0 = klo // PR
+    p1 = gl.where(khi > klo, (khi - 1) // PR + 1, p0)
+    return klo, khi, p0, p1
+
+
+@gluon.jit
+def _kv_view(slot, desc):
+    """A ring slot seen as one [PR, D] box of the cache (every slot holds at least 4 KB)."""
+    return slot._reinterpret(desc.block_type.element_ty, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _kv_loads(desc_k, desc_v, w_smem, ready, empty, c, layer, h, split, SEQ_LENS, PT, num_pages,
+              S: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """An ATTN split's K and V pieces (batch 1), each into its own slot, K first -> c after them."""
+    PR: gl.constexpr = desc_k.block_type.shape[0]
+    n = gl.load(SEQ_LENS)
+    _, _, p0, p1 = _kv_pieces(n, split, S, PR)
+    for pc in range(p0, p1):
+        key = pc * PR
+        page = gl.load(PT + key // PAGE)
+        row = (layer * num_pages + page) * PAGE + key % PAGE
+        for m in gl.static_range(2):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), desc_k.block_type.nbytes)
+            if m == 0:
+                tma.async_copy_global_to_shared(desc_k, [row, h * D], ready.index(s), _kv_view(w_smem.index(s), desc_k))
+            else:
+                tma.async_copy_global_to_shared(desc_v, [row, h * D], ready.index(s), _kv_view(w_smem.index(s), desc_v))
+            c += 1
+    return c
+
+
+@gluon.jit
+def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, desc_k, desc_v, w_smem, h_smem, ready, empty, PROG,
+            n_instr, MT, n_layers, SEQ_LENS, PT, num_pages, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr,
+            STAGES: gl.constexpr, FMT: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
+            KVT: gl.constexpr):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
-    bytes and their headers, _q4k_copy)."""
+    bytes and their headers, _q4k_copy); with KVT every ATTN split's K and V pieces too (_kv_loads)."""
     c = 0
     for j in range(n_instr):
         p = PROG + j * NF
@@ -77,6 +122,10 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
         layer = gl.load(p + 1)
         lo = gl.load(p + 2)
         hi = gl.load(p + 3)
+        if KVT:
+            if op == 3:
+                c = _kv_loads(desc_k, desc_v, w_smem, ready, empty, c, layer, lo, gl.load(p + 4), SEQ_LENS, PT,
+                              num_pages, S, PAGE, D, STAGES)
         base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
         nmat = 1 + (op == 6).to(gl.int32)
         for r in range(lo, gl.where(K > 0, hi, lo), 16):
@@ -352,6 +401,94 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
 
 
 @gluon.jit
+def _attn_ring(w_smem, ready, empty, c, layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L,
+               num_pages, qk_scale, desc_k, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
+               PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr):
+    """_attn (batch 1) with the split's cached keys taken from the ring (_kv_loads, in its order) and the new token's
+    key and value from registers; the new token is still written to the cache, for the steps after. -> c."""
+    PR: gl.constexpr = desc_k.block_type.shape[0]
+    NW: gl.constexpr = gl.num_warps()
+    SPT: gl.constexpr = PR // NW if PR >= NW else 1
+    L3: gl.constexpr = gl.BlockedLayout([GP, SPT, D // 32], [1, 1, 32], [1, NW, 1], [2, 1, 0])
+    QL: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, D]
+    KL: gl.constexpr = gl.SliceLayout(0, L3)  # [PR, D]
+    SL: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, PR]
+    G: gl.constexpr = HQ // HKV
+    g = gl.arange(0, GP, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    nn = gl.arange(0, PR, layout=gl.SliceLayout(0, SL))
+    nk = gl.arange(0, PR, layout=gl.SliceLayout(1, KL))
+    gm = g < G
+    n = gl.load(SEQ_LENS)
+    pos = (n - 1).to(gl.float32)
+    f_q = gl.load(INV_FREQ + dq // 2)
+    qoff = (h * G + g)[:, None] * D
+    qm = gm[:, None] & (dq < D)[None, :]
+    q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
+    qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
+    q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
+    klo, khi, p0, p1 = _kv_pieces(n, split, S, PR)
+    m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
+    l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
+    acc = gl.zeros([GP, D], gl.float32, QL)
+    for pc in range(p0, p1):
+        sk = c % STAGES
+        sv = (c + 1) % STAGES
+        mbarrier.wait(ready.index(sk), (c // STAGES) & 1)
+        mbarrier.wait(ready.index(sv), ((c + 1) // STAGES) & 1)
+        kt = _kv_view(w_smem.index(sk), desc_k).load(KL).to(gl.float32)
+        vt = _kv_view(w_smem.index(sv), desc_k).load(KL).to(gl.float32)
+        gl.thread_barrier()  # every warp has its piece of both slots in registers
+        mbarrier.arrive(empty.index(sk), count=1)
+        mbarrier.arrive(empty.index(sv), count=1)
+        c += 2
+        # keys outside the split (whole pieces are read) are masked, their values zeroed: a stale or unwritten slot
+        # may hold anything, NaN included
+        vt = gl.where(((pc * PR + nk >= klo) & (pc * PR + nk < khi))[:, None], vt, 0.0)
+        s = gl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, PR]
+        s = gl.where(((pc * PR + nn >= klo) & (pc * PR + nn < khi))[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        pr = gl.exp(s - m_safe[:, None])
+        alpha = gl.exp(m_i - m_safe)
+        pv = gl.sum(pr[:, :, None] * vt[None, :, :], axis=1)  # [GP, D]
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
+        l_i = l_i * alpha + gl.sum(pr, axis=1)
+        m_i = m_new
+    if split == S - 1:  # the new token: K rotated, V as is, into the softmax from registers and into the cache
+        NQ: gl.constexpr = HQ * D
+        ko = NQ + h * D
+        vo = NQ + HKV * D + h * D
+        kn = _rope(gl.load(QKV + ko + dq), gl.load(QKV + ko + (dq ^ 1)), dq, pos * f_q)
+        vn = gl.load(QKV + vo + dq)
+        page = gl.load(PT + (n - 1) // PAGE)
+        slot = (layer.to(gl.int64) * num_pages) * PAGE * HKV * D + h * D + \
+            (page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
+        gl.store(KC + slot + dq, kn.to(KC.dtype.element_ty))
+        gl.store(VC + slot + dq, vn.to(VC.dtype.element_ty))
+        # the cache's rounding, as the key and value are read in every later step
+        kn = kn.to(KC.dtype.element_ty).to(gl.float32)
+        vn = vn.to(VC.dtype.element_ty).to(gl.float32)
+        s_n = gl.convert_layout(gl.sum(q * kn[None, :], axis=1), gl.SliceLayout(1, SL))
+        m_new = gl.maximum(m_i, s_n)
+        alpha = gl.exp(m_i - m_new)
+        pn = gl.exp(s_n - m_new)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + \
+            gl.convert_layout(pn, gl.SliceLayout(1, QL))[:, None] * vn[None, :]
+        l_i = l_i * alpha + pn
+        m_i = m_new
+    has = l_i > 0
+    den = gl.where(has, l_i, 1.0)
+    base = (h * G + g) * S + split
+    gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
+             mask=qm)
+    lse = gl.where(has, m_i + gl.log(den), float("-inf"))
+    LS: gl.constexpr = gl.SliceLayout(1, SL)
+    gl.store(PART_L + gl.convert_layout(base, LS), lse, mask=gl.convert_layout(gm, LS))
+    return c
+
+
+@gluon.jit
 def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
            SP: gl.constexpr):
     """Query heads [lo, hi): their splits merged (kernel._merge)."""
@@ -370,12 +507,12 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 
 
 @gluon.jit
-def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
+def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, desc_k, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
              LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
              HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
              SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
-             TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+             TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, KVT: gl.constexpr):
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -409,8 +546,12 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False, False,
                           STAGES, FMT, QSTEP, QDOT)
         elif op == 3:
-            _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
-                  qk_scale, B, HQ, HKV, D, S, PAGE, GP, 32)
+            if KVT:
+                c = _attn_ring(w_smem, ready, empty, c, layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O,
+                               PART_L, num_pages, qk_scale, desc_k, HQ, HKV, D, S, PAGE, GP, STAGES)
+            else:
+                _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, num_pages, pages_per_seq,
+                      qk_scale, B, HQ, HKV, D, S, PAGE, GP, 32)
         elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
@@ -438,13 +579,14 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
 
 
 @gluon.jit
-def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS,
+def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, desc_k, desc_v, PROG, n_instr, COUNTERS, ERR,
+                     IDS, SEQ_LENS,
                      PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
                      LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
                      HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
                      SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False,
-                     QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1):
+                     QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1, KVT: gl.constexpr = True):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, megakernel_stream_q4k.q4k_descriptors) with int8 activations."""
     sm = gl.program_id(0)
@@ -468,12 +610,13 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
-        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG_SM, n_instr,
-                   MT, n_layers, H, HQ * D, F, STAGES, FMT)),
-        (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
-                    SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                    ACT, LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F, S,
-                    SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT)),
+        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, desc_k, desc_v, w_smem, h_smem, ready, empty,
+                   PROG_SM, n_instr, MT, n_layers, SEQ_LENS, PT, num_pages, H, HQ * D, F, STAGES, FMT, S, PAGE, D,
+                   KVT)),
+        (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, desc_k, PROG_SM, n_instr, sm, COUNTERS,
+                    ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
+                    ATTN, ACT, LOGITS, num_pages, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F,
+                    S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, KVT)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -487,7 +630,7 @@ class FastStep:
     the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic)."""
 
     def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, warps=4, spin_limit=1 << 22,
-                 trace=False, qstep=2, qdot=1):
+                 trace=False, qstep=2, qdot=1, kv_ring=True):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from llmkernels.quant import dequantize
@@ -545,6 +688,19 @@ class FastStep:
             d = [q4k_descriptors(self.stacks[k], ROWS, True) for k in "aod"]
             self.descs = tuple(x[0] for x in d) + tuple(x[1] for x in d)
 
+        # the caches seen as [rows, kv heads * head dim]: one box is PR keys of one KV head within a page
+        page = k_cache.shape[2]
+        pr = min(page, 16)
+        if page & (page - 1) or cfg.head_dim > 128 or cfg.head_dim % 32:
+            raise ValueError(f"the fast step needs a power-of-2 page size and a head_dim in 32..128, a multiple of "
+                             f"32; got page {page}, head_dim {cfg.head_dim}")
+        kv_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        if k_cache.element_size() != 2:
+            raise ValueError(f"the fast step reads 16-bit caches, got {k_cache.dtype}")
+        width = cfg.n_kv_heads * D
+        self.kv_descs = tuple(TensorDescriptor(c.view(-1, width), [c[..., 0, 0].numel(), width], [width, 1], [pr, D],
+                                               kv_layout) for c in (k_cache, v_cache))
+
         def vec(name):
             t = tensors[name]
             if not isinstance(t, torch.Tensor):
@@ -571,6 +727,7 @@ class FastStep:
         if warps not in (4, 8):
             raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps}")
         self.stages, self.warps, self.spin_limit, self.qstep, self.qdot = stages, warps, spin_limit, qstep, qdot
+        self.kv_ring = kv_ring
         self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
 
     def launch(self, ids, seq_lens, page_table):
@@ -580,7 +737,8 @@ class FastStep:
         G = cfg.n_heads // cfg.n_kv_heads
         self.counters.zero_()
         fast_step_kernel[(self.prog.num_sms,)](
-            *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
+            *self.descs, *self.kv_descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens,
+            page_table,
             self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm, cfg.n_layers, self.resid,
             self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.kc.shape[1],
             page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5, self.spin_limit,
@@ -588,7 +746,7 @@ class FastStep:
             H=cfg.hidden, HQ=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S,
             SP=triton.next_power_of_2(S), PAGE=self.kc.shape[2], GP=triton.next_power_of_2(G), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep, QDOT=self.qdot,
-            num_warps=4)
+            KVT=self.kv_ring, num_warps=4)
 
     def __call__(self, ids, seq_lens, page_table):
         self.launch(ids, seq_lens, page_table)
@@ -679,6 +837,7 @@ def main():
     ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
     ap.add_argument("--qstep", type=int, default=2, help="q4_k: slots per barrier")
     ap.add_argument("--qdot", type=int, default=1, help="q4_k: 0 _slot_dot, 1 _slot_dot2")
+    ap.add_argument("--kv-ring", type=int, default=1, help="1: ATTN's keys and values streamed by the loader")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -697,7 +856,7 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     inv, _ = rope_inv_freq(cfg)
     for fmt in args.fmt.split(","):
-        q = dict(qstep=args.qstep, qdot=args.qdot)
+        q = dict(qstep=args.qstep, qdot=args.qdot, kv_ring=bool(args.kv_ring))
         if not args.skip_check and not all(check_tiny(fmt, stages[0], w, **q) for w in warps):
             continue
         tensors = synthetic_tensors(fmt, cfg)
