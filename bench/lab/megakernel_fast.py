@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from llmkernels.attention.paged_ws import _now
-from megakernel_stream_q4k import _inv_rms, _q4k_copy, _slot_dot, _slot_dot2, _stage_q, q4k_descriptors
+from megakernel_stream_q4k import _inv_rms, _q4k_copy, _stage_q, q4k_descriptors, q4k_step
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
 BK = gl.constexpr(256)  # weight columns per ring slot
@@ -251,33 +251,15 @@ def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT,
 
 
 @gluon.jit
-def _q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4: gl.constexpr, STAGES: gl.constexpr,
-              N: gl.constexpr, QDOT: gl.constexpr):
-    """N slots' products (one barrier for all) -> (acc, c + N)."""
-    for u in gl.static_range(N):
-        mbarrier.wait(ready.index((c + u) % STAGES), ((c + u) // STAGES) & 1)
-    for u in gl.static_range(N):
-        s = (c + u) % STAGES
-        if QDOT == 1:
-            acc += _slot_dot2(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
-        else:
-            acc += _slot_dot(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
-    gl.thread_barrier()  # every warp has read the slots
-    for u in gl.static_range(N):
-        mbarrier.arrive(empty.index((c + u) % STAGES), count=1)
-    return acc, c + N
-
-
-@gluon.jit
 def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr, STAGES: gl.constexpr,
                  QSTEP: gl.constexpr, QDOT: gl.constexpr):
     acc = gl.zeros([16, 2, 4, 1], gl.float32, L4)
     n = K // 512
     full = n - n % QSTEP
     for kp in range(0, full, QSTEP):
-        acc, c = _q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, QSTEP, QDOT)
+        acc, c = q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, QSTEP, QDOT)
     for kp in range(full, n):
-        acc, c = _q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, 1, QDOT)
+        acc, c = q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, 1, QDOT)
     return gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1), c
 
 
@@ -836,7 +818,7 @@ def main():
     ap.add_argument("--stages", default="16", help="ring slots (bf16: 8 KB each; q4_k: 4.5 KB, up to 24)")
     ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
     ap.add_argument("--qstep", type=int, default=2, help="q4_k: slots per barrier")
-    ap.add_argument("--qdot", type=int, default=1, help="q4_k: 0 _slot_dot, 1 _slot_dot2")
+    ap.add_argument("--qdot", type=int, default=1, help="q4_k: _slot_dot's DOT (1: fewer instructions)")
     ap.add_argument("--kv-ring", type=int, default=1, help="1: ATTN's keys and values streamed by the loader")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")

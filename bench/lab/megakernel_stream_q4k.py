@@ -153,9 +153,11 @@ def _scale_min(w1, w2, w3, j):
 
 
 @gluon.jit
-def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
+def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr, DOT: gl.constexpr = 0):
     """One slot's increments [rows, 2 blocks, 4 chunks, 1]: super-blocks 2 kp and 2 kp + 1 of the tile's rows
-    (every factor in L4, its missing dims of size 1, so they broadcast without layout conversions)."""
+    (every factor in L4, its missing dims of size 1, so they broadcast without layout conversions). DOT 1: fewer
+    instructions: the high nibbles kept in place (dp4a on codes & 0xF0F0F0F0 is 16 times the dot), both
+    sub-blocks' 6-bit scales and mins cut from one shift of the words chosen once per thread's chunk."""
     W4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
     W3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     R: gl.constexpr = c_slot.shape[0]
@@ -166,7 +168,10 @@ def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
     x_lo = xv.slice(0, 8, dim=2).load(X3)[None, :, :, :]
     x_hi = xv.slice(8, 8, dim=2).load(X3)[None, :, :, :]
     s_lo = gl.sum(_dp4a(codes & LO, x_lo), axis=3, keep_dims=True).to(gl.float32)
-    s_hi = gl.sum(_dp4a((codes >> 4) & LO, x_hi), axis=3, keep_dims=True).to(gl.float32)
+    if DOT == 1:
+        s_hi = gl.sum(_dp4a(codes & HI, x_hi), axis=3, keep_dims=True).to(gl.float32) * 0.0625
+    else:
+        s_hi = gl.sum(_dp4a((codes >> 4) & LO, x_hi), axis=3, keep_dims=True).to(gl.float32)
     # per (block, chunk): d0, s0 (sub-block 2c), d1, s1 (2c + 1) of the activations
     xd = xd_smem._reinterpret(gl.float32, [32, 2, 4, 4], W3).index(kp)
     dx0 = xd.slice(0, 1, dim=2).load(X3)[None, :, :, :]
@@ -184,41 +189,17 @@ def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
     dmin = _f16_lo(w0 >> 16)
     C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
     c = gl.arange(0, 4, layout=C1)[None, None, :, None]
-    sc0, mn0 = _scale_min(w1, w2, w3, 2 * c)
-    sc1, mn1 = _scale_min(w1, w2, w3, 2 * c + 1)
+    if DOT == 1:
+        sc0, mn0, sc1, mn1 = _scale_min_pair(w1, w2, w3, c)
+    else:
+        sc0, mn0 = _scale_min(w1, w2, w3, 2 * c)
+        sc1, mn1 = _scale_min(w1, w2, w3, 2 * c + 1)
     return d * (sc0 * dx0 * s_lo + sc1 * dx1 * s_hi) - dmin * (mn0 * sx0 + mn1 * sx1)
 
 
 @gluon.jit
-def _slot_dot2(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
-    """_slot_dot in fewer instructions: the high nibbles kept in place (dp4a on codes & 0xF0F0F0F0 is 16 times the
-    dot), both sub-blocks' 6-bit scales and mins cut from one shift of the words chosen once per thread's chunk."""
-    W4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-    W3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    R: gl.constexpr = c_slot.shape[0]
-    codes = c_slot._reinterpret(gl.int32, [R, 2, 4, 8], W4).load(L4)
-    X3: gl.constexpr = gl.SliceLayout(0, L4)
-    xv = xq_smem._reinterpret(gl.int32, [32, 2, 4, 16], W3).index(kp)
-    x_lo = xv.slice(0, 8, dim=2).load(X3)[None, :, :, :]
-    x_hi = xv.slice(8, 8, dim=2).load(X3)[None, :, :, :]
-    s_lo = gl.sum(_dp4a(codes & LO, x_lo), axis=3, keep_dims=True).to(gl.float32)
-    s_hi = gl.sum(_dp4a(codes & HI, x_hi), axis=3, keep_dims=True).to(gl.float32)
-    xd = xd_smem._reinterpret(gl.float32, [32, 2, 4, 4], W3).index(kp)
-    dx0 = xd.slice(0, 1, dim=2).load(X3)[None, :, :, :]
-    sx0 = xd.slice(1, 1, dim=2).load(X3)[None, :, :, :]
-    dx1 = xd.slice(2, 1, dim=2).load(X3)[None, :, :, :]
-    sx1 = xd.slice(3, 1, dim=2).load(X3)[None, :, :, :]
-    H3: gl.constexpr = gl.SliceLayout(3, L4)
-    hv = h_slot._reinterpret(gl.int32, [R, 2, 4], W3)
-    w0 = hv.slice(0, 1, dim=2).load(H3)[:, :, :, None]
-    w1 = hv.slice(1, 1, dim=2).load(H3)[:, :, :, None]
-    w2 = hv.slice(2, 1, dim=2).load(H3)[:, :, :, None]
-    w3 = hv.slice(3, 1, dim=2).load(H3)[:, :, :, None]
-    d = _f16_lo(w0)
-    dmin = _f16_lo(w0 >> 16)
-    C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
-    c = gl.arange(0, 4, layout=C1)[None, None, :, None]
-    # chunk c holds sub-blocks 2c and 2c + 1: bytes sh / 8 and sh / 8 + 1 of the scale words
+def _scale_min_pair(w1, w2, w3, c):
+    """(scale, min) of sub-blocks 2c and 2c + 1 (bytes sh / 8 and sh / 8 + 1 of the scale words) as float32."""
     first = c < 2
     sh = 16 * (c % 2)
     m_a = gl.where(first, 63, 0xF)
@@ -227,18 +208,34 @@ def _slot_dot2(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr):
     tc = gl.where(first, w2, w3 >> 4) >> sh  # mins: 6 bits of w2, or 4 of w3 >> 4 and 2 of w2
     t1 = (w1 >> 2) >> sh
     t2 = (w2 >> 2) >> sh
-    sc0 = ((ta & m_a) | (t1 & m_b)).to(gl.float32)
-    sc1 = (((ta >> 8) & m_a) | ((t1 >> 8) & m_b)).to(gl.float32)
-    mn0 = ((tc & m_a) | (t2 & m_b)).to(gl.float32)
-    mn1 = (((tc >> 8) & m_a) | ((t2 >> 8) & m_b)).to(gl.float32)
-    return d * (sc0 * dx0 * s_lo + (sc1 * 0.0625) * dx1 * s_hi) - dmin * (mn0 * sx0 + mn1 * sx1)
+    sc0 = (ta & m_a) | (t1 & m_b)
+    mn0 = (tc & m_a) | (t2 & m_b)
+    sc1 = ((ta >> 8) & m_a) | ((t1 >> 8) & m_b)
+    mn1 = ((tc >> 8) & m_a) | ((t2 >> 8) & m_b)
+    return sc0.to(gl.float32), mn0.to(gl.float32), sc1.to(gl.float32), mn1.to(gl.float32)
+
+
+@gluon.jit
+def q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4: gl.constexpr, STAGES: gl.constexpr,
+             N: gl.constexpr, DOT: gl.constexpr, PRODUCTS: gl.constexpr = True):
+    """N slots' products (one barrier for all; PRODUCTS False: the slots freed as they land) -> (acc, c + N)."""
+    for u in gl.static_range(N):
+        mbarrier.wait(ready.index((c + u) % STAGES), ((c + u) // STAGES) & 1)
+    if PRODUCTS:
+        for u in gl.static_range(N):
+            s = (c + u) % STAGES
+            acc += _slot_dot(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4, DOT)
+        gl.thread_barrier()  # every warp has read the slots
+    for u in gl.static_range(N):
+        mbarrier.arrive(empty.index((c + u) % STAGES), count=1)
+    return acc, c + N
 
 
 @gluon.jit
 def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN,
              STAGES: gl.constexpr, MODE: gl.constexpr, STEP: gl.constexpr, DOT: gl.constexpr):
     """MODE 0: the chain; 1: slots freed as they land (the loader alone); 2: products without the counters.
-    STEP: slots per barrier (K / 512 a multiple); DOT 1: _slot_dot2."""
+    STEP: slots per barrier (K / 512 a multiple); DOT: _slot_dot's."""
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
     R1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
     ROWS: gl.constexpr = c_smem.shape[1]
@@ -258,19 +255,8 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
             cur = op
         acc = gl.zeros([ROWS, 2, 4, 1], gl.float32, L4)
         for kp in range(0, K // 512, STEP):  # STEP slots per step, one barrier for all
-            for u in gl.static_range(STEP):
-                mbarrier.wait(ready.index((c + u) % STAGES), ((c + u) // STAGES) & 1)
-            if MODE != 1:
-                for u in gl.static_range(STEP):
-                    s = (c + u) % STAGES
-                    if DOT == 1:
-                        acc += _slot_dot2(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
-                    else:
-                        acc += _slot_dot(c_smem.index(s), h_smem.index(s), xq_smem, xd_smem, kp + u, L4)
-                gl.thread_barrier()  # every warp has read the step's slots
-            for u in gl.static_range(STEP):
-                mbarrier.arrive(empty.index((c + u) % STAGES), count=1)
-            c += STEP
+            acc, c = q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, STEP, DOT,
+                              MODE != 1)
         y = gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1)
         gl.store(ACT + (op + 1).to(gl.int64) * act_stride + out0 + rows, y.to(ACT.dtype.element_ty))
         done = _release(CNT, op, nop, done)
@@ -345,7 +331,7 @@ def emulate(codes, hdr, x):
 
 
 def scales_v2(hdr):
-    """_slot_dot2's scale and min decoding in torch: header bytes [n, 16] -> (sc, mn) [n, 8] int64."""
+    """_slot_dot's DOT 1 scale and min decoding in torch: header bytes [n, 16] -> (sc, mn) [n, 8] int64."""
     w = hdr.contiguous().view(torch.int32).to(torch.int64)  # [n, 4] words, sign-extended as the kernel's int32
     w1, w2, w3 = w[:, 1:2], w[:, 2:3], w[:, 3:4]
     sc, mn = [], []
@@ -384,7 +370,8 @@ def check_emulation():
     want = unpack_scales6(hdr[:, 4:16])
     got = scales_v2(hdr)
     same = all(torch.equal(g, w.to(torch.int64).view(g.shape)) for g, w in zip(got, want))
-    print(f"_slot_dot2's scale and min decoding on 4096 random headers: {'equal to' if same else 'DIFFERENT FROM'} "
+    verdict = "equal to" if same else "DIFFERENT FROM"
+    print(f"_slot_dot's DOT 1 scale and min decoding on 4096 random headers: {verdict} "
           f"unpack_scales6")
     assert same
     return worst
@@ -416,7 +403,7 @@ def main():
     ap.add_argument("--modes", default="0,1,2", help="stream_q4k_kernel's MODE (1 and 2 are timed, not checked)")
     ap.add_argument("--layouts", default="gguf,planes", help="gguf: the blocks as stored; planes: codes, headers")
     ap.add_argument("--step", default="2", help="comma-separated: slots per barrier (2 or 4)")
-    ap.add_argument("--dot", default="0", help="comma-separated: 0 _slot_dot, 1 _slot_dot2")
+    ap.add_argument("--dot", default="0", help="comma-separated: _slot_dot's DOT (1: fewer instructions)")
     ap.add_argument("--check-ops", type=int, default=8, help="mode 0 checks the chain's first N ops")
     ap.add_argument("--emulate", action="store_true", help="check the arithmetic in torch on the CPU and stop")
     args = ap.parse_args()
