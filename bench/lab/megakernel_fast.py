@@ -874,10 +874,11 @@ def main():
                 del fast
             del kc, vc
             torch.cuda.empty_cache()
-        if not args.skip_engine:
-            rate = engine_rate(cfg, tensors, contexts[0])
-            print(f"engine, kernel per op, {fmt}, context {contexts[0]}: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms "
-                  f"per step", flush=True)
+        # q4_k: the fast step rounds activations to int8, so the engine's act_int8 path is its like
+        for a8 in ((False, True) if fmt == "q4_k" and not args.skip_engine else (False,) * (not args.skip_engine)):
+            rate = engine_rate(cfg, tensors, contexts[0], act_int8=a8)
+            print(f"engine, kernel per op, {fmt}{' act_int8' * a8}, context {contexts[0]}: {rate:.1f} tokens/s, "
+                  f"{1e3 / rate:.2f} ms per step", flush=True)
         del tensors
         torch.cuda.empty_cache()
 
