@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from llmkernels.attention.paged_ws import _now
+from llmkernels.megakernel.weights import stack_tensors
 from megakernel_stream_q4k import _inv_rms, _q4k_copy, _stage_q, q4k_descriptors, q4k_step
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
@@ -612,7 +613,7 @@ class FastStep:
     the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic)."""
 
     def __init__(self, prog, cfg, tensors, k_cache, v_cache, inv_freq, *, stages=16, warps=4, spin_limit=1 << 22,
-                 trace=False, qstep=2, qdot=1, kv_ring=True):
+                 trace=False, qstep=2, qdot=1, kv_ring=True, stacks=None):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from llmkernels.quant import dequantize
@@ -632,32 +633,14 @@ class FastStep:
         if self.fmt not in ("bf16", "q4_k"):
             raise ValueError(f"the fast step reads bf16 or q4_k weights, got {self.fmt}")
 
-        def mat(name):  # -> the rows as stored: bf16 [N, K] or q4_k bytes [N, K / 256 * 144]
-            qt = tensors[name]
-            if qt.format != self.fmt:
-                raise ValueError(f"{name}: every matrix must be {self.fmt}, got {qt.format}")
-            data = qt.data.reshape(qt.shape[0], -1).to(dev)
-            return data.view(torch.bfloat16) if self.fmt == "bf16" else data
-
-        mats = {"a": [], "o": [], "d": []}
-        mt = torch.zeros(L + 1, 8, dtype=torch.int32)
-        rows_a = rows_o = rows_d = 0
-        nq = (cfg.n_heads + 2 * cfg.n_kv_heads) * D
-        for li in range(L):
-            mt[li, :5] = torch.tensor([rows_a, rows_a + nq, rows_a + nq + F, rows_o, rows_d])
-            mats["a"] += [mat(f"blk.{li}.attn_{x}.weight") for x in "qkv"]
-            mats["a"] += [mat(f"blk.{li}.ffn_gate.weight"), mat(f"blk.{li}.ffn_up.weight")]
-            mats["o"].append(mat(f"blk.{li}.attn_output.weight"))
-            mats["d"].append(mat(f"blk.{li}.ffn_down.weight"))
-            rows_a += nq + 2 * F
-            rows_o += H
-            rows_d += H
-        out = "output.weight" if "output.weight" in tensors.keys() else "token_embd.weight"
-        mt[L, 0] = rows_a
-        mats["a"].append(mat(out))
-        # per matrix class (K): its matrices stacked by rows, one TMA descriptor each
-        self.stacks = {k: torch.cat(v) for k, v in mats.items()}
-        del mats
+        # per matrix class (K): its matrices stacked by rows, one TMA descriptor each; ``stacks`` (from
+        # megakernel.weights.share_stacks of an engine model) are read in place, else the tensors are copied
+        st = stacks if stacks is not None else stack_tensors(cfg, tensors, dev)
+        if st.format != self.fmt:
+            raise ValueError(f"every matrix must be {self.fmt}, the stacks hold {st.format}")
+        self.stacks = {k: getattr(st, k).view(torch.bfloat16) if self.fmt == "bf16" else getattr(st, k)
+                       for k in "aod"}
+        mt = st.table
         emb = tensors["token_embd.weight"]
         self.emb = (emb.data.reshape(emb.shape[0], -1).view(torch.bfloat16) if self.fmt == "bf16"
                     else dequantize(emb, torch.bfloat16)).to(dev)

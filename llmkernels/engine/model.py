@@ -266,6 +266,11 @@ class Model:
                 tables[key] = route_table(m, self.dtype)
             self._routes[id(m)] = tables[key]
 
+    def matrices_changed(self):
+        """Call after replacing matrices in place of others (``megakernel.weights.share_stacks``): what was chosen
+        or cached per matrix object is chosen again."""
+        self.bind_routes()
+
     def _expect_shapes(self, tensors, vocab_rows: int | None = None, experts: int | None = None):
         expect_shapes(self.cfg, tensors, vocab_rows, experts)
 

@@ -30,6 +30,10 @@ class TorchModel(Model):
         super().__init__(*args, **kw)
         self._dense: dict = {}
 
+    def matrices_changed(self):
+        super().matrices_changed()
+        self._dense.clear()  # keyed by id: a new matrix may take a freed one's id
+
     def _w(self, qt) -> torch.Tensor:
         """float64 [N, K] of a stored matrix, dequantized on first use."""
         w = self._dense.get(id(qt))
