@@ -110,7 +110,8 @@ def share_stacks(model) -> WeightStacks:
     stack's bytes free while it is filled: the stacks are filled one at a time, and a stack's matrices give up
     their old storage once it is (unless something else still holds them). ValueError, with nothing changed,
     where the model does not fit the stacks: mixed formats (a q4_k_m file's q6_k matrices), experts, fused
-    tensors, matrices padded at load."""
+    tensors, matrices padded at load. Call it before any CUDA graph is captured over the model: a captured graph
+    keeps the old storage's addresses."""
     cfg = model.cfg
     _dense_llama(cfg)
     if model.padded or model.output_pad:
