@@ -82,3 +82,23 @@ def test_share_stacks_refuses_what_does_not_fit(model_files):
     f = read_gguf(path)
     with pytest.raises(ValueError, match="mixture of experts"):
         stack_tensors(ModelConfig.from_gguf(f.metadata, f.keys()), f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "q4_k", "q8_0"])
+def test_gpu_share_stacks_keeps_the_engines_tokens(model_files, fmt):
+    """On the GPU (kernel path, CUDA graphs captured after the move): greedy tokens and logits after the model's
+    matrices move into the stacks equal those before."""
+    from llmkernels.engine import SamplingParams
+
+    _, path, _ = model_files("llama", fmt)
+    prompt = torch.randint(1, 500, (7,)).tolist()
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    llm = LLM(path, progress=False, cuda_graphs=False)
+    before, want = llm.logits(prompt), llm.generate([prompt], sp)[0].token_ids
+    share_stacks(llm.model)
+    assert torch.equal(before, llm.logits(prompt))
+    llm.close()
+    llm = LLM(path, progress=False)
+    share_stacks(llm.model)
+    assert llm.generate([prompt], sp)[0].token_ids == want
