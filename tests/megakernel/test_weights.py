@@ -84,6 +84,32 @@ def test_share_stacks_refuses_what_does_not_fit(model_files):
         stack_tensors(ModelConfig.from_gguf(f.metadata, f.keys()), f)
 
 
+def test_stack_tensors_and_share_stacks_name_bad_input(model_files):
+    """A missing tensor, a matrix of the wrong shape, one in another format, and something that is not an engine
+    model: each a clear error naming what is wrong."""
+    from llmkernels.quant.tensor import QuantizedTensor
+
+    _, path, _ = model_files("llama", "q8_0")
+    f = read_gguf(path)
+    cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+    tensors = {n: f[n] for n in f.keys()}
+    missing = dict(tensors)
+    del missing["blk.1.ffn_down.weight"]
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight: missing"):
+        stack_tensors(cfg, missing)
+    short = dict(tensors)
+    w = tensors["blk.0.attn_k.weight"]
+    short["blk.0.attn_k.weight"] = QuantizedTensor(w.format, (w.shape[0] - 32, w.shape[1]), w.data[32:])
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_k\.weight: expected shape"):
+        stack_tensors(cfg, short)
+    _, path16, _ = model_files("llama", "f16")
+    mixed = dict(tensors, **{"blk.1.attn_v.weight": read_gguf(path16)["blk.1.attn_v.weight"]})
+    with pytest.raises(ValueError, match=r"blk\.1\.attn_v\.weight: every matrix must be in one format \(q8_0\)"):
+        stack_tensors(cfg, mixed)
+    with pytest.raises(TypeError, match="engine Model"):
+        share_stacks(LLM(path, progress=False, dtype=torch.float16))  # the LLM, not its model
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "q4_k", "q8_0"])
 def test_gpu_share_stacks_keeps_the_engines_tokens(model_files, fmt):
