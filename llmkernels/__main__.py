@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--act-int8", action="store_true",
                    help="round activations to int8 at batch 1 for the q4_0/q8_0/q4_k/q5_k/q6_k projections (faster "
                         "decode, slightly different logits)")
-    g.add_argument("--stats", action="store_true", help="print tokens/s and step counts at the end (stderr)")
+    g.add_argument("--megakernel", default="auto", choices=("auto", "on", "off"),
+                   help="decode one sequence with one persistent kernel per step (sm_90; auto: where it is faster)")
+    g.add_argument("--stats", action="store_true",
+                   help="print tokens/s, step counts and the decode path at the end (stderr)")
     _serve_parser(sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API",
                                  formatter_class=_Formatter))
     c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 checkpoint to GGUF",
@@ -106,6 +109,8 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
                         "a GPU, torch on the CPU")
     s.add_argument("--act-int8", action="store_true",
                    help="int8 activations at batch 1 for q4_0/q8_0/q4_k/q5_k/q6_k projections (faster decode)")
+    s.add_argument("--megakernel", default="auto", choices=("auto", "on", "off"),
+                   help="decode one sequence with one persistent kernel per step (sm_90; auto: where it is faster)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory the KV cache may take, after the weights")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
@@ -171,6 +176,9 @@ def _run(args) -> int:
     return 2
 
 
+_MEGAKERNEL = {"auto": None, "on": True, "off": False}  # --megakernel -> LLM's megakernel
+
+
 def _generate(args) -> int:
     import os
     import time
@@ -186,7 +194,8 @@ def _generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
-              max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8, backend=args.backend)
+              max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8, backend=args.backend,
+              megakernel=_MEGAKERNEL[args.megakernel])
     t0 = time.perf_counter()
     if len(args.prompt) == 1:
         print(args.prompt[0], end="", flush=True)
@@ -201,6 +210,7 @@ def _generate(args) -> int:
         st = llm.stats
         print(f"{st.decode_tokens + len(args.prompt)} tokens generated, {st.prefill_tokens} prompt tokens, "
               f"{st.steps} steps ({st.graph_steps} CUDA-graph replays), {dt:.2f} s", file=sys.stderr)
+        print(llm.describe(), file=sys.stderr)
     return 0
 
 
@@ -228,7 +238,8 @@ def _serve(args) -> int:
           backend=args.backend, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
           enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-          act_int8=args.act_int8, gpu_memory_utilization=args.gpu_memory_utilization)
+          act_int8=args.act_int8, gpu_memory_utilization=args.gpu_memory_utilization,
+          megakernel=_MEGAKERNEL[args.megakernel])
     return 0
 
 

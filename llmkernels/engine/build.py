@@ -3,6 +3,7 @@ runner with its KV cache. ``LLM`` and the tensor-parallel worker processes (para
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -38,6 +39,11 @@ def build_runner(model: Model, device, spec: dict) -> ModelRunner:
     """The KV cache and step runner for ``model``: as many pages as asked, or as fit (every tensor-parallel rank
     takes the smallest count any rank can hold)."""
     cfg = getattr(model, "full_cfg", model.cfg)
+    stacks, path = None, "kernel per op"
+    if "megakernel" in spec:  # the stacks first: filling one needs its bytes free
+        from ..megakernel.engine import prepare
+
+        stacks, path = prepare(model, device, spec)
     page_size = spec["page_size"]
     max_model_len = int(spec["max_model_len"] or min(cfg.context_length, 8192))
     kv_dtype = spec["kv_dtype"] or model.dtype
@@ -60,12 +66,25 @@ def build_runner(model: Model, device, spec: dict) -> ModelRunner:
         if num_pages < pages_for(min(max_model_len, 16 * page_size), page_size):
             raise MemoryError(f"only {num_pages} KV-cache pages fit ({kv_bytes_per_page(model.cfg, page_size, kv_dtype)}"
                               f" bytes each); lower max_model_len or free GPU memory")
-    return ModelRunner(model, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
-                       kv_dtype=kv_dtype, cuda_graphs=spec["cuda_graphs"],
-                       max_graph_batch=min(spec["max_graph_batch"], spec["max_num_seqs"]),
-                       num_splits=spec["num_splits"], act_int8=spec["act_int8"],
-                       max_extend_graph=next((t for t in EXTEND_TOKENS if t >= spec["max_num_batched_tokens"]),
-                                             EXTEND_TOKENS[-1]))
+    runner = ModelRunner(model, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
+                         kv_dtype=kv_dtype, cuda_graphs=spec["cuda_graphs"],
+                         max_graph_batch=min(spec["max_graph_batch"], spec["max_num_seqs"]),
+                         num_splits=spec["num_splits"], act_int8=spec["act_int8"],
+                         max_extend_graph=next((t for t in EXTEND_TOKENS if t >= spec["max_num_batched_tokens"]),
+                                               EXTEND_TOKENS[-1]))
+    if stacks is not None:
+        from ..megakernel.engine import attach
+
+        try:
+            path = attach(runner, stacks, spec.get("megakernel"))
+        except Exception as e:  # noqa: BLE001  (by default the step is an option: the engine runs without it)
+            if spec.get("megakernel") is True:
+                raise
+            runner.one_kernel = None
+            path = f"kernel per op (the one-kernel step did not start: {type(e).__name__}: {e})"
+            warnings.warn(f"llmkernels: {path}", RuntimeWarning, stacklevel=2)
+    runner.decode_path = path
+    return runner
 
 
 def build_worker(path: str, shard, device, spec: dict) -> ModelRunner:

@@ -89,6 +89,11 @@ class LLM:
             and use integer dot products (gemv's act_int8, as llama.cpp does): faster decode, slightly different
             logits. For q4_k the RMSNorm kernel writes the rounded activations. Other formats and batches compute
             exactly.
+        megakernel: run decode steps of one sequence as one persistent kernel over all layers (megakernel.engine,
+            sm_90 GPUs, llama-family layers with every matrix in one format, bf16 activations and cache). None
+            (default): where that is measured faster than the kernel-per-op step (bf16 weights, up to 4096 cached
+            tokens); True: at every batch-1 decode step, or ValueError saying why it cannot (q4_k needs
+            act_int8=True: its products take int8 activations); False: never. ``describe()`` says which runs.
 
     >>> llm = LLM("model.gguf")
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
@@ -100,7 +105,8 @@ class LLM:
                  kv_cache_dtype="auto", enable_prefix_caching: bool = True, cuda_graphs: bool = True,
                  max_graph_batch: int = 64, gpu_memory_utilization: float = 0.9, num_splits: int = 0,
                  progress: bool = True, act_int8: bool = False, backend: str = "auto", tensor_parallel_size: int = 1,
-                 chat_template: str | None = None, _model: Model | None = None, _tokenizer=None):
+                 chat_template: str | None = None, megakernel: bool | None = None, _model: Model | None = None,
+                 _tokenizer=None):
         if device is None:
             device = "cpu" if interpreter_mode() or not torch.cuda.is_available() else "cuda"
         self.device = torch.device(device)
@@ -131,6 +137,10 @@ class LLM:
             raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
         if not isinstance(act_int8, bool):
             raise TypeError(f"act_int8 must be a bool, got {type(act_int8).__name__}")
+        if megakernel is not None and not isinstance(megakernel, bool):
+            raise TypeError(f"megakernel must be None, True or False, got {type(megakernel).__name__}")
+        if megakernel is True and tp_size > 1:
+            raise ValueError("megakernel=True runs on one GPU; tensor_parallel_size > 1 takes the kernel-per-op step")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
         if act_int8 and backend == "torch":
@@ -143,7 +153,7 @@ class LLM:
                     max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs,
                     max_graph_batch=max_graph_batch, gpu_memory_utilization=gpu_memory_utilization,
-                    num_splits=num_splits)
+                    num_splits=num_splits, megakernel=megakernel)
         if _model is None:
             if not isinstance(model, (str, os.PathLike)):
                 raise TypeError(f"model must be a path to a GGUF file, got {type(model).__name__}")
@@ -228,6 +238,18 @@ class LLM:
     v_caches = property(lambda self: self.runner.v_caches)
     allocator = property(lambda self: self.pool)
     use_graphs = property(lambda self: self.runner.use_graphs)
+
+    def describe(self) -> str:
+        """The engine's configuration and the step paths it takes, a few lines."""
+        cfg = self.cfg
+        fmts = sorted({getattr(m, "format", "?") for L in self.model.layers for m in (*L.qkv, L.wo)})
+        return "\n".join([
+            f"model: {cfg.arch}, {cfg.n_layers} layers, hidden {cfg.hidden}, {', '.join(fmts)} weights, "
+            f"{self.backend} backend, {self.dtype} activations",
+            f"KV cache: {self.num_pages} pages of {self.page_size} tokens, {self.kv_dtype}, max_model_len "
+            f"{self.max_model_len}",
+            f"decode steps of one sequence: {self.runner.decode_path}",
+            f"other steps: kernel per op{', CUDA graphs' if self.use_graphs else ', eager'}"])
 
     def capture_graphs(self, sizes=None, extend_sizes=None) -> None:
         """Capture CUDA graphs ahead of time (they are otherwise captured at first use): decode steps of batch

@@ -82,6 +82,9 @@ class ModelRunner:
         self.extend_sizes = [t for t in EXTEND_TOKENS if t <= max_extend_graph] if on else []
         self.extend_graphs = {}
         self.peers = None  # on rank 0 of a tensor-parallel group: the other ranks' processes (tp.Peers)
+        # batch-1 decode steps as one persistent kernel (megakernel.engine.attach), where the model takes it
+        self.one_kernel = None
+        self.decode_path = "kernel per op"
 
     def prepare(self, batch, logits_all: bool = False) -> StepBatch:
         """Pack a scheduled batch [(sequence, new tokens)]; ``logits_all``: logits for every token (scoring)."""
@@ -114,6 +117,8 @@ class ModelRunner:
             self.peers.send(("run", step, ids_dev is not None))
             if ids_dev is not None:
                 self.peers.broadcast(ids_dev.to(torch.int64).contiguous())
+        if step.decode_only and self.one_kernel is not None and self.one_kernel.takes(step):
+            return self.one_kernel.run(step, ids_dev), True
         if step.decode_only and self.use_graphs and len(step.ids) <= self.max_graph_batch:
             bs = min(1 << (len(step.ids) - 1).bit_length(), self.max_graph_batch)
             return self._graph_for(bs).run(step, ids_dev), True

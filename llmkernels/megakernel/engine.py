@@ -1,0 +1,132 @@
+"""The one-kernel decode step inside the engine: which models and steps take it, and its CUDA graph.
+
+``prepare(model, device, spec)`` decides once per engine, before the KV cache takes the free memory (``LLM(megakernel=...)``): None (the default) takes it where it
+applies and is measured faster than the kernel-per-op step (bf16 weights, batch 1, contexts up to
+``AUTO_MAX_CONTEXT``); True takes it at every batch-1 decode step and raises ValueError naming what stands in the
+way when it cannot; False never. Once attached, the runner sends every decode step of one sequence within the
+context limit to ``OneKernelGraph.run``; every other step keeps the kernel-per-op path.
+"""
+import torch
+
+from .fast import FastStep, unsupported
+from .schedule import build_decode_program
+from .weights import share_stacks
+
+# batch-1 bf16 steps of the Llama-3-8B shape on the H200 (bench/NOTES.md): the one-kernel step leads the
+# kernel-per-op graph up to this many cached tokens; its attention splits fall behind past it
+AUTO_MAX_CONTEXT = 4096
+
+
+def why_not(model, device, spec: dict) -> str | None:
+    """Why ``model`` on ``device`` under the engine's ``spec`` (LLM's settings) cannot take the one-kernel step
+    (None: it can), checked without changing anything."""
+    from ..attention.prefill import _gluon_hopper
+
+    cfg, dev, mode = model.cfg, device, spec.get("megakernel")
+    kv_dtype = spec.get("kv_dtype") or model.dtype
+    if dev.type != "cuda":
+        return "it runs on a CUDA GPU"
+    if torch.cuda.get_device_capability(dev) != (9, 0) or not _gluon_hopper(dev.index or 0):
+        return "it needs an sm_90 GPU with this Triton's Gluon kernels enabled"
+    if model.backend != "triton" or getattr(model, "tp", None) is not None:
+        return "it runs the triton backend on one GPU"
+    if not spec.get("cuda_graphs"):
+        return "it runs inside a CUDA graph (cuda_graphs=True)"
+    if model.dtype != torch.bfloat16 or kv_dtype != torch.bfloat16:
+        return f"it needs bf16 activations and a bf16 KV cache, got {model.dtype} and {kv_dtype}"
+    bad = unsupported(cfg)
+    if model.padded or model.output_pad:
+        bad.append("matrices padded at load")
+    if model.rope_mscale != 1.0 or len(model.ropes) != 1:
+        bad.append("a RoPE cos/sin factor or per-layer RoPE bases")
+    if bad:
+        return f"it does not run {', '.join(bad)}"
+    fmts = {m.format for L in model.layers for m in (*L.qkv, L.wo, *L.gate_up, L.down)} | {model.output.format}
+    if fmts == {"q4_k"} and not spec.get("act_int8"):
+        return "its q4_k products take int8 activations: it needs act_int8=True"
+    if fmts == {"q4_k"} and mode is None:
+        return "q4_k: the kernel-per-op act_int8 step is faster (bench/NOTES.md)"
+    if fmts not in ({"bf16"}, {"q4_k"}):
+        return f"it reads every matrix in bf16 or every one in q4_k, the model has {', '.join(sorted(fmts))}"
+    return None
+
+
+class OneKernelGraph:
+    """The one-kernel step of one sequence in a CUDA graph fed through fixed buffers, as runner.DecodeGraph."""
+
+    def __init__(self, runner, fast: FastStep, max_context: int | None):
+        dev = runner.device
+        self.fast, self.max_context = fast, max_context
+        P = self.P = runner.max_pages_per_seq
+        self.host = [torch.zeros(2 + P, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.uploaded = [None, None]
+        self.turn = 0
+        self.dev32 = torch.zeros(2 + P, dtype=torch.int32, device=dev)
+        self.ids, self.lens, self.table = self.dev32[:1], self.dev32[1:2], self.dev32[2:].view(1, P)
+        self.lens.fill_(1)
+        # a step that gave up (the spin limit) raises at the next one: read without waiting for the GPU
+        self.err_host = torch.zeros(2, dtype=torch.int32).pin_memory()
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):  # compile and warm up outside the capture; the step writes the KV of page 0
+            fast.launch(self.ids, self.lens, self.table)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        torch.cuda.synchronize(dev)
+        if fast.error():
+            raise RuntimeError(fast.error())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=s):
+            fast.launch(self.ids, self.lens, self.table)
+
+    def takes(self, step) -> bool:
+        return len(step.ids) == 1 and (self.max_context is None or step.seq_lens[0] <= self.max_context)
+
+    def run(self, step, ids_dev=None) -> torch.Tensor:
+        if self.err_host[0]:
+            raise RuntimeError(self.fast.error(self.err_host))
+        self.turn ^= 1
+        if self.uploaded[self.turn] is not None:
+            self.uploaded[self.turn].synchronize()
+        h = self.host[self.turn].numpy()
+        h[:] = 0
+        h[0], h[1] = step.ids[0], step.seq_lens[0]
+        h[2:2 + len(step.page_table[0])] = step.page_table[0]
+        self.dev32.copy_(self.host[self.turn], non_blocking=True)
+        ev = self.uploaded[self.turn] = torch.cuda.Event()
+        ev.record()
+        if ids_dev is not None:  # sampled by the previous step, still on the device
+            self.ids.copy_(ids_dev.view(-1)[:1])
+        self.graph.replay()
+        self.err_host.copy_(self.fast.err, non_blocking=True)
+        return self.fast.logits
+
+
+def prepare(model, device, spec: dict):
+    """(stacks or None, a line for LLM.describe when None): where ``spec["megakernel"]`` and the model allow, the
+    model's matrices move into the stacks (weights.share_stacks; before any graph is captured and before the KV
+    cache is sized, as filling a stack needs its bytes free for a moment)."""
+    mode = spec.get("megakernel")
+    if mode is False:
+        return None, "kernel per op (megakernel=False)"
+    reason = why_not(model, device, spec)
+    if reason is not None:
+        if mode is True:
+            raise ValueError(f"megakernel=True: the one-kernel decode step cannot run this model: {reason}")
+        return None, f"kernel per op (the one-kernel step: {reason})"
+    return share_stacks(model), None
+
+
+def attach(runner, stacks, mode) -> str:
+    """Build the runner's one-kernel step over ``stacks`` (prepare's) and its KV cache; returns what batch-1 decode
+    steps run, in a line."""
+    model, cfg = runner.model, runner.model.cfg
+    fmt = stacks.format
+    sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
+    prog = build_decode_program(cfg, fmt, batch=1, context=min(runner.max_model_len, 4096), num_sms=sms)
+    fast = FastStep.from_model(model, prog, stacks, runner.kv_cache[:, 0], runner.kv_cache[:, 1],
+                               warps=4 if fmt == "bf16" else 8)
+    limit = AUTO_MAX_CONTEXT if mode is None else None
+    runner.one_kernel = OneKernelGraph(runner, fast, limit)
+    upto = f"up to {limit} cached tokens" if limit else "at every context"
+    return (f"one-kernel step ({fmt} weights, {sms} SMs, {len(prog.counter_names)} counters, "
+            f"{sum(map(len, prog.lists))} instructions) for one sequence {upto}; kernel per op otherwise")

@@ -1,0 +1,684 @@
+"""The one-kernel decode step's fast executor (Gluon, sm_90; bf16 or q4_k weights, batch 1): the instruction lists
+of schedule.py run by one persistent program per SM with two partitions.
+
+- A loader walks the SM's list and streams the weight boxes of every GEMV instruction (QKV, O, GATEUP, DOWN,
+  LOGITS: [16, 256] bf16 or two q4_k super-blocks of 16 rows, TMA) into a ring of shared-memory slots. It never
+  waits on a counter, so the next instruction's weights are in flight while the compute warps wait, or run
+  attention, merges and norms; with ``prefetch`` it also asks L2 for the first bytes of each instruction's rows
+  as soon as it reaches it, ahead of the ring.
+- The compute warps walk the same list: wait (acquire polls; a spin limit records the first stuck instruction and
+  stops waiting, so a bad schedule ends with an error, not a hung GPU), stage the instruction's input in shared
+  memory once (float32, or int8 per block of 32 for q4_k: the RMSNorm of the residual for QKV, GATEUP and LOGITS,
+  the attention output for O, the FFN activation for DOWN), take the products slot by slot, write the outputs,
+  then release their counters.
+
+Buffers, RoPE (interleaved) and instruction semantics are the reference executor's (kernel.py): the two run the
+same Program and are compared in tests/megakernel. The weights are the three stacks of weights.py (one copy with
+the engine's model where ``share_stacks`` made them). The KV caches are [layers, pages, page, kv heads, head dim]
+views with any layer stride (the engine's cache holds K and V of a layer side by side).
+"""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from ..attention.paged_ws import _now
+from .q4k import inv_rms, q4k_copy, q4k_descriptors, q4k_step, stage_q
+from .weights import WeightStacks, stack_tensors
+
+NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
+BK = gl.constexpr(256)  # weight columns per ring slot
+ROWS = 16  # weight rows per slot (schedule.ROW_GRANULE: every GEMV tile is a multiple)
+MTW = gl.constexpr(8)  # int32 fields per row of the matrix table
+
+
+@gluon.jit
+def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr):
+    """(first row in its stacked matrix, K, matrix: 0 A [K = H], 1 O [K = Hq * D], 2 down [K = F], rows from
+    gate to up) of GEMV op ``op``; K 0 for the other ops."""
+    mt = MT + gl.where(layer < 0, n_layers, layer) * MTW
+    base = 0
+    K = 0
+    which = 0
+    if op == 2:  # QKV: q, k and v stacked
+        base = gl.load(mt)
+        K = H
+    elif op == 5:
+        base = gl.load(mt + 3)
+        K = KO
+        which = 1
+    elif op == 6:  # GATEUP: gate rows, then the same rows of up
+        base = gl.load(mt + 1)
+        K = H
+    elif op == 7:
+        base = gl.load(mt + 4)
+        K = F
+        which = 2
+    elif op == 8:  # LOGITS (layer -1: the table's last row)
+        base = gl.load(mt)
+        K = H
+    return base, K, which, gl.load(mt + 2) - gl.load(mt + 1)
+
+
+@gluon.jit
+def _prefetch_l2(ptr, nbytes):
+    """Ask L2 for bytes [0, nbytes) from ``ptr`` (16-byte aligned): one bulk prefetch per thread, the tail past the
+    last whole 16-byte chunk per thread left out."""
+    LP: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    NT: gl.constexpr = 32 * gl.num_warps()
+    lane = gl.arange(0, NT, layout=LP)
+    chunk = nbytes // (NT * 16) * 16
+    if chunk > 0:
+        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [ptr + lane.to(gl.int64) * chunk, gl.zeros_like(lane) + chunk], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, w_smem, h_smem, ready, empty, PROG,
+            n_instr, MT, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
+            FMT: gl.constexpr, PF: gl.constexpr):
+    """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
+    K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
+    bytes and their headers, q4k_copy). PF > 0: on reaching an instruction, up to PF bytes of its rows are asked of
+    L2 first (WA, WO, WD: the stacks' bytes), so they stream while the compute warps wait for its inputs."""
+    c = 0
+    for j in range(n_instr):
+        p = PROG + j * NF
+        op = gl.load(p)
+        layer = gl.load(p + 1)
+        lo = gl.load(p + 2)
+        hi = gl.load(p + 3)
+        base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
+        nmat = 1 + (op == 6).to(gl.int32)
+        if PF > 0:
+            if K > 0:
+                rb = K * 2 if FMT == 0 else K // 256 * 144  # bytes per row
+                n = gl.minimum(hi - lo, PF // (rb * nmat))
+                for m in range(nmat):
+                    first = (base + lo + m * up).to(gl.int64) * rb
+                    if which == 0:
+                        _prefetch_l2(WA + first, n * rb)
+                    elif which == 1:
+                        _prefetch_l2(WO + first, n * rb)
+                    else:
+                        _prefetch_l2(WD + first, n * rb)
+        for r in range(lo, gl.where(K > 0, hi, lo), 16):
+            for m in range(nmat):
+                row = base + r + m * up
+                for kc in range(K // (BK * (1 + FMT))):
+                    s = c % STAGES
+                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                    if FMT == 0:
+                        mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
+                        if which == 0:
+                            tma.async_copy_global_to_shared(desc_a, [row, kc * BK], ready.index(s), w_smem.index(s))
+                        elif which == 1:
+                            tma.async_copy_global_to_shared(desc_o, [row, kc * BK], ready.index(s), w_smem.index(s))
+                        else:
+                            tma.async_copy_global_to_shared(desc_d, [row, kc * BK], ready.index(s), w_smem.index(s))
+                    else:
+                        mbarrier.expect(ready.index(s), desc_a.block_type.nbytes + hdesc_a.block_type.nbytes)
+                        if which == 0:
+                            q4k_copy(desc_a, hdesc_a, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
+                        elif which == 1:
+                            q4k_copy(desc_o, hdesc_o, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
+                        else:
+                            q4k_copy(desc_d, hdesc_d, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
+                    c += 1
+
+
+@gluon.jit
+def _stage_pieces(xs, X, NW, nk, inv, r, k, NORM: gl.constexpr):
+    for p in range(0, nk, 16):
+        offs = (p + r)[:, None] * BK + k[None, :]
+        m = (p + r < nk)[:, None] & (k < BK)[None, :]
+        x = gl.load(X + offs, mask=m, other=0.0)
+        if NORM:
+            x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
+        xs.index(p // 16).store(x)
+
+
+@gluon.jit
+def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr):
+    """x_smem ([64, 256] float32, one 256-wide chunk per row) <- X[:K] (float32), or its RMSNorm times NW with
+    NORM; pieces of 16 chunks, each piece's loads issued together (ONE: K fits one piece)."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xs = x_smem._reinterpret(gl.float32, [4, 16, BK], X3)
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
+    k = gl.arange(0, BK, layout=gl.SliceLayout(0, LP))
+    nk = K // BK
+    if NORM and ONE:  # the sum of squares from the same loads: one L2 round trip, not two
+        offs = r[:, None] * BK + k[None, :]
+        m = (r < nk)[:, None] & (k < BK)[None, :]
+        x = gl.load(X + offs, mask=m, other=0.0)
+        w = gl.load(NW + offs, mask=m, other=0.0)
+        inv = 1.0 / gl.sqrt(gl.sum(gl.sum(x * x, axis=1), axis=0) / K + eps)
+        gl.thread_barrier()  # every warp is past its reads of the instruction before
+        xs.index(0).store(x * inv * w)
+    else:
+        inv = 1.0
+        if NORM:
+            inv = inv_rms(X, K, eps)
+        gl.thread_barrier()
+        _stage_pieces(xs, X, NW, nk, inv, r, k, NORM)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
+    """One 16-row subtile's products over the staged input: nk slots from the ring -> ([16] float32, c + nk)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [16, 256]: warps by rows
+    XK: gl.constexpr = gl.SliceLayout(0, L)
+    acc = gl.zeros([16, BK], gl.float32, L)
+    for kc in range(nk):
+        x = x_smem.index(kc).load(XK)
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        w = w_smem.index(s).load(L).to(gl.float32)
+        gl.thread_barrier()  # every warp has its piece of the slot in registers
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += w * x[None, :]
+        c += 1
+    return gl.sum(acc, axis=1), c
+
+
+@gluon.jit
+def _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr, GLU: gl.constexpr,
+          STAGES: gl.constexpr):
+    """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
+    gate and up subtiles taken in turn, as the loader streams them) -> c after its slots."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, L))
+    nk = K // BK
+    for r in range(lo, hi, 16):
+        y, c = _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES)
+        if GLU:
+            u, c = _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES)
+            y = y / (1.0 + gl.exp(-y)) * u
+        if ACC:
+            y += gl.load(OUT + r + rows)
+        gl.store(OUT + r + rows, y)
+    return c
+
+
+@gluon.jit
+def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
+              GLU: gl.constexpr, STAGES: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+    """_gemv on q4_k slots (q4k._slot_dot: dp4a on the int8 input)."""
+    # [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with 8, two
+    # threads per chunk (4 words each), so a 16-row slot still has no replicated work
+    if gl.num_warps() == 8:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [8, 1, 2, 2], [2, 2, 2, 1], [3, 2, 1, 0])
+    else:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    for r in range(lo, hi, 16):
+        y, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
+        if GLU:
+            u, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
+            y = y / (1.0 + gl.exp(-y)) * u
+        if ACC:
+            y += gl.load(OUT + r + rows)
+        gl.store(OUT + r + rows, y)
+    return c
+
+
+@gluon.jit
+def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr, STAGES: gl.constexpr,
+                 QSTEP: gl.constexpr, QDOT: gl.constexpr):
+    acc = gl.zeros([16, 2, 4, 1], gl.float32, L4)
+    n = K // 512
+    full = n - n % QSTEP
+    for kp in range(0, full, QSTEP):
+        acc, c = q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, QSTEP, QDOT)
+    for kp in range(full, n):
+        acc, c = q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4, STAGES, 1, QDOT)
+    return gl.sum(gl.sum(gl.sum(acc, axis=3), axis=2), axis=1), c
+
+
+@gluon.jit
+def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT: gl.constexpr, H: gl.constexpr):
+    if FMT == 0:
+        _stage(x_smem, X, NW, K, eps, NORM, H <= 16 * 256)
+    else:
+        stage_q(xq_smem, xd_smem, X, NW, K, eps, 0, NORM)
+
+
+@gluon.jit
+def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
+              GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+    if FMT == 0:
+        c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES)
+    else:
+        c = _gemv_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES, QSTEP,
+                      QDOT)
+    return c
+
+
+@gluon.jit
+def _embed(EMB, IDS, RESID, H: gl.constexpr, B: gl.constexpr):
+    LE: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    k = gl.arange(0, 1024, layout=LE)
+    for b in gl.static_range(B):
+        row = EMB + gl.load(IDS + b).to(gl.int64) * H
+        for k0 in range(0, H, 1024):
+            m = k0 + k < H
+            gl.store(RESID + b * H + k0 + k, gl.load(row + k0 + k, mask=m, other=0.0).to(gl.float32), mask=m)
+
+
+@gluon.jit
+def _rope(x, xp, d, ang):
+    """Interleaved RoPE of x (pairs 2 i, 2 i + 1; xp the partner of each element) at angles ang [.., D]."""
+    sign = gl.where(d % 2 == 0, -1.0, 1.0)
+    return x * gl.cos(ang) + sign * xp * gl.sin(ang)
+
+
+@gluon.jit
+def _kv_block(KC, VC, PT_SEQ, cache_off, keys, hi, dk, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr):
+    """The K and V rows (cache dtype) of ``keys`` (zeros at keys >= hi)."""
+    km = keys < hi
+    page = gl.load(PT_SEQ + keys // PAGE, mask=km, other=0)
+    row = cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
+    kvm = km[:, None] & (dk < D)[None, :]
+    return (gl.load(KC + row[:, None] + dk[None, :], mask=kvm, other=0.0),
+            gl.load(VC + row[:, None] + dk[None, :], mask=kvm, other=0.0))
+
+
+@gluon.jit
+def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, pages_per_seq, qk_scale,
+          B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
+          PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One KV head's key split of every sequence, as kernel._attn_split: q of the group rotated, the last split
+    first stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp."""
+    # [GP, N, D]: D across the lanes, keys across the warps, the group's heads in each thread; a block of
+    # BLOCK_N keys is one round of loads for all its K and V rows (the splits are short: latency, not bandwidth)
+    L3: gl.constexpr = gl.BlockedLayout([GP, BLOCK_N // gl.num_warps(), D // 32], [1, 1, 32], [1, gl.num_warps(), 1],
+                                        [2, 1, 0])
+    QL: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, D]
+    KL: gl.constexpr = gl.SliceLayout(0, L3)  # [N, D]
+    SL: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, N]
+    G: gl.constexpr = HQ // HKV
+    NQKV: gl.constexpr = (HQ + 2 * HKV) * D
+    g = gl.arange(0, GP, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, KL))
+    nn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KL))
+    nn_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SL))
+    gm = g < G
+    f_q = gl.load(INV_FREQ + dq // 2)
+    f_k = gl.load(INV_FREQ + dk // 2)
+    cache_off = layer.to(gl.int64) * layer_stride + h * D
+    for b in gl.static_range(B):
+        n = gl.load(SEQ_LENS + b)
+        pos = (n - 1).to(gl.float32)
+        qoff = b * NQKV + (h * G + g)[:, None] * D
+        qm = gm[:, None] & (dq < D)[None, :]
+        q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
+        qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
+        q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
+        if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
+            ko = b * NQKV + HQ * D + h * D
+            vo = b * NQKV + (HQ + HKV) * D + h * D
+            kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k)
+            page = gl.load(PT + b * pages_per_seq + (n - 1) // PAGE)
+            slot = cache_off + (page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
+            gl.store(KC + slot + dk, kn.to(KC.dtype.element_ty))
+            gl.store(VC + slot + dk, gl.load(QKV + vo + dk).to(VC.dtype.element_ty))
+            gl.thread_barrier()  # the new key is in the cache before any warp reads it
+        lo = split * n // S
+        hi = (split + 1) * n // S
+        m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
+        l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
+        acc = gl.zeros([GP, D], gl.float32, QL)
+        kt, vt = _kv_block(KC, VC, PT + b * pages_per_seq, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
+        for k0 in range(lo, hi, BLOCK_N):
+            # the next block's rows in flight while this one is computed
+            kn, vn = _kv_block(KC, VC, PT + b * pages_per_seq, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
+            s = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)  # [GP, N]
+            s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            pr = gl.exp(s - m_safe[:, None])
+            alpha = gl.exp(m_i - m_safe)
+            pv = gl.sum(pr[:, :, None] * vt.to(gl.float32)[None, :, :], axis=1)  # [GP, D]
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
+            l_i = l_i * alpha + gl.sum(pr, axis=1)
+            m_i = m_new
+            kt, vt = kn, vn
+        has = l_i > 0
+        den = gl.where(has, l_i, 1.0)
+        base = (b * HQ + h * G + g) * S + split
+        gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
+                 mask=qm)
+        lse = gl.where(has, m_i + gl.log(den), float("-inf"))
+        LS: gl.constexpr = gl.SliceLayout(1, SL)
+        gl.store(PART_L + gl.convert_layout(base, LS), lse, mask=gl.convert_layout(gm, LS))
+
+
+@gluon.jit
+def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
+           SP: gl.constexpr):
+    """Query heads [lo, hi): their splits merged (kernel._merge)."""
+    LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])  # [SP, D]
+    si = gl.arange(0, SP, layout=gl.SliceLayout(1, LM))
+    di = gl.arange(0, D, layout=gl.SliceLayout(0, LM))
+    for b in gl.static_range(B):
+        for gg in range(lo, hi):
+            hq = b * HQ + gg
+            lse = gl.load(PART_L + hq * S + si, mask=si < S, other=float("-inf"))
+            m = gl.max(lse, axis=0)
+            w = gl.where(lse == float("-inf"), 0.0, gl.exp(lse - m))
+            o = gl.load(PART_O + (hq * S + si[:, None]) * D + di[None, :], mask=(si < S)[:, None] & (di < D)[None, :],
+                        other=0.0)
+            gl.store(ATTN + hq * D + di, gl.sum(o * w[:, None], axis=0) / gl.sum(w, axis=0))
+
+
+@gluon.jit
+def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
+             SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
+             LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
+             HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
+             SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
+             TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+    ok = 1
+    c = 0
+    for j in range(n_instr):
+        p = PROG + j * NF
+        if TRACE:  # (start, waited, done) of every instruction, global nanoseconds
+            gl.store(TR + (sm * n_instr + j) * 3, _now())
+        op = gl.load(p)
+        layer = gl.load(p + 1)
+        lo = gl.load(p + 2)
+        hi = gl.load(p + 3)
+        split = gl.load(p + 4)
+        wait = gl.load(p + 5)
+        target = gl.load(p + 6)
+        if (ok == 1) & (op != 0) & (wait >= 0):
+            v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+            spins = 0
+            while (v < target) & (spins < spin_limit):
+                v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+                spins += 1
+            if v < target:  # the schedule cannot finish: record where, stop waiting (wrong results, no hang)
+                if gl.atomic_cas(ERR, 0, 1) == 0:
+                    gl.atomic_xchg(ERR + 1, sm * n_instr + j)
+                ok = 0
+        if TRACE:
+            gl.store(TR + (sm * n_instr + j) * 3 + 1, _now())
+        # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
+        if op == 1:
+            _embed(EMB, IDS, RESID, H, B)
+        elif op == 2:
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
+            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False, False,
+                          STAGES, FMT, QSTEP, QDOT)
+        elif op == 3:
+            _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, pages_per_seq,
+                  qk_scale, B, HQ, HKV, D, S, PAGE, GP, 32)
+        elif op == 4:
+            _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
+        elif op == 5:
+            _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
+            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID, True,
+                          False, STAGES, FMT, QSTEP, QDOT)
+        elif op == 6:
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
+            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False, True,
+                          STAGES, FMT, QSTEP, QDOT)
+        elif op == 7:
+            _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
+            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True, False,
+                          STAGES, FMT, QSTEP, QDOT)
+        elif op == 8:
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
+            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS, False,
+                          False, STAGES, FMT, QSTEP, QDOT)
+        if op != 0:
+            gl.thread_barrier()  # every warp's stores come before the one-thread releases
+            if TRACE:
+                gl.store(TR + (sm * n_instr + j) * 3 + 2, _now())
+            for cn in range(gl.load(p + 7), gl.load(p + 8)):
+                gl.atomic_add(COUNTERS + cn, 1, sem="release")
+
+
+@gluon.jit
+def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, PROG, n_instr, COUNTERS, ERR, IDS,
+                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
+                     ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
+                     H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                     S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
+                     FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
+                     QDOT: gl.constexpr = 1, PF: gl.constexpr = 0):
+    """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
+    bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps."""
+    sm = gl.program_id(0)
+    PROG_SM = PROG + sm * n_instr * NF
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if FMT == 0:
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, BK], desc_a.layout)
+        x_smem = gl.allocate_shared_memory(gl.float32, [64, BK], flat)
+        h_smem = w_smem
+        xq_smem = x_smem
+        xd_smem = x_smem
+    else:
+        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 128], desc_a.layout)
+        h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 16], hdesc_a.layout)
+        xq_smem = gl.allocate_shared_memory(gl.int8, [16384], flat)
+        xd_smem = gl.allocate_shared_memory(gl.float32, [1024], flat)
+        x_smem = xd_smem
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, w_smem, h_smem, ready, empty,
+                   PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, PF)),
+        (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
+                    SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
+                    ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F, S,
+                    SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT)),
+    ], [CW], [232 if CW == 4 else 192])
+
+
+def _layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+def unsupported(cfg) -> list:
+    """What the fast step does not run of ``cfg`` (empty: it runs the model), each a short phrase: the reference
+    executor's limits (kernel.unsupported) and its own (interleaved RoPE, dense FFNs, no QK-norm, shapes its tiles
+    divide)."""
+    from .kernel import unsupported as reference_limits
+
+    out = reference_limits(cfg)
+    D, KO = cfg.head_dim, cfg.n_heads * cfg.head_dim
+    checks = ((cfg.rope_style == "neox", "neox RoPE"), (bool(cfg.n_experts), "experts"), (cfg.qk_norm, "QK-norm"),
+              (D not in (32, 64, 128), f"head_dim {D} (32, 64 or 128)"),
+              ((cfg.n_heads + 2 * cfg.n_kv_heads) * D % 16 or cfg.vocab_size % 16,
+               "QKV rows or a vocabulary not a multiple of 16"))
+    out += [what for bad, what in checks if bad]
+    for name, k in (("hidden", cfg.hidden), ("heads * head_dim", KO), ("ffn", cfg.ffn)):
+        if k % 512 or k > 16384:
+            out.append(f"{name} {k} (a multiple of 512 up to 16384)")
+    return out
+
+
+class FastStep:
+    """Runs a batch-1 Program (schedule.build_decode_program) over bf16 or q4_k weight stacks.
+
+    ``stacks``: weights.WeightStacks; ``embed``: the token embedding, bf16 [vocab, hidden] on the device;
+    ``norms``: float32 [layers, 2, hidden] (attention and FFN RMSNorm weights); ``output_norm``: float32
+    [hidden]; ``inv_freq``: RoPE inverse frequencies [head_dim / 2]; ``k_cache``, ``v_cache``: 16-bit [layers,
+    pages, page, kv heads, head_dim] views, each layer's pages contiguous (any layer stride, the same for both).
+    ``from_tensors`` builds one from a GGUF's tensors, ``from_model`` from an engine Model.
+
+    Call it (or ``launch`` it, inside a CUDA graph) with int32 device tensors ``ids`` [1], ``seq_lens`` [1] (the
+    new token is at position seq_lens[0] - 1 and its K and V are written there) and ``page_table`` [1, pages];
+    it returns float32 logits [1, vocab] (a buffer it reuses). q4_k: the products take the activations rounded to
+    int8 per block of 32 (the engine's act_int8 arithmetic).
+
+    ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
+    ``prefetch``: bytes of each instruction's rows asked of L2 when the loader reaches it (0: none);
+    ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``spin_limit``: polls of a
+    counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
+    start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
+    """
+
+    def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
+                 stages: int = 16, warps: int = 4, prefetch: int = 0, qstep: int = 2, qdot: int = 1,
+                 spin_limit: int = 1 << 22, trace: bool = False):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        if prog.geometry["batch"] != 1:
+            raise ValueError(f"prog: the fast step runs batch 1, the program has batch {prog.geometry['batch']}")
+        bad = unsupported(cfg)
+        if bad:
+            raise ValueError(f"cfg: the fast step does not run {', '.join(bad)}")
+        if not isinstance(stacks, WeightStacks) or stacks.format not in ("bf16", "q4_k"):
+            raise ValueError(f"stacks: bf16 or q4_k WeightStacks expected, got "
+                             f"{getattr(stacks, 'format', type(stacks).__name__)}")
+        if warps not in (4, 8):
+            raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps!r}")
+        most = 16 if stacks.format == "bf16" else 24
+        if not isinstance(stages, int) or not 2 <= stages <= most:
+            raise ValueError(f"stages must be 2..{most}, got {stages!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (bytes), got {prefetch!r}")
+        L, H, D, Hkv = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_kv_heads
+        shape = (L, k_cache.shape[1], k_cache.shape[2], Hkv, D) if k_cache.dim() == 5 else None
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dim() != 5 or tuple(c.shape) != shape or c.element_size() != 2 or c.stride() != k_cache.stride():
+                raise ValueError(f"{name}: a 16-bit [{L}, pages, page, {Hkv}, {D}] view with k_cache's strides "
+                                 f"expected, got {c.dtype} {list(c.shape)}")
+            if c[0].stride() != c[0].contiguous().stride():
+                raise ValueError(f"{name}: each layer's pages must be contiguous, got strides {c.stride()}")
+        dev = k_cache.device
+        self.fmt = stacks.format
+        self.stacks = stacks
+        self.bytes = {k: getattr(stacks, k) for k in "aod"}
+        if self.fmt == "bf16":
+            mats = [self.bytes[k].view(torch.bfloat16) for k in "aod"]
+            self.descs = tuple(TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [16, 256], _layout())
+                               for t in mats) * 2
+        else:
+            d = [q4k_descriptors(self.bytes[k], 16, True) for k in "aod"]
+            self.descs = tuple(x[0] for x in d) + tuple(x[1] for x in d)
+        self.emb = embed
+        self.norms = norms.float().contiguous()
+        self.onorm = output_norm.float().contiguous()
+        self.prog, self.cfg, self.kc, self.vc = prog, cfg, k_cache, v_cache
+        self.inv_freq = inv_freq.float().contiguous().to(dev)
+        self.table = torch.from_numpy(prog.encode()).to(dev)
+        self.mt = stacks.table.to(dev)
+        self.counters = torch.zeros(prog.num_counters, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        S = prog.geometry["splits"]
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.resid = torch.empty(1, H, **f32)
+        self.qkv = torch.empty(1, (cfg.n_heads + 2 * Hkv) * D, **f32)
+        self.part_o = torch.empty(1, cfg.n_heads, S, D, **f32)
+        self.part_l = torch.empty(1, cfg.n_heads, S, **f32)
+        self.attn = torch.empty(1, cfg.n_heads * D, **f32)
+        self.act = torch.empty(1, cfg.ffn, **f32)
+        self.logits = torch.empty(1, cfg.vocab_size, **f32)
+        self.stages, self.warps, self.prefetch, self.qstep, self.qdot = stages, warps, prefetch, qstep, qdot
+        self.spin_limit = spin_limit
+        self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
+
+    @classmethod
+    def from_tensors(cls, prog, cfg, tensors, k_cache, v_cache, inv_freq, **kw) -> "FastStep":
+        """Over a GGUF's tensors (``name -> QuantizedTensor``, every matrix bf16 or every one q4_k), copied into
+        stacks on the caches' device."""
+        from ..quant import dequantize
+
+        dev = k_cache.device
+
+        def vec(name):
+            t = tensors[name]
+            return (t.float() if isinstance(t, torch.Tensor) else dequantize(t, torch.float32)).to(dev)
+
+        norms = torch.stack([torch.stack([vec(f"blk.{i}.attn_norm.weight"), vec(f"blk.{i}.ffn_norm.weight")])
+                             for i in range(cfg.n_layers)])
+        emb = dequantize(tensors["token_embd.weight"], torch.bfloat16).to(dev)
+        return cls(prog, cfg, stack_tensors(cfg, tensors, dev), emb, norms, vec("output_norm.weight"), inv_freq,
+                   k_cache, v_cache, **kw)
+
+    @classmethod
+    def from_model(cls, model, prog, stacks: WeightStacks, k_cache, v_cache, **kw) -> "FastStep":
+        """Over an engine Model whose matrices ``stacks`` holds (weights.share_stacks): its norms, embedding
+        (bf16) and RoPE frequencies, no second copy of the matrices."""
+        from ..quant import dequantize
+
+        emb = model.tok_embd
+        emb = (emb.data.reshape(emb.shape[0], -1).view(torch.bfloat16) if emb.format == "bf16"
+               else dequantize(emb, torch.bfloat16).to(model.device))
+        norms = torch.stack([torch.stack([L.attn_norm, L.ffn_norm]) for L in model.layers])
+        return cls(prog, model.cfg, stacks, emb, norms, model.output_norm, model.inv_freq, k_cache, v_cache, **kw)
+
+    def launch(self, ids, seq_lens, page_table) -> None:
+        """The step's kernels (a counter reset and the step), nothing read back: CUDA-graph safe."""
+        import triton
+
+        cfg, S = self.cfg, self.prog.geometry["splits"]
+        self.counters.zero_()
+        fast_step_kernel[(self.prog.num_sms,)](
+            *self.descs, *(self.bytes[k] for k in "aod"), self.table, self.table.shape[1], self.counters, self.err,
+            ids, seq_lens, page_table, self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm,
+            cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
+            self.kc.stride(0), page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
+            self.spin_limit, self.err if self.trace is None else self.trace, B=1, H=cfg.hidden, HQ=cfg.n_heads,
+            HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
+            PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
+            FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
+            QDOT=self.qdot, PF=self.prefetch, num_warps=4)
+
+    def error(self, flag=None) -> str | None:
+        """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
+        ran past the spin limit. The flag stays set until ``clear_error``."""
+        f = (self.err if flag is None else flag).tolist()
+        if not f[0]:
+            return None
+        sm, j = divmod(int(f[1]), self.table.shape[1])
+        i = self.prog.lists[sm][j]
+        return (f"one-kernel decode step: SM {sm} gave up at {i.op} layer {i.layer} [{i.lo}, {i.hi}) waiting for "
+                f"counter {i.wait} ({self.prog.counter_names[i.wait]}) to reach {i.target}")
+
+    def clear_error(self) -> None:
+        self.err.zero_()
+
+    def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
+        self.launch(ids, seq_lens, page_table)
+        msg = self.error()
+        if msg:
+            raise RuntimeError(msg)
+        return self.logits
+
+
+def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, prefetch: int = 0, hidden: int = 4096,
+                 heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
+                 page: int = 16, trace: bool = False):
+    """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
+    the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
+    import triton
+
+    from ..attention._gluon import compile_sm90 as compile_gluon
+    from .q4k import layout8
+
+    if fmt == "bf16":
+        descs = [f"tensordesc<bf16[16,256],{_layout()!r}>"] * 6
+    else:
+        descs = [f"tensordesc<u8[16,2,{n}],{layout8(3)!r}>" for n in (128, 128, 128, 16, 16, 16)]
+    names = fast_step_kernel.arg_names
+    ptrs = dict(WA="*u8", WO="*u8", WD="*u8", PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
+                SEQ_LENS="*i32", PT="*i32", KC="*bf16", VC="*bf16", INV_FREQ="*fp32", EMB="*bf16", MT="*i32",
+                NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
+                ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", TR="*i64" if trace else "*i32")
+    consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
+                  SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
+                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, PF=prefetch)
+    sig = dict(zip(names[:6], descs))
+    sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
+    return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

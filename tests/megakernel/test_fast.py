@@ -1,0 +1,189 @@
+"""The one-kernel step's fast executor (megakernel/fast.py) and its place in the engine (megakernel/engine.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmkernels.engine import LLM, ModelConfig, SamplingParams
+from llmkernels.engine.config import rope_inv_freq
+from llmkernels.megakernel import build_decode_program
+from llmkernels.quant import read_gguf
+
+# the smallest llama the fast step's tiles divide: hidden, ffn and heads * head_dim multiples of 512
+SHAPE = dict(hidden=512, ffn=1024, heads=8, kv_heads=2, head_dim=64)
+
+
+def _tiny(model_files, fmt):
+    _, path, _ = model_files("llama", fmt, **SHAPE)
+    f = read_gguf(path)
+    return path, f, ModelConfig.from_gguf(f.metadata, f.keys())
+
+
+def test_unsupported_names_what_the_fast_step_lacks(model_files):
+    import dataclasses
+
+    from llmkernels.megakernel.fast import unsupported
+
+    _, _, cfg = _tiny(model_files, "f16")
+    assert unsupported(cfg) == []
+    assert unsupported(dataclasses.replace(cfg, rope_style="neox")) == ["neox RoPE"]
+    assert "head_dim 256 (32, 64 or 128)" in unsupported(dataclasses.replace(cfg, head_dim=256))
+    assert unsupported(dataclasses.replace(cfg, hidden=768)) == ["hidden 768 (a multiple of 512 up to 16384)"]
+
+
+def test_fast_step_rejects_bad_arguments(model_files):
+    from llmkernels.megakernel.fast import FastStep
+    from llmkernels.megakernel.weights import stack_tensors
+
+    _, f, cfg = _tiny(model_files, "bf16")
+    prog = build_decode_program(cfg, "bf16", batch=1, context=16, num_sms=8)
+    stacks = stack_tensors(cfg, f)
+    shape = (cfg.n_layers, 4, 4, cfg.n_kv_heads, cfg.head_dim)
+    kc, vc = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    inv, _ = rope_inv_freq(cfg)
+    args = (torch.ones(cfg.vocab_size, cfg.hidden), torch.ones(cfg.n_layers, 2, cfg.hidden), torch.ones(cfg.hidden),
+            inv)
+    with pytest.raises(ValueError, match="warps .* must be 4 or 8, got 6"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
+    with pytest.raises(ValueError, match="stages must be 2..16, got 40"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, prefetch=-1)
+    with pytest.raises(ValueError, match="k_cache: a 16-bit"):
+        FastStep(prog, cfg, stacks, *args, kc.float(), vc)
+    with pytest.raises(ValueError, match="v_cache: a 16-bit"):
+        FastStep(prog, cfg, stacks, *args, kc, vc[:, :2])
+    with pytest.raises(ValueError, match="each layer's pages must be contiguous"):
+        FastStep(prog, cfg, stacks, *args, kc.transpose(1, 2), vc.transpose(1, 2))
+    q8 = stack_tensors(cfg, read_gguf(_tiny(model_files, "q8_0")[0]))
+    with pytest.raises(ValueError, match="stacks: bf16 or q4_k WeightStacks expected, got q8_0"):
+        FastStep(prog, cfg, q8, *args, kc, vc)
+    with pytest.raises(ValueError, match="prog: the fast step runs batch 1"):
+        FastStep(build_decode_program(cfg, "bf16", batch=2, context=16, num_sms=8), cfg, stacks, *args, kc, vc)
+
+
+def test_fast_step_compiles_for_sm90_without_a_gpu():
+    """Both formats compile for sm_90 (ptxas from the Triton wheel) with the L2 prefetch in the code, and the bf16
+    build spills nothing (the products run from registers)."""
+    code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
+            "ks = [compile_sm90('bf16', 4, prefetch=1 << 18), compile_sm90('q4_k', 8)]; "
+            "sys.stdout.write(json.dumps([[k.metadata.shared, 'cp.async.bulk.prefetch.L2' in k.asm['ptx'], "
+            "len(k.asm['cubin']) > 0] for k in ks]))")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    (bf_shared, bf_pf, bf_bin), (q_shared, q_pf, q_bin) = json.loads(r.stdout)
+    assert bf_pf and not q_pf and bf_bin and q_bin
+    assert 128 * 1024 < bf_shared <= 227 * 1024 and q_shared <= 227 * 1024
+
+
+def test_engine_describes_its_decode_path_on_the_cpu(model_files):
+    path, _, _ = _tiny(model_files, "bf16")
+    llm = LLM(path, progress=False)
+    assert "decode steps of one sequence: kernel per op (the one-kernel step: it runs on a CUDA GPU)" in llm.describe()
+    with pytest.raises(ValueError, match="megakernel=True: the one-kernel decode step cannot run this model: it runs "
+                                         "on a CUDA GPU"):
+        LLM(path, progress=False, megakernel=True)
+    with pytest.raises(TypeError, match="megakernel must be None, True or False, got str"):
+        LLM(path, progress=False, megakernel="on")
+    assert "kernel per op (megakernel=False)" in LLM(path, progress=False, megakernel=False).describe()
+
+
+# --- on the GPU -------------------------------------------------------------------------------------------------
+
+def _ref_and_fast(f, cfg, fmt, splits, engine_layout, **kw):
+    from llmkernels.megakernel.fast import FastStep
+    from llmkernels.megakernel.kernel import DecodeStep
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    prog = build_decode_program(cfg, fmt, batch=1, context=16, num_sms=sms, num_splits=splits)
+    page, pages = 4, 4
+    shape = (cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim)
+    nan = dict(dtype=torch.bfloat16, device="cuda")
+    ref_k, ref_v = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    if engine_layout:  # K and V of a layer side by side, as the engine's cache: a layer stride of two caches
+        kv = torch.full((cfg.n_layers, 2, *shape[1:]), float("nan"), **nan)
+        kc, vc = kv[:, 0], kv[:, 1]
+    else:
+        kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).cuda()
+    inv, _ = rope_inv_freq(cfg)
+    ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=1)
+    return ref, FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), **kw), table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, warps, splits, engine_layout, prefetch",
+                         [("bf16", 4, 2, False, 0), ("bf16", 4, 3, True, 1 << 18), ("bf16", 8, 2, True, 0),
+                          ("q4_k", 8, 3, True, 1 << 18), ("q4_k", 4, 2, False, 0)])
+def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, prefetch):
+    """Every step's logits against the reference executor (kernel.py) on the same Program, each with its own
+    NaN-poisoned cache and the same scattered pages: bf16 within 1e-3 of the largest logit and the same greedy
+    token; q4_k (its products take int8 activations, the reference float32 ones) within 5e-2."""
+    _, f, cfg = _tiny(model_files, fmt)
+    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, prefetch=prefetch)
+    ids = torch.randint(1, cfg.vocab_size, (13,), dtype=torch.int32)
+    for t in range(len(ids)):
+        args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
+        want = ref(*args).clone()
+        fast.logits.fill_(float("nan"))
+        got = fast(*args)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < (1e-3 if fmt == "bf16" else 5e-2), f"step {t}: {err:.3g} of the largest logit"
+        if fmt == "bf16":
+            assert got.argmax() == want.argmax(), f"step {t}"
+
+
+@pytest.mark.gpu
+def test_gpu_fast_step_hang_guard(model_files):
+    """A schedule that cannot finish (one wait for a count no instruction reaches) ends with an error naming the
+    instruction, and the GPU stays usable."""
+    _, f, cfg = _tiny(model_files, "bf16")
+    _, fast, table = _ref_and_fast(f, cfg, "bf16", 2, False, spin_limit=1 << 12)
+    prog = fast.prog
+    sm = next(s for s, lst in enumerate(prog.lists) if any(i.op == "O" for i in lst))
+    j = next(j for j, i in enumerate(prog.lists[sm]) if i.op == "O")
+    fast.table[sm, j, 6] = 1 << 20  # the wait's target
+    args = (torch.ones(1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda"), table)
+    with pytest.raises(RuntimeError, match=r"SM \d+ gave up at \w+ layer -?\d+ .* waiting for counter \d+"):
+        fast(*args)
+    assert torch.ones(4, device="cuda").sum().item() == 4
+
+
+def _greedy(llm, prompt, n):
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+    return llm.generate([prompt], sp)[0]
+
+
+@pytest.mark.gpu
+def test_gpu_engine_takes_the_one_kernel_step(model_files):
+    """LLM(megakernel=True) decodes one sequence through the one-kernel step (CUDA graph): 256 greedy tokens equal
+    the kernel-per-op path's, except after a near tie (the top two log-probabilities within 0.05) where the paths may
+    part; their log-probabilities agree within 0.05 up to there. A batch of two still takes the kernel-per-op
+    graphs, and the default (megakernel=None) takes the one-kernel step for bf16."""
+    path, _, cfg = _tiny(model_files, "bf16")
+    prompt = torch.randint(1, cfg.vocab_size, (9,)).tolist()
+    ref_llm = LLM(path, progress=False, megakernel=False)
+    ref = _greedy(ref_llm, prompt, 256)
+    llm = LLM(path, progress=False, megakernel=True)
+    assert "one-kernel step (bf16 weights" in llm.describe()
+    replays = llm.stats.graph_steps
+    out = _greedy(llm, prompt, 256)
+    assert llm.stats.graph_steps - replays >= 255
+    same = 0
+    for (lp, top), (lp_ref, top_ref), a, b in zip(out.logprobs, ref.logprobs, out.token_ids, ref.token_ids):
+        if a != b:
+            assert top_ref[0][1] - top_ref[1][1] < 0.05, f"token {same}: {a} vs {b} away from a tie: {top_ref}"
+            break
+        assert abs(lp - lp_ref) < 0.05, f"token {same}: log-probabilities {lp} vs {lp_ref}"
+        same += 1
+    assert same >= 64, f"the paths parted after {same} tokens"
+    # two sequences at once: the kernel-per-op graphs, and the same tokens as there
+    two = llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    want = ref_llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in two] == [o.token_ids for o in want]
+    assert "one-kernel step (bf16 weights" in LLM(path, progress=False).describe()
