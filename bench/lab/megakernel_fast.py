@@ -3,7 +3,7 @@ reference executor (llmkernels/megakernel/kernel.py) on a tiny llama GGUF (every
 Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a breakdown of where each SM's time goes.
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
-                                                     [--stages 16,...] [--warps 4,8] [--prefetch 0,262144]
+                                                     [--stages 16,...] [--warps 4,8]
                                                      [--qstep 2] [--qdot 1] [--skip-check] [--skip-engine] [--trace]
 """
 import argparse
@@ -95,7 +95,6 @@ def main():
     ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
     ap.add_argument("--qstep", type=int, default=2, help="q4_k: slots per barrier")
     ap.add_argument("--qdot", type=int, default=1, help="q4_k: _slot_dot's DOT (1: fewer instructions)")
-    ap.add_argument("--prefetch", default="0", help="comma-separated: bytes of each instruction asked of L2")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -109,7 +108,6 @@ def main():
     stages = [int(x) for x in args.stages.split(",")]
     warps = [int(x) for x in args.warps.split(",")]
     contexts = [int(x) for x in args.context.split(",")]
-    prefetch = [int(x) for x in args.prefetch.split(",")]
     cfg = llama3_8b_config(args.layers)
     bw = measure_read_bandwidth() * 1e12
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -131,8 +129,8 @@ def main():
             ids = torch.ones(1, dtype=torch.int32, device="cuda")
             lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
             base = None
-            for w, st, pf in itertools.product(warps, stages, prefetch):
-                kw = dict(stages=st, warps=w, prefetch=pf, **q)
+            for w, st in itertools.product(warps, stages):
+                kw = dict(stages=st, warps=w, **q)
                 if base is None:
                     fast = base = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
@@ -140,18 +138,17 @@ def main():
                 fast(ids, lens, table)
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
-                print(f"{fmt} fast step, context {context}, {w} compute warps, {st} slots, prefetch {pf}: "
+                print(f"{fmt} fast step, context {context}, {w} compute warps, {st} slots: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)
             if args.trace:
                 fast = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc,
-                                stages=stages[0], warps=warps[0], prefetch=prefetch[-1], trace=True, **q)
+                                stages=stages[0], warps=warps[0], trace=True, **q)
                 fast(ids, lens, table)
                 fast(ids, lens, table)
                 torch.cuda.synchronize()
-                print(f"{fmt}, context {context}, prefetch {prefetch[-1]}: " + trace_summary(prog, fast.trace),
-                      flush=True)
+                print(f"{fmt}, context {context}: " + trace_summary(prog, fast.trace), flush=True)
             del fast, base
             del kc, vc
             torch.cuda.empty_cache()

@@ -12,9 +12,9 @@ from .fast import FastStep, unsupported
 from .schedule import build_decode_program
 from .weights import share_stacks
 
-# batch-1 bf16 steps of the Llama-3-8B shape on the H200 (bench/NOTES.md): the one-kernel step leads the
-# kernel-per-op graph up to this many cached tokens; its attention splits fall behind past it
-AUTO_MAX_CONTEXT = 4096
+# batch-1 bf16 steps of the Llama-3-8B shape in the engine on the H200 (bench/NOTES.md): the one-kernel step leads
+# the kernel-per-op step by 9% at 512 cached tokens and ties at 4096 (its attention splits cost more per token)
+AUTO_MAX_CONTEXT = 3072
 
 
 def why_not(model, device, spec: dict) -> str | None:

@@ -4,8 +4,7 @@ of schedule.py run by one persistent program per SM with two partitions.
 - A loader walks the SM's list and streams the weight boxes of every GEMV instruction (QKV, O, GATEUP, DOWN,
   LOGITS: [16, 256] bf16 or two q4_k super-blocks of 16 rows, TMA) into a ring of shared-memory slots. It never
   waits on a counter, so the next instruction's weights are in flight while the compute warps wait, or run
-  attention, merges and norms; with ``prefetch`` it also asks L2 for the first bytes of each instruction's rows
-  as soon as it reaches it, ahead of the ring.
+  attention, merges and norms.
 - The compute warps walk the same list: wait (acquire polls; a spin limit records the first stuck instruction and
   stops waiting, so a bad schedule ends with an error, not a hung GPU), stage the instruction's input in shared
   memory once (float32, or int8 per block of 32 for q4_k: the RMSNorm of the residual for QKV, GATEUP and LOGITS,
@@ -61,27 +60,11 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 
 
 @gluon.jit
-def _prefetch_l2(ptr, nbytes):
-    """Ask L2 for bytes [0, nbytes) from ``ptr`` (16-byte aligned): one bulk prefetch per thread, the tail past the
-    last whole 16-byte chunk per thread left out."""
-    LP: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    NT: gl.constexpr = 32 * gl.num_warps()
-    lane = gl.arange(0, NT, layout=LP)
-    chunk = nbytes // (NT * 16) * 16
-    if chunk > 0:
-        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr + lane.to(gl.int64) * chunk, gl.zeros_like(lane) + chunk], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, w_smem, h_smem, ready, empty, PROG,
-            n_instr, MT, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
-            FMT: gl.constexpr, PF: gl.constexpr):
+def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG, n_instr, MT,
+            n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
-    bytes and their headers, q4k_copy). PF > 0: on reaching an instruction, up to PF bytes of its rows are asked of
-    L2 first (WA, WO, WD: the stacks' bytes), so they stream while the compute warps wait for its inputs."""
+    bytes and their headers, q4k_copy)."""
     c = 0
     for j in range(n_instr):
         p = PROG + j * NF
@@ -91,18 +74,6 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, w_sme
         hi = gl.load(p + 3)
         base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
         nmat = 1 + (op == 6).to(gl.int32)
-        if PF > 0:
-            if K > 0:
-                rb = K * 2 if FMT == 0 else K // 256 * 144  # bytes per row
-                n = gl.minimum(hi - lo, PF // (rb * nmat))
-                for m in range(nmat):
-                    first = (base + lo + m * up).to(gl.int64) * rb
-                    if which == 0:
-                        _prefetch_l2(WA + first, n * rb)
-                    elif which == 1:
-                        _prefetch_l2(WO + first, n * rb)
-                    else:
-                        _prefetch_l2(WD + first, n * rb)
         for r in range(lo, gl.where(K > 0, hi, lo), 16):
             for m in range(nmat):
                 row = base + r + m * up
@@ -444,13 +415,13 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
 
 
 @gluon.jit
-def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, PROG, n_instr, COUNTERS, ERR, IDS,
+def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS,
                      SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                      ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, PF: gl.constexpr = 0):
+                     QDOT: gl.constexpr = 1):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps."""
     sm = gl.program_id(0)
@@ -474,8 +445,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, 
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
-        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, w_smem, h_smem, ready, empty,
-                   PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, PF)),
+        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG_SM,
+                   n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                     ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F, S,
@@ -521,14 +492,13 @@ class FastStep:
     int8 per block of 32 (the engine's act_int8 arithmetic).
 
     ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
-    ``prefetch``: bytes of each instruction's rows asked of L2 when the loader reaches it (0: none);
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, prefetch: int = 0, qstep: int = 2, qdot: int = 1,
+                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1,
                  spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -545,8 +515,6 @@ class FastStep:
         most = 16 if stacks.format == "bf16" else 24
         if not isinstance(stages, int) or not 2 <= stages <= most:
             raise ValueError(f"stages must be 2..{most}, got {stages!r}")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (bytes), got {prefetch!r}")
         L, H, D, Hkv = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_kv_heads
         shape = (L, k_cache.shape[1], k_cache.shape[2], Hkv, D) if k_cache.dim() == 5 else None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -584,7 +552,7 @@ class FastStep:
         self.attn = torch.empty(1, cfg.n_heads * D, **f32)
         self.act = torch.empty(1, cfg.ffn, **f32)
         self.logits = torch.empty(1, cfg.vocab_size, **f32)
-        self.stages, self.warps, self.prefetch, self.qstep, self.qdot = stages, warps, prefetch, qstep, qdot
+        self.stages, self.warps, self.qstep, self.qdot = stages, warps, qstep, qdot
         self.spin_limit = spin_limit
         self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
 
@@ -625,7 +593,7 @@ class FastStep:
         cfg, S = self.cfg, self.prog.geometry["splits"]
         self.counters.zero_()
         fast_step_kernel[(self.prog.num_sms,)](
-            *self.descs, *(self.bytes[k] for k in "aod"), self.table, self.table.shape[1], self.counters, self.err,
+            *self.descs, self.table, self.table.shape[1], self.counters, self.err,
             ids, seq_lens, page_table, self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm,
             cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
             self.kc.stride(0), page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
@@ -633,7 +601,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, PF=self.prefetch, num_warps=4)
+            QDOT=self.qdot, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -657,7 +625,7 @@ class FastStep:
         return self.logits
 
 
-def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, prefetch: int = 0, hidden: int = 4096,
+def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
@@ -672,13 +640,13 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, prefetch: 
     else:
         descs = [f"tensordesc<u8[16,2,{n}],{layout8(3)!r}>" for n in (128, 128, 128, 16, 16, 16)]
     names = fast_step_kernel.arg_names
-    ptrs = dict(WA="*u8", WO="*u8", WD="*u8", PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
+    ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
                 SEQ_LENS="*i32", PT="*i32", KC="*bf16", VC="*bf16", INV_FREQ="*fp32", EMB="*bf16", MT="*i32",
                 NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
                 ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", TR="*i64" if trace else "*i32")
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
-                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, PF=prefetch)
+                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))
