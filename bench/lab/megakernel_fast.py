@@ -3,7 +3,7 @@ reference executor (llmkernels/megakernel/kernel.py) on a tiny llama GGUF (every
 Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a breakdown of where each SM's time goes.
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
-                                                     [--stages 16,...] [--warps 4,8]
+                                                     [--stages 16,...] [--warps 4,8] [--splits 0,4,8]
                                                      [--qstep 2] [--qdot 1] [--skip-check] [--skip-engine] [--trace]
 """
 import argparse
@@ -95,6 +95,7 @@ def main():
     ap.add_argument("--warps", default="4", help="comma-separated: the compute partition's warps (4 or 8)")
     ap.add_argument("--qstep", type=int, default=2, help="q4_k: slots per barrier")
     ap.add_argument("--qdot", type=int, default=1, help="q4_k: _slot_dot's DOT (1: fewer instructions)")
+    ap.add_argument("--splits", default="0", help="comma-separated key splits per KV head (0: the schedule's)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -117,8 +118,9 @@ def main():
         if not args.skip_check and not all(check_tiny(fmt, stages[0], w, **q) for w in warps):
             continue
         tensors = synthetic_tensors(fmt, cfg)
-        for context in contexts:
-            prog = build_decode_program(cfg, fmt, batch=1, context=context, num_sms=sms, bandwidth=bw)
+        for context, splits in itertools.product(contexts, [int(x) for x in args.splits.split(",")]):
+            prog = build_decode_program(cfg, fmt, batch=1, context=context, num_sms=sms, bandwidth=bw,
+                                        num_splits=splits or None)
             print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
             page = 16
             pages = -(-(context + 1) // page)
@@ -138,7 +140,8 @@ def main():
                 fast(ids, lens, table)
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
-                print(f"{fmt} fast step, context {context}, {w} compute warps, {st} slots: "
+                print(f"{fmt} fast step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
+                      f"{st} slots: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)

@@ -1,10 +1,11 @@
 """The one-kernel decode step inside the engine: which models and steps take it, and its CUDA graph.
 
-``prepare(model, device, spec)`` decides once per engine, before the KV cache takes the free memory (``LLM(megakernel=...)``): None (the default) takes it where it
-applies and is measured faster than the kernel-per-op step (bf16 weights, batch 1, contexts up to
-``AUTO_MAX_CONTEXT``); True takes it at every batch-1 decode step and raises ValueError naming what stands in the
-way when it cannot; False never. Once attached, the runner sends every decode step of one sequence within the
-context limit to ``OneKernelGraph.run``; every other step keeps the kernel-per-op path.
+``prepare(model, device, spec)`` decides once per engine (``LLM(megakernel=...)``), before the KV cache takes the
+free memory: None (the default) takes the step where it applies and is measured faster than the kernel-per-op step
+(bf16 weights, batch 1, contexts up to ``AUTO_MAX_CONTEXT``); True takes it at every batch-1 decode step and raises
+ValueError naming what stands in the way when it cannot; False never. ``attach`` then builds it over the runner's
+KV cache, and the runner sends every decode step of one sequence within the context limit to
+``OneKernelGraph.run``; every other step keeps the kernel-per-op path.
 """
 import torch
 
