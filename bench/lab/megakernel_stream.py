@@ -22,6 +22,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from llmkernels.megakernel.fast import ring_barriers
+
 COLS = 256  # weight columns per ring slot: one unswizzled TMA box of [rows, 256] bf16
 SUB = 8  # CONTIG: 256-wide pieces of a weight row per box
 BK = gl.constexpr(COLS)
@@ -290,15 +292,11 @@ def stream_kernel(desc_a, desc_b, LISTS, COUNTS, list_stride, OPS, ACT, CNT, ERR
     LIST = LISTS + pid * list_stride
     n_my = gl.load(COUNTS + pid)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, desc_a.block_type.shape[0], BK], desc_a.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = ring_barriers(STAGES)
     if XS:  # one 256-wide float32 chunk per row (the rank-1 layout is each row's)
         x_smem = gl.allocate_shared_memory(gl.float32, [64, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         x_smem = w_smem
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
     if CONTIG:
         gl.warp_specialize([
             (_loader, (desc_a, desc_b, w_smem, ready, empty, LIST, n_my, STAGES, ROWS, CONTIG)),

@@ -27,7 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from llmkernels.megakernel.q4k import q4k_copy, q4k_descriptors, q4k_step, stage_q
+from llmkernels.megakernel.fast import ring_barriers
+from llmkernels.megakernel.q4k import int8_input_smem, q4k_copy, q4k_descriptors, q4k_step, stage_q
 from megakernel_stream import FFN, HIDDEN, QKV, UP, _entry, _release, _wait_op, llama_ops, measure, tile_lists
 
 ROWS_PER_WARP = 4  # a tile has 4 rows per compute warp (the thread layout L4 below)
@@ -99,14 +100,8 @@ def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, A
     else:
         c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 256], dc_a.layout)
         h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 32], dh_a.layout)
-    # the op's int8 input (up to 16384) and its (d, s) per block of 32, flat; each user views them as it reads
-    xq_smem = gl.allocate_shared_memory(gl.int8, [16384], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    xd_smem = gl.allocate_shared_memory(gl.float32, [1024], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
+    xq_smem, xd_smem = int8_input_smem()
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES, GGUF)),
         (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,

@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..attention.paged_ws import _now
-from .q4k import inv_rms, q4k_copy, q4k_descriptors, q4k_step, stage_q
+from .q4k import int8_input_smem, inv_rms, q4k_copy, q4k_descriptors, q4k_step, stage_q
 from .weights import WeightStacks, stack_tensors
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
@@ -156,47 +156,6 @@ def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr, GLU: gl.constexpr,
-          STAGES: gl.constexpr):
-    """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
-    gate and up subtiles taken in turn, as the loader streams them) -> c after its slots."""
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, L))
-    nk = K // BK
-    for r in range(lo, hi, 16):
-        y, c = _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES)
-        if GLU:
-            u, c = _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES)
-            y = y / (1.0 + gl.exp(-y)) * u
-        if ACC:
-            y += gl.load(OUT + r + rows)
-        gl.store(OUT + r + rows, y)
-    return c
-
-
-@gluon.jit
-def _gemv_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
-              GLU: gl.constexpr, STAGES: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
-    """_gemv on q4_k slots (q4k._slot_dot: dp4a on the int8 input)."""
-    # [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with 8, two
-    # threads per chunk (4 words each), so a 16-row slot still has no replicated work
-    if gl.num_warps() == 8:
-        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [8, 1, 2, 2], [2, 2, 2, 1], [3, 2, 1, 0])
-    else:
-        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    for r in range(lo, hi, 16):
-        y, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
-        if GLU:
-            u, c = _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
-            y = y / (1.0 + gl.exp(-y)) * u
-        if ACC:
-            y += gl.load(OUT + r + rows)
-        gl.store(OUT + r + rows, y)
-    return c
-
-
-@gluon.jit
 def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr, STAGES: gl.constexpr,
                  QSTEP: gl.constexpr, QDOT: gl.constexpr):
     acc = gl.zeros([16, 2, 4, 1], gl.float32, L4)
@@ -218,13 +177,42 @@ def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT:
 
 
 @gluon.jit
+def _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr,
+                 STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+    if FMT == 0:
+        y, c = _subtile(w_smem, x_smem, ready, empty, c, K // BK, STAGES)
+    else:
+        y, c = _subtile_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
+    return y, c
+
+
+@gluon.jit
 def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
               GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
-    if FMT == 0:
-        c = _gemv(w_smem, x_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES)
+    """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
+    gate and up subtiles taken in turn, as the loader streams them) -> c after its slots. bf16 (FMT 0): _subtile;
+    q4_k: _subtile_q4k (q4k._slot_dot: dp4a on the int8 input)."""
+    # q4_k: [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with
+    # 8, two threads per chunk (4 words each), so a 16-row slot still has no replicated work
+    if gl.num_warps() == 8:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [8, 1, 2, 2], [2, 2, 2, 1], [3, 2, 1, 0])
     else:
-        c = _gemv_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC, GLU, STAGES, QSTEP,
-                      QDOT)
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
+    if FMT == 0:
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, L))
+    else:
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    for r in range(lo, hi, 16):
+        y, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
+                            QDOT)
+        if GLU:
+            u, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
+                                QDOT)
+            y = y / (1.0 + gl.exp(-y)) * u
+        if ACC:
+            y += gl.load(OUT + r + rows)
+        gl.store(OUT + r + rows, y)
     return c
 
 
@@ -415,6 +403,17 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty): one mbarrier per ring slot each, for a loader filling the slots and consumers freeing them."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS,
                      SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                      ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
@@ -436,14 +435,9 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
     else:
         w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 128], desc_a.layout)
         h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 16], hdesc_a.layout)
-        xq_smem = gl.allocate_shared_memory(gl.int8, [16384], flat)
-        xd_smem = gl.allocate_shared_memory(gl.float32, [1024], flat)
+        xq_smem, xd_smem = int8_input_smem()
         x_smem = xd_smem
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG_SM,
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT)),
@@ -512,7 +506,7 @@ class FastStep:
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
         if warps not in (4, 8):
             raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps!r}")
-        most = 16 if stacks.format == "bf16" else 24
+        most = 19 if stacks.format == "bf16" else 24  # bf16: 19 slots and the staged input fill 227 KB
         if not isinstance(stages, int) or not 2 <= stages <= most:
             raise ValueError(f"stages must be 2..{most}, got {stages!r}")
         L, H, D, Hkv = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_kv_heads

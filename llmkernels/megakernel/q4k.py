@@ -30,6 +30,14 @@ def q4k_copy(dc, dh, row, j, bar, c_slot, h_slot, GGUF: gl.constexpr):
 
 
 @gluon.jit
+def int8_input_smem():
+    """(xq, xd): an op's input rounded to int8 (up to 16384) and its (d, s) per block of 32, flat; each user
+    views them as it reads them."""
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    return gl.allocate_shared_memory(gl.int8, [16384], flat), gl.allocate_shared_memory(gl.float32, [1024], flat)
+
+
+@gluon.jit
 def inv_rms(X, K, eps):
     """1 / sqrt(mean(X[:K]^2) + eps) of a float32 row, read in pieces of 4096."""
     LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])

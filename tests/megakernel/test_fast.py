@@ -47,7 +47,7 @@ def test_fast_step_rejects_bad_arguments(model_files):
             inv)
     with pytest.raises(ValueError, match="warps .* must be 4 or 8, got 6"):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
-    with pytest.raises(ValueError, match="stages must be 2..16, got 40"):
+    with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
         FastStep(prog, cfg, stacks, *args, kc.float(), vc)
