@@ -182,3 +182,14 @@ def test_gpu_engine_takes_the_one_kernel_step(model_files):
     want = ref_llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in two] == [o.token_ids for o in want]
     assert "one-kernel step (bf16 weights" in LLM(path, progress=False).describe()
+
+
+def test_info_says_when_the_engine_takes_the_one_kernel_step():
+    from llmkernels.info import kernel_paths
+    from llmkernels.megakernel.engine import AUTO_MAX_CONTEXT
+
+    on = [line for line in kernel_paths((9, 0), True) if "one-kernel decode step" in line]
+    assert on == [f"  one-kernel decode step (Gluon, sm_90): enabled by default for one sequence up to "
+                  f"{AUTO_MAX_CONTEXT} cached tokens on llama-family models with every matrix in bf16 "
+                  f"(LLM(megakernel=True): at every context, and q4_k with act_int8)"]
+    assert "  one-kernel decode step (Gluon, sm_90): off (needs sm_90)" in kernel_paths((8, 0), False)
