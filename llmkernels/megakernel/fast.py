@@ -335,12 +335,70 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 
 
 @gluon.jit
+def _prefetch_l2(ptr, nbytes):
+    """Ask L2 for bytes [0, nbytes) from ``ptr`` (16-byte aligned): one bulk prefetch per thread, the tail past the
+    last whole 16-byte chunk per thread left out."""
+    LP: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    NT: gl.constexpr = 32 * gl.num_warps()
+    lane = gl.arange(0, NT, layout=LP)
+    chunk = nbytes // (NT * 16) * 16
+    if chunk > 0:
+        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [ptr + lane.to(gl.int64) * chunk, gl.zeros_like(lane) + chunk], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_rows(MT, WA, WO, WD, op, layer, lo, hi, n_layers, H: gl.constexpr, KO: gl.constexpr,
+                   F: gl.constexpr, FMT: gl.constexpr, PFW: gl.constexpr, STAGES: gl.constexpr):
+    """Up to PFW bytes of a GEMV instruction's rows (GATEUP: split over gate and up) asked of L2 (WA, WO, WD: the
+    stacks' bytes), from its second 16-row subtile where the ring holds the whole first one."""
+    base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
+    if K > 0:
+        rb = K * 2 if FMT == 0 else K // 256 * 144  # bytes per row
+        skip = gl.where(STAGES * BK * (1 + FMT) >= K, 16, 0)
+        nmat = 1 + (op == 6).to(gl.int32)
+        n = gl.minimum(hi - lo - skip, PFW // (rb * nmat))
+        if n > 0:
+            for m in range(nmat):
+                first = (base + lo + skip + m * up).to(gl.int64) * rb
+                if which == 0:
+                    _prefetch_l2(WA + first, n * rb)
+                elif which == 1:
+                    _prefetch_l2(WO + first, n * rb)
+                else:
+                    _prefetch_l2(WD + first, n * rb)
+
+
+@gluon.jit
+def _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S: gl.constexpr, PAGE: gl.constexpr,
+                 ROW: gl.constexpr):
+    """An ATTN split's cached keys (batch 1), whole page rows of ROW elements (every KV head), of K and V asked of
+    L2, page by page."""
+    n = gl.load(SEQ_LENS)
+    klo = split * n // S
+    khi = (split + 1) * n // S
+    off = layer.to(gl.int64) * layer_stride
+    for p0 in range(klo // PAGE * PAGE, khi, PAGE):
+        a = gl.maximum(p0, klo)
+        b = gl.minimum(p0 + PAGE, khi)
+        row = off + (gl.load(PT + p0 // PAGE).to(gl.int64) * PAGE + a % PAGE) * ROW
+        nbytes = (b - a) * ROW * 2
+        _prefetch_l2((KC + row).to(gl.pointer_type(gl.uint8), bitcast=True), nbytes)
+        _prefetch_l2((VC + row).to(gl.pointer_type(gl.uint8), bitcast=True), nbytes)
+
+
+@gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr, H: gl.constexpr,
-             HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr, S: gl.constexpr,
-             SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
-             TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+             LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B: gl.constexpr,
+             H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+             S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
+             FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, PFW: gl.constexpr,
+             PFA: gl.constexpr):
+    """PFW > 0: a GEMV instruction that has to wait first asks L2 for up to PFW bytes of its rows (_prefetch_rows),
+    so they stream while this SM is idle; PFA: an ATTN instruction asks L2 for its
+    split's cached K and V page rows (every KV head's) before it waits."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -354,8 +412,14 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
         split = gl.load(p + 4)
         wait = gl.load(p + 5)
         target = gl.load(p + 6)
+        if PFA:
+            if op == 3:
+                _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S, PAGE, HKV * D)
         if (ok == 1) & (op != 0) & (wait >= 0):
             v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+            if PFW > 0:
+                if v < target:
+                    _prefetch_rows(MT, WA, WO, WD, op, layer, lo, hi, n_layers, H, HQ * D, F, FMT, PFW, STAGES)
             spins = 0
             while (v < target) & (spins < spin_limit):
                 v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
@@ -414,13 +478,13 @@ def ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS,
+def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, PROG, n_instr, COUNTERS, ERR, IDS,
                      SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                      ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1):
+                     QDOT: gl.constexpr = 1, PFW: gl.constexpr = 0, PFA: gl.constexpr = False):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps."""
     sm = gl.program_id(0)
@@ -443,8 +507,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                    ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B, H, HQ, HKV, D, F, S,
-                    SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT)),
+                    ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B, H, HQ,
+                    HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, PFW, PFA)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -486,13 +550,15 @@ class FastStep:
     int8 per block of 32 (the engine's act_int8 arithmetic).
 
     ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
-    ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``spin_limit``: polls of a
+    ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``wait_prefetch`` (bytes),
+    ``attn_prefetch``: L2 prefetches while an SM waits (_compute; off by default); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1,
+                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, wait_prefetch: int = 0,
+                 attn_prefetch: bool = False,
                  spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -546,7 +612,10 @@ class FastStep:
         self.attn = torch.empty(1, cfg.n_heads * D, **f32)
         self.act = torch.empty(1, cfg.ffn, **f32)
         self.logits = torch.empty(1, cfg.vocab_size, **f32)
+        if not isinstance(wait_prefetch, int) or wait_prefetch < 0:
+            raise ValueError(f"wait_prefetch must be an int >= 0 (bytes), got {wait_prefetch!r}")
         self.stages, self.warps, self.qstep, self.qdot = stages, warps, qstep, qdot
+        self.wait_prefetch, self.attn_prefetch = wait_prefetch, bool(attn_prefetch)
         self.spin_limit = spin_limit
         self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
 
@@ -587,7 +656,7 @@ class FastStep:
         cfg, S = self.cfg, self.prog.geometry["splits"]
         self.counters.zero_()
         fast_step_kernel[(self.prog.num_sms,)](
-            *self.descs, self.table, self.table.shape[1], self.counters, self.err,
+            *self.descs, *(self.bytes[k] for k in "aod"), self.table, self.table.shape[1], self.counters, self.err,
             ids, seq_lens, page_table, self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm,
             cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
             self.kc.stride(0), page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
@@ -595,7 +664,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, num_warps=4)
+            QDOT=self.qdot, PFW=self.wait_prefetch, PFA=self.attn_prefetch, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -619,7 +688,8 @@ class FastStep:
         return self.logits
 
 
-def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hidden: int = 4096,
+def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefetch: int = 0,
+                 attn_prefetch: bool = False, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
@@ -634,13 +704,14 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hidden: in
     else:
         descs = [f"tensordesc<u8[16,2,{n}],{layout8(3)!r}>" for n in (128, 128, 128, 16, 16, 16)]
     names = fast_step_kernel.arg_names
-    ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
+    ptrs = dict(WA="*u8", WO="*u8", WD="*u8", PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
                 SEQ_LENS="*i32", PT="*i32", KC="*bf16", VC="*bf16", INV_FREQ="*fp32", EMB="*bf16", MT="*i32",
                 NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
                 ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", TR="*i64" if trace else "*i32")
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
-                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1)
+                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, PFW=wait_prefetch,
+                  PFA=attn_prefetch)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

@@ -47,6 +47,8 @@ def test_fast_step_rejects_bad_arguments(model_files):
             inv)
     with pytest.raises(ValueError, match="warps .* must be 4 or 8, got 6"):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
+    with pytest.raises(ValueError, match="wait_prefetch must be an int >= 0"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, wait_prefetch=-1)
     with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
@@ -63,17 +65,19 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
-    """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM."""
+    """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the L2
+    prefetches only where asked for."""
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
-            "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8)]; "
-            "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0] for k in ks]))")
+            "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, wait_prefetch=1 << 18, attn_prefetch=True)]; "
+            "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
+            "'cp.async.bulk.prefetch.L2' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    (bf_shared, bf_bin), (q_shared, q_bin) = json.loads(r.stdout)
-    assert bf_bin and q_bin
+    (bf_shared, bf_bin, bf_pf), (q_shared, q_bin, q_pf) = json.loads(r.stdout)
+    assert bf_bin and q_bin and q_pf and not bf_pf
     assert 128 * 1024 < bf_shared <= 227 * 1024 and q_shared <= 227 * 1024
 
 
@@ -113,15 +117,17 @@ def _ref_and_fast(f, cfg, fmt, splits, engine_layout, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, warps, splits, engine_layout",
-                         [("bf16", 4, 2, False), ("bf16", 4, 3, True), ("bf16", 8, 2, True), ("q4_k", 8, 3, True),
-                          ("q4_k", 4, 2, False)])
-def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout):
+@pytest.mark.parametrize("fmt, warps, splits, engine_layout, prefetch",
+                         [("bf16", 4, 2, False, 0), ("bf16", 4, 3, True, 0), ("bf16", 8, 2, True, 0),
+                          ("q4_k", 8, 3, True, 0), ("q4_k", 4, 2, False, 0), ("bf16", 4, 3, True, 1 << 18),
+                          ("q4_k", 8, 2, True, 1 << 18)])
+def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, prefetch):
     """Every step's logits against the reference executor (kernel.py) on the same Program, each with its own
     NaN-poisoned cache and the same scattered pages: bf16 within 1e-3 of the largest logit and the same greedy
     token; q4_k (its products take int8 activations, the reference float32 ones) within 5e-2."""
     _, f, cfg = _tiny(model_files, fmt)
-    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps)
+    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, wait_prefetch=prefetch,
+                                     attn_prefetch=prefetch > 0)
     ids = torch.randint(1, cfg.vocab_size, (13,), dtype=torch.int32)
     for t in range(len(ids)):
         args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
