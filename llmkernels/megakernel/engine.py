@@ -9,7 +9,6 @@ KV cache, and the runner sends every decode step of one sequence within the cont
 """
 import torch
 
-from .fast import FastStep, unsupported
 from .schedule import build_decode_program
 from .weights import share_stacks
 
@@ -35,6 +34,8 @@ def why_not(model, device, spec: dict) -> str | None:
         return "it runs inside a CUDA graph (cuda_graphs=True)"
     if model.dtype != torch.bfloat16 or kv_dtype != torch.bfloat16:
         return f"it needs bf16 activations and a bf16 KV cache, got {model.dtype} and {kv_dtype}"
+    from .fast import unsupported  # Gluon code: imported only where this Triton's Gluon API is the one it is written for
+
     bad = unsupported(cfg)
     if model.padded or model.output_pad:
         bad.append("matrices padded at load")
@@ -55,7 +56,7 @@ def why_not(model, device, spec: dict) -> str | None:
 class OneKernelGraph:
     """The one-kernel step of one sequence in a CUDA graph fed through fixed buffers, as runner.DecodeGraph."""
 
-    def __init__(self, runner, fast: FastStep, max_context: int | None):
+    def __init__(self, runner, fast, max_context: int | None):
         dev = runner.device
         self.fast, self.max_context = fast, max_context
         P = self.P = runner.max_pages_per_seq
@@ -120,6 +121,8 @@ def prepare(model, device, spec: dict):
 def attach(runner, stacks, mode) -> str:
     """Build the runner's one-kernel step over ``stacks`` (prepare's) and its KV cache; returns what batch-1 decode
     steps run, in a line."""
+    from .fast import FastStep
+
     model, cfg = runner.model, runner.model.cfg
     fmt = stacks.format
     sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
