@@ -75,6 +75,9 @@ def test_cli_device_cuda_without_gpu(tmp_path):
 def test_cli_bad_choice_and_help():
     r = _cli("convert", "a", "b", "--format", "q9_9")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    for cmd in (["generate", "m.gguf", "--prompt", "hi"], ["serve", "m.gguf"]):
+        r = _cli(*cmd, "--megakernel", "yes")
+        assert r.returncode == 2 and "--megakernel: invalid choice: 'yes'" in r.stderr
     r = _cli("generate", "--help")
     assert r.returncode == 0 and "default: 64" in r.stdout and "--max-model-len" in r.stdout
 

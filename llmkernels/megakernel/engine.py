@@ -9,6 +9,7 @@ KV cache, and the runner sends every decode step of one sequence within the cont
 """
 import torch
 
+from ..engine.runner import _Graph
 from .schedule import build_decode_program
 from .weights import share_stacks
 
@@ -53,17 +54,15 @@ def why_not(model, device, spec: dict) -> str | None:
     return None
 
 
-class OneKernelGraph:
-    """The one-kernel step of one sequence in a CUDA graph fed through fixed buffers, as runner.DecodeGraph."""
+class OneKernelGraph(_Graph):
+    """The one-kernel step of one sequence in a CUDA graph fed through fixed buffers (the pinned uploads of
+    runner.DecodeGraph)."""
 
     def __init__(self, runner, fast, max_context: int | None):
         dev = runner.device
         self.fast, self.max_context = fast, max_context
         P = self.P = runner.max_pages_per_seq
-        self.host = [torch.zeros(2 + P, dtype=torch.int32).pin_memory() for _ in range(2)]
-        self.uploaded = [None, None]
-        self.turn = 0
-        self.dev32 = torch.zeros(2 + P, dtype=torch.int32, device=dev)
+        self._pinned(2 + P, 1, dev)
         self.ids, self.lens, self.table = self.dev32[:1], self.dev32[1:2], self.dev32[2:].view(1, P)
         self.lens.fill_(1)
         # a step that gave up (the spin limit) raises at the next one: read without waiting for the GPU
@@ -73,9 +72,9 @@ class OneKernelGraph:
         with torch.cuda.stream(s):  # compile and warm up outside the capture; the step writes the KV of page 0
             fast.launch(self.ids, self.lens, self.table)
         torch.cuda.current_stream(dev).wait_stream(s)
-        torch.cuda.synchronize(dev)
-        if fast.error():
-            raise RuntimeError(fast.error())
+        msg = fast.error()
+        if msg:
+            raise RuntimeError(msg)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=s):
             fast.launch(self.ids, self.lens, self.table)
@@ -86,16 +85,12 @@ class OneKernelGraph:
     def run(self, step, ids_dev=None) -> torch.Tensor:
         if self.err_host[0]:
             raise RuntimeError(self.fast.error(self.err_host))
-        self.turn ^= 1
-        if self.uploaded[self.turn] is not None:
-            self.uploaded[self.turn].synchronize()
-        h = self.host[self.turn].numpy()
+        host32, host64 = self._host()
+        h = host32.numpy()
         h[:] = 0
         h[0], h[1] = step.ids[0], step.seq_lens[0]
         h[2:2 + len(step.page_table[0])] = step.page_table[0]
-        self.dev32.copy_(self.host[self.turn], non_blocking=True)
-        ev = self.uploaded[self.turn] = torch.cuda.Event()
-        ev.record()
+        self._upload(host32, host64)
         if ids_dev is not None:  # sampled by the previous step, still on the device
             self.ids.copy_(ids_dev.view(-1)[:1])
         self.graph.replay()

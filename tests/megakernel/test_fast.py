@@ -100,6 +100,8 @@ def test_engine_describes_its_decode_path_on_the_cpu(model_files):
         LLM(path, progress=False, megakernel=True)
     with pytest.raises(TypeError, match="megakernel must be None, True or False, got str"):
         LLM(path, progress=False, megakernel="on")
+    with pytest.raises(ValueError, match="megakernel=True runs on one GPU"):
+        LLM(path, progress=False, megakernel=True, tensor_parallel_size=2)
     assert "kernel per op (megakernel=False)" in LLM(path, progress=False, megakernel=False).describe()
 
 

@@ -162,7 +162,7 @@ def _format_case(ctx, fmt: str, act_int8: bool = False):
                 llm.runner.one_kernel = one
             row = Row("engine", f"llama3-8b {label} batch{batch} decode (prompt {PROMPT}, {GEN} new)", "tokens/s",
                       rate, pct, anchors)
-            path = f"{llm.runner.decode_path.split(' (')[0].split(' for ')[0]}; " if batch == 1 else ""
+            path = ("one-kernel step; " if one is not None else "kernel per op; ") if batch == 1 else ""
             row.note = (f"{path}{bytes_per_token / 1e9:.2f} GB/token stored weights; bound {bound:.0f} tok/s; "
                         f"{per_seq:.1f} tok/s per sequence; {1e3 / per_seq:.2f} ms/step; whole run {wall:.1f} s "
                         f"(prefill included), {steps} decode steps, graph replays {llm.stats.graph_steps}, preemptions "
