@@ -4,8 +4,9 @@ Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a bre
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
                                                      [--stages 16,...] [--warps 4,8] [--splits 0,4,8]
-                                                     [--wait-prefetch 0,262144] [--attn-prefetch 0,1]
-                                                     [--qstep 2] [--qdot 1] [--skip-check] [--skip-engine] [--trace]
+                                                     [--wait-prefetch 0,262144] [--attn-prefetch 0,1,2]
+                                                     [--qstep 2] [--qdot 1] [--diag 0,1,2,3] [--skip-check]
+                                                     [--skip-engine] [--trace]
 """
 import argparse
 import functools
@@ -98,7 +99,11 @@ def main():
     ap.add_argument("--qdot", type=int, default=1, help="q4_k: _slot_dot's DOT (1: fewer instructions)")
     ap.add_argument("--splits", default="0", help="comma-separated key splits per KV head (0: the schedule's)")
     ap.add_argument("--wait-prefetch", default="0", help="comma-separated: bytes a waiting GEMV asks of L2")
-    ap.add_argument("--attn-prefetch", default="0", help="comma-separated 0/1: ATTN asks L2 for its K/V rows first")
+    ap.add_argument("--attn-prefetch", default="0", help="comma-separated 0/1/2: ATTN asks L2 for its K/V rows first "
+                    "(1 at its start, every head's page rows; 2 at the QKV instruction before it, its head's rows)")
+    ap.add_argument("--diag", default="0", help="comma-separated FastStep diag builds (timing only: 1 no weight "
+                    "reads, 2 no bf16 products, 3 neither)")
+    ap.add_argument("--dump", default="", help="a directory: each traced step's stamps and program saved there")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -135,9 +140,10 @@ def main():
             lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
             base = None
             pfw = [int(x) for x in args.wait_prefetch.split(",")]
-            pfa = [bool(int(x)) for x in args.attn_prefetch.split(",")]
-            for w, st, wp, ap_ in itertools.product(warps, stages, pfw, pfa):
-                kw = dict(stages=st, warps=w, wait_prefetch=wp, attn_prefetch=ap_, **q)
+            pfa = [int(x) for x in args.attn_prefetch.split(",")]
+            diags = [int(x) for x in args.diag.split(",")]
+            for w, st, wp, ap_, dg in itertools.product(warps, stages, pfw, pfa, diags):
+                kw = dict(stages=st, warps=w, wait_prefetch=wp, attn_prefetch=ap_, diag=dg, **q)
                 if base is None:
                     fast = base = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
@@ -146,18 +152,23 @@ def main():
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
                 print(f"{fmt} fast step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
-                      f"{st} slots, wait prefetch {wp}, attention prefetch {int(ap_)}: "
+                      f"{st} slots, wait prefetch {wp}, attention prefetch {int(ap_)}, diag {dg}: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)
-            if args.trace:
-                fast = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc,
-                                stages=stages[0], warps=warps[0], trace=True, wait_prefetch=pfw[-1],
-                                attn_prefetch=pfa[-1], **q)
-                fast(ids, lens, table)
-                fast(ids, lens, table)
-                torch.cuda.synchronize()
-                print(f"{fmt}, context {context}: " + trace_summary(prog, fast.trace), flush=True)
+                if args.trace:  # the same build traced
+                    fast = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc,
+                                    trace=True, **kw)
+                    fast(ids, lens, table)
+                    fast(ids, lens, table)
+                    torch.cuda.synchronize()
+                    print(f"{fmt}, context {context}, diag {dg}: " + trace_summary(prog, fast.trace), flush=True)
+                    if args.dump:
+                        import os
+                        os.makedirs(args.dump, exist_ok=True)
+                        name = f"{fmt}-{context}-w{w}-s{st}-pf{wp}-pa{ap_}-d{dg}.pt"
+                        torch.save({"trace": fast.trace.cpu(), "program": torch.from_numpy(prog.encode()),
+                                    "opt": kw}, os.path.join(args.dump, name))
             del fast, base
             del kc, vc
             torch.cuda.empty_cache()

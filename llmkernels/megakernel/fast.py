@@ -61,7 +61,8 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 
 @gluon.jit
 def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG, n_instr, MT,
-            n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr):
+            n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
+            DIAG: gl.constexpr):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
     bytes and their headers, q4k_copy)."""
@@ -80,7 +81,10 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
                 for kc in range(K // (BK * (1 + FMT))):
                     s = c % STAGES
                     mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                    if FMT == 0:
+                    if DIAG % 2 == 1:  # timing only: the slot is released unfilled
+                        gl.thread_barrier()
+                        mbarrier.arrive(ready.index(s), count=1)
+                    elif FMT == 0:
                         mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
                         if which == 0:
                             tma.async_copy_global_to_shared(desc_a, [row, kc * BK], ready.index(s), w_smem.index(s))
@@ -138,8 +142,9 @@ def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr):
 
 
 @gluon.jit
-def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
-    """One 16-row subtile's products over the staged input: nk slots from the ring -> ([16] float32, c + nk)."""
+def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
+    """One 16-row subtile's products over the staged input: nk slots from the ring -> ([16] float32, c + nk).
+    DIAG >= 2 (timing only): the slots are taken and released without products."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [16, 256]: warps by rows
     XK: gl.constexpr = gl.SliceLayout(0, L)
     acc = gl.zeros([16, BK], gl.float32, L)
@@ -147,10 +152,14 @@ def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
         x = x_smem.index(kc).load(XK)
         s = c % STAGES
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        w = w_smem.index(s).load(L).to(gl.float32)
-        gl.thread_barrier()  # every warp has its piece of the slot in registers
-        mbarrier.arrive(empty.index(s), count=1)
-        acc += w * x[None, :]
+        if DIAG >= 2:
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s), count=1)
+        else:
+            w = w_smem.index(s).load(L).to(gl.float32)
+            gl.thread_barrier()  # every warp has its piece of the slot in registers
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += w * x[None, :]
         c += 1
     return gl.sum(acc, axis=1), c
 
@@ -178,9 +187,10 @@ def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT:
 
 @gluon.jit
 def _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr,
-                 STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+                 STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
+                 DIAG: gl.constexpr):
     if FMT == 0:
-        y, c = _subtile(w_smem, x_smem, ready, empty, c, K // BK, STAGES)
+        y, c = _subtile(w_smem, x_smem, ready, empty, c, K // BK, STAGES, DIAG)
     else:
         y, c = _subtile_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
     return y, c
@@ -188,7 +198,8 @@ def _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L
 
 @gluon.jit
 def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
-              GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr):
+              GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
+              DIAG: gl.constexpr):
     """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
     gate and up subtiles taken in turn, as the loader streams them) -> c after its slots. bf16 (FMT 0): _subtile;
     q4_k: _subtile_q4k (q4k._slot_dot: dp4a on the int8 input)."""
@@ -205,10 +216,10 @@ def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi,
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
     for r in range(lo, hi, 16):
         y, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
-                            QDOT)
+                            QDOT, DIAG)
         if GLU:
             u, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
-                                QDOT)
+                                QDOT, DIAG)
             y = y / (1.0 + gl.exp(-y)) * u
         if ACC:
             y += gl.load(OUT + r + rows)
@@ -246,11 +257,35 @@ def _kv_block(KC, VC, PT_SEQ, cache_off, keys, hi, dk, PAGE: gl.constexpr, HKV: 
 
 
 @gluon.jit
-def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, pages_per_seq, qk_scale,
-          B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
-          PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One KV head's key split of every sequence, as kernel._attn_split: q of the group rotated, the last split
-    first stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp."""
+def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit, PFW: gl.constexpr = 0, MT=None, WA=None, WO=None,
+          WD=None, op=0, layer=0, lo=0, hi=0, n_layers=0, H: gl.constexpr = 0, KO: gl.constexpr = 0,
+          F: gl.constexpr = 0, FMT: gl.constexpr = 0, STAGES: gl.constexpr = 2):
+    """Poll counter ``wait`` until it reaches ``target`` -> ok (0 once a wait ran past spin_limit: ERR then holds
+    ``where``, and later waits are skipped: wrong results, no hang). PFW: _compute's wait prefetch."""
+    if (ok == 1) & (wait >= 0):
+        v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+        if PFW > 0:
+            if v < target:
+                _prefetch_rows(MT, WA, WO, WD, op, layer, lo, hi, n_layers, H, KO, F, FMT, PFW, STAGES)
+        spins = 0
+        while (v < target) & (spins < spin_limit):
+            v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
+            spins += 1
+        if v < target:  # the schedule cannot finish: record where, stop waiting
+            if gl.atomic_cas(ERR, 0, 1) == 0:
+                gl.atomic_xchg(ERR + 1, where)
+            ok = 0
+    return ok
+
+
+@gluon.jit
+def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
+          ERR, wait, target, ok, where, spin_limit, TRW, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+          S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr, TRACE: gl.constexpr):
+    """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
+    split first stores the new token's rotated K and its V, then the split's keys -> float32 partial and
+    log-sum-exp. What does not depend on this step's QKV (the length, the page table, the first block of cached
+    keys) is loaded before the wait on it, so only q's loads follow it -> ok (_wait)."""
     # [GP, N, D]: D across the lanes, keys across the warps, the group's heads in each thread; a block of
     # BLOCK_N keys is one round of loads for all its K and V rows (the splits are short: latency, not bandwidth)
     L3: gl.constexpr = gl.BlockedLayout([GP, BLOCK_N // gl.num_warps(), D // 32], [1, 1, 32], [1, gl.num_warps(), 1],
@@ -269,51 +304,59 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     f_q = gl.load(INV_FREQ + dq // 2)
     f_k = gl.load(INV_FREQ + dk // 2)
     cache_off = layer.to(gl.int64) * layer_stride + h * D
-    for b in gl.static_range(B):
-        n = gl.load(SEQ_LENS + b)
-        pos = (n - 1).to(gl.float32)
-        qoff = b * NQKV + (h * G + g)[:, None] * D
-        qm = gm[:, None] & (dq < D)[None, :]
-        q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
-        qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
-        q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
-        if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
-            ko = b * NQKV + HQ * D + h * D
-            vo = b * NQKV + (HQ + HKV) * D + h * D
-            kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k)
-            page = gl.load(PT + b * pages_per_seq + (n - 1) // PAGE)
-            slot = cache_off + (page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
-            gl.store(KC + slot + dk, kn.to(KC.dtype.element_ty))
-            gl.store(VC + slot + dk, gl.load(QKV + vo + dk).to(VC.dtype.element_ty))
-            gl.thread_barrier()  # the new key is in the cache before any warp reads it
-        lo = split * n // S
-        hi = (split + 1) * n // S
-        m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
-        l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
-        acc = gl.zeros([GP, D], gl.float32, QL)
-        kt, vt = _kv_block(KC, VC, PT + b * pages_per_seq, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
-        for k0 in range(lo, hi, BLOCK_N):
-            # the next block's rows in flight while this one is computed
-            kn, vn = _kv_block(KC, VC, PT + b * pages_per_seq, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
-            s = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)  # [GP, N]
-            s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            pr = gl.exp(s - m_safe[:, None])
-            alpha = gl.exp(m_i - m_safe)
-            pv = gl.sum(pr[:, :, None] * vt.to(gl.float32)[None, :, :], axis=1)  # [GP, D]
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
-            l_i = l_i * alpha + gl.sum(pr, axis=1)
-            m_i = m_new
-            kt, vt = kn, vn
-        has = l_i > 0
-        den = gl.where(has, l_i, 1.0)
-        base = (b * HQ + h * G + g) * S + split
-        gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
-                 mask=qm)
-        lse = gl.where(has, m_i + gl.log(den), float("-inf"))
-        LS: gl.constexpr = gl.SliceLayout(1, SL)
-        gl.store(PART_L + gl.convert_layout(base, LS), lse, mask=gl.convert_layout(gm, LS))
+    n = gl.load(SEQ_LENS)
+    pos = (n - 1).to(gl.float32)
+    lo = split * n // S
+    hi = (split + 1) * n // S
+    # the first block as cached: the new token's row (the last split's last key) is replaced once computed
+    kt, vt = _kv_block(KC, VC, PT, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
+    new_page = gl.load(PT + (n - 1) // PAGE)
+    ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
+    if TRACE:
+        gl.store(TRW, _now())
+    qoff = (h * G + g)[:, None] * D
+    qm = gm[:, None] & (dq < D)[None, :]
+    q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
+    qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
+    q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
+    if split == S - 1:  # the new token: K rotated, V as is, into its cache slot and into the block
+        ko = HQ * D + h * D
+        vo = (HQ + HKV) * D + h * D
+        kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k).to(KC.dtype.element_ty)
+        vn = gl.load(QKV + vo + dk).to(VC.dtype.element_ty)
+        slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
+        gl.store(KC + slot + dk, kn)
+        gl.store(VC + slot + dk, vn)
+        is_new = (lo + nn == n - 1)[:, None]
+        kt = gl.where(is_new, kn[None, :], kt)
+        vt = gl.where(is_new, vn[None, :], vt)
+        gl.thread_barrier()  # the new key is in the cache before any warp reads a later block
+    m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
+    l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
+    acc = gl.zeros([GP, D], gl.float32, QL)
+    for k0 in range(lo, hi, BLOCK_N):
+        # the next block's rows in flight while this one is computed
+        kn2, vn2 = _kv_block(KC, VC, PT, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
+        s = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)  # [GP, N]
+        s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        pr = gl.exp(s - m_safe[:, None])
+        alpha = gl.exp(m_i - m_safe)
+        pv = gl.sum(pr[:, :, None] * vt.to(gl.float32)[None, :, :], axis=1)  # [GP, D]
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
+        l_i = l_i * alpha + gl.sum(pr, axis=1)
+        m_i = m_new
+        kt, vt = kn2, vn2
+    has = l_i > 0
+    den = gl.where(has, l_i, 1.0)
+    base = (h * G + g) * S + split
+    gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
+             mask=qm)
+    lse = gl.where(has, m_i + gl.log(den), float("-inf"))
+    LS: gl.constexpr = gl.SliceLayout(1, SL)
+    gl.store(PART_L + gl.convert_layout(base, LS), lse, mask=gl.convert_layout(gm, LS))
+    return ok
 
 
 @gluon.jit
@@ -389,16 +432,42 @@ def _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S: gl.constex
 
 
 @gluon.jit
+def _prefetch_head(KC, VC, PT, SEQ_LENS, layer, layer_stride, h, split, S: gl.constexpr, PAGE: gl.constexpr,
+                   HKV: gl.constexpr, D: gl.constexpr):
+    """An ATTN split's cached K and V rows of its own KV head (batch 1) asked of L2, one 128-byte line per thread
+    and pass."""
+    LP: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    NT: gl.constexpr = 32 * gl.num_warps()
+    LPK: gl.constexpr = (D * 2 + 127) // 128  # lines per key row of one head (16-bit cache)
+    i = gl.arange(0, NT, layout=LP)
+    n = gl.load(SEQ_LENS)
+    klo = split * n // S
+    khi = (split + 1) * n // S
+    off = layer.to(gl.int64) * layer_stride + h * D
+    for i0 in range(0, (khi - klo) * 2 * LPK, NT):
+        it = i0 + i
+        key = klo + it // (2 * LPK)
+        m = key < khi
+        page = gl.load(PT + key // PAGE, mask=m, other=0)
+        row = off + (page.to(gl.int64) * PAGE + key % PAGE) * HKV * D + (it % LPK) * 64
+        ptr = gl.where((it // LPK) % 2 == 0, KC + row, VC + row)
+        ptr = gl.where(m, ptr, KC)
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
              LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B: gl.constexpr,
              H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
              FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, PFW: gl.constexpr,
-             PFA: gl.constexpr):
+             PFA: gl.constexpr, DIAG: gl.constexpr):
     """PFW > 0: a GEMV instruction that has to wait first asks L2 for up to PFW bytes of its rows (_prefetch_rows),
-    so they stream while this SM is idle; PFA: an ATTN instruction asks L2 for its
-    split's cached K and V page rows (every KV head's) before it waits."""
+    so they stream while this SM is idle; PFA 1: an ATTN instruction asks L2 for its split's cached K and V page
+    rows (every KV head's) before it waits; PFA 2: a QKV instruction followed by an ATTN asks L2 for that split's
+    rows of its KV head before its products."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -412,52 +481,49 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
         split = gl.load(p + 4)
         wait = gl.load(p + 5)
         target = gl.load(p + 6)
-        if PFA:
+        if PFA == 1:
             if op == 3:
                 _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S, PAGE, HKV * D)
-        if (ok == 1) & (op != 0) & (wait >= 0):
-            v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
-            if PFW > 0:
-                if v < target:
-                    _prefetch_rows(MT, WA, WO, WD, op, layer, lo, hi, n_layers, H, HQ * D, F, FMT, PFW, STAGES)
-            spins = 0
-            while (v < target) & (spins < spin_limit):
-                v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
-                spins += 1
-            if v < target:  # the schedule cannot finish: record where, stop waiting (wrong results, no hang)
-                if gl.atomic_cas(ERR, 0, 1) == 0:
-                    gl.atomic_xchg(ERR + 1, sm * n_instr + j)
-                ok = 0
-        if TRACE:
-            gl.store(TR + (sm * n_instr + j) * 3 + 1, _now())
+        if PFA == 2:  # the next instruction's ATTN rows, before this one's products hold the memory queues
+            if op == 2:
+                if gl.load(p + NF) == 3:
+                    _prefetch_head(KC, VC, PT, SEQ_LENS, gl.load(p + NF + 1), layer_stride, gl.load(p + NF + 2),
+                                   gl.load(p + NF + 4), S, PAGE, HKV, D)
+        where = sm * n_instr + j
+        if (op != 0) & (op != 3):  # ATTN waits inside _attn, after its loads that do not depend on the wait
+            ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit, PFW, MT, WA, WO, WD, op, layer, lo, hi,
+                       n_layers, H, HQ * D, F, FMT, STAGES)
+            if TRACE:
+                gl.store(TR + where * 3 + 1, _now())
         # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
         if op == 1:
             _embed(EMB, IDS, RESID, H, B)
         elif op == 2:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False, False,
-                          STAGES, FMT, QSTEP, QDOT)
+                          STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
-            _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, pages_per_seq,
-                  qk_scale, B, HQ, HKV, D, S, PAGE, GP, 32)
+            ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
+                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, HQ, HKV, D, S, PAGE,
+                       GP, 32, TRACE)
         elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
             _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID, True,
-                          False, STAGES, FMT, QSTEP, QDOT)
+                          False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 6:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False, True,
-                          STAGES, FMT, QSTEP, QDOT)
+                          STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 7:
             _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True, False,
-                          STAGES, FMT, QSTEP, QDOT)
+                          STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 8:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
             c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS, False,
-                          False, STAGES, FMT, QSTEP, QDOT)
+                          False, STAGES, FMT, QSTEP, QDOT, DIAG)
         if op != 0:
             gl.thread_barrier()  # every warp's stores come before the one-thread releases
             if TRACE:
@@ -484,9 +550,12 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, 
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, PFW: gl.constexpr = 0, PFA: gl.constexpr = False):
+                     QDOT: gl.constexpr = 1, PFW: gl.constexpr = 0, PFA: gl.constexpr = 0,
+                     DIAG: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
-    bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps."""
+    bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
+    DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
+    products are skipped (the step without them), 3 both."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -504,11 +573,11 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, 
     ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG_SM,
-                   n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT)),
+                   n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
                     ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B, H, HQ,
-                    HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, PFW, PFA)),
+                    HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, PFW, PFA, DIAG)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -551,15 +620,15 @@ class FastStep:
 
     ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``wait_prefetch`` (bytes),
-    ``attn_prefetch``: L2 prefetches while an SM waits (_compute; off by default); ``spin_limit``: polls of a
+    ``attn_prefetch``: L2 prefetches while an SM waits (_compute; off by default); ``diag``: timing-only builds
+    that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, wait_prefetch: int = 0,
-                 attn_prefetch: bool = False,
-                 spin_limit: int = 1 << 22, trace: bool = False):
+                 attn_prefetch: int = 0, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -615,7 +684,12 @@ class FastStep:
         if not isinstance(wait_prefetch, int) or wait_prefetch < 0:
             raise ValueError(f"wait_prefetch must be an int >= 0 (bytes), got {wait_prefetch!r}")
         self.stages, self.warps, self.qstep, self.qdot = stages, warps, qstep, qdot
-        self.wait_prefetch, self.attn_prefetch = wait_prefetch, bool(attn_prefetch)
+        if attn_prefetch not in (0, 1, 2):  # False and True are 0 and 1
+            raise ValueError(f"attn_prefetch must be 0, 1 or 2, got {attn_prefetch!r}")
+        self.wait_prefetch, self.attn_prefetch = wait_prefetch, int(attn_prefetch)
+        if diag not in (0, 1, 2, 3):
+            raise ValueError(f"diag must be 0..3, got {diag!r}")
+        self.diag = diag
         self.spin_limit = spin_limit
         self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None
 
@@ -664,7 +738,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, PFW=self.wait_prefetch, PFA=self.attn_prefetch, num_warps=4)
+            QDOT=self.qdot, PFW=self.wait_prefetch, PFA=self.attn_prefetch, DIAG=self.diag, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -689,7 +763,7 @@ class FastStep:
 
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefetch: int = 0,
-                 attn_prefetch: bool = False, hidden: int = 4096,
+                 attn_prefetch: int = 0, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
@@ -711,7 +785,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefe
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, PFW=wait_prefetch,
-                  PFA=attn_prefetch)
+                  PFA=int(attn_prefetch), DIAG=diag)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

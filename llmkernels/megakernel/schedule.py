@@ -249,12 +249,18 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     return prog
 
 
+# Time an instruction takes beyond its bytes: ATTN and MERGE are chains of dependent loads and reductions, not
+# streams (H200 traces at 512 cached tokens: an ATTN split 5 us after its wait, a MERGE 1 us), so that a second
+# one on an SM that looks free is not taken as cheap
+RUN_LATENCY = {"ATTN": 5e-6, "MERGE": 1e-6}
+
+
 def _cost(i: Instr, free: float, ready: float, per_sm_bw: float, prefetch: int, latency: float) -> float:
     """When instruction ``i`` finishes on an SM free at ``free`` whose inputs are ready at ``ready`` (plus the
     signal's ``latency``): its bytes stream from ``free``, up to ``prefetch`` of them before the inputs arrive
     (weights, and the cache's older keys, do not depend on this step's producers; MERGE's partials do, and which
-    expert's rows an XGATEUP streams is what its TOPK input decides)."""
-    t = i.nbytes / per_sm_bw
+    expert's rows an XGATEUP streams is what its TOPK input decides), plus its RUN_LATENCY."""
+    t = i.nbytes / per_sm_bw + RUN_LATENCY.get(i.op, 0.0)
     early = 0.0 if i.op in ("MERGE", "XGATEUP") else min(i.nbytes, prefetch) / per_sm_bw
     return max(free + t, ready + latency + t - early)
 

@@ -145,13 +145,24 @@ def test_simulate_names_a_deadlock():
         S.simulate(dataclasses.replace(prog, lists=lists))
 
 
-def test_prefetch_hides_the_gaps():
-    """The cost model: with no signal latency and a prefetch window as large as any tile, only tile quantization
-    and the attention keep the step from the bound; without prefetch every dependency costs a bubble."""
+def test_prefetch_hides_the_gaps(monkeypatch):
+    """The cost model: with no signal latency and a prefetch window as large as any tile, only tile quantization,
+    the attention's bytes and the run latency of ATTN and MERGE keep the step from the bound; without prefetch
+    every dependency costs a bubble."""
     prog = S.build_decode_program(llama3_8b_config(layers=4), "q4_k", context=64)
-    hidden = S.simulate(prog, prefetch_bytes=1 << 30, signal_latency=0.0)
     exposed = S.simulate(prog, prefetch_bytes=0, signal_latency=2e-6)
-    assert hidden["fraction"] > 0.9 > exposed["fraction"]
+    with_latency = S.simulate(prog, prefetch_bytes=1 << 30, signal_latency=0.0)
+    monkeypatch.setattr(S, "RUN_LATENCY", {})
+    hidden = S.simulate(prog, prefetch_bytes=1 << 30, signal_latency=0.0)
+    assert hidden["fraction"] > 0.9 > with_latency["fraction"] > exposed["fraction"]
+
+
+def test_one_attention_split_per_sm():
+    """ATTN's run latency in the cost model spreads the splits: no SM runs two of one layer while SMs are left."""
+    prog = S.build_decode_program(llama3_8b_config(layers=2), "bf16", context=512, num_sms=132)
+    for layer in range(2):
+        per_sm = [sum(1 for i in lst if i.op == "ATTN" and i.layer == layer) for lst in prog.lists]
+        assert sum(per_sm) == 128 and max(per_sm) == 1
 
 
 def test_bad_arguments():
