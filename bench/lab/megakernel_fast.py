@@ -103,6 +103,8 @@ def main():
                     "(1 at its start, every head's page rows; 2 at the QKV instruction before it, its head's rows)")
     ap.add_argument("--diag", default="0", help="comma-separated FastStep diag builds (timing only: 1 no weight "
                     "reads, 2 no bf16 products, 3 neither)")
+    ap.add_argument("--prog-context", type=int, default=0, help="build the program for this context (0: each run's), "
+                    "as the engine builds one for its longest")
     ap.add_argument("--dump", default="", help="a directory: each traced step's stamps and program saved there")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
@@ -127,7 +129,8 @@ def main():
             continue
         tensors = synthetic_tensors(fmt, cfg)
         for context, splits in itertools.product(contexts, [int(x) for x in args.splits.split(",")]):
-            prog = build_decode_program(cfg, fmt, batch=1, context=context, num_sms=sms, bandwidth=bw,
+            prog = build_decode_program(cfg, fmt, batch=1, context=args.prog_context or context, num_sms=sms,
+                                        bandwidth=bw,
                                         num_splits=splits or None)
             print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
             page = 16

@@ -294,7 +294,6 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     KL: gl.constexpr = gl.SliceLayout(0, L3)  # [N, D]
     SL: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, N]
     G: gl.constexpr = HQ // HKV
-    NQKV: gl.constexpr = (HQ + 2 * HKV) * D
     g = gl.arange(0, GP, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     dk = gl.arange(0, D, layout=gl.SliceLayout(0, KL))
@@ -620,8 +619,8 @@ class FastStep:
 
     ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``wait_prefetch`` (bytes),
-    ``attn_prefetch``: L2 prefetches while an SM waits (_compute; off by default); ``diag``: timing-only builds
-    that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
+    ``attn_prefetch`` (0, 1 or 2): L2 prefetches while an SM waits (_compute's PFW and PFA; off by default);
+    ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """

@@ -184,3 +184,21 @@ def test_sampling_params_n_and_logprobs_validated():
                 dict(seed=2**64)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("V", [1 << 16, 128256, 1000, 70000])
+def test_greedy_ids_equal_argmax(V):
+    """The two-pass greedy pick equals torch.argmax, ties (the first of equal maxima) and NaN rows included, for
+    vocabularies it splits and ones it leaves to argmax."""
+    import torch
+
+    from llmkernels.engine.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(5, V, generator=g)
+    x[1, V // 3] = x[1, V - 1] = x[1].max() + 1  # a tie across chunks
+    x[2, 7] = x[2, 9] = x[2].max() + 1  # a tie within a chunk
+    x[3] = torch.randint(0, 3, (V,), generator=g).float()  # many ties
+    x[4, V // 2] = float("nan")
+    assert torch.equal(greedy_ids(x), torch.argmax(x, dim=-1))
+    assert torch.equal(greedy_ids(x[:, : V // 2 * 2 : 2]), torch.argmax(x[:, : V // 2 * 2 : 2], dim=-1))

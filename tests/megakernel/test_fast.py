@@ -58,6 +58,10 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
     with pytest.raises(ValueError, match="wait_prefetch must be an int >= 0"):
         FastStep(prog, cfg, stacks, *args, kc, vc, wait_prefetch=-1)
+    with pytest.raises(ValueError, match="attn_prefetch must be 0, 1 or 2, got 3"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, attn_prefetch=3)
+    with pytest.raises(ValueError, match="diag must be 0..3, got -1"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
     with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
@@ -75,20 +79,24 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
     """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the L2
-    prefetches only where asked for."""
+    prefetches only where asked for, and a timing-only build with no weight reads issues no TMA copy."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
-            "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, wait_prefetch=1 << 18, attn_prefetch=True)]; "
+            "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, wait_prefetch=1 << 18, attn_prefetch=True), "
+            "compile_sm90('bf16', 4, attn_prefetch=2, diag=3)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
-            "'cp.async.bulk.prefetch.L2' in k.asm['ptx']] for k in ks]))")
+            "'cp.async.bulk.prefetch.L2' in k.asm['ptx'], 'prefetch.global.L2' in k.asm['ptx'], "
+            "'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    (bf_shared, bf_bin, bf_pf), (q_shared, q_bin, q_pf) = json.loads(r.stdout)
-    assert bf_bin and q_bin and q_pf and not bf_pf
-    assert 128 * 1024 < bf_shared <= 227 * 1024 and q_shared <= 227 * 1024
+    bf, q, diag = json.loads(r.stdout)
+    assert bf[1] and q[1] and diag[1]
+    assert q[2] and not bf[2] and not bf[3] and diag[3] and not diag[2]
+    assert bf[4] and q[4] and not diag[4]
+    assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
 
 
 def test_engine_describes_its_decode_path_on_the_cpu(model_files):
