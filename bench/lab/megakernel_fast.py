@@ -4,7 +4,7 @@ Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a bre
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
                                                      [--stages 16,...] [--warps 4,8] [--splits 0,4,8]
-                                                     [--wait-prefetch 0,262144] [--attn-prefetch 0,1,2]
+                                                     [--wait-prefetch 0,262144] [--attn-prefetch 0,1]
                                                      [--qstep 2] [--qdot 1] [--diag 0,1,2,3] [--skip-check]
                                                      [--skip-engine] [--trace]
 """
@@ -99,8 +99,7 @@ def main():
     ap.add_argument("--qdot", type=int, default=1, help="q4_k: _slot_dot's DOT (1: fewer instructions)")
     ap.add_argument("--splits", default="0", help="comma-separated key splits per KV head (0: the schedule's)")
     ap.add_argument("--wait-prefetch", default="0", help="comma-separated: bytes a waiting GEMV asks of L2")
-    ap.add_argument("--attn-prefetch", default="0", help="comma-separated 0/1/2: ATTN asks L2 for its K/V rows first "
-                    "(1 at its start, every head's page rows; 2 at the QKV instruction before it, its head's rows)")
+    ap.add_argument("--attn-prefetch", default="0", help="comma-separated 0/1: ATTN asks L2 for its K/V rows first")
     ap.add_argument("--diag", default="0", help="comma-separated FastStep diag builds (timing only: 1 no weight "
                     "reads, 2 no bf16 products, 3 neither)")
     ap.add_argument("--prog-context", type=int, default=0, help="build the program for this context (0: each run's), "
@@ -143,7 +142,7 @@ def main():
             lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
             base = None
             pfw = [int(x) for x in args.wait_prefetch.split(",")]
-            pfa = [int(x) for x in args.attn_prefetch.split(",")]
+            pfa = [bool(int(x)) for x in args.attn_prefetch.split(",")]
             diags = [int(x) for x in args.diag.split(",")]
             for w, st, wp, ap_, dg in itertools.product(warps, stages, pfw, pfa, diags):
                 kw = dict(stages=st, warps=w, wait_prefetch=wp, attn_prefetch=ap_, diag=dg, **q)

@@ -431,42 +431,16 @@ def _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S: gl.constex
 
 
 @gluon.jit
-def _prefetch_head(KC, VC, PT, SEQ_LENS, layer, layer_stride, h, split, S: gl.constexpr, PAGE: gl.constexpr,
-                   HKV: gl.constexpr, D: gl.constexpr):
-    """An ATTN split's cached K and V rows of its own KV head (batch 1) asked of L2, one 128-byte line per thread
-    and pass."""
-    LP: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    NT: gl.constexpr = 32 * gl.num_warps()
-    LPK: gl.constexpr = (D * 2 + 127) // 128  # lines per key row of one head (16-bit cache)
-    i = gl.arange(0, NT, layout=LP)
-    n = gl.load(SEQ_LENS)
-    klo = split * n // S
-    khi = (split + 1) * n // S
-    off = layer.to(gl.int64) * layer_stride + h * D
-    for i0 in range(0, (khi - klo) * 2 * LPK, NT):
-        it = i0 + i
-        key = klo + it // (2 * LPK)
-        m = key < khi
-        page = gl.load(PT + key // PAGE, mask=m, other=0)
-        row = off + (page.to(gl.int64) * PAGE + key % PAGE) * HKV * D + (it % LPK) * 64
-        ptr = gl.where((it // LPK) % 2 == 0, KC + row, VC + row)
-        ptr = gl.where(m, ptr, KC)
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B: gl.constexpr,
+             LOGITS, layer_stride, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B: gl.constexpr,
              H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
              FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, PFW: gl.constexpr,
              PFA: gl.constexpr, DIAG: gl.constexpr):
     """PFW > 0: a GEMV instruction that has to wait first asks L2 for up to PFW bytes of its rows (_prefetch_rows),
-    so they stream while this SM is idle; PFA 1: an ATTN instruction asks L2 for its split's cached K and V page
-    rows (every KV head's) before it waits; PFA 2: a QKV instruction followed by an ATTN asks L2 for that split's
-    rows of its KV head before its products."""
+    so they stream while this SM is idle; PFA: an ATTN instruction asks L2 for its split's cached K and V page
+    rows (every KV head's) before it waits."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -480,14 +454,9 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
         split = gl.load(p + 4)
         wait = gl.load(p + 5)
         target = gl.load(p + 6)
-        if PFA == 1:
+        if PFA:
             if op == 3:
                 _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S, PAGE, HKV * D)
-        if PFA == 2:  # the next instruction's ATTN rows, before this one's products hold the memory queues
-            if op == 2:
-                if gl.load(p + NF) == 3:
-                    _prefetch_head(KC, VC, PT, SEQ_LENS, gl.load(p + NF + 1), layer_stride, gl.load(p + NF + 2),
-                                   gl.load(p + NF + 4), S, PAGE, HKV, D)
         where = sm * n_instr + j
         if (op != 0) & (op != 3):  # ATTN waits inside _attn, after its loads that do not depend on the wait
             ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit, PFW, MT, WA, WO, WD, op, layer, lo, hi,
@@ -545,11 +514,11 @@ def ring_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, PROG, n_instr, COUNTERS, ERR, IDS,
                      SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                     ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
+                     ACT, LOGITS, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, PFW: gl.constexpr = 0, PFA: gl.constexpr = 0,
+                     QDOT: gl.constexpr = 1, PFW: gl.constexpr = 0, PFA: gl.constexpr = False,
                      DIAG: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
@@ -575,7 +544,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, 
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                    ACT, LOGITS, layer_stride, pages_per_seq, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B, H, HQ,
+                    ACT, LOGITS, layer_stride, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B, H, HQ,
                     HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, PFW, PFA, DIAG)),
     ], [CW], [232 if CW == 4 else 192])
 
@@ -619,7 +588,7 @@ class FastStep:
 
     ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``wait_prefetch`` (bytes),
-    ``attn_prefetch`` (0, 1 or 2): L2 prefetches while an SM waits (_compute's PFW and PFA; off by default);
+    ``attn_prefetch``: L2 prefetches while an SM waits (_compute's PFW and PFA; off by default);
     ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
@@ -627,7 +596,7 @@ class FastStep:
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, wait_prefetch: int = 0,
-                 attn_prefetch: int = 0, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
+                 attn_prefetch: bool = False, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -683,9 +652,9 @@ class FastStep:
         if not isinstance(wait_prefetch, int) or wait_prefetch < 0:
             raise ValueError(f"wait_prefetch must be an int >= 0 (bytes), got {wait_prefetch!r}")
         self.stages, self.warps, self.qstep, self.qdot = stages, warps, qstep, qdot
-        if attn_prefetch not in (0, 1, 2):  # False and True are 0 and 1
-            raise ValueError(f"attn_prefetch must be 0, 1 or 2, got {attn_prefetch!r}")
-        self.wait_prefetch, self.attn_prefetch = wait_prefetch, int(attn_prefetch)
+        if attn_prefetch not in (False, True):
+            raise ValueError(f"attn_prefetch must be a bool, got {attn_prefetch!r}")
+        self.wait_prefetch, self.attn_prefetch = wait_prefetch, bool(attn_prefetch)
         if diag not in (0, 1, 2, 3):
             raise ValueError(f"diag must be 0..3, got {diag!r}")
         self.diag = diag
@@ -732,7 +701,7 @@ class FastStep:
             *self.descs, *(self.bytes[k] for k in "aod"), self.table, self.table.shape[1], self.counters, self.err,
             ids, seq_lens, page_table, self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm,
             cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
-            self.kc.stride(0), page_table.shape[1], cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
+            self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
             self.spin_limit, self.err if self.trace is None else self.trace, B=1, H=cfg.hidden, HQ=cfg.n_heads,
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
@@ -762,7 +731,7 @@ class FastStep:
 
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefetch: int = 0,
-                 attn_prefetch: int = 0, diag: int = 0, hidden: int = 4096,
+                 attn_prefetch: bool = False, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
@@ -784,7 +753,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefe
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, PFW=wait_prefetch,
-                  PFA=int(attn_prefetch), DIAG=diag)
+                  PFA=bool(attn_prefetch), DIAG=diag)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))
