@@ -29,9 +29,10 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "EngineStats"]
 
 @dataclasses.dataclass
 class _InFlight:
-    """A decode step launched before the previous step's tokens were read."""
+    """A launched step whose tokens are still to be sampled (decode steps run one ahead: LLM.step)."""
     batch: list  # [(sequence, new tokens)]
     logits: torch.Tensor
+    greedy: torch.Tensor | None  # the logits' argmax where the step computed it (ModelRunner.greedy_ids)
 
 
 @dataclasses.dataclass
@@ -334,10 +335,10 @@ class LLM:
             self._tokens_host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=pin)
         return self._tokens_host[:n]
 
-    def _launch(self, batch, ids_dev=None):
+    def _launch(self, batch, ids_dev=None) -> _InFlight:
         logits, graph = self.runner.run(self.runner.prepare(batch), ids_dev)
         self.stats.graph_steps += graph
-        return logits
+        return _InFlight(batch, logits, self.runner.greedy_ids)
 
     def _look_ahead(self, batch, tokens: torch.Tensor) -> None:
         """Schedule and launch the next decode step with this step's sampled ids still on the device (``tokens``);
@@ -347,7 +348,7 @@ class LLM:
         nxt = self.scheduler.schedule()
         if [(s, n) for s, n in nxt] != [(s, 1) for s, _ in batch]:
             raise RuntimeError("look-ahead scheduled another batch than this step's (engine bug)")
-        self._ahead = _InFlight(nxt, self._launch(nxt, tokens))
+        self._ahead = self._launch(nxt, tokens)
         self.stats.ahead_steps += 1
 
     def _fork(self, sampled: list, logits: torch.Tensor) -> torch.Tensor:
@@ -379,20 +380,22 @@ class LLM:
         its next step is in flight has that step's result dropped. LLMK_LOOKAHEAD=0 turns this off (A/B runs)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # launched by the previous call
-            batch, logits = ahead.batch, ahead.logits
+            batch, logits, greedy = ahead.batch, ahead.logits, ahead.greedy
             keep = [k for k, (s, _) in enumerate(batch) if s.finish_reason is None]
             if not keep:
                 return self.step()
             if len(keep) < len(batch):
                 batch = [batch[k] for k in keep]
                 logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
+                greedy = None
             decode_only = True
         else:
             batch = self.scheduler.schedule()
             if not batch:
                 return []
             decode_only = all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in batch)
-            logits = self._launch(batch)
+            launched = self._launch(batch)
+            logits, greedy = launched.logits, launched.greedy
         self.stats.steps += 1
         sampled = [s for s, n in batch if s.num_computed + n == s.num_tokens]
         for s, n in batch:
@@ -407,8 +410,8 @@ class LLM:
         if not sampled:
             return []
         if any(s.forks for s in sampled):
-            logits = self._fork(sampled, logits)
-        tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            logits, greedy = self._fork(sampled, logits), None
+        tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled], greedy)
         lp_rows = [i for i, s in enumerate(sampled) if s.logprobs is not None]
         lps = dict(zip(lp_rows, token_logprobs(logits, tokens, lp_rows, [sampled[i].params.logprobs
                                                                          for i in lp_rows]))) if lp_rows else {}

@@ -93,11 +93,14 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return (idx.gather(1, chunk) + chunk * ARGMAX_CHUNK).squeeze(1)
 
 
-def sample_tokens(logits: torch.Tensor, params: list, generators: list) -> torch.Tensor:
-    """As ``sample``, the ids left on the logits' device (int64 [S]): no synchronisation with the host."""
+def sample_tokens(logits: torch.Tensor, params: list, generators: list,
+                  greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """As ``sample``, the ids left on the logits' device (int64 [S]): no synchronisation with the host.
+    ``greedy``: greedy_ids(logits) computed already (by the step that made the logits); when every row is
+    greedy it is returned as it is."""
     S, V = logits.shape
-    out = greedy_ids(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    out = greedy_ids(logits) if greedy is None else greedy.clone() if rows else greedy
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float32)

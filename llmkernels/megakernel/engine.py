@@ -62,7 +62,7 @@ class OneKernelGraph(_Graph):
         dev = runner.device
         self.fast, self.max_context = fast, max_context
         P = self.P = runner.max_pages_per_seq
-        self._pinned(2 + P, 1, dev)
+        self._pinned(2 + P, 0, dev)
         self.ids, self.lens, self.table = self.dev32[:1], self.dev32[1:2], self.dev32[2:].view(1, P)
         self.lens.fill_(1)
         # a step that gave up (the spin limit) raises at the next one: read without waiting for the GPU

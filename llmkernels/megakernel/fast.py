@@ -60,19 +60,26 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 
 
 @gluon.jit
-def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG, n_instr, MT,
-            n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr,
-            DIAG: gl.constexpr):
+def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate, PROG, n_instr,
+            MT, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
+            FMT: gl.constexpr, DIAG: gl.constexpr, HOLD: gl.constexpr):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
-    bytes and their headers, q4k_copy)."""
+    bytes and their headers, q4k_copy). HOLD > 0: at an ATTN instruction it waits on ``gate`` (the compute warps
+    open it once past that split's wait, HOLD 1 and 3, or done with it, HOLD 2), and with HOLD 3 at a MERGE until
+    it is past its wait, so those loads and signals do not queue behind this SM's weight stream."""
     c = 0
+    na = 0
     for j in range(n_instr):
         p = PROG + j * NF
         op = gl.load(p)
         layer = gl.load(p + 1)
         lo = gl.load(p + 2)
         hi = gl.load(p + 3)
+        if HOLD > 0:
+            if (op == 3) | ((HOLD == 3) & (op == 4)):
+                mbarrier.wait(gate, na & 1)
+                na += 1
         base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
         nmat = 1 + (op == 6).to(gl.int32)
         for r in range(lo, gl.where(K > 0, hi, lo), 16):
@@ -199,10 +206,11 @@ def _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L
 @gluon.jit
 def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
               GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-              DIAG: gl.constexpr):
+              DIAG: gl.constexpr, ARGMAX: gl.constexpr = False):
     """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
-    gate and up subtiles taken in turn, as the loader streams them) -> c after its slots. bf16 (FMT 0): _subtile;
-    q4_k: _subtile_q4k (q4k._slot_dot: dp4a on the int8 input)."""
+    gate and up subtiles taken in turn, as the loader streams them) -> (c after its slots, the largest _argmax_key
+    of the rows with ARGMAX, else 0). bf16 (FMT 0): _subtile; q4_k: _subtile_q4k (q4k._slot_dot: dp4a on the int8
+    input)."""
     # q4_k: [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with
     # 8, two threads per chunk (4 words each), so a 16-row slot still has no replicated work
     if gl.num_warps() == 8:
@@ -214,6 +222,7 @@ def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi,
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, L))
     else:
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    best = -9223372036854775807 - 1  # below every _argmax_key
     for r in range(lo, hi, 16):
         y, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
                             QDOT, DIAG)
@@ -224,7 +233,19 @@ def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi,
         if ACC:
             y += gl.load(OUT + r + rows)
         gl.store(OUT + r + rows, y)
-    return c
+        if ARGMAX:
+            best = gl.maximum(best, gl.max(_argmax_key(y, r + rows), axis=0))
+    return c, best
+
+
+@gluon.jit
+def _argmax_key(y, rows):
+    """int64 keys ordered as torch.argmax ranks float32 values y at ``rows``: the larger value, at equal values
+    the lower row; NaN above every number, -0.0 as 0.0."""
+    b = y.to(gl.int32, bitcast=True)
+    b = gl.where(y != y, 0x7FFFFFFF, gl.where(y == 0.0, 0, b))
+    b = gl.where(b < 0, b ^ 0x7FFFFFFF, b)  # negative floats: larger magnitude, smaller key
+    return (b.to(gl.int64) << 32) + (4294967295 - rows.to(gl.int64))
 
 
 @gluon.jit
@@ -257,16 +278,11 @@ def _kv_block(KC, VC, PT_SEQ, cache_off, keys, hi, dk, PAGE: gl.constexpr, HKV: 
 
 
 @gluon.jit
-def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit, PFW: gl.constexpr = 0, MT=None, WA=None, WO=None,
-          WD=None, op=0, layer=0, lo=0, hi=0, n_layers=0, H: gl.constexpr = 0, KO: gl.constexpr = 0,
-          F: gl.constexpr = 0, FMT: gl.constexpr = 0, STAGES: gl.constexpr = 2):
+def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit):
     """Poll counter ``wait`` until it reaches ``target`` -> ok (0 once a wait ran past spin_limit: ERR then holds
-    ``where``, and later waits are skipped: wrong results, no hang). PFW: _compute's wait prefetch."""
+    ``where``, and later waits are skipped: wrong results, no hang)."""
     if (ok == 1) & (wait >= 0):
         v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
-        if PFW > 0:
-            if v < target:
-                _prefetch_rows(MT, WA, WO, WD, op, layer, lo, hi, n_layers, H, KO, F, FMT, PFW, STAGES)
         spins = 0
         while (v < target) & (spins < spin_limit):
             v = gl.atomic_add(COUNTERS + wait, 0, sem="acquire")
@@ -280,8 +296,9 @@ def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit, PFW: gl.constexpr 
 
 @gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
-          ERR, wait, target, ok, where, spin_limit, TRW, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-          S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr, TRACE: gl.constexpr):
+          ERR, wait, target, ok, where, spin_limit, TRW, gate, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+          S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr, TRACE: gl.constexpr,
+          HOLD: gl.constexpr):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
     split first stores the new token's rotated K and its V, then the split's keys -> float32 partial and
     log-sum-exp. What does not depend on this step's QKV (the length, the page table, the first block of cached
@@ -313,6 +330,9 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
         gl.store(TRW, _now())
+    if (HOLD == 1) | (HOLD == 3):  # the loader may stream again (_loader)
+        gl.thread_barrier()
+        mbarrier.arrive(gate, count=1)
     qoff = (h * G + g)[:, None] * D
     qm = gm[:, None] & (dq < D)[None, :]
     q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
@@ -377,70 +397,16 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 
 
 @gluon.jit
-def _prefetch_l2(ptr, nbytes):
-    """Ask L2 for bytes [0, nbytes) from ``ptr`` (16-byte aligned): one bulk prefetch per thread, the tail past the
-    last whole 16-byte chunk per thread left out."""
-    LP: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    NT: gl.constexpr = 32 * gl.num_warps()
-    lane = gl.arange(0, NT, layout=LP)
-    chunk = nbytes // (NT * 16) * 16
-    if chunk > 0:
-        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr + lane.to(gl.int64) * chunk, gl.zeros_like(lane) + chunk], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_rows(MT, WA, WO, WD, op, layer, lo, hi, n_layers, H: gl.constexpr, KO: gl.constexpr,
-                   F: gl.constexpr, FMT: gl.constexpr, PFW: gl.constexpr, STAGES: gl.constexpr):
-    """Up to PFW bytes of a GEMV instruction's rows (GATEUP: split over gate and up) asked of L2 (WA, WO, WD: the
-    stacks' bytes), from its second 16-row subtile where the ring holds the whole first one."""
-    base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
-    if K > 0:
-        rb = K * 2 if FMT == 0 else K // 256 * 144  # bytes per row
-        skip = gl.where(STAGES * BK * (1 + FMT) >= K, 16, 0)
-        nmat = 1 + (op == 6).to(gl.int32)
-        n = gl.minimum(hi - lo - skip, PFW // (rb * nmat))
-        if n > 0:
-            for m in range(nmat):
-                first = (base + lo + skip + m * up).to(gl.int64) * rb
-                if which == 0:
-                    _prefetch_l2(WA + first, n * rb)
-                elif which == 1:
-                    _prefetch_l2(WO + first, n * rb)
-                else:
-                    _prefetch_l2(WD + first, n * rb)
-
-
-@gluon.jit
-def _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S: gl.constexpr, PAGE: gl.constexpr,
-                 ROW: gl.constexpr):
-    """An ATTN split's cached keys (batch 1), whole page rows of ROW elements (every KV head), of K and V asked of
-    L2, page by page."""
-    n = gl.load(SEQ_LENS)
-    klo = split * n // S
-    khi = (split + 1) * n // S
-    off = layer.to(gl.int64) * layer_stride
-    for p0 in range(klo // PAGE * PAGE, khi, PAGE):
-        a = gl.maximum(p0, klo)
-        b = gl.minimum(p0 + PAGE, khi)
-        row = off + (gl.load(PT + p0 // PAGE).to(gl.int64) * PAGE + a % PAGE) * ROW
-        nbytes = (b - a) * ROW * 2
-        _prefetch_l2((KC + row).to(gl.pointer_type(gl.uint8), bitcast=True), nbytes)
-        _prefetch_l2((VC + row).to(gl.pointer_type(gl.uint8), bitcast=True), nbytes)
-
-
-@gluon.jit
-def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_instr, sm, COUNTERS, ERR, IDS,
+def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, layer_stride, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B: gl.constexpr,
+             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
              H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-             FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, PFW: gl.constexpr,
-             PFA: gl.constexpr, DIAG: gl.constexpr):
-    """PFW > 0: a GEMV instruction that has to wait first asks L2 for up to PFW bytes of its rows (_prefetch_rows),
-    so they stream while this SM is idle; PFA: an ATTN instruction asks L2 for its split's cached K and V page
-    rows (every KV head's) before it waits."""
+             FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
+             HOLD: gl.constexpr):
+    """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
+    done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
+    to finish zeroes the counters for the next step; each resets the words it used."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -454,50 +420,65 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG, n_ins
         split = gl.load(p + 4)
         wait = gl.load(p + 5)
         target = gl.load(p + 6)
-        if PFA:
-            if op == 3:
-                _prefetch_kv(KC, VC, PT, SEQ_LENS, layer, layer_stride, split, S, PAGE, HKV * D)
         where = sm * n_instr + j
         if (op != 0) & (op != 3):  # ATTN waits inside _attn, after its loads that do not depend on the wait
-            ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit, PFW, MT, WA, WO, WD, op, layer, lo, hi,
-                       n_layers, H, HQ * D, F, FMT, STAGES)
+            ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
             if TRACE:
                 gl.store(TR + where * 3 + 1, _now())
+            if HOLD == 3:
+                if op == 4:
+                    gl.thread_barrier()
+                    mbarrier.arrive(gate, count=1)
         # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
         if op == 1:
             _embed(EMB, IDS, RESID, H, B)
         elif op == 2:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
-            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False, False,
-                          STAGES, FMT, QSTEP, QDOT, DIAG)
+            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
+                             False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
-                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, HQ, HKV, D, S, PAGE,
-                       GP, 32, TRACE)
+                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, HQ, HKV, D, S,
+                       PAGE, GP, 32, TRACE, HOLD)
+            if HOLD == 2:  # the loader may stream again (_loader)
+                gl.thread_barrier()
+                mbarrier.arrive(gate, count=1)
         elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
             _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
-            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID, True,
-                          False, STAGES, FMT, QSTEP, QDOT, DIAG)
+            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID,
+                             True, False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 6:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
-            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False, True,
-                          STAGES, FMT, QSTEP, QDOT, DIAG)
+            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False,
+                             True, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 7:
             _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
-            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True, False,
-                          STAGES, FMT, QSTEP, QDOT, DIAG)
+            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True,
+                             False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 8:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
-            c = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS, False,
-                          False, STAGES, FMT, QSTEP, QDOT, DIAG)
+            c, best = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS,
+                                False, False, STAGES, FMT, QSTEP, QDOT, DIAG, True)
+            gl.atomic_max(AUX, best)
+            if gl.atomic_add(AUX + 1, 1, sem="acq_rel") == n_logits - 1:  # the last LOGITS tile: every max is in
+                key = gl.atomic_xchg(AUX, -9223372036854775807 - 1)
+                gl.atomic_xchg(AUX + 3, 4294967295 - (key & 4294967295))
+                gl.atomic_xchg(AUX + 1, 0)
         if op != 0:
             gl.thread_barrier()  # every warp's stores come before the one-thread releases
             if TRACE:
                 gl.store(TR + (sm * n_instr + j) * 3 + 2, _now())
             for cn in range(gl.load(p + 7), gl.load(p + 8)):
                 gl.atomic_add(COUNTERS + cn, 1, sem="release")
+    gl.thread_barrier()
+    if gl.atomic_add(AUX + 2, 1, sem="acq_rel") == gl.num_programs(0) - 1:  # every program is past its waits
+        LZ: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        z = gl.arange(0, 1024, layout=LZ)
+        for k0 in range(0, n_counters, 1024):
+            gl.store(COUNTERS + k0 + z, gl.zeros_like(z), mask=k0 + z < n_counters)
+        gl.atomic_xchg(AUX + 2, 0)
 
 
 @gluon.jit
@@ -512,18 +493,18 @@ def ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, WD, PROG, n_instr, COUNTERS, ERR, IDS,
-                     SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                     ACT, LOGITS, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
+def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS,
+                     PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
+                     LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, PFW: gl.constexpr = 0, PFA: gl.constexpr = False,
-                     DIAG: gl.constexpr = 0):
+                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
-    products are skipped (the step without them), 3 both."""
+    products are skipped (the step without them), 3 both. HOLD: _loader's. The counters must be zero at the first
+    launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -539,13 +520,15 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, WA, WO, 
         xq_smem, xd_smem = int8_input_smem()
         x_smem = xd_smem
     ready, empty = ring_barriers(STAGES)
+    gate = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(gate, count=1)
     gl.warp_specialize([
-        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, PROG_SM,
-                   n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG)),
-        (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, PROG_SM, n_instr, sm, COUNTERS, ERR, IDS,
-                    SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN,
-                    ACT, LOGITS, layer_stride, eps, qk_scale, spin_limit, TR, MT, WA, WO, WD, B, H, HQ,
-                    HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, PFW, PFA, DIAG)),
+        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate, PROG_SM,
+                   n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
+        (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
+                    IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
+                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
+                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -583,20 +566,22 @@ class FastStep:
 
     Call it (or ``launch`` it, inside a CUDA graph) with int32 device tensors ``ids`` [1], ``seq_lens`` [1] (the
     new token is at position seq_lens[0] - 1 and its K and V are written there) and ``page_table`` [1, pages];
-    it returns float32 logits [1, vocab] (a buffer it reuses). q4_k: the products take the activations rounded to
-    int8 per block of 32 (the engine's act_int8 arithmetic).
+    it returns float32 logits [1, vocab] (a buffer it reuses), and ``token`` (int64 [1], also reused) holds their
+    argmax (torch.argmax's, ties and NaN included), the greedy choice made inside the step. q4_k: the products
+    take the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic).
 
     ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
-    ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``wait_prefetch`` (bytes),
-    ``attn_prefetch``: L2 prefetches while an SM waits (_compute's PFW and PFA; off by default);
+    ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``hold``: 0, or the loader
+    holds its weight stream at each ATTN instruction until the split is past its wait (1, the default: the
+    faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its wait;
     ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, wait_prefetch: int = 0,
-                 attn_prefetch: bool = False, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
+                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1, diag: int = 0,
+                 spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -638,7 +623,10 @@ class FastStep:
         self.inv_freq = inv_freq.float().contiguous().to(dev)
         self.table = torch.from_numpy(prog.encode()).to(dev)
         self.mt = stacks.table.to(dev)
-        self.counters = torch.zeros(prog.num_counters, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(prog.num_counters, dtype=torch.int32, device=dev)  # each step leaves them zero
+        self.n_logits = sum(i.op == "LOGITS" for lst in prog.lists for i in lst)
+        self.aux = torch.tensor([-(1 << 63), 0, 0, 0], dtype=torch.int64, device=dev)  # _compute's AUX
+        self.token = self.aux[3:]
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
         S = prog.geometry["splits"]
         f32 = dict(dtype=torch.float32, device=dev)
@@ -649,12 +637,10 @@ class FastStep:
         self.attn = torch.empty(1, cfg.n_heads * D, **f32)
         self.act = torch.empty(1, cfg.ffn, **f32)
         self.logits = torch.empty(1, cfg.vocab_size, **f32)
-        if not isinstance(wait_prefetch, int) or wait_prefetch < 0:
-            raise ValueError(f"wait_prefetch must be an int >= 0 (bytes), got {wait_prefetch!r}")
         self.stages, self.warps, self.qstep, self.qdot = stages, warps, qstep, qdot
-        if attn_prefetch not in (False, True):
-            raise ValueError(f"attn_prefetch must be a bool, got {attn_prefetch!r}")
-        self.wait_prefetch, self.attn_prefetch = wait_prefetch, bool(attn_prefetch)
+        if hold not in (0, 1, 2, 3):
+            raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
+        self.hold = hold
         if diag not in (0, 1, 2, 3):
             raise ValueError(f"diag must be 0..3, got {diag!r}")
         self.diag = diag
@@ -692,21 +678,20 @@ class FastStep:
         return cls(prog, model.cfg, stacks, emb, norms, model.output_norm, model.inv_freq, k_cache, v_cache, **kw)
 
     def launch(self, ids, seq_lens, page_table) -> None:
-        """The step's kernels (a counter reset and the step), nothing read back: CUDA-graph safe."""
+        """The step's one kernel (it resets its own counters), nothing read back: CUDA-graph safe."""
         import triton
 
         cfg, S = self.cfg, self.prog.geometry["splits"]
-        self.counters.zero_()
         fast_step_kernel[(self.prog.num_sms,)](
-            *self.descs, *(self.bytes[k] for k in "aod"), self.table, self.table.shape[1], self.counters, self.err,
-            ids, seq_lens, page_table, self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm,
-            cfg.n_layers, self.resid, self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits,
-            self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
+            *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
+            self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm, cfg.n_layers, self.resid,
+            self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.aux, self.counters.numel(),
+            self.n_logits, self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
             self.spin_limit, self.err if self.trace is None else self.trace, B=1, H=cfg.hidden, HQ=cfg.n_heads,
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, PFW=self.wait_prefetch, PFA=self.attn_prefetch, DIAG=self.diag, num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -730,8 +715,7 @@ class FastStep:
         return self.logits
 
 
-def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefetch: int = 0,
-                 attn_prefetch: bool = False, diag: int = 0, hidden: int = 4096,
+def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
@@ -746,14 +730,14 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, wait_prefe
     else:
         descs = [f"tensordesc<u8[16,2,{n}],{layout8(3)!r}>" for n in (128, 128, 128, 16, 16, 16)]
     names = fast_step_kernel.arg_names
-    ptrs = dict(WA="*u8", WO="*u8", WD="*u8", PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
+    ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
                 SEQ_LENS="*i32", PT="*i32", KC="*bf16", VC="*bf16", INV_FREQ="*fp32", EMB="*bf16", MT="*i32",
                 NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
-                ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", TR="*i64" if trace else "*i32")
+                ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", AUX="*i64", TR="*i64" if trace else "*i32")
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
-                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, PFW=wait_prefetch,
-                  PFA=bool(attn_prefetch), DIAG=diag)
+                  STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
+                  HOLD=hold)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

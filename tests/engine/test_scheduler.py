@@ -202,3 +202,20 @@ def test_greedy_ids_equal_argmax(V):
     x[4, V // 2] = float("nan")
     assert torch.equal(greedy_ids(x), torch.argmax(x, dim=-1))
     assert torch.equal(greedy_ids(x[:, : V // 2 * 2 : 2]), torch.argmax(x[:, : V // 2 * 2 : 2], dim=-1))
+
+
+def test_sample_tokens_takes_the_steps_argmax():
+    """sample_tokens with the argmax the step computed: every row greedy returns it as it is; a row that samples
+    gets its own draw, the given tensor left unchanged."""
+    import torch
+
+    from llmkernels.engine.sampler import SamplingParams, make_generator, sample_tokens
+
+    logits = torch.randn(2, 50)
+    given = torch.tensor([3, 4])  # not the argmax: shows which one is used
+    greedy = SamplingParams(temperature=0)
+    assert sample_tokens(logits, [greedy, greedy], [None, None], given) is given
+    hot = SamplingParams(temperature=1.0, seed=5)
+    out = sample_tokens(logits, [greedy, hot], [None, make_generator(hot, "cpu")], given)
+    want = sample_tokens(logits, [greedy, hot], [None, make_generator(hot, "cpu")])
+    assert out[0] == 3 and out[1] == want[1] and given.tolist() == [3, 4]

@@ -56,10 +56,8 @@ def test_fast_step_rejects_bad_arguments(model_files):
             inv)
     with pytest.raises(ValueError, match="warps .* must be 4 or 8, got 6"):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
-    with pytest.raises(ValueError, match="wait_prefetch must be an int >= 0"):
-        FastStep(prog, cfg, stacks, *args, kc, vc, wait_prefetch=-1)
-    with pytest.raises(ValueError, match="attn_prefetch must be a bool, got 2"):
-        FastStep(prog, cfg, stacks, *args, kc, vc, attn_prefetch=2)
+    with pytest.raises(ValueError, match="hold must be 0, 1, 2 or 3, got 4"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
     with pytest.raises(ValueError, match="diag must be 0..3, got -1"):
         FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
     with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
@@ -78,22 +76,23 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
-    """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the L2
-    prefetches only where asked for, and a timing-only build with no weight reads issues no TMA copy."""
+    """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the
+    loader's hold (on by default) is one barrier wait that hold=0 leaves out, and a timing-only build with no
+    weight reads issues no TMA copy."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
-            "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, wait_prefetch=1 << 18, attn_prefetch=True), "
-            "compile_sm90('bf16', 4, attn_prefetch=True, diag=3)]; "
+            "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
+            "compile_sm90('bf16', 4, hold=0)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
-            "'cp.async.bulk.prefetch.L2' in k.asm['ptx'], 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
+            "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    bf, q, diag = json.loads(r.stdout)
-    assert bf[1] and q[1] and diag[1]
-    assert q[2] and diag[2] and not bf[2]
+    bf, q, diag, free = json.loads(r.stdout)
+    assert bf[1] and q[1] and diag[1] and free[1]
+    assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
 
@@ -136,27 +135,51 @@ def _ref_and_fast(f, cfg, fmt, splits, engine_layout, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, warps, splits, engine_layout, prefetch",
-                         [("bf16", 4, 2, False, 0), ("bf16", 4, 3, True, 0), ("bf16", 8, 2, True, 0),
-                          ("q4_k", 8, 3, True, 0), ("q4_k", 4, 2, False, 0), ("bf16", 4, 3, True, 1 << 18),
-                          ("q4_k", 8, 2, True, 1 << 18)])
-def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, prefetch):
+@pytest.mark.parametrize("fmt, warps, splits, engine_layout, hold",
+                         [("bf16", 4, 2, False, 1), ("bf16", 4, 3, True, 1), ("bf16", 8, 2, True, 1),
+                          ("q4_k", 8, 3, True, 1), ("q4_k", 4, 2, False, 1), ("bf16", 4, 3, True, 0),
+                          ("bf16", 4, 2, False, 2), ("q4_k", 8, 2, True, 2), ("bf16", 4, 2, True, 3)])
+def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, hold):
     """Every step's logits against the reference executor (kernel.py) on the same Program, each with its own
     NaN-poisoned cache and the same scattered pages: bf16 within 1e-3 of the largest logit and the same greedy
-    token; q4_k (its products take int8 activations, the reference float32 ones) within 5e-2."""
+    token; q4_k (its products take int8 activations, the reference float32 ones) within 5e-2. The step's own
+    argmax equals torch.argmax of its logits, and it leaves its counters zero for the next step."""
     _, f, cfg = _tiny(model_files, fmt)
-    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, wait_prefetch=prefetch,
-                                     attn_prefetch=prefetch > 0)
+    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, hold=hold)
     ids = torch.randint(1, cfg.vocab_size, (13,), dtype=torch.int32)
     for t in range(len(ids)):
         args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
         want = ref(*args).clone()
         fast.logits.fill_(float("nan"))
+        fast.token.fill_(-1)
         got = fast(*args)
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < (1e-3 if fmt == "bf16" else 5e-2), f"step {t}: {err:.3g} of the largest logit"
         if fmt == "bf16":
             assert got.argmax() == want.argmax(), f"step {t}"
+        assert fast.token.item() == got.argmax().item(), f"step {t}"
+        assert fast.counters.eq(0).all() and fast.aux[:3].tolist() == [-(1 << 63), 0, 0], f"step {t}"
+
+
+@pytest.mark.gpu
+def test_gpu_fast_step_argmax_takes_ties_and_nan_as_torch(model_files):
+    """The step's own argmax at a tie (an output row copied onto an earlier one: the same logit bits) takes the
+    first row, and a NaN logit (an output row of NaN) wins over every number, as torch.argmax."""
+    _, f, cfg = _tiny(model_files, "bf16")
+    _, fast, table = _ref_and_fast(f, cfg, "bf16", 2, False)
+    one = torch.ones(1, dtype=torch.int32, device="cuda")  # the first position: no older keys
+    args = (one * 7, one, table)
+    top = int(fast(*args).argmax())
+    out = fast.stacks.a.view(torch.bfloat16)[int(fast.mt[-1, 0]):][:cfg.vocab_size]  # the output matrix's rows
+    j = int(torch.randint(0, top, ())) if top else None
+    if j is not None:
+        out[j] = out[top]
+        got = fast(*args)
+        assert got[0, j] == got[0, top] and fast.token.item() == j == got.argmax().item()
+    k = (top + 1 + int(torch.randint(0, cfg.vocab_size - 1, ()))) % cfg.vocab_size
+    out[k] = float("nan")
+    got = fast(*args)
+    assert got[0, k].isnan() and fast.token.item() == k == got.argmax().item()
 
 
 @pytest.mark.gpu
