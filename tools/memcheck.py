@@ -415,6 +415,7 @@ def main():
     i8_lanes_cases(dev)
     tc_cases(dev)
     engine_kernel_cases(dev)
+    megakernel_cases(dev)
 
 
 def engine_kernel_cases(dev="cuda"):
@@ -446,15 +447,56 @@ def engine_kernel_cases(dev="cuda"):
     print("memcheck script finished")
 
 
+def megakernel_cases(dev="cuda"):
+    """The one-kernel decode step (Gluon, sm_90) on a tiny llama, 5 steps each: bf16 and q4_k, 4 and 8 compute
+    warps, 2 and 3 key splits, the merge folded into the last split or not, the loader held at MERGE too, programs
+    for 7 SMs and for all of them, scattered pages."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    import tempfile
+
+    from llmkernels.engine import ModelConfig, convert_hf_to_gguf
+    from llmkernels.engine.config import rope_inv_freq
+    from llmkernels.megakernel import build_decode_program
+    from llmkernels.megakernel.fast import FastStep
+    from llmkernels.quant import read_gguf
+    from llmkernels.testing.tiny_models import make_checkpoint
+
+    d = tempfile.mkdtemp()
+    make_checkpoint(d, "llama", hidden=512, ffn=1024, heads=8, kv_heads=2, head_dim=64)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    files = {}
+    for fmt, warps, splits, n_sms, opts in (("bf16", 4, 2, 7, {}), ("bf16", 4, 3, sms, dict(fold_merge=True)),
+                                            ("bf16", 4, 2, sms, dict(hold=3)), ("q4_k", 8, 3, 7, {}),
+                                            ("q4_k", 8, 3, sms, dict(fold_merge=True))):
+        if fmt not in files:
+            files[fmt] = read_gguf(convert_hf_to_gguf(d, f"{d}/model-{fmt}.gguf", fmt, progress=False))
+        f = files[fmt]
+        cfg = ModelConfig.from_gguf(f.metadata, f.keys())
+        prog = build_decode_program(cfg, fmt, batch=1, context=16, num_sms=n_sms, num_splits=splits)
+        page, pages = 4, 4  # the GPU tests' page geometry (their compiled kernels are reused)
+        kc = torch.zeros(cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16,
+                         device=dev)
+        vc = torch.zeros_like(kc)
+        table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).to(dev)
+        inv, _ = rope_inv_freq(cfg)
+        fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.to(dev), warps=warps, spin_limit=1 << 30, **opts)
+        for t in range(5):
+            fast(torch.full((1,), 3 + t, dtype=torch.int32, device=dev),
+                 torch.full((1,), 1 + t, dtype=torch.int32, device=dev), table)
+    torch.cuda.synchronize()
+    print("memcheck script finished")
+
+
 if __name__ == "__main__":
     import sys
 
-    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "decode_ws" / "engine": those kernels alone;
-    # no argument: every single-GPU kernel
+    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "decode_ws" / "engine" / "megakernel": those
+    # kernels alone; no argument: every single-GPU kernel
     parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "decode_ws": ws_decode_cases,
-             "engine": engine_kernel_cases}
+             "engine": engine_kernel_cases, "megakernel": megakernel_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
-        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | decode_ws | engine], "
+        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | decode_ws | engine | megakernel], "
                  f"got {' '.join(sys.argv[1:])!r}")
     parts[part]()
