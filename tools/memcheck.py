@@ -449,7 +449,7 @@ def engine_kernel_cases(dev="cuda"):
 
 def megakernel_cases(dev="cuda"):
     """The one-kernel decode step (Gluon, sm_90) on a tiny llama, 5 steps each: bf16 and q4_k, 4 and 8 compute
-    warps, 2 and 3 key splits, the merge folded into the last split or not, the loader held at MERGE too, programs
+    warps, 2 and 3 key splits, each way the loader holds its stream (fast.FastStep's hold), programs
     for 7 SMs and for all of them, scattered pages."""
     if torch.cuda.get_device_capability() != (9, 0):
         return
@@ -466,9 +466,9 @@ def megakernel_cases(dev="cuda"):
     make_checkpoint(d, "llama", hidden=512, ffn=1024, heads=8, kv_heads=2, head_dim=64)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     files = {}
-    for fmt, warps, splits, n_sms, opts in (("bf16", 4, 2, 7, {}), ("bf16", 4, 3, sms, dict(fold_merge=True)),
+    for fmt, warps, splits, n_sms, opts in (("bf16", 4, 2, 7, {}), ("bf16", 4, 3, sms, dict(hold=0)),
                                             ("bf16", 4, 2, sms, dict(hold=3)), ("q4_k", 8, 3, 7, {}),
-                                            ("q4_k", 8, 3, sms, dict(fold_merge=True))):
+                                            ("q4_k", 8, 2, sms, dict(hold=2))):
         if fmt not in files:
             files[fmt] = read_gguf(convert_hf_to_gguf(d, f"{d}/model-{fmt}.gguf", fmt, progress=False))
         f = files[fmt]

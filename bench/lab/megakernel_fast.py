@@ -4,7 +4,7 @@ Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a bre
 
     PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
                                                      [--stages 16,...] [--warps 4,8] [--splits 0,4,8]
-                                                     [--hold 0,1,2,3] [--fold 0,1]
+                                                     [--hold 0,1,2]
                                                      [--qstep 2] [--qdot 1] [--diag 0,1,2,3] [--skip-check]
                                                      [--skip-engine] [--trace]
 """
@@ -99,9 +99,7 @@ def main():
     ap.add_argument("--qdot", type=int, default=1, help="q4_k: _slot_dot's DOT (1: fewer instructions)")
     ap.add_argument("--splits", default="0", help="comma-separated key splits per KV head (0: the schedule's)")
     ap.add_argument("--hold", default="0", help="comma-separated FastStep hold: the loader waits at each ATTN until "
-                    "the split is past its wait (1) or done (2); 3: as 1, and at each MERGE until it is past its wait")
-    ap.add_argument("--fold", default="0", help="comma-separated 0/1: FastStep fold_merge (the last ATTN split of a "
-                    "KV group merges it)")
+                    "the split is past its wait (1) or done (2)")
     ap.add_argument("--diag", default="0", help="comma-separated FastStep diag builds (timing only: 1 no weight "
                     "reads, 2 no bf16 products, 3 neither)")
     ap.add_argument("--prog-context", type=int, default=0, help="build the program for this context (0: each run's), "
@@ -145,9 +143,8 @@ def main():
             base = None
             holds = [int(x) for x in args.hold.split(",")]
             diags = [int(x) for x in args.diag.split(",")]
-            folds = [bool(int(x)) for x in args.fold.split(",")]
-            for w, st, hd, fm, dg in itertools.product(warps, stages, holds, folds, diags):
-                kw = dict(stages=st, warps=w, hold=hd, fold_merge=fm, diag=dg, **q)
+            for w, st, hd, dg in itertools.product(warps, stages, holds, diags):
+                kw = dict(stages=st, warps=w, hold=hd, diag=dg, **q)
                 if base is None:
                     fast = base = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
@@ -156,7 +153,7 @@ def main():
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
                 print(f"{fmt} fast step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
-                      f"{st} slots, hold {hd}, fold {int(fm)}, diag {dg}: "
+                      f"{st} slots, hold {hd}, diag {dg}: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)
@@ -170,7 +167,7 @@ def main():
                     if args.dump:
                         import os
                         os.makedirs(args.dump, exist_ok=True)
-                        name = f"{fmt}-{context}-w{w}-s{st}-h{hd}-f{int(fm)}-d{dg}.pt"
+                        name = f"{fmt}-{context}-w{w}-s{st}-h{hd}-d{dg}.pt"
                         torch.save({"trace": fast.trace.cpu(), "program": torch.from_numpy(prog.encode()),
                                     "opt": kw}, os.path.join(args.dump, name))
             del fast, base

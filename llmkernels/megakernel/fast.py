@@ -397,46 +397,16 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 
 
 @gluon.jit
-def _release(COUNTERS, p):
-    for cn in range(gl.load(p + 7), gl.load(p + 8)):
-        gl.atomic_add(COUNTERS + cn, 1, sem="release")
-
-
-@gluon.jit
-def _merge_group(h, PART_O, PART_L, ATTN, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, S: gl.constexpr,
-                 SP: gl.constexpr, GP: gl.constexpr):
-    """KV head h's query heads, their splits merged (batch 1): every partial of the group in one round of loads."""
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, gl.num_warps(), 1], [2, 1, 0])  # [GP, SP, D]
-    LS: gl.constexpr = gl.SliceLayout(2, L3)
-    LO: gl.constexpr = gl.SliceLayout(1, L3)
-    G: gl.constexpr = HQ // HKV
-    g = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
-    si = gl.arange(0, SP, layout=gl.SliceLayout(0, LS))
-    di = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
-    row = (h * G + g)[:, None] * S + si[None, :]  # [GP, SP]
-    ok = (g < G)[:, None] & (si < S)[None, :]
-    lse = gl.load(PART_L + row, mask=ok, other=float("-inf"))
-    o = gl.load(PART_O + row[:, :, None] * D + di[None, None, :], mask=ok[:, :, None], other=0.0)
-    m = gl.max(lse, axis=1)
-    w = gl.where(lse == float("-inf"), 0.0, gl.exp(lse - m[:, None]))
-    out = gl.sum(o * w[:, :, None], axis=1) / gl.convert_layout(gl.sum(w, axis=1), gl.SliceLayout(1, LO))[:, None]
-    go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
-    gl.store(ATTN + (h * G + go)[:, None] * D + di[None, :], out, mask=(go < G)[:, None] & (di < D)[None, :])
-
-
-@gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, AUX, n_counters, n_logits, merges, layer_stride, eps, qk_scale, spin_limit, TR,
-             B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-             F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
-             STAGES: gl.constexpr, FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-             DIAG: gl.constexpr, HOLD: gl.constexpr, FOLD: gl.constexpr):
+             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
+             H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+             S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
+             FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
+             HOLD: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
-    to finish zeroes the counters for the next step; each resets the words it used. FOLD: MERGE instructions do
-    nothing; the last ATTN split of a KV group to finish merges the group and adds ``merges`` (the group's MERGE
-    instructions) to the counter they signal."""
+    to finish zeroes the counters for the next step; each resets the words it used."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -451,18 +421,14 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         wait = gl.load(p + 5)
         target = gl.load(p + 6)
         where = sm * n_instr + j
-        live = op >= 0
-        if FOLD:  # MERGE does nothing: the group's last ATTN split merges it
-            live = op != 4
-        # ATTN waits inside _attn, after its loads that do not depend on the wait
-        if (op != 0) & (op != 3) & live:
+        if (op != 0) & (op != 3):  # ATTN waits inside _attn, after its loads that do not depend on the wait
             ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
             if TRACE:
                 gl.store(TR + where * 3 + 1, _now())
-        if HOLD == 3:
-            if op == 4:
-                gl.thread_barrier()
-                mbarrier.arrive(gate, count=1)
+            if HOLD == 3:
+                if op == 4:
+                    gl.thread_barrier()
+                    mbarrier.arrive(gate, count=1)
         # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
         if op == 1:
             _embed(EMB, IDS, RESID, H, B)
@@ -477,7 +443,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
-        elif (op == 4) & live:
+        elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
             _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
@@ -500,22 +466,12 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                 key = gl.atomic_xchg(AUX, -9223372036854775807 - 1)
                 gl.atomic_xchg(AUX + 3, 4294967295 - (key & 4294967295))
                 gl.atomic_xchg(AUX + 1, 0)
-        if (op != 0) & live:
+        if op != 0:
             gl.thread_barrier()  # every warp's stores come before the one-thread releases
             if TRACE:
                 gl.store(TR + (sm * n_instr + j) * 3 + 2, _now())
-            if FOLD:
-                if op == 3:
-                    part = gl.load(p + 7)
-                    if gl.atomic_add(COUNTERS + part, 1, sem="acq_rel") == S - 1:  # the group's last split
-                        _merge_group(lo, PART_O, PART_L, ATTN, HQ, HKV, D, S, SP, GP)
-                        gl.thread_barrier()
-                        # the counter the group's MERGE instructions signal (FastStep checks the layout)
-                        gl.atomic_add(COUNTERS + part - lo + HKV, merges, sem="release")
-                else:
-                    _release(COUNTERS, p)
-            else:
-                _release(COUNTERS, p)
+            for cn in range(gl.load(p + 7), gl.load(p + 8)):
+                gl.atomic_add(COUNTERS + cn, 1, sem="release")
     gl.thread_barrier()
     if gl.atomic_add(AUX + 2, 1, sem="acq_rel") == gl.num_programs(0) - 1:  # every program is past its waits
         LZ: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -539,18 +495,16 @@ def ring_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS,
                      PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-                     LOGITS, AUX, n_counters, n_logits, merges, layer_stride, eps, qk_scale, spin_limit, TR,
-                     B: gl.constexpr,
+                     LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
-                     FOLD: gl.constexpr = False):
+                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
-    products are skipped (the step without them), 3 both. HOLD: _loader's; FOLD: _compute's. The counters must
-    be zero at the first launch; each step leaves them so (_compute)."""
+    products are skipped (the step without them), 3 both. HOLD: _loader's. The counters must be zero at the first
+    launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -573,32 +527,9 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
                     IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
-                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, merges, layer_stride, eps, qk_scale, spin_limit, TR,
-                    B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, FOLD)),
+                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
+                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD)),
     ], [CW], [232 if CW == 4 else 192])
-
-
-def _merges_per_group(prog, n_kv_heads: int) -> int:
-    """The MERGE instructions of each KV group (the same in every layer), checking the counter layout fold_merge
-    takes: an ATTN split signals its group's counter p only, and the group's MERGE instructions wait on p and
-    signal counter p - group + n_kv_heads (schedule.build_decode_program's order)."""
-    merges = {}
-    for i in prog.instructions:
-        if i.op == "MERGE":
-            merges.setdefault((i.layer, i.wait), []).append(i)
-    counts = set()
-    for i in prog.instructions:
-        if i.op != "ATTN":
-            continue
-        ms = merges.get((i.layer, i.sig_lo), [])
-        want = i.sig_lo - i.lo + n_kv_heads
-        if i.sig_hi != i.sig_lo + 1 or not ms or any((m.sig_lo, m.sig_hi) != (want, want + 1) for m in ms):
-            raise ValueError(f"fold_merge: the program's ATTN layer {i.layer} head {i.lo} and its MERGE instructions "
-                             f"do not have the counter layout it takes")
-        counts.add(len(ms))
-    if len(counts) != 1:
-        raise ValueError(f"fold_merge: KV groups with different numbers of MERGE instructions {sorted(counts)}")
-    return counts.pop()
 
 
 def _layout():
@@ -643,16 +574,14 @@ class FastStep:
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``hold``: 0, or the loader
     holds its weight stream at each ATTN instruction until the split is past its wait (1, the default: the
     faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its wait;
-    ``fold_merge``: the last ATTN split of each KV group to finish merges the group in place of the program's
-    MERGE instructions (one signal hop fewer per layer);
     ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
-                 fold_merge: bool = False, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
+                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1, diag: int = 0,
+                 spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -712,10 +641,6 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
-        if fold_merge not in (False, True):
-            raise ValueError(f"fold_merge must be a bool, got {fold_merge!r}")
-        self.fold_merge = bool(fold_merge)
-        self.merges = _merges_per_group(prog, Hkv) if fold_merge else 0
         if diag not in (0, 1, 2, 3):
             raise ValueError(f"diag must be 0..3, got {diag!r}")
         self.diag = diag
@@ -761,12 +686,12 @@ class FastStep:
             *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
             self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm, cfg.n_layers, self.resid,
             self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.aux, self.counters.numel(),
-            self.n_logits, self.merges, self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
+            self.n_logits, self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
             self.spin_limit, self.err if self.trace is None else self.trace, B=1, H=cfg.hidden, HQ=cfg.n_heads,
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, FOLD=self.fold_merge, num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -790,8 +715,7 @@ class FastStep:
         return self.logits
 
 
-def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0,
-                 fold_merge: bool = False, hidden: int = 4096,
+def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
@@ -813,7 +737,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold, FOLD=bool(fold_merge))
+                  HOLD=hold)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

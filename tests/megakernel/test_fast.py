@@ -58,8 +58,6 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
     with pytest.raises(ValueError, match="hold must be 0, 1, 2 or 3, got 4"):
         FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
-    with pytest.raises(ValueError, match="fold_merge must be a bool, got 2"):
-        FastStep(prog, cfg, stacks, *args, kc, vc, fold_merge=2)
     with pytest.raises(ValueError, match="diag must be 0..3, got -1"):
         FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
     with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
@@ -97,24 +95,6 @@ def test_fast_step_compiles_for_sm90_without_a_gpu():
     assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
-
-
-def test_fold_merge_checks_the_counter_layout(model_files):
-    """fold_merge takes the program's counter layout (an ATTN split's one counter, its group's MERGE instructions
-    signalling the layer's attention counter); a program without it is refused at construction."""
-    _needs_gluon()
-    import dataclasses
-
-    from llmkernels.megakernel.fast import _merges_per_group
-
-    _, _, cfg = _tiny(model_files, "f16")
-    for sms, want in ((132, cfg.n_heads // cfg.n_kv_heads), (4, 2), (2, 1)):
-        assert _merges_per_group(build_decode_program(cfg, "bf16", context=16, num_sms=sms), cfg.n_kv_heads) == want
-    prog = build_decode_program(cfg, "bf16", context=16, num_sms=132)
-    s, j = next((s, j) for s, lst in enumerate(prog.lists) for j, i in enumerate(lst) if i.op == "MERGE")
-    prog.lists[s][j] = dataclasses.replace(prog.lists[s][j], sig_lo=0, sig_hi=1)
-    with pytest.raises(ValueError, match="fold_merge: the program's ATTN layer 0 head 0 and its MERGE"):
-        _merges_per_group(prog, cfg.n_kv_heads)
 
 
 def test_engine_describes_its_decode_path_on_the_cpu(model_files):
@@ -155,20 +135,17 @@ def _ref_and_fast(f, cfg, fmt, splits, engine_layout, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, warps, splits, engine_layout, opts",
-                         [("bf16", 4, 2, False, {}), ("bf16", 4, 3, True, {}), ("bf16", 8, 2, True, {}),
-                          ("q4_k", 8, 3, True, {}), ("q4_k", 4, 2, False, {}), ("bf16", 4, 3, True, dict(hold=0)),
-                          ("bf16", 4, 2, False, dict(hold=2)), ("q4_k", 8, 2, True, dict(hold=2)),
-                          ("bf16", 4, 2, True, dict(hold=3)), ("bf16", 4, 3, True, dict(fold_merge=True)),
-                          ("bf16", 4, 2, False, dict(fold_merge=True, hold=3)),
-                          ("q4_k", 8, 3, True, dict(fold_merge=True))])
-def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, opts):
+@pytest.mark.parametrize("fmt, warps, splits, engine_layout, hold",
+                         [("bf16", 4, 2, False, 1), ("bf16", 4, 3, True, 1), ("bf16", 8, 2, True, 1),
+                          ("q4_k", 8, 3, True, 1), ("q4_k", 4, 2, False, 1), ("bf16", 4, 3, True, 0),
+                          ("bf16", 4, 2, False, 2), ("q4_k", 8, 2, True, 2), ("bf16", 4, 2, True, 3)])
+def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, hold):
     """Every step's logits against the reference executor (kernel.py) on the same Program, each with its own
     NaN-poisoned cache and the same scattered pages: bf16 within 1e-3 of the largest logit and the same greedy
     token; q4_k (its products take int8 activations, the reference float32 ones) within 5e-2. The step's own
     argmax equals torch.argmax of its logits, and it leaves its counters zero for the next step."""
     _, f, cfg = _tiny(model_files, fmt)
-    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, **opts)
+    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, hold=hold)
     ids = torch.randint(1, cfg.vocab_size, (13,), dtype=torch.int32)
     for t in range(len(ids)):
         args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
