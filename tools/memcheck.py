@@ -450,7 +450,7 @@ def engine_kernel_cases(dev="cuda"):
 def megakernel_cases(dev="cuda"):
     """The one-kernel decode step (Gluon, sm_90) on a tiny llama, 5 steps each: bf16 and q4_k, 4 and 8 compute
     warps, 2 and 3 key splits, each way the loader holds its stream (fast.FastStep's hold), programs
-    for 7 SMs and for all of them, scattered pages."""
+    for 7 SMs and for all of them, scattered pages, short splits and splits of several blocks of keys."""
     if torch.cuda.get_device_capability() != (9, 0):
         return
     import tempfile
@@ -466,15 +466,20 @@ def megakernel_cases(dev="cuda"):
     make_checkpoint(d, "llama", hidden=512, ffn=1024, heads=8, kv_heads=2, head_dim=64)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     files = {}
-    for fmt, warps, splits, n_sms, opts in (("bf16", 4, 2, 7, {}), ("bf16", 4, 3, sms, dict(hold=0)),
-                                            ("bf16", 4, 2, sms, dict(hold=3)), ("q4_k", 8, 3, 7, {}),
-                                            ("q4_k", 8, 2, sms, dict(hold=2))):
+    cases = (("bf16", 4, 2, 7, {}, 0), ("bf16", 4, 3, sms, dict(hold=0), 0), ("bf16", 4, 2, sms, dict(hold=3), 0),
+             ("q4_k", 8, 3, 7, {}, 0), ("q4_k", 8, 2, sms, dict(hold=2), 0),
+             # splits of several blocks of 32 keys: the cp.async ring, wrapping (2 blocks) or not, and registers
+             ("bf16", 4, 2, 7, dict(attn_blocks=2), 203), ("bf16", 4, 3, sms, {}, 203),
+             ("q4_k", 8, 2, sms, {}, 203))
+    for fmt, warps, splits, n_sms, opts, ctx in cases:
         if fmt not in files:
             files[fmt] = read_gguf(convert_hf_to_gguf(d, f"{d}/model-{fmt}.gguf", fmt, progress=False))
         f = files[fmt]
         cfg = ModelConfig.from_gguf(f.metadata, f.keys())
-        prog = build_decode_program(cfg, fmt, batch=1, context=16, num_sms=n_sms, num_splits=splits)
-        page, pages = 4, 4  # the GPU tests' page geometry (their compiled kernels are reused)
+        prog = build_decode_program(cfg, fmt, batch=1, context=max(16, ctx), num_sms=n_sms, num_splits=splits)
+        # short: the GPU tests' page geometry (their compiled kernels are reused); long: pages of 16, the last
+        # one partly used
+        page, pages = (4, 4) if not ctx else (16, -(-(ctx + 5) // 16))
         kc = torch.zeros(cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16,
                          device=dev)
         vc = torch.zeros_like(kc)
@@ -483,7 +488,7 @@ def megakernel_cases(dev="cuda"):
         fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.to(dev), warps=warps, spin_limit=1 << 30, **opts)
         for t in range(5):
             fast(torch.full((1,), 3 + t, dtype=torch.int32, device=dev),
-                 torch.full((1,), 1 + t, dtype=torch.int32, device=dev), table)
+                 torch.full((1,), ctx + 1 + t, dtype=torch.int32, device=dev), table)
     torch.cuda.synchronize()
     print("memcheck script finished")
 

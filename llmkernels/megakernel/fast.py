@@ -19,6 +19,7 @@ views with any layer stride (the engine's cache holds K and V of a layer side by
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..attention.paged_ws import _now
@@ -295,14 +296,41 @@ def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit):
 
 
 @gluon.jit
+def _kv_rows(PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr):
+    """Element offsets of the cached rows of ``keys`` in one layer's K (or V) cache (page 0's rows past hi)."""
+    page = gl.load(PT + keys // PAGE, mask=keys < hi, other=0)
+    return cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
+
+
+@gluon.jit
+def _kv_issue(kv_smem, slot, KC, VC, row, keys, hi, dk, D: gl.constexpr):
+    """cp.async of the K and V rows ``row`` of ``keys`` into kv_smem[2 slot], [2 slot + 1] (zeros past hi), one
+    commit group; each thread copies the elements it later reads (the ATTN block layout), so no barrier is needed
+    between the copy and the read."""
+    kvm = (keys < hi)[:, None]  # one mask per row, so a thread's run of D // 32 elements is one copy
+    off = row[:, None] + dk[None, :]
+    # rows start 16-byte aligned (FastStep checks the strides); the hint is given on the pointers, as the
+    # partition's arguments do not carry their alignment
+    VB: gl.constexpr = 2 * (D // 32)  # bytes of a thread's run (16-bit caches)
+    kp = gl.max_contiguous(gl.multiple_of(KC + off, [16, VB]), [1, D // 32])
+    vp = gl.max_contiguous(gl.multiple_of(VC + off, [16, VB]), [1, D // 32])
+    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot), kp, mask=kvm)
+    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot + 1), vp, mask=kvm)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
-          ERR, wait, target, ok, where, spin_limit, TRW, gate, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-          S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr, TRACE: gl.constexpr,
-          HOLD: gl.constexpr):
+          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, HQ: gl.constexpr, HKV: gl.constexpr,
+          D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
+          TRACE: gl.constexpr, HOLD: gl.constexpr, NBUF: gl.constexpr):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
-    split first stores the new token's rotated K and its V, then the split's keys -> float32 partial and
-    log-sum-exp. What does not depend on this step's QKV (the length, the page table, the first block of cached
-    keys) is loaded before the wait on it, so only q's loads follow it -> ok (_wait)."""
+    split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
+    What does not depend on this step's QKV (the length, the page table, the first blocks of cached keys) is
+    loaded before the wait on it, so only q's loads follow it -> ok (_wait). NBUF > 0: the split's blocks of
+    BLOCK_N keys go through a ring of NBUF blocks in ``kv_buf`` (shared memory free during ATTN) by cp.async, NBUF
+    of them in flight from before the wait; 0: one block ahead in registers. A block holding the new token's row
+    gets it from registers (it was loaded before the row was written)."""
     # [GP, N, D]: D across the lanes, keys across the warps, the group's heads in each thread; a block of
     # BLOCK_N keys is one round of loads for all its K and V rows (the splits are short: latency, not bandwidth)
     L3: gl.constexpr = gl.BlockedLayout([GP, BLOCK_N // gl.num_warps(), D // 32], [1, 1, 32], [1, gl.num_warps(), 1],
@@ -324,8 +352,17 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     pos = (n - 1).to(gl.float32)
     lo = split * n // S
     hi = (split + 1) * n // S
-    # the first block as cached: the new token's row (the last split's last key) is replaced once computed
-    kt, vt = _kv_block(KC, VC, PT, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
+    if NBUF > 0:
+        KV3: gl.constexpr = gl.SwizzledSharedLayout(D // 32, 1, 1, [1, 0])  # per block [BLOCK_N, D], unswizzled
+        kv_smem = kv_buf._reinterpret(KC.dtype.element_ty, [2 * NBUF, BLOCK_N, D], KV3)
+        gl.thread_barrier()  # every warp is past its reads of the buffer in the instruction before
+        for b in gl.static_range(NBUF):
+            keys = lo + b * BLOCK_N + nn
+            _kv_issue(kv_smem, b, KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk, D)
+        # the page-table entries of the block issued next, one block ahead of its copy
+        rows_next = _kv_rows(PT, cache_off, lo + NBUF * BLOCK_N + nn, hi, PAGE, HKV, D)
+    else:
+        kt, vt = _kv_block(KC, VC, PT, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -338,9 +375,17 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
     qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
     q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
-    if split == S - 1:  # the new token: K rotated, V as is, into its cache slot and into the block
-        ko = HQ * D + h * D
-        vo = (HQ + HKV) * D + h * D
+    # the new token: K rotated, V as is, into its cache slot (the last split) and into the block that holds it
+    ko = HQ * D + h * D
+    vo = (HQ + HKV) * D + h * D
+    if NBUF > 0:  # every block was loaded before the row was written: each takes it from registers
+        kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k).to(KC.dtype.element_ty)
+        vn = gl.load(QKV + vo + dk).to(VC.dtype.element_ty)
+        if split == S - 1:
+            slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
+            gl.store(KC + slot + dk, kn)
+            gl.store(VC + slot + dk, vn)
+    elif split == S - 1:  # only the first block was loaded before: patched here, later ones read the cache
         kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k).to(KC.dtype.element_ty)
         vn = gl.load(QKV + vo + dk).to(VC.dtype.element_ty)
         slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
@@ -353,9 +398,18 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
     acc = gl.zeros([GP, D], gl.float32, QL)
+    i = 0
     for k0 in range(lo, hi, BLOCK_N):
-        # the next block's rows in flight while this one is computed
-        kn2, vn2 = _kv_block(KC, VC, PT, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
+        if NBUF > 0:
+            async_copy.wait_group(NBUF - 1)  # block i is in (one group per block, in order)
+            kt = kv_smem.index(2 * (i % NBUF)).load(KL)
+            vt = kv_smem.index(2 * (i % NBUF) + 1).load(KL)
+            valid = (k0 + nn < hi)[:, None]
+            is_new = (k0 + nn == n - 1)[:, None]
+            kt = gl.where(is_new, kn[None, :], kt)
+            vt = gl.where(valid, gl.where(is_new, vn[None, :], vt), 0.0)
+        else:  # the next block's rows in flight while this one is computed
+            kn2, vn2 = _kv_block(KC, VC, PT, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
         s = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)  # [GP, N]
         s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -366,7 +420,18 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
         l_i = l_i * alpha + gl.sum(pr, axis=1)
         m_i = m_new
-        kt, vt = kn2, vn2
+        if NBUF == 0:
+            kt, vt = kn2, vn2
+        else:  # block i + NBUF into the slot just used (its values are in this thread's registers by now)
+            keys = k0 + NBUF * BLOCK_N + nn
+            if k0 + NBUF * BLOCK_N < hi:
+                _kv_issue(kv_smem, i % NBUF, KC, VC, rows_next, keys, hi, dk, D)
+            else:
+                async_copy.commit_group()
+            rows_next = _kv_rows(PT, cache_off, keys + BLOCK_N, hi, PAGE, HKV, D)
+        i += 1
+    if NBUF > 0:
+        async_copy.wait_group(0)
     has = l_i > 0
     den = gl.where(has, l_i, 1.0)
     base = (h * G + g) * S + split
@@ -403,7 +468,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
              H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
              FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
-             HOLD: gl.constexpr):
+             HOLD: gl.constexpr, KVBUF: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
     to finish zeroes the counters for the next step; each resets the words it used."""
@@ -438,8 +503,8 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                              False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
-                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, HQ, HKV, D, S,
-                       PAGE, GP, 32, TRACE, HOLD)
+                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, x_smem, HQ, HKV,
+                       D, S, PAGE, GP, 32, TRACE, HOLD, KVBUF)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
@@ -499,12 +564,14 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0):
+                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
+                     KVBUF: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
-    products are skipped (the step without them), 3 both. HOLD: _loader's. The counters must be zero at the first
-    launch; each step leaves them so (_compute)."""
+    products are skipped (the step without them), 3 both. HOLD: _loader's. KVBUF: _attn's NBUF (bf16 only: its
+    ring lives in the staging buffer). The counters must be zero at the first launch; each step leaves them so
+    (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -528,7 +595,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
                     IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
                     ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
-                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD)),
+                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVBUF)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -574,14 +641,17 @@ class FastStep:
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``hold``: 0, or the loader
     holds its weight stream at each ATTN instruction until the split is past its wait (1, the default: the
     faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its wait;
+    ``attn_blocks``: blocks of 32 cached keys an ATTN split keeps in flight by cp.async, from before its wait
+    (bf16 weights: up to 64 KB of them in the staging buffer; None: as many as fit, 4 at head dim 128), or 0:
+    one block ahead in registers (q4_k has no room for more);
     ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1, diag: int = 0,
-                 spin_limit: int = 1 << 22, trace: bool = False):
+                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
+                 attn_blocks: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -641,6 +711,18 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
+        # K and V blocks of 32 keys in the 64 KB staging buffer; cp.async copies 4 bytes or more (head_dim >= 64)
+        most = 0 if self.fmt == "q4_k" or D < 64 else min(8, (64 << 10) // (2 * 32 * D * 2))
+        if attn_blocks is None:
+            attn_blocks = most
+        if not isinstance(attn_blocks, int) or not 0 <= attn_blocks <= most:
+            raise ValueError(f"attn_blocks must be 0..{most} for {self.fmt} weights at head_dim {D}, got "
+                             f"{attn_blocks!r}")
+        if attn_blocks and (k_cache.stride(0) % 8 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
+            raise ValueError(f"attn_blocks={attn_blocks}: the caches' rows must start 16-byte aligned (a layer "
+                             f"stride that is a multiple of 8), got stride {k_cache.stride(0)}; attn_blocks=0 "
+                             f"takes any")
+        self.attn_blocks = attn_blocks
         if diag not in (0, 1, 2, 3):
             raise ValueError(f"diag must be 0..3, got {diag!r}")
         self.diag = diag
@@ -691,7 +773,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVBUF=self.attn_blocks, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -717,7 +799,7 @@ class FastStep:
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
-                 page: int = 16, trace: bool = False):
+                 page: int = 16, trace: bool = False, attn_blocks: int | None = None):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -737,7 +819,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold)
+                  HOLD=hold, KVBUF=(0 if fmt == "q4_k" else 4) if attn_blocks is None else attn_blocks)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

@@ -60,6 +60,8 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
     with pytest.raises(ValueError, match="diag must be 0..3, got -1"):
         FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
+    with pytest.raises(ValueError, match="attn_blocks must be 0..8 for bf16 weights at head_dim 64, got 9"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, attn_blocks=9)
     with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
@@ -77,14 +79,15 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
     """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the
-    loader's hold (on by default) is one barrier wait that hold=0 leaves out, and a timing-only build with no
-    weight reads issues no TMA copy."""
+    loader's hold (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no
+    weight reads issues no TMA copy, and only bf16 builds copy attention's blocks with cp.async."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
             "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
             "compile_sm90('bf16', 4, hold=0)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
-            "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
+            "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx'], "
+            "'cp.async.ca' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -94,6 +97,7 @@ def test_fast_step_compiles_for_sm90_without_a_gpu():
     assert bf[1] and q[1] and diag[1] and free[1]
     assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
+    assert bf[4] and not q[4]  # bf16's ATTN blocks come by cp.async, q4_k's by loads into registers
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
 
 
@@ -113,13 +117,16 @@ def test_engine_describes_its_decode_path_on_the_cpu(model_files):
 
 # --- on the GPU -------------------------------------------------------------------------------------------------
 
-def _ref_and_fast(f, cfg, fmt, splits, engine_layout, **kw):
+def _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=0, **kw):
+    """The reference executor and a fast step on one Program, each with its own NaN-poisoned cache over the same
+    scattered pages; ``context`` > 0: both caches hold the same random keys and values at positions before it."""
     from llmkernels.megakernel.fast import FastStep
     from llmkernels.megakernel.kernel import DecodeStep
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    prog = build_decode_program(cfg, fmt, batch=1, context=16, num_sms=sms, num_splits=splits)
-    page, pages = 4, 4
+    prog = build_decode_program(cfg, fmt, batch=1, context=max(16, context), num_sms=sms, num_splits=splits)
+    page = 4 if not context else 16
+    pages = 4 if not context else -(-(context + 16) // page)
     shape = (cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim)
     nan = dict(dtype=torch.bfloat16, device="cuda")
     ref_k, ref_v = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
@@ -129,9 +136,34 @@ def _ref_and_fast(f, cfg, fmt, splits, engine_layout, **kw):
     else:
         kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
     table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).cuda()
+    if context:
+        rows = table[0].long()
+        for ref_c, c in ((ref_k, kc), (ref_v, vc)):
+            old = torch.randn(cfg.n_layers, pages * page, cfg.n_kv_heads, cfg.head_dim, **nan)
+            old[:, context:] = float("nan")
+            ref_c[:, rows] = old.view(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim)
+            c[:, rows] = ref_c[:, rows]
     inv, _ = rope_inv_freq(cfg)
     ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=1)
     return ref, FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), **kw), table
+
+
+def _steps_agree(ref, fast, fmt, cfg, table, positions):
+    """Every step at ``positions`` (0-based, in order): the fast step's logits against the reference's, its own
+    argmax against torch.argmax of its logits, its counters back to zero."""
+    ids = torch.randint(1, cfg.vocab_size, (len(positions),), dtype=torch.int32)
+    for t, pos in enumerate(positions):
+        args = (ids[t:t + 1].cuda(), torch.full((1,), pos + 1, dtype=torch.int32, device="cuda"), table)
+        want = ref(*args).clone()
+        fast.logits.fill_(float("nan"))
+        fast.token.fill_(-1)
+        got = fast(*args)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < (1e-3 if fmt == "bf16" else 5e-2), f"position {pos}: {err:.3g} of the largest logit"
+        if fmt == "bf16":
+            assert got.argmax() == want.argmax(), f"position {pos}"
+        assert fast.token.item() == got.argmax().item(), f"position {pos}"
+        assert fast.counters.eq(0).all() and fast.aux[:3].tolist() == [-(1 << 63), 0, 0], f"position {pos}"
 
 
 @pytest.mark.gpu
@@ -146,19 +178,21 @@ def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, s
     argmax equals torch.argmax of its logits, and it leaves its counters zero for the next step."""
     _, f, cfg = _tiny(model_files, fmt)
     ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, warps=warps, hold=hold)
-    ids = torch.randint(1, cfg.vocab_size, (13,), dtype=torch.int32)
-    for t in range(len(ids)):
-        args = (ids[t:t + 1].cuda(), torch.full((1,), t + 1, dtype=torch.int32, device="cuda"), table)
-        want = ref(*args).clone()
-        fast.logits.fill_(float("nan"))
-        fast.token.fill_(-1)
-        got = fast(*args)
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        assert err < (1e-3 if fmt == "bf16" else 5e-2), f"step {t}: {err:.3g} of the largest logit"
-        if fmt == "bf16":
-            assert got.argmax() == want.argmax(), f"step {t}"
-        assert fast.token.item() == got.argmax().item(), f"step {t}"
-        assert fast.counters.eq(0).all() and fast.aux[:3].tolist() == [-(1 << 63), 0, 0], f"step {t}"
+    _steps_agree(ref, fast, fmt, cfg, table, range(13))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, splits, engine_layout, attn_blocks",
+                         [("bf16", 2, True, None), ("bf16", 3, False, 2), ("bf16", 2, False, 0), ("q4_k", 3, True, 0)])
+def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, attn_blocks):
+    """Splits of many blocks of 32 keys (about 600 cached keys over 2-3 splits): the cp.async ring of every block
+    count (None: 8 blocks at head dim 64, 2: it wraps every other block, 0: the register path) against the
+    reference executor, at four consecutive positions."""
+    _, f, cfg = _tiny(model_files, fmt)
+    ctx = 600
+    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=ctx, warps=8 if fmt == "q4_k" else 4,
+                                     attn_blocks=attn_blocks)
+    _steps_agree(ref, fast, fmt, cfg, table, [ctx, ctx + 1, ctx + 2, ctx + 3])
 
 
 @pytest.mark.gpu

@@ -1,0 +1,117 @@
+"""Where the engine's one-kernel decode step loses time against the same kernel in the lab, in one process on the
+Llama-3-8B shape (random bf16 weights, batch 1, the engine suite's settings: 64 sequences, max_model_len 4112):
+
+- the engine's decode rate (as the engine suite measures it) and its ms per step;
+- the engine's captured one-kernel graph replayed back to back (no host, no uploads);
+- a FastStep over the engine's weights and caches, launched back to back in a graph of ``--reps`` steps, at each
+  of ``--contexts`` and each ``--attn-blocks`` (FastStep's; -1: its default);
+- with ``--own``, the same over a cache of its own (each layer's K and V apart, pages in order) and with the
+  program built for the first context and this machine's measured bandwidth;
+- optionally (``--profile``) the engine's steps under torch.profiler: GPU time per kernel and idle time.
+
+    PYTHONPATH=.:bench/lab python bench/lab/megakernel_engine_gap.py [--contexts 512,639] [--holds 1]
+                                                                     [--attn-blocks -1,0] [--own] [--profile]
+"""
+import argparse
+import functools
+import itertools
+
+import torch
+
+from llmkernels.bench.harness import measure_read_bandwidth, time_graph_ms
+from llmkernels.bench.suites.engine import _decode_rate, llama3_8b_config, synthetic_tensors
+from llmkernels.engine import LLM, Model
+from llmkernels.megakernel import build_decode_program
+from llmkernels.megakernel.fast import FastStep
+
+
+def replay_ms(graph, n=50):
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="512,639")
+    ap.add_argument("--attn-blocks", default="-1")
+    ap.add_argument("--own", action="store_true")
+    ap.add_argument("--holds", default="1")
+    ap.add_argument("--stages", default="16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    bw = measure_read_bandwidth() * 1e12
+    cfg = llama3_8b_config(32)
+    llm = LLM.from_model(Model(cfg, synthetic_tensors("bf16", cfg), "cuda", torch.bfloat16), max_num_seqs=64,
+                         max_model_len=4112)
+    llm.capture_graphs([1])
+    print(llm.describe(), flush=True)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    rates = [_decode_rate(llm, 1, prompt=contexts[0])[0] for _ in range(2)]
+    print(f"engine: {rates[0]:.1f} / {rates[1]:.1f} tokens/s ({1e3 / rates[1]:.3f} ms per step)", flush=True)
+    og = llm.runner.one_kernel
+    f = og.fast
+    print(f"engine graph replayed: {replay_ms(og.graph) * 1e3:.1f} us per step (seq_len {int(og.lens[0])})",
+          flush=True)
+    ids, lens, table = og.ids.clone(), og.lens.clone(), og.table.clone()
+    pages = -(-(max(contexts) + 1) // 16)
+    kc = torch.randn(cfg.n_layers, pages, 16, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    own = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
+    lab_prog = build_decode_program(cfg, "bf16", batch=1, context=contexts[0], num_sms=f.prog.num_sms, bandwidth=bw)
+    cases = [("engine program, engine caches and pages", f.prog, f.kc, f.vc, table)]
+    if args.own:
+        cases += [("engine program, own caches", f.prog, kc, vc, own),
+                  (f"program for {contexts[0]} at {bw / 1e12:.2f} TB/s, own caches", lab_prog, kc, vc, own)]
+    for st, hold, ab, ctx in itertools.product([int(x) for x in args.stages.split(",")],
+                                               [int(x) for x in args.holds.split(",")],
+                                               [int(x) for x in args.attn_blocks.split(",")], contexts):
+        lens.fill_(ctx)
+        for name, prog, k, v, t in cases:
+            fs = FastStep(prog, cfg, f.stacks, f.emb, f.norms, f.onorm, f.inv_freq, k, v, stages=st, hold=hold,
+                          attn_blocks=None if ab < 0 else ab)
+            fs(ids, lens, t)
+            torch.cuda.synchronize()
+            ms = time_graph_ms([functools.partial(fs.launch, ids, lens, t)], reps=args.reps)
+            print(f"stages {st} hold {hold} attn_blocks {fs.attn_blocks}, {name}, context {ctx}: {ms * 1e3:.1f} us "
+                  f"per step", flush=True)
+            del fs
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        from llmkernels.engine import SamplingParams
+
+        llm.add_request(list(range(1, contexts[0] + 1)), SamplingParams(temperature=0, max_tokens=96,
+                                                                         ignore_eos=True))
+        for _ in range(24):
+            llm.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(24):
+                llm.step()
+            torch.cuda.synchronize()
+        ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+        by = {}
+        for e in ev:
+            n, tt = by.get(e.name, (0, 0.0))
+            by[e.name] = (n + 1, tt + e.time_range.elapsed_us())
+        span = ev[-1].time_range.end - ev[0].time_range.start
+        busy = sum(tt for _, tt in by.values())
+        print(f"profile: {span / 24:.1f} us of GPU span per step, busy {busy / 24:.1f}, idle {(span - busy) / 24:.1f}")
+        for name, (n, tt) in sorted(by.items(), key=lambda kv: -kv[1][1])[:8]:
+            print(f"  {tt / 24:9.1f} us/step  {n / 24:5.1f}x  {name[:90]}")
+        gaps = sorted(((b.time_range.start - a.time_range.end), a.name[:40], b.name[:40]) for a, b in zip(ev, ev[1:]))
+        for g, a, b in gaps[-5:]:
+            print(f"  gap {g:8.1f} us  {a} -> {b}")
+
+
+if __name__ == "__main__":
+    main()
