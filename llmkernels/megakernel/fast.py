@@ -268,14 +268,10 @@ def _rope(x, xp, d, ang):
 
 
 @gluon.jit
-def _kv_block(KC, VC, PT_SEQ, cache_off, keys, hi, dk, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr):
-    """The K and V rows (cache dtype) of ``keys`` (zeros at keys >= hi)."""
+def _kv_block(KC, VC, row, keys, hi, dk):
+    """The K and V rows (cache dtype) ``row`` of ``keys`` (zeros at keys >= hi), loaded into registers."""
     km = keys < hi
-    page = gl.load(PT_SEQ + keys // PAGE, mask=km, other=0)
-    row = cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
-    kvm = km[:, None] & (dk < D)[None, :]
-    return (gl.load(KC + row[:, None] + dk[None, :], mask=kvm, other=0.0),
-            gl.load(VC + row[:, None] + dk[None, :], mask=kvm, other=0.0))
+    return gl.load(KC + row + dk, mask=km, other=0.0), gl.load(VC + row + dk, mask=km, other=0.0)
 
 
 @gluon.jit
@@ -303,19 +299,17 @@ def _kv_rows(PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: 
 
 
 @gluon.jit
-def _kv_issue(kv_smem, slot, KC, VC, row, keys, hi, dk, D: gl.constexpr):
-    """cp.async of the K and V rows ``row`` of ``keys`` into kv_smem[2 slot], [2 slot + 1] (zeros past hi), one
-    commit group; each thread copies the elements it later reads (the ATTN block layout), so no barrier is needed
-    between the copy and the read."""
-    kvm = (keys < hi)[:, None]  # one mask per row, so a thread's run of D // 32 elements is one copy
-    off = row[:, None] + dk[None, :]
+def _kv_issue(kv_smem, slot, KC, VC, row, keys, hi, dk, D: gl.constexpr, LD: gl.constexpr):
+    """cp.async of the K and V rows ``row`` of ``keys`` ([W, NW, 1]) into kv_smem[2 slot], [2 slot + 1] (zeros
+    past hi), one commit group; each thread copies the elements it later reads (the ATTN block layout), so no
+    barrier is needed between the copy and the read."""
     # rows start 16-byte aligned (FastStep checks the strides); the hint is given on the pointers, as the
-    # partition's arguments do not carry their alignment
-    VB: gl.constexpr = 2 * (D // 32)  # bytes of a thread's run (16-bit caches)
-    kp = gl.max_contiguous(gl.multiple_of(KC + off, [16, VB]), [1, D // 32])
-    vp = gl.max_contiguous(gl.multiple_of(VC + off, [16, VB]), [1, D // 32])
-    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot), kp, mask=kvm)
-    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot + 1), vp, mask=kvm)
+    # partition's arguments do not carry their alignment; a thread's D // LD elements of a row are one copy
+    VB: gl.constexpr = 2 * (D // LD)
+    kp = gl.max_contiguous(gl.multiple_of(KC + row + dk, [16, 16, VB]), [1, 1, D // LD])
+    vp = gl.max_contiguous(gl.multiple_of(VC + row + dk, [16, 16, VB]), [1, 1, D // LD])
+    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot), kp, mask=keys < hi)
+    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot + 1), vp, mask=keys < hi)
     async_copy.commit_group()
 
 
@@ -323,7 +317,7 @@ def _kv_issue(kv_smem, slot, KC, VC, row, keys, hi, dk, D: gl.constexpr):
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
           ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
-          TRACE: gl.constexpr, HOLD: gl.constexpr, NBUF: gl.constexpr):
+          TRACE: gl.constexpr, HOLD: gl.constexpr, NBUF: gl.constexpr, LN: gl.constexpr):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
     split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
     What does not depend on this step's QKV (the length, the page table, the first blocks of cached keys) is
@@ -331,38 +325,48 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     BLOCK_N keys go through a ring of NBUF blocks in ``kv_buf`` (shared memory free during ATTN) by cp.async, NBUF
     of them in flight from before the wait; 0: one block ahead in registers. A block holding the new token's row
     gets it from registers (it was loaded before the row was written)."""
-    # [GP, N, D]: D across the lanes, keys across the warps, the group's heads in each thread; a block of
-    # BLOCK_N keys is one round of loads for all its K and V rows (the splits are short: latency, not bandwidth)
-    L3: gl.constexpr = gl.BlockedLayout([GP, BLOCK_N // gl.num_warps(), D // 32], [1, 1, 32], [1, gl.num_warps(), 1],
-                                        [2, 1, 0])
-    QL: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, D]
-    KL: gl.constexpr = gl.SliceLayout(0, L3)  # [N, D]
-    SL: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, N]
+    # [W, GP, NW, D]: each warp w runs its own online softmax over keys w * NW + [0, NW) of every block (the
+    # warps' partials are merged once, at the end, so a block needs no exchange between warps); in a warp, D
+    # across 16 lanes and the keys across 2, the group's heads in each thread. Every tensor keeps this layout
+    # with its reduced dims of size 1, so they broadcast without layout conversions. LN: lanes across the keys
+    # (2: fewer shuffles; 1: fewer registers per thread, for builds short of them).
+    W: gl.constexpr = gl.num_warps()
+    NW: gl.constexpr = BLOCK_N // W
+    LD: gl.constexpr = 32 // LN
+    L4: gl.constexpr = gl.BlockedLayout([1, GP, NW // LN, D // LD], [1, 1, LN, LD], [W, 1, 1, 1], [3, 2, 1, 0])
+    KL: gl.constexpr = gl.SliceLayout(1, L4)  # a block's K or V rows [W, NW, D]
+    QL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L4))  # [GP, D]
     G: gl.constexpr = HQ // HKV
     g = gl.arange(0, GP, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    dk = gl.arange(0, D, layout=gl.SliceLayout(0, KL))
-    nn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KL))
-    nn_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SL))
+    wk = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))[:, None, None]
+    nk = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))[None, :, None]
+    dk1 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
+    dk = dk1[None, None, :]
+    kidx = wk * NW + nk  # [W, NW, 1]: key of each row within a block
+    S3: gl.constexpr = gl.SliceLayout(3, L4)
+    kidx4 = (gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None] * NW
+             + gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :])[:, :, :, None]
     gm = g < G
     f_q = gl.load(INV_FREQ + dq // 2)
-    f_k = gl.load(INV_FREQ + dk // 2)
+    f_k = gl.load(INV_FREQ + dk1 // 2)
     cache_off = layer.to(gl.int64) * layer_stride + h * D
     n = gl.load(SEQ_LENS)
     pos = (n - 1).to(gl.float32)
     lo = split * n // S
     hi = (split + 1) * n // S
     if NBUF > 0:
-        KV3: gl.constexpr = gl.SwizzledSharedLayout(D // 32, 1, 1, [1, 0])  # per block [BLOCK_N, D], unswizzled
-        kv_smem = kv_buf._reinterpret(KC.dtype.element_ty, [2 * NBUF, BLOCK_N, D], KV3)
+        KV4: gl.constexpr = gl.SwizzledSharedLayout(D // LD, 1, 1, [2, 1, 0])  # per block [W, NW, D], unswizzled
+        kv_smem = kv_buf._reinterpret(KC.dtype.element_ty, [2 * NBUF, W, NW, D], KV4)
         gl.thread_barrier()  # every warp is past its reads of the buffer in the instruction before
         for b in gl.static_range(NBUF):
-            keys = lo + b * BLOCK_N + nn
-            _kv_issue(kv_smem, b, KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk, D)
+            keys = lo + b * BLOCK_N + kidx
+            _kv_issue(kv_smem, b, KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk, D, LD)
         # the page-table entries of the block issued next, one block ahead of its copy
-        rows_next = _kv_rows(PT, cache_off, lo + NBUF * BLOCK_N + nn, hi, PAGE, HKV, D)
+        rows_next = _kv_rows(PT, cache_off, lo + NBUF * BLOCK_N + kidx, hi, PAGE, HKV, D)
     else:
-        kt, vt = _kv_block(KC, VC, PT, cache_off, lo + nn, hi, dk, PAGE, HKV, D)
+        keys = lo + kidx
+        kt, vt = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -374,72 +378,77 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     qm = gm[:, None] & (dq < D)[None, :]
     q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
     qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
-    q = _rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale
+    q = (_rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale)[None, :, None, :]
     # the new token: K rotated, V as is, into its cache slot (the last split) and into the block that holds it
     ko = HQ * D + h * D
     vo = (HQ + HKV) * D + h * D
     if NBUF > 0:  # every block was loaded before the row was written: each takes it from registers
-        kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k).to(KC.dtype.element_ty)
-        vn = gl.load(QKV + vo + dk).to(VC.dtype.element_ty)
+        kn = _rope(gl.load(QKV + ko + dk1), gl.load(QKV + ko + (dk1 ^ 1)), dk1, pos * f_k).to(KC.dtype.element_ty)
+        vn = gl.load(QKV + vo + dk1).to(VC.dtype.element_ty)
         if split == S - 1:
             slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
-            gl.store(KC + slot + dk, kn)
-            gl.store(VC + slot + dk, vn)
+            gl.store(KC + slot + dk1, kn)
+            gl.store(VC + slot + dk1, vn)
     elif split == S - 1:  # only the first block was loaded before: patched here, later ones read the cache
-        kn = _rope(gl.load(QKV + ko + dk), gl.load(QKV + ko + (dk ^ 1)), dk, pos * f_k).to(KC.dtype.element_ty)
-        vn = gl.load(QKV + vo + dk).to(VC.dtype.element_ty)
+        kn = _rope(gl.load(QKV + ko + dk1), gl.load(QKV + ko + (dk1 ^ 1)), dk1, pos * f_k).to(KC.dtype.element_ty)
+        vn = gl.load(QKV + vo + dk1).to(VC.dtype.element_ty)
         slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
-        gl.store(KC + slot + dk, kn)
-        gl.store(VC + slot + dk, vn)
-        is_new = (lo + nn == n - 1)[:, None]
-        kt = gl.where(is_new, kn[None, :], kt)
-        vt = gl.where(is_new, vn[None, :], vt)
+        gl.store(KC + slot + dk1, kn)
+        gl.store(VC + slot + dk1, vn)
+        is_new = lo + kidx == n - 1
+        kt = gl.where(is_new, kn[None, None, :], kt)
+        vt = gl.where(is_new, vn[None, None, :], vt)
         gl.thread_barrier()  # the new key is in the cache before any warp reads a later block
-    m_i = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
-    l_i = gl.zeros([GP], gl.float32, gl.SliceLayout(1, SL))
-    acc = gl.zeros([GP, D], gl.float32, QL)
+    m_i = gl.full([W, GP, 1, 1], float("-inf"), gl.float32, L4)
+    l_i = gl.zeros([W, GP, 1, 1], gl.float32, L4)
+    acc = gl.zeros([W, GP, 1, D], gl.float32, L4)
     i = 0
     for k0 in range(lo, hi, BLOCK_N):
         if NBUF > 0:
             async_copy.wait_group(NBUF - 1)  # block i is in (one group per block, in order)
             kt = kv_smem.index(2 * (i % NBUF)).load(KL)
             vt = kv_smem.index(2 * (i % NBUF) + 1).load(KL)
-            valid = (k0 + nn < hi)[:, None]
-            is_new = (k0 + nn == n - 1)[:, None]
-            kt = gl.where(is_new, kn[None, :], kt)
-            vt = gl.where(valid, gl.where(is_new, vn[None, :], vt), 0.0)
+            is_new = k0 + kidx == n - 1
+            kt = gl.where(is_new, kn[None, None, :], kt)
+            vt = gl.where(k0 + kidx < hi, gl.where(is_new, vn[None, None, :], vt), 0.0)
         else:  # the next block's rows in flight while this one is computed
-            kn2, vn2 = _kv_block(KC, VC, PT, cache_off, k0 + BLOCK_N + nn, hi, dk, PAGE, HKV, D)
-        s = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)  # [GP, N]
-        s = gl.where((k0 + nn_s < hi)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            keys = k0 + BLOCK_N + kidx
+            kn2, vn2 = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
+        s = gl.sum(q * kt.to(gl.float32)[:, None, :, :], axis=3, keep_dims=True)  # [W, GP, NW, 1]
+        s = gl.where(k0 + kidx4 < hi, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=2, keep_dims=True))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        pr = gl.exp(s - m_safe[:, None])
+        pr = gl.exp(s - m_safe)
         alpha = gl.exp(m_i - m_safe)
-        pv = gl.sum(pr[:, :, None] * vt.to(gl.float32)[None, :, :], axis=1)  # [GP, D]
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, QL))[:, None] + pv
-        l_i = l_i * alpha + gl.sum(pr, axis=1)
+        acc = acc * alpha + gl.sum(pr * vt.to(gl.float32)[:, None, :, :], axis=2, keep_dims=True)
+        l_i = l_i * alpha + gl.sum(pr, axis=2, keep_dims=True)
         m_i = m_new
         if NBUF == 0:
             kt, vt = kn2, vn2
         else:  # block i + NBUF into the slot just used (its values are in this thread's registers by now)
-            keys = k0 + NBUF * BLOCK_N + nn
+            keys = k0 + NBUF * BLOCK_N + kidx
             if k0 + NBUF * BLOCK_N < hi:
-                _kv_issue(kv_smem, i % NBUF, KC, VC, rows_next, keys, hi, dk, D)
+                _kv_issue(kv_smem, i % NBUF, KC, VC, rows_next, keys, hi, dk, D, LD)
             else:
                 async_copy.commit_group()
             rows_next = _kv_rows(PT, cache_off, keys + BLOCK_N, hi, PAGE, HKV, D)
         i += 1
     if NBUF > 0:
         async_copy.wait_group(0)
-    has = l_i > 0
-    den = gl.where(has, l_i, 1.0)
-    base = (h * G + g) * S + split
-    gl.store(PART_O + base[:, None] * D + dq[None, :], acc / gl.convert_layout(den, gl.SliceLayout(1, QL))[:, None],
-             mask=qm)
-    lse = gl.where(has, m_i + gl.log(den), float("-inf"))
-    LS: gl.constexpr = gl.SliceLayout(1, SL)
-    gl.store(PART_L + gl.convert_layout(base, LS), lse, mask=gl.convert_layout(gm, LS))
+    # the warps' partials merged: weights exp(m_w - max over warps)
+    top = gl.max(m_i, axis=0, keep_dims=True)
+    top_safe = gl.where(top == float("-inf"), 0.0, top)
+    wt = gl.where(m_i == float("-inf"), 0.0, gl.exp(m_i - top_safe))
+    lsum = gl.sum(l_i * wt, axis=0, keep_dims=True)  # [1, GP, 1, 1]
+    o = gl.sum(acc * wt, axis=0, keep_dims=True)  # [1, GP, 1, D]
+    has = lsum > 0
+    den = gl.where(has, lsum, 1.0)
+    O3: gl.constexpr = gl.SliceLayout(2, L4)
+    g4 = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None, None]
+    d4 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))[None, None, None, :]
+    base = (h * G + g4) * S + split
+    gl.store(PART_O + base * D + d4, o / den, mask=(g4 < G) & (d4 < D))
+    gl.store(PART_L + base, gl.where(has, top_safe + gl.log(den), float("-inf")), mask=g4 < G)
     return ok
 
 
@@ -464,8 +473,8 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 @gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
-             H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, kv_buf,
+             B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
              FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
              HOLD: gl.constexpr, KVBUF: gl.constexpr):
@@ -503,8 +512,8 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                              False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
-                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, x_smem, HQ, HKV,
-                       D, S, PAGE, GP, 32, TRACE, HOLD, KVBUF)
+                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, kv_buf, HQ, HKV,
+                       D, S, PAGE, GP, 32, TRACE, HOLD, KVBUF, 2 if (FMT == 0) & (gl.num_warps() == 4) else 1)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
@@ -586,6 +595,12 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 16], hdesc_a.layout)
         xq_smem, xd_smem = int8_input_smem()
         x_smem = xd_smem
+    if FMT == 0:
+        kv_buf = x_smem  # free while an ATTN runs
+    elif KVBUF > 0:
+        kv_buf = gl.allocate_shared_memory(gl.float32, [64, BK], flat)
+    else:
+        kv_buf = xq_smem
     ready, empty = ring_barriers(STAGES)
     gate = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(gate, count=1)
@@ -594,8 +609,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
                     IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
-                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
-                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVBUF)),
+                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, kv_buf,
+                    B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVBUF)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -642,8 +657,8 @@ class FastStep:
     holds its weight stream at each ATTN instruction until the split is past its wait (1, the default: the
     faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its wait;
     ``attn_blocks``: blocks of 32 cached keys an ATTN split keeps in flight by cp.async, from before its wait
-    (bf16 weights: up to 64 KB of them in the staging buffer; None: as many as fit, 4 at head dim 128), or 0:
-    one block ahead in registers (q4_k has no room for more);
+    (up to 64 KB of shared memory: bf16's staging buffer, free during attention, or a buffer of their own for
+    q4_k; None: as many as fit, 4 at head dim 128), or 0: one block ahead in registers;
     ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
@@ -711,8 +726,7 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
-        # K and V blocks of 32 keys in the 64 KB staging buffer; cp.async copies 4 bytes or more (head_dim >= 64)
-        most = 0 if self.fmt == "q4_k" or D < 64 else min(8, (64 << 10) // (2 * 32 * D * 2))
+        most = min(8, (64 << 10) // (2 * 32 * D * 2))  # K and V blocks of 32 keys in 64 KB
         if attn_blocks is None:
             attn_blocks = most
         if not isinstance(attn_blocks, int) or not 0 <= attn_blocks <= most:
@@ -819,7 +833,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold, KVBUF=(0 if fmt == "q4_k" else 4) if attn_blocks is None else attn_blocks)
+                  HOLD=hold, KVBUF=min(8, 512 // head_dim) if attn_blocks is None else attn_blocks)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

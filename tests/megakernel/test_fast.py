@@ -80,24 +80,24 @@ def test_fast_step_rejects_bad_arguments(model_files):
 def test_fast_step_compiles_for_sm90_without_a_gpu():
     """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the
     loader's hold (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no
-    weight reads issues no TMA copy, and only bf16 builds copy attention's blocks with cp.async."""
+    weight reads issues no TMA copy, and attention's blocks come by cp.async unless attn_blocks=0."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
             "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
-            "compile_sm90('bf16', 4, hold=0)]; "
+            "compile_sm90('bf16', 4, hold=0), compile_sm90('bf16', 4, attn_blocks=0)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
             "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx'], "
-            "'cp.async.ca' in k.asm['ptx']] for k in ks]))")
+            "'cp.async.c' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    bf, q, diag, free = json.loads(r.stdout)
+    bf, q, diag, free, regs = json.loads(r.stdout)
     assert bf[1] and q[1] and diag[1] and free[1]
     assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
-    assert bf[4] and not q[4]  # bf16's ATTN blocks come by cp.async, q4_k's by loads into registers
+    assert bf[4] and q[4] and not regs[4]  # ATTN's blocks by cp.async, or (attn_blocks=0) loads into registers
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
 
 
@@ -183,7 +183,8 @@ def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, splits, engine_layout, attn_blocks",
-                         [("bf16", 2, True, None), ("bf16", 3, False, 2), ("bf16", 2, False, 0), ("q4_k", 3, True, 0)])
+                         [("bf16", 2, True, None), ("bf16", 3, False, 2), ("bf16", 2, False, 0), ("q4_k", 3, True, None),
+                          ("q4_k", 2, False, 0)])
 def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, attn_blocks):
     """Splits of many blocks of 32 keys (about 600 cached keys over 2-3 splits): the cp.async ring of every block
     count (None: 8 blocks at head dim 64, 2: it wraps every other block, 0: the register path) against the
