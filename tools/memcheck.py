@@ -468,9 +468,8 @@ def megakernel_cases(dev="cuda"):
     files = {}
     cases = (("bf16", 4, 2, 7, {}, 0), ("bf16", 4, 3, sms, dict(hold=0), 0), ("bf16", 4, 2, sms, dict(hold=3), 0),
              ("q4_k", 8, 3, 7, {}, 0), ("q4_k", 8, 2, sms, dict(hold=2), 0),
-             # splits of several blocks of 32 keys: the cp.async ring, wrapping (2 blocks) or not, and registers
-             ("bf16", 4, 2, 7, dict(attn_blocks=2), 203), ("bf16", 4, 3, sms, {}, 203),
-             ("q4_k", 8, 2, sms, {}, 203), ("q4_k", 8, 3, 7, dict(attn_blocks=0), 203))
+             # splits of several blocks of 32 keys
+             ("bf16", 4, 2, 7, {}, 203), ("bf16", 8, 3, sms, {}, 203), ("q4_k", 8, 2, sms, {}, 203))
     for fmt, warps, splits, n_sms, opts, ctx in cases:
         if fmt not in files:
             files[fmt] = read_gguf(convert_hf_to_gguf(d, f"{d}/model-{fmt}.gguf", fmt, progress=False))

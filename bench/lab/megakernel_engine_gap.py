@@ -4,13 +4,14 @@ Llama-3-8B shape (random bf16 weights, batch 1, the engine suite's settings: 64 
 - the engine's decode rate (as the engine suite measures it) and its ms per step;
 - the engine's captured one-kernel graph replayed back to back (no host, no uploads);
 - a FastStep over the engine's weights and caches, launched back to back in a graph of ``--reps`` steps, at each
-  of ``--contexts`` and each ``--attn-blocks`` (FastStep's; -1: its default);
+  of ``--contexts``, for each of ``--variants``: ``new`` (this tree's FastStep) and ``prev`` (the FastStep of
+  a module ``llmkernels/megakernel/_fast_prev.py``, an earlier fast.py put there for an A/B in one process);
 - with ``--own``, the same over a cache of its own (each layer's K and V apart, pages in order) and with the
   program built for the first context and this machine's measured bandwidth;
 - optionally (``--profile``) the engine's steps under torch.profiler: GPU time per kernel and idle time.
 
     PYTHONPATH=.:bench/lab python bench/lab/megakernel_engine_gap.py [--contexts 512,639] [--holds 1]
-                                                                     [--attn-blocks -1,0] [--own] [--profile]
+                                                                     [--variants new,prev] [--own] [--profile]
 """
 import argparse
 import functools
@@ -40,7 +41,7 @@ def replay_ms(graph, n=50):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="512,639")
-    ap.add_argument("--attn-blocks", default="-1")
+    ap.add_argument("--variants", default="new")
     ap.add_argument("--own", action="store_true")
     ap.add_argument("--holds", default="1")
     ap.add_argument("--stages", default="16")
@@ -70,18 +71,20 @@ def main():
     if args.own:
         cases += [("engine program, own caches", f.prog, kc, vc, own),
                   (f"program for {contexts[0]} at {bw / 1e12:.2f} TB/s, own caches", lab_prog, kc, vc, own)]
-    for st, hold, ab, ctx in itertools.product([int(x) for x in args.stages.split(",")],
-                                               [int(x) for x in args.holds.split(",")],
-                                               [int(x) for x in args.attn_blocks.split(",")], contexts):
+    for st, hold, var, ctx in itertools.product([int(x) for x in args.stages.split(",")],
+                                                [int(x) for x in args.holds.split(",")], args.variants.split(","),
+                                                contexts):
         lens.fill_(ctx)
+        if var == "prev":
+            from llmkernels.megakernel._fast_prev import FastStep as Step
+        else:
+            Step = FastStep
         for name, prog, k, v, t in cases:
-            fs = FastStep(prog, cfg, f.stacks, f.emb, f.norms, f.onorm, f.inv_freq, k, v, stages=st, hold=hold,
-                          attn_blocks=None if ab < 0 else ab)
+            fs = Step(prog, cfg, f.stacks, f.emb, f.norms, f.onorm, f.inv_freq, k, v, stages=st, hold=hold)
             fs(ids, lens, t)
             torch.cuda.synchronize()
             ms = time_graph_ms([functools.partial(fs.launch, ids, lens, t)], reps=args.reps)
-            print(f"stages {st} hold {hold} attn_blocks {fs.attn_blocks}, {name}, context {ctx}: {ms * 1e3:.1f} us "
-                  f"per step", flush=True)
+            print(f"stages {st} hold {hold} {var}, {name}, context {ctx}: {ms * 1e3:.1f} us per step", flush=True)
             del fs
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -19,7 +19,6 @@ views with any layer stride (the engine's cache holds K and V of a layer side by
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..attention.paged_ws import _now
@@ -299,41 +298,22 @@ def _kv_rows(PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: 
 
 
 @gluon.jit
-def _kv_issue(kv_smem, slot, KC, VC, row, keys, hi, dk, D: gl.constexpr, LD: gl.constexpr):
-    """cp.async of the K and V rows ``row`` of ``keys`` ([W, NW, 1]) into kv_smem[2 slot], [2 slot + 1] (zeros
-    past hi), one commit group; each thread copies the elements it later reads (the ATTN block layout), so no
-    barrier is needed between the copy and the read."""
-    # rows start 16-byte aligned (FastStep checks the strides); the hint is given on the pointers, as the
-    # partition's arguments do not carry their alignment; a thread's D // LD elements of a row are one copy
-    VB: gl.constexpr = 2 * (D // LD)
-    kp = gl.max_contiguous(gl.multiple_of(KC + row + dk, [16, 16, VB]), [1, 1, D // LD])
-    vp = gl.max_contiguous(gl.multiple_of(VC + row + dk, [16, 16, VB]), [1, 1, D // LD])
-    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot), kp, mask=keys < hi)
-    async_copy.async_copy_global_to_shared(kv_smem.index(2 * slot + 1), vp, mask=keys < hi)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
-          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, HQ: gl.constexpr, HKV: gl.constexpr,
+          ERR, wait, target, ok, where, spin_limit, TRW, gate, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
-          TRACE: gl.constexpr, HOLD: gl.constexpr, NBUF: gl.constexpr, LN: gl.constexpr):
+          TRACE: gl.constexpr, HOLD: gl.constexpr):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
     split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
-    What does not depend on this step's QKV (the length, the page table, the first blocks of cached keys) is
-    loaded before the wait on it, so only q's loads follow it -> ok (_wait). NBUF > 0: the split's blocks of
-    BLOCK_N keys go through a ring of NBUF blocks in ``kv_buf`` (shared memory free during ATTN) by cp.async, NBUF
-    of them in flight from before the wait; 0: one block ahead in registers. A block holding the new token's row
-    gets it from registers (it was loaded before the row was written)."""
+    What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys)
+    is loaded before the wait on it, so only q's loads follow it -> ok (_wait); later blocks are loaded one
+    block ahead."""
     # [W, GP, NW, D]: each warp w runs its own online softmax over keys w * NW + [0, NW) of every block (the
     # warps' partials are merged once, at the end, so a block needs no exchange between warps); in a warp, D
-    # across 16 lanes and the keys across 2, the group's heads in each thread. Every tensor keeps this layout
-    # with its reduced dims of size 1, so they broadcast without layout conversions. LN: lanes across the keys
-    # (2: fewer shuffles; 1: fewer registers per thread, for builds short of them).
+    # across the lanes, its keys and the group's heads in each thread. Every tensor keeps this layout
+    # with its reduced dims of size 1, so they broadcast without layout conversions.
     W: gl.constexpr = gl.num_warps()
     NW: gl.constexpr = BLOCK_N // W
-    LD: gl.constexpr = 32 // LN
-    L4: gl.constexpr = gl.BlockedLayout([1, GP, NW // LN, D // LD], [1, 1, LN, LD], [W, 1, 1, 1], [3, 2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, GP, NW, D // 32], [1, 1, 1, 32], [W, 1, 1, 1], [3, 2, 1, 0])
     KL: gl.constexpr = gl.SliceLayout(1, L4)  # a block's K or V rows [W, NW, D]
     QL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L4))  # [GP, D]
     G: gl.constexpr = HQ // HKV
@@ -355,18 +335,8 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     pos = (n - 1).to(gl.float32)
     lo = split * n // S
     hi = (split + 1) * n // S
-    if NBUF > 0:
-        KV4: gl.constexpr = gl.SwizzledSharedLayout(D // LD, 1, 1, [2, 1, 0])  # per block [W, NW, D], unswizzled
-        kv_smem = kv_buf._reinterpret(KC.dtype.element_ty, [2 * NBUF, W, NW, D], KV4)
-        gl.thread_barrier()  # every warp is past its reads of the buffer in the instruction before
-        for b in gl.static_range(NBUF):
-            keys = lo + b * BLOCK_N + kidx
-            _kv_issue(kv_smem, b, KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk, D, LD)
-        # the page-table entries of the block issued next, one block ahead of its copy
-        rows_next = _kv_rows(PT, cache_off, lo + NBUF * BLOCK_N + kidx, hi, PAGE, HKV, D)
-    else:
-        keys = lo + kidx
-        kt, vt = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
+    keys = lo + kidx
+    kt, vt = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -379,17 +349,11 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
     qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
     q = (_rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale)[None, :, None, :]
-    # the new token: K rotated, V as is, into its cache slot (the last split) and into the block that holds it
-    ko = HQ * D + h * D
-    vo = (HQ + HKV) * D + h * D
-    if NBUF > 0:  # every block was loaded before the row was written: each takes it from registers
-        kn = _rope(gl.load(QKV + ko + dk1), gl.load(QKV + ko + (dk1 ^ 1)), dk1, pos * f_k).to(KC.dtype.element_ty)
-        vn = gl.load(QKV + vo + dk1).to(VC.dtype.element_ty)
-        if split == S - 1:
-            slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
-            gl.store(KC + slot + dk1, kn)
-            gl.store(VC + slot + dk1, vn)
-    elif split == S - 1:  # only the first block was loaded before: patched here, later ones read the cache
+    # the new token: K rotated, V as is, into its cache slot and into the first block (loaded before it was
+    # written; the later blocks read the cache)
+    if split == S - 1:
+        ko = HQ * D + h * D
+        vo = (HQ + HKV) * D + h * D
         kn = _rope(gl.load(QKV + ko + dk1), gl.load(QKV + ko + (dk1 ^ 1)), dk1, pos * f_k).to(KC.dtype.element_ty)
         vn = gl.load(QKV + vo + dk1).to(VC.dtype.element_ty)
         slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
@@ -402,18 +366,10 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     m_i = gl.full([W, GP, 1, 1], float("-inf"), gl.float32, L4)
     l_i = gl.zeros([W, GP, 1, 1], gl.float32, L4)
     acc = gl.zeros([W, GP, 1, D], gl.float32, L4)
-    i = 0
     for k0 in range(lo, hi, BLOCK_N):
-        if NBUF > 0:
-            async_copy.wait_group(NBUF - 1)  # block i is in (one group per block, in order)
-            kt = kv_smem.index(2 * (i % NBUF)).load(KL)
-            vt = kv_smem.index(2 * (i % NBUF) + 1).load(KL)
-            is_new = k0 + kidx == n - 1
-            kt = gl.where(is_new, kn[None, None, :], kt)
-            vt = gl.where(k0 + kidx < hi, gl.where(is_new, vn[None, None, :], vt), 0.0)
-        else:  # the next block's rows in flight while this one is computed
-            keys = k0 + BLOCK_N + kidx
-            kn2, vn2 = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
+        # the next block's rows in flight while this one is computed
+        keys = k0 + BLOCK_N + kidx
+        kn2, vn2 = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
         s = gl.sum(q * kt.to(gl.float32)[:, None, :, :], axis=3, keep_dims=True)  # [W, GP, NW, 1]
         s = gl.where(k0 + kidx4 < hi, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=2, keep_dims=True))
@@ -423,18 +379,7 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
         acc = acc * alpha + gl.sum(pr * vt.to(gl.float32)[:, None, :, :], axis=2, keep_dims=True)
         l_i = l_i * alpha + gl.sum(pr, axis=2, keep_dims=True)
         m_i = m_new
-        if NBUF == 0:
-            kt, vt = kn2, vn2
-        else:  # block i + NBUF into the slot just used (its values are in this thread's registers by now)
-            keys = k0 + NBUF * BLOCK_N + kidx
-            if k0 + NBUF * BLOCK_N < hi:
-                _kv_issue(kv_smem, i % NBUF, KC, VC, rows_next, keys, hi, dk, D, LD)
-            else:
-                async_copy.commit_group()
-            rows_next = _kv_rows(PT, cache_off, keys + BLOCK_N, hi, PAGE, HKV, D)
-        i += 1
-    if NBUF > 0:
-        async_copy.wait_group(0)
+        kt, vt = kn2, vn2
     # the warps' partials merged: weights exp(m_w - max over warps)
     top = gl.max(m_i, axis=0, keep_dims=True)
     top_safe = gl.where(top == float("-inf"), 0.0, top)
@@ -473,11 +418,11 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 @gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, kv_buf,
-             B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
+             H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
              FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
-             HOLD: gl.constexpr, KVBUF: gl.constexpr):
+             HOLD: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
     to finish zeroes the counters for the next step; each resets the words it used."""
@@ -512,8 +457,8 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                              False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
-                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, kv_buf, HQ, HKV,
-                       D, S, PAGE, GP, 32, TRACE, HOLD, KVBUF, 2 if (FMT == 0) & (gl.num_warps() == 4) else 1)
+                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, HQ, HKV, D, S,
+                       PAGE, GP, 32, TRACE, HOLD)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
@@ -573,14 +518,12 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
-                     KVBUF: gl.constexpr = 0):
+                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
-    products are skipped (the step without them), 3 both. HOLD: _loader's. KVBUF: _attn's NBUF (bf16 only: its
-    ring lives in the staging buffer). The counters must be zero at the first launch; each step leaves them so
-    (_compute)."""
+    products are skipped (the step without them), 3 both. HOLD: _loader's. The counters must be zero at the first
+    launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -595,12 +538,6 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, 16], hdesc_a.layout)
         xq_smem, xd_smem = int8_input_smem()
         x_smem = xd_smem
-    if FMT == 0:
-        kv_buf = x_smem  # free while an ATTN runs
-    elif KVBUF > 0:
-        kv_buf = gl.allocate_shared_memory(gl.float32, [64, BK], flat)
-    else:
-        kv_buf = xq_smem
     ready, empty = ring_barriers(STAGES)
     gate = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(gate, count=1)
@@ -609,8 +546,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
                     IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
-                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, kv_buf,
-                    B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVBUF)),
+                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
+                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -656,17 +593,14 @@ class FastStep:
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``hold``: 0, or the loader
     holds its weight stream at each ATTN instruction until the split is past its wait (1, the default: the
     faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its wait;
-    ``attn_blocks``: blocks of 32 cached keys an ATTN split keeps in flight by cp.async, from before its wait
-    (up to 64 KB of shared memory: bf16's staging buffer, free during attention, or a buffer of their own for
-    q4_k; None: as many as fit, 4 at head dim 128), or 0: one block ahead in registers;
     ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``: polls of a
     counter before the step gives up (``error`` then names the instruction); ``trace``: record each instruction's
     start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
-                 attn_blocks: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
+                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1, diag: int = 0,
+                 spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -726,17 +660,6 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
-        most = min(8, (64 << 10) // (2 * 32 * D * 2))  # K and V blocks of 32 keys in 64 KB
-        if attn_blocks is None:
-            attn_blocks = most
-        if not isinstance(attn_blocks, int) or not 0 <= attn_blocks <= most:
-            raise ValueError(f"attn_blocks must be 0..{most} for {self.fmt} weights at head_dim {D}, got "
-                             f"{attn_blocks!r}")
-        if attn_blocks and (k_cache.stride(0) % 8 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
-            raise ValueError(f"attn_blocks={attn_blocks}: the caches' rows must start 16-byte aligned (a layer "
-                             f"stride that is a multiple of 8), got stride {k_cache.stride(0)}; attn_blocks=0 "
-                             f"takes any")
-        self.attn_blocks = attn_blocks
         if diag not in (0, 1, 2, 3):
             raise ValueError(f"diag must be 0..3, got {diag!r}")
         self.diag = diag
@@ -787,7 +710,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVBUF=self.attn_blocks, num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -813,7 +736,7 @@ class FastStep:
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
-                 page: int = 16, trace: bool = False, attn_blocks: int | None = None):
+                 page: int = 16, trace: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -833,7 +756,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold, KVBUF=min(8, 512 // head_dim) if attn_blocks is None else attn_blocks)
+                  HOLD=hold)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))
