@@ -29,10 +29,15 @@ def main():
     for _ in range(args.steps):  # prefill and warm-up decode steps
         llm.step()
     torch.cuda.synchronize()
+    profile_steps(llm, args.steps)
+
+
+def profile_steps(llm, steps):
+    """Print the GPU time per kernel name, the idle time and the largest gaps over ``steps`` of ``llm.step()``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             llm.step()
         torch.cuda.synchronize()
     ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -43,10 +48,10 @@ def main():
         by[e.name] = (n + 1, t + e.time_range.elapsed_us())
     span = ev[-1].time_range.end - ev[0].time_range.start
     busy = sum(t for _, t in by.values())
-    print(f"{args.steps} decode steps: GPU span {span:.0f} us ({span / args.steps:.1f} per step), kernels and "
-          f"copies {busy / args.steps:.1f} us per step, idle {(span - busy) / args.steps:.1f} us per step")
+    print(f"{steps} decode steps: GPU span {span:.0f} us ({span / steps:.1f} per step), kernels and "
+          f"copies {busy / steps:.1f} us per step, idle {(span - busy) / steps:.1f} us per step")
     for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:15]:
-        print(f"  {t / args.steps:9.1f} us/step  {n / args.steps:5.1f}x  {name[:90]}")
+        print(f"  {t / steps:9.1f} us/step  {n / steps:5.1f}x  {name[:90]}")
     gaps = sorted(((b.time_range.start - a.time_range.end), a.name[:40], b.name[:40]) for a, b in zip(ev, ev[1:]))
     print("largest gaps (us, after -> before):")
     for g, a, b in gaps[-8:]:

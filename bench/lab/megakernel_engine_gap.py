@@ -87,7 +87,7 @@ def main():
             print(f"stages {st} hold {hold} {var}, {name}, context {ctx}: {ms * 1e3:.1f} us per step", flush=True)
             del fs
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+        from engine_step_profile import profile_steps
 
         from llmkernels.engine import SamplingParams
 
@@ -96,24 +96,7 @@ def main():
         for _ in range(24):
             llm.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(24):
-                llm.step()
-            torch.cuda.synchronize()
-        ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-        by = {}
-        for e in ev:
-            n, tt = by.get(e.name, (0, 0.0))
-            by[e.name] = (n + 1, tt + e.time_range.elapsed_us())
-        span = ev[-1].time_range.end - ev[0].time_range.start
-        busy = sum(tt for _, tt in by.values())
-        print(f"profile: {span / 24:.1f} us of GPU span per step, busy {busy / 24:.1f}, idle {(span - busy) / 24:.1f}")
-        for name, (n, tt) in sorted(by.items(), key=lambda kv: -kv[1][1])[:8]:
-            print(f"  {tt / 24:9.1f} us/step  {n / 24:5.1f}x  {name[:90]}")
-        gaps = sorted(((b.time_range.start - a.time_range.end), a.name[:40], b.name[:40]) for a, b in zip(ev, ev[1:]))
-        for g, a, b in gaps[-5:]:
-            print(f"  gap {g:8.1f} us  {a} -> {b}")
+        profile_steps(llm, 24)
 
 
 if __name__ == "__main__":
