@@ -88,7 +88,7 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
                 for kc in range(K // (BK * (1 + FMT))):
                     s = c % STAGES
                     mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                    if DIAG % 2 == 1:  # timing only: the slot is released unfilled
+                    if (DIAG == 1) | (DIAG == 3):  # timing only: the slot is released unfilled
                         gl.thread_barrier()
                         mbarrier.arrive(ready.index(s), count=1)
                     elif FMT == 0:
@@ -151,7 +151,7 @@ def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr):
 @gluon.jit
 def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
     """One 16-row subtile's products over the staged input: nk slots from the ring -> ([16] float32, c + nk).
-    DIAG >= 2 (timing only): the slots are taken and released without products."""
+    DIAG 2 or 3 (timing only): the slots are taken and released without products."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [16, 256]: warps by rows
     XK: gl.constexpr = gl.SliceLayout(0, L)
     acc = gl.zeros([16, BK], gl.float32, L)
@@ -159,7 +159,7 @@ def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr, DIAG: gl
         x = x_smem.index(kc).load(XK)
         s = c % STAGES
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        if DIAG >= 2:
+        if (DIAG == 2) | (DIAG == 3):
             gl.thread_barrier()
             mbarrier.arrive(empty.index(s), count=1)
         else:
@@ -301,7 +301,7 @@ def _kv_rows(PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: 
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
           ERR, wait, target, ok, where, spin_limit, TRW, gate, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
-          TRACE: gl.constexpr, HOLD: gl.constexpr):
+          TRACE: gl.constexpr, HOLD: gl.constexpr, DIAG: gl.constexpr = 0):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
     split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
     What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys)
@@ -335,8 +335,9 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     pos = (n - 1).to(gl.float32)
     lo = split * n // S
     hi = (split + 1) * n // S
+    rd = hi if DIAG < 4 else lo  # DIAG 4, 5 (timing only): no cached key is read
     keys = lo + kidx
-    kt, vt = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
+    kt, vt = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, rd, PAGE, HKV, D), keys, rd, dk)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -366,10 +367,10 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     m_i = gl.full([W, GP, 1, 1], float("-inf"), gl.float32, L4)
     l_i = gl.zeros([W, GP, 1, 1], gl.float32, L4)
     acc = gl.zeros([W, GP, 1, D], gl.float32, L4)
-    for k0 in range(lo, hi, BLOCK_N):
+    for k0 in range(lo, hi if DIAG < 5 else lo, BLOCK_N):  # DIAG 5: no block is computed either
         # the next block's rows in flight while this one is computed
         keys = k0 + BLOCK_N + kidx
-        kn2, vn2 = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D), keys, hi, dk)
+        kn2, vn2 = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, rd, PAGE, HKV, D), keys, rd, dk)
         s = gl.sum(q * kt.to(gl.float32)[:, None, :, :], axis=3, keep_dims=True)  # [W, GP, NW, 1]
         s = gl.where(k0 + kidx4 < hi, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=2, keep_dims=True))
@@ -458,7 +459,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
                        COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, HQ, HKV, D, S,
-                       PAGE, GP, 32, TRACE, HOLD)
+                       PAGE, GP, 32, TRACE, HOLD, DIAG)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
@@ -522,7 +523,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
-    products are skipped (the step without them), 3 both. HOLD: _loader's. The counters must be zero at the first
+    products are skipped (the step without them), 3 both; 4 ATTN reads no cached key, 5 nor computes a block of
+    them. HOLD: _loader's. The counters must be zero at the first
     launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
@@ -660,8 +662,8 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
-        if diag not in (0, 1, 2, 3):
-            raise ValueError(f"diag must be 0..3, got {diag!r}")
+        if diag not in range(6):
+            raise ValueError(f"diag must be 0..5, got {diag!r}")
         self.diag = diag
         self.spin_limit = spin_limit
         self.trace = torch.zeros(prog.num_sms, self.table.shape[1], 3, dtype=torch.int64, device=dev) if trace else None

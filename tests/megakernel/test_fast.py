@@ -58,7 +58,7 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
     with pytest.raises(ValueError, match="hold must be 0, 1, 2 or 3, got 4"):
         FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
-    with pytest.raises(ValueError, match="diag must be 0..3, got -1"):
+    with pytest.raises(ValueError, match="diag must be 0..5, got -1"):
         FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
     with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
