@@ -6,10 +6,11 @@ Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a bre
                                                      [--stages 16,...] [--warps 4,8] [--splits 0,4,8]
                                                      [--hold 0,1,2]
                                                      [--qstep 2] [--qdot 1] [--diag 0,1,2,3] [--skip-check]
-                                                     [--skip-engine] [--trace]
+                                                     [--skip-engine] [--trace] [--variants fast,...]
 """
 import argparse
 import functools
+import importlib
 import itertools
 
 import torch
@@ -105,6 +106,8 @@ def main():
     ap.add_argument("--prog-context", type=int, default=0, help="build the program for this context (0: each run's), "
                     "as the engine builds one for its longest")
     ap.add_argument("--dump", default="", help="a directory: each traced step's stamps and program saved there")
+    ap.add_argument("--variants", default="fast", help="comma-separated modules of llmkernels.megakernel whose "
+                    "FastStep is timed (an A/B of a copy of fast.py)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -143,23 +146,25 @@ def main():
             base = None
             holds = [int(x) for x in args.hold.split(",")]
             diags = [int(x) for x in args.diag.split(",")]
-            for w, st, hd, dg in itertools.product(warps, stages, holds, diags):
+            variants = args.variants.split(",")
+            for w, st, hd, dg, var in itertools.product(warps, stages, holds, diags, variants):
                 kw = dict(stages=st, warps=w, hold=hd, diag=dg, **q)
+                step = importlib.import_module("llmkernels.megakernel." + var).FastStep
                 if base is None:
-                    fast = base = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
+                    fast = base = step.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
-                    fast = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc, **kw)
+                    fast = step(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc, **kw)
                 fast(ids, lens, table)
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
-                print(f"{fmt} fast step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
+                print(f"{fmt} {var} step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
                       f"{st} slots, hold {hd}, diag {dg}: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)
                 if args.trace:  # the same build traced
-                    fast = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc,
-                                    trace=True, **kw)
+                    fast = step(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc,
+                                trace=True, **kw)
                     fast(ids, lens, table)
                     fast(ids, lens, table)
                     torch.cuda.synchronize()
@@ -167,7 +172,7 @@ def main():
                     if args.dump:
                         import os
                         os.makedirs(args.dump, exist_ok=True)
-                        name = f"{fmt}-{context}-w{w}-s{st}-h{hd}-d{dg}.pt"
+                        name = f"{fmt}-{var}-{context}-w{w}-s{st}-h{hd}-d{dg}.pt"
                         torch.save({"trace": fast.trace.cpu(), "program": torch.from_numpy(prog.encode()),
                                     "opt": kw}, os.path.join(args.dump, name))
             del fast, base

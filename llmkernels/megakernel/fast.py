@@ -267,13 +267,6 @@ def _rope(x, xp, d, ang):
 
 
 @gluon.jit
-def _kv_block(KC, VC, row, keys, hi, dk):
-    """The K and V rows (cache dtype) ``row`` of ``keys`` (zeros at keys >= hi), loaded into registers."""
-    km = keys < hi
-    return gl.load(KC + row + dk, mask=km, other=0.0), gl.load(VC + row + dk, mask=km, other=0.0)
-
-
-@gluon.jit
 def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit):
     """Poll counter ``wait`` until it reaches ``target`` -> ok (0 once a wait ran past spin_limit: ERR then holds
     ``where``, and later waits are skipped: wrong results, no hang)."""
@@ -298,46 +291,70 @@ def _kv_rows(PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: 
 
 
 @gluon.jit
+def _cache_block(C, PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, d):
+    """The cached K (or V) rows of ``keys`` at elements ``d`` (cache dtype; zeros at keys >= hi)."""
+    return gl.load(C + _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D) + d, mask=keys < hi, other=0.0)
+
+
+@gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
           ERR, wait, target, ok, where, spin_limit, TRW, gate, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
           TRACE: gl.constexpr, HOLD: gl.constexpr, DIAG: gl.constexpr = 0):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
     split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
-    What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys)
-    is loaded before the wait on it, so only q's loads follow it -> ok (_wait); later blocks are loaded one
-    block ahead."""
-    # [W, GP, NW, D]: each warp w runs its own online softmax over keys w * NW + [0, NW) of every block (the
-    # warps' partials are merged once, at the end, so a block needs no exchange between warps); in a warp, D
-    # across the lanes, its keys and the group's heads in each thread. Every tensor keeps this layout
-    # with its reduced dims of size 1, so they broadcast without layout conversions.
+    What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys,
+    the rotation's angles) is loaded or computed before the wait on it, so only q's loads follow it -> ok
+    (_wait); later blocks are loaded one block ahead."""
+    # Each warp w runs its own online softmax over keys w * NW + [0, NW) of every block (the warps' partials are
+    # merged once, at the end, so a block needs no exchange between warps). q.K: L5 [W, GP, NW, 32, D // 32],
+    # D across the lanes, each lane's products summed in-thread, then the [.., 32] partials moved (LT) so that
+    # each lane holds whole scores: one exchange per block instead of five shuffle rounds per score, and one
+    # exp per lane. P.V: L4 [W, GP, NW, D], D across the lanes, the keys and the group's heads in each thread.
     W: gl.constexpr = gl.num_warps()
     NW: gl.constexpr = BLOCK_N // W
-    L4: gl.constexpr = gl.BlockedLayout([1, GP, NW, D // 32], [1, 1, 1, 32], [W, 1, 1, 1], [3, 2, 1, 0])
-    KL: gl.constexpr = gl.SliceLayout(1, L4)  # a block's K or V rows [W, NW, D]
-    QL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L4))  # [GP, D]
+    E: gl.constexpr = D // 32
+    LG: gl.constexpr = GP if GP < 32 // NW else 32 // NW  # LT's lanes over the heads, keys and partials
+    LD: gl.constexpr = 32 // (NW * LG)
+    L5: gl.constexpr = gl.BlockedLayout([1, GP, NW, 1, E], [1, 1, 1, 32, 1], [W, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    LT: gl.constexpr = gl.BlockedLayout([1, GP // LG, 1, 32 // LD], [1, LG, NW, LD], [W, 1, 1, 1], [3, 2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, GP, NW, E], [1, 1, 1, 32], [W, 1, 1, 1], [3, 2, 1, 0])
+    K5: gl.constexpr = gl.SliceLayout(1, L5)  # a block's K rows [W, NW, 32, E]
+    Q5: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L5))  # [GP, 32, E]
+    VL: gl.constexpr = gl.SliceLayout(1, L4)  # a block's V rows [W, NW, D]
+    ST: gl.constexpr = gl.SliceLayout(3, LT)  # scores [W, GP, NW], one per lane
+    P4: gl.constexpr = gl.SliceLayout(3, L4)  # the same in P.V's layout
     G: gl.constexpr = HQ // HKV
-    g = gl.arange(0, GP, layout=gl.SliceLayout(1, QL))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    wk = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))[:, None, None]
-    nk = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))[None, :, None]
-    dk1 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
-    dk = dk1[None, None, :]
-    kidx = wk * NW + nk  # [W, NW, 1]: key of each row within a block
-    S3: gl.constexpr = gl.SliceLayout(3, L4)
-    kidx4 = (gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None] * NW
-             + gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :])[:, :, :, None]
-    gm = g < G
-    f_q = gl.load(INV_FREQ + dq // 2)
-    f_k = gl.load(INV_FREQ + dk1 // 2)
+    # q's and the new key's elements: d = j * E + e
+    g5 = gl.arange(0, GP, layout=gl.SliceLayout(1, gl.SliceLayout(2, Q5)))[:, None, None]
+    dq = (gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, Q5)))[None, :, None] * E
+          + gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q5)))[None, None, :])
+    KW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, K5)))
+    KN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, K5)))
+    kidx5 = (gl.arange(0, W, layout=KW)[:, None, None, None] * NW
+             + gl.arange(0, NW, layout=KN)[None, :, None, None])  # [W, NW, 1, 1]: key within a block
+    dk5 = (gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, K5))))[None, None, :, None]
+           * E + gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K5))))[None, None,
+                                                                                                        None, :])
+    wv = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))[:, None, None]
+    nv = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))[None, :, None]
+    dv1 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
+    dv = dv1[None, None, :]
+    kidxv = wv * NW + nv  # [W, NW, 1]
+    kidxt = (gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, ST)))[:, None, None] * NW
+             + gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, ST)))[None, None, :])  # [W, 1, NW]
+    gm = g5 < G
     cache_off = layer.to(gl.int64) * layer_stride + h * D
     n = gl.load(SEQ_LENS)
     pos = (n - 1).to(gl.float32)
+    ang_q = pos * gl.load(INV_FREQ + dq // 2)
+    cos_q = gl.cos(ang_q) * qk_scale
+    sin_q = gl.where(dq % 2 == 0, -1.0, 1.0) * gl.sin(ang_q) * qk_scale
     lo = split * n // S
     hi = (split + 1) * n // S
     rd = hi if DIAG < 4 else lo  # DIAG 4, 5 (timing only): no cached key is read
-    keys = lo + kidx
-    kt, vt = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, rd, PAGE, HKV, D), keys, rd, dk)
+    kt = _cache_block(KC, PT, cache_off, lo + kidx5, rd, PAGE, HKV, D, dk5)
+    vt = _cache_block(VC, PT, cache_off, lo + kidxv, rd, PAGE, HKV, D, dv)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -345,56 +362,59 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     if (HOLD == 1) | (HOLD == 3):  # the loader may stream again (_loader)
         gl.thread_barrier()
         mbarrier.arrive(gate, count=1)
-    qoff = (h * G + g)[:, None] * D
-    qm = gm[:, None] & (dq < D)[None, :]
-    q = gl.load(QKV + qoff + dq[None, :], mask=qm, other=0.0)
-    qp = gl.load(QKV + qoff + (dq ^ 1)[None, :], mask=qm, other=0.0)
-    q = (_rope(q, qp, dq[None, :], pos * f_q[None, :]) * qk_scale)[None, :, None, :]
+    qoff = (h * G + g5) * D
+    qm = gm & (dq < D)
+    q = (gl.load(QKV + qoff + dq, mask=qm, other=0.0) * cos_q
+         + gl.load(QKV + qoff + (dq ^ 1), mask=qm, other=0.0) * sin_q)
+    q = q[None, :, None, :, :]
     # the new token: K rotated, V as is, into its cache slot and into the first block (loaded before it was
     # written; the later blocks read the cache)
     if split == S - 1:
         ko = HQ * D + h * D
         vo = (HQ + HKV) * D + h * D
-        kn = _rope(gl.load(QKV + ko + dk1), gl.load(QKV + ko + (dk1 ^ 1)), dk1, pos * f_k).to(KC.dtype.element_ty)
-        vn = gl.load(QKV + vo + dk1).to(VC.dtype.element_ty)
+        kn = _rope(gl.load(QKV + ko + dk5), gl.load(QKV + ko + (dk5 ^ 1)), dk5,
+                   pos * gl.load(INV_FREQ + dk5 // 2)).to(KC.dtype.element_ty)  # [1, 1, 32, E]
+        vn = gl.load(QKV + vo + dv1).to(VC.dtype.element_ty)
         slot = cache_off + (new_page.to(gl.int64) * PAGE + (n - 1) % PAGE) * HKV * D
-        gl.store(KC + slot + dk1, kn)
-        gl.store(VC + slot + dk1, vn)
-        is_new = lo + kidx == n - 1
-        kt = gl.where(is_new, kn[None, None, :], kt)
-        vt = gl.where(is_new, vn[None, None, :], vt)
+        gl.store(KC + slot + dk5, kn)
+        gl.store(VC + slot + dv1, vn)
+        kt = gl.where(lo + kidx5 == n - 1, kn, kt)
+        vt = gl.where(lo + kidxv == n - 1, vn[None, None, :], vt)
         gl.thread_barrier()  # the new key is in the cache before any warp reads a later block
-    m_i = gl.full([W, GP, 1, 1], float("-inf"), gl.float32, L4)
-    l_i = gl.zeros([W, GP, 1, 1], gl.float32, L4)
+    m_i = gl.full([W, GP, 1], float("-inf"), gl.float32, ST)
+    l_i = gl.zeros([W, GP, NW], gl.float32, ST)  # each lane's own sum, added up at the end
     acc = gl.zeros([W, GP, 1, D], gl.float32, L4)
     for k0 in range(lo, hi if DIAG < 5 else lo, BLOCK_N):  # DIAG 5: no block is computed either
         # the next block's rows in flight while this one is computed
-        keys = k0 + BLOCK_N + kidx
-        kn2, vn2 = _kv_block(KC, VC, _kv_rows(PT, cache_off, keys, rd, PAGE, HKV, D), keys, rd, dk)
-        s = gl.sum(q * kt.to(gl.float32)[:, None, :, :], axis=3, keep_dims=True)  # [W, GP, NW, 1]
-        s = gl.where(k0 + kidx4 < hi, s, float("-inf"))
+        kn2 = _cache_block(KC, PT, cache_off, k0 + BLOCK_N + kidx5, rd, PAGE, HKV, D, dk5)
+        vn2 = _cache_block(VC, PT, cache_off, k0 + BLOCK_N + kidxv, rd, PAGE, HKV, D, dv)
+        part = gl.sum(q * kt.to(gl.float32)[:, None, :, :, :], axis=4)  # [W, GP, NW, 32]
+        s = gl.sum(gl.convert_layout(part, LT), axis=3)  # [W, GP, NW]
+        s = gl.where(k0 + kidxt < hi, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=2, keep_dims=True))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         pr = gl.exp(s - m_safe)
         alpha = gl.exp(m_i - m_safe)
-        acc = acc * alpha + gl.sum(pr * vt.to(gl.float32)[:, None, :, :], axis=2, keep_dims=True)
-        l_i = l_i * alpha + gl.sum(pr, axis=2, keep_dims=True)
+        l_i = l_i * alpha + pr
+        pv = gl.convert_layout(pr, P4)[:, :, :, None] * vt.to(gl.float32)[:, None, :, :]
+        acc = acc * gl.convert_layout(alpha, P4)[:, :, :, None] + gl.sum(pv, axis=2, keep_dims=True)
         m_i = m_new
         kt, vt = kn2, vn2
     # the warps' partials merged: weights exp(m_w - max over warps)
-    top = gl.max(m_i, axis=0, keep_dims=True)
+    top = gl.max(m_i, axis=0, keep_dims=True)  # [1, GP, 1]
     top_safe = gl.where(top == float("-inf"), 0.0, top)
     wt = gl.where(m_i == float("-inf"), 0.0, gl.exp(m_i - top_safe))
-    lsum = gl.sum(l_i * wt, axis=0, keep_dims=True)  # [1, GP, 1, 1]
-    o = gl.sum(acc * wt, axis=0, keep_dims=True)  # [1, GP, 1, D]
+    lsum = gl.sum(gl.sum(l_i, axis=2, keep_dims=True) * wt, axis=0, keep_dims=True)  # [1, GP, 1]
     has = lsum > 0
     den = gl.where(has, lsum, 1.0)
+    o = gl.sum(acc * gl.convert_layout(wt, P4)[:, :, :, None], axis=0, keep_dims=True)  # [1, GP, 1, D]
+    o = o / gl.convert_layout(den, P4)[:, :, :, None]
     O3: gl.constexpr = gl.SliceLayout(2, L4)
-    g4 = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None, None]
+    g4 = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, P4)))[None, :, None, None]
     d4 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))[None, None, None, :]
-    base = (h * G + g4) * S + split
-    gl.store(PART_O + base * D + d4, o / den, mask=(g4 < G) & (d4 < D))
-    gl.store(PART_L + base, gl.where(has, top_safe + gl.log(den), float("-inf")), mask=g4 < G)
+    gl.store(PART_O + ((h * G + g4) * S + split) * D + d4, o, mask=(g4 < G) & (d4 < D))
+    gt = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, ST)))[None, :, None]
+    gl.store(PART_L + (h * G + gt) * S + split, gl.where(has, top_safe + gl.log(den), float("-inf")), mask=gt < G)
     return ok
 
 
@@ -591,7 +611,7 @@ class FastStep:
     argmax (torch.argmax's, ties and NaN included), the greedy choice made inside the step. q4_k: the products
     take the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic).
 
-    ``stages``: ring slots (bf16: 8 KB each; q4_k: 4.5 KB); ``warps``: the compute partition's warps (4 or 8);
+    ``stages``: ring slots (bf16: 8 KB each, 18 by default; q4_k: 4.5 KB, 16); ``warps``: the compute partition's warps (4 or 8);
     ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot); ``hold``: 0, or the loader
     holds its weight stream at each ATTN instruction until the split is past its wait (1, the default: the
     faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its wait;
@@ -601,8 +621,8 @@ class FastStep:
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
-                 stages: int = 16, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1, diag: int = 0,
-                 spin_limit: int = 1 << 22, trace: bool = False):
+                 stages: int | None = None, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
+                 diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -615,7 +635,9 @@ class FastStep:
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
         if warps not in (4, 8):
             raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps!r}")
-        most = 19 if stacks.format == "bf16" else 24  # bf16: 19 slots and the staged input fill 227 KB
+        most = 18 if stacks.format == "bf16" else 24  # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB
+        if stages is None:  # the deepest prefetch that fits bf16 (NOTES: more slots, faster steps)
+            stages = 18 if stacks.format == "bf16" else 16
         if not isinstance(stages, int) or not 2 <= stages <= most:
             raise ValueError(f"stages must be 2..{most}, got {stages!r}")
         L, H, D, Hkv = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_kv_heads

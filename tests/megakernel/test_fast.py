@@ -60,7 +60,7 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
     with pytest.raises(ValueError, match="diag must be 0..5, got -1"):
         FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
-    with pytest.raises(ValueError, match="stages must be 2..19, got 40"):
+    with pytest.raises(ValueError, match="stages must be 2..18, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
         FastStep(prog, cfg, stacks, *args, kc.float(), vc)
