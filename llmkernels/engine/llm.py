@@ -92,7 +92,7 @@ class LLM:
             exactly.
         megakernel: run decode steps of one sequence as one persistent kernel over all layers (megakernel.engine,
             sm_90 GPUs, llama-family layers with every matrix in one format, bf16 activations and cache). None
-            (default): where that is measured faster than the kernel-per-op step (bf16 weights, up to 6144 cached
+            (default): where that is measured faster than the kernel-per-op step (bf16 weights, up to 8192 cached
             tokens); True: at every batch-1 decode step, or ValueError saying why it cannot (q4_k needs
             act_int8=True: its products take int8 activations); False: never. ``describe()`` says which runs.
 

@@ -14,9 +14,9 @@ from .schedule import build_decode_program
 from .weights import share_stacks
 
 # batch-1 bf16 steps of the Llama-3-8B shape in the engine on the H200 (bench/NOTES.md): the one-kernel step leads
-# the kernel-per-op step by 18% at 512 cached tokens, 7% at 4096 and 2% at 6144 (its attention splits cost more
+# the kernel-per-op step by 21% at 640 cached tokens, 14% at 4096 and 3% at 8192 (its attention splits cost more
 # per token)
-AUTO_MAX_CONTEXT = 6144
+AUTO_MAX_CONTEXT = 8192
 
 
 def why_not(model, device, spec: dict) -> str | None:
