@@ -284,16 +284,17 @@ def _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit):
 
 
 @gluon.jit
-def _kv_rows(PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr):
-    """Element offsets of the cached rows of ``keys`` in one layer's K (or V) cache (page 0's rows past hi)."""
-    page = gl.load(PT + keys // PAGE, mask=keys < hi, other=0)
-    return cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
+def _pages(PT, keys, hi, PAGE: gl.constexpr):
+    """The page-table entries of ``keys`` (page 0 at keys >= hi)."""
+    return gl.load(PT + keys // PAGE, mask=keys < hi, other=0)
 
 
 @gluon.jit
-def _cache_block(C, PT, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, d):
-    """The cached K (or V) rows of ``keys`` at elements ``d`` (cache dtype; zeros at keys >= hi)."""
-    return gl.load(C + _kv_rows(PT, cache_off, keys, hi, PAGE, HKV, D) + d, mask=keys < hi, other=0.0)
+def _cache_block(C, page, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, d):
+    """The cached K (or V) rows of ``keys``, in pages ``page``, at elements ``d`` (cache dtype; zeros at keys >=
+    hi)."""
+    row = cache_off + (page.to(gl.int64) * PAGE + keys % PAGE) * HKV * D
+    return gl.load(C + row + d, mask=keys < hi, other=0.0)
 
 
 @gluon.jit
@@ -353,8 +354,11 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     lo = split * n // S
     hi = (split + 1) * n // S
     rd = hi if DIAG < 4 else lo  # DIAG 4, 5 (timing only): no cached key is read
-    kt = _cache_block(KC, PT, cache_off, lo + kidx5, rd, PAGE, HKV, D, dk5)
-    vt = _cache_block(VC, PT, cache_off, lo + kidxv, rd, PAGE, HKV, D, dv)
+    kt = _cache_block(KC, _pages(PT, lo + kidx5, rd, PAGE), cache_off, lo + kidx5, rd, PAGE, HKV, D, dk5)
+    vt = _cache_block(VC, _pages(PT, lo + kidxv, rd, PAGE), cache_off, lo + kidxv, rd, PAGE, HKV, D, dv)
+    # the page-table entries run one block ahead of the rows, so a block's loads wait on one memory trip, not two
+    pgk = _pages(PT, lo + BLOCK_N + kidx5, rd, PAGE)
+    pgv = _pages(PT, lo + BLOCK_N + kidxv, rd, PAGE)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -386,8 +390,10 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     acc = gl.zeros([W, GP, 1, D], gl.float32, L4)
     for k0 in range(lo, hi if DIAG < 5 else lo, BLOCK_N):  # DIAG 5: no block is computed either
         # the next block's rows in flight while this one is computed
-        kn2 = _cache_block(KC, PT, cache_off, k0 + BLOCK_N + kidx5, rd, PAGE, HKV, D, dk5)
-        vn2 = _cache_block(VC, PT, cache_off, k0 + BLOCK_N + kidxv, rd, PAGE, HKV, D, dv)
+        kn2 = _cache_block(KC, pgk, cache_off, k0 + BLOCK_N + kidx5, rd, PAGE, HKV, D, dk5)
+        vn2 = _cache_block(VC, pgv, cache_off, k0 + BLOCK_N + kidxv, rd, PAGE, HKV, D, dv)
+        pgk = _pages(PT, k0 + 2 * BLOCK_N + kidx5, rd, PAGE)
+        pgv = _pages(PT, k0 + 2 * BLOCK_N + kidxv, rd, PAGE)
         part = gl.sum(q * kt.to(gl.float32)[:, None, :, :, :], axis=4)  # [W, GP, NW, 32]
         s = gl.sum(gl.convert_layout(part, LT), axis=3)  # [W, GP, NW]
         s = gl.where(k0 + kidxt < hi, s, float("-inf"))
