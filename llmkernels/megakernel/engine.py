@@ -14,7 +14,7 @@ from .schedule import build_decode_program
 from .weights import share_stacks
 
 # batch-1 bf16 steps of the Llama-3-8B shape in the engine on the H200 (bench/NOTES.md): the one-kernel step leads
-# the kernel-per-op step by 21% at 640 cached tokens, 14% at 4096 and 3% at 8192 (its attention splits cost more
+# the kernel-per-op step by 21% at 640 cached tokens, 16% at 4096 and 7% at 8192 (its attention splits cost more
 # per token)
 AUTO_MAX_CONTEXT = 8192
 
