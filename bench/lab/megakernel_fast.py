@@ -11,6 +11,7 @@ Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a bre
 import argparse
 import functools
 import importlib
+import inspect
 import itertools
 
 import torch
@@ -108,6 +109,8 @@ def main():
     ap.add_argument("--dump", default="", help="a directory: each traced step's stamps and program saved there")
     ap.add_argument("--variants", default="fast", help="comma-separated modules of llmkernels.megakernel whose "
                     "FastStep is timed (an A/B of a copy of fast.py)")
+    ap.add_argument("--kv-ring", default="", help="comma-separated FastStep kv_ring (ATTN's cp.async ring in blocks; "
+                    "empty: the default), for the variants that take it")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -147,9 +150,14 @@ def main():
             holds = [int(x) for x in args.hold.split(",")]
             diags = [int(x) for x in args.diag.split(",")]
             variants = args.variants.split(",")
-            for w, st, hd, dg, var in itertools.product(warps, stages, holds, diags, variants):
+            rings = [int(x) for x in args.kv_ring.split(",")] if args.kv_ring else [None]
+            for w, st, hd, dg, var, ring in itertools.product(warps, stages, holds, diags, variants, rings):
                 kw = dict(stages=st, warps=w, hold=hd, diag=dg, **q)
                 step = importlib.import_module("llmkernels.megakernel." + var).FastStep
+                if "kv_ring" in inspect.signature(step).parameters:
+                    kw["kv_ring"] = ring
+                elif ring != rings[0]:
+                    continue
                 if base is None:
                     fast = base = step.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
@@ -158,7 +166,7 @@ def main():
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
                 print(f"{fmt} {var} step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
-                      f"{st} slots, hold {hd}, diag {dg}: "
+                      f"{st} slots, hold {hd}, diag {dg}, kv_ring {kw.get('kv_ring', '-')}: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)

@@ -19,6 +19,7 @@ views with any layer stride (the engine's cache holds K and V of a layer side by
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..attention.paged_ws import _now
@@ -298,15 +299,38 @@ def _cache_block(C, page, cache_off, keys, hi, PAGE: gl.constexpr, HKV: gl.const
 
 
 @gluon.jit
+def _ring_issue(k_ring, v_ring, slot, KC, VC, kpg, vpg, cache_off, k0, kidx5, kidxv, hi, PAGE: gl.constexpr,
+                HKV: gl.constexpr, D: gl.constexpr, dk5, dv, NBUF: gl.constexpr):
+    """cp.async of the K and V rows of keys k0 + [0, BLOCK_N) (pages kpg, vpg; zeros at keys >= hi) into ring slot
+    ``slot``, one commit group (empty when k0 >= hi: no copy is issued). Each thread copies the elements it later
+    reads (the blocks' register layouts), so the copy and the read need no barrier between them."""
+    if k0 < hi:
+        E: gl.constexpr = D // 32
+        kk = k0 + kidx5
+        kv = k0 + kidxv
+        # the rows start 2 E-byte aligned (FastStep checks the caches); the hint goes on the pointers, as the
+        # partition's arguments do not carry their alignment
+        kp = KC + cache_off + (kpg.to(gl.int64) * PAGE + kk % PAGE) * HKV * D + dk5
+        vp = VC + cache_off + (vpg.to(gl.int64) * PAGE + kv % PAGE) * HKV * D + dv
+        kp = gl.max_contiguous(gl.multiple_of(kp, [2 * E, 2 * E, 2 * E, 2 * E]), [1, 1, 1, E])
+        vp = gl.max_contiguous(gl.multiple_of(vp, [2 * E, 2 * E, 2 * E]), [1, 1, E])
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), kp, mask=kk < hi)
+        async_copy.async_copy_global_to_shared(v_ring.index(NBUF + slot), vp, mask=kv < hi)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
-          ERR, wait, target, ok, where, spin_limit, TRW, gate, HQ: gl.constexpr, HKV: gl.constexpr,
+          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
-          TRACE: gl.constexpr, HOLD: gl.constexpr, DIAG: gl.constexpr = 0):
+          TRACE: gl.constexpr, HOLD: gl.constexpr, DIAG: gl.constexpr = 0, NBUF: gl.constexpr = 0):
     """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
     split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
     What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys,
     the rotation's angles) is loaded or computed before the wait on it, so only q's loads follow it -> ok
-    (_wait); later blocks are loaded one block ahead."""
+    (_wait). NBUF 0: later blocks are loaded one block ahead, in registers; NBUF > 0: blocks 1..NBUF are copied
+    from before the wait into a ring of NBUF blocks in ``kv_buf`` (shared memory that is free during ATTN) by
+    cp.async, and each block taken from it is replaced by the block NBUF further on."""
     # Each warp w runs its own online softmax over keys w * NW + [0, NW) of every block (the warps' partials are
     # merged once, at the end, so a block needs no exchange between warps). q.K: L5 [W, GP, NW, 32, D // 32],
     # D across the lanes, each lane's products summed in-thread, then the [.., 32] partials moved (LT) so that
@@ -357,8 +381,18 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     kt = _cache_block(KC, _pages(PT, lo + kidx5, rd, PAGE), cache_off, lo + kidx5, rd, PAGE, HKV, D, dk5)
     vt = _cache_block(VC, _pages(PT, lo + kidxv, rd, PAGE), cache_off, lo + kidxv, rd, PAGE, HKV, D, dv)
     # the page-table entries run one block ahead of the rows, so a block's loads wait on one memory trip, not two
-    pgk = _pages(PT, lo + BLOCK_N + kidx5, rd, PAGE)
-    pgv = _pages(PT, lo + BLOCK_N + kidxv, rd, PAGE)
+    pgk = _pages(PT, lo + (1 + NBUF) * BLOCK_N + kidx5, rd, PAGE)
+    pgv = _pages(PT, lo + (1 + NBUF) * BLOCK_N + kidxv, rd, PAGE)
+    if NBUF > 0:
+        KR: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        VR: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        k_ring = kv_buf._reinterpret(KC.dtype.element_ty, [NBUF, W, NW, 32, E], KR)
+        v_ring = kv_buf._reinterpret(VC.dtype.element_ty, [2 * NBUF, W, NW, D], VR)  # V in slots NBUF..
+        gl.thread_barrier()  # every warp is past its reads of the buffer in the instruction before
+        for b in gl.static_range(NBUF):
+            kb = lo + (1 + b) * BLOCK_N
+            _ring_issue(k_ring, v_ring, b, KC, VC, _pages(PT, kb + kidx5, rd, PAGE), _pages(PT, kb + kidxv, rd, PAGE),
+                        cache_off, kb, kidx5, kidxv, rd, PAGE, HKV, D, dk5, dv, NBUF)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
     if TRACE:
@@ -372,7 +406,9 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
          + gl.load(QKV + qoff + (dq ^ 1), mask=qm, other=0.0) * sin_q)
     q = q[None, :, None, :, :]
     # the new token: K rotated, V as is, into its cache slot and into the first block (loaded before it was
-    # written; the later blocks read the cache)
+    # written; with NBUF 0 the later blocks read the cache, else each block from the ring is patched too)
+    kn = gl.zeros([1, 1, 32, E], KC.dtype.element_ty, K5)
+    vn = gl.zeros([D], VC.dtype.element_ty, gl.SliceLayout(0, gl.SliceLayout(1, VL)))
     if split == S - 1:
         ko = HQ * D + h * D
         vo = (HQ + HKV) * D + h * D
@@ -388,12 +424,13 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
     m_i = gl.full([W, GP, 1], float("-inf"), gl.float32, ST)
     l_i = gl.zeros([W, GP, NW], gl.float32, ST)  # each lane's own sum, added up at the end
     acc = gl.zeros([W, GP, 1, D], gl.float32, L4)
+    i = 0
     for k0 in range(lo, hi if DIAG < 5 else lo, BLOCK_N):  # DIAG 5: no block is computed either
-        # the next block's rows in flight while this one is computed
-        kn2 = _cache_block(KC, pgk, cache_off, k0 + BLOCK_N + kidx5, rd, PAGE, HKV, D, dk5)
-        vn2 = _cache_block(VC, pgv, cache_off, k0 + BLOCK_N + kidxv, rd, PAGE, HKV, D, dv)
-        pgk = _pages(PT, k0 + 2 * BLOCK_N + kidx5, rd, PAGE)
-        pgv = _pages(PT, k0 + 2 * BLOCK_N + kidxv, rd, PAGE)
+        if NBUF == 0:  # the next block's rows in flight while this one is computed
+            kn2 = _cache_block(KC, pgk, cache_off, k0 + BLOCK_N + kidx5, rd, PAGE, HKV, D, dk5)
+            vn2 = _cache_block(VC, pgv, cache_off, k0 + BLOCK_N + kidxv, rd, PAGE, HKV, D, dv)
+            pgk = _pages(PT, k0 + 2 * BLOCK_N + kidx5, rd, PAGE)
+            pgv = _pages(PT, k0 + 2 * BLOCK_N + kidxv, rd, PAGE)
         part = gl.sum(q * kt.to(gl.float32)[:, None, :, :, :], axis=4)  # [W, GP, NW, 32]
         s = gl.sum(gl.convert_layout(part, LT), axis=3)  # [W, GP, NW]
         s = gl.where(k0 + kidxt < hi, s, float("-inf"))
@@ -405,7 +442,23 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
         pv = gl.convert_layout(pr, P4)[:, :, :, None] * vt.to(gl.float32)[:, None, :, :]
         acc = acc * gl.convert_layout(alpha, P4)[:, :, :, None] + gl.sum(pv, axis=2, keep_dims=True)
         m_i = m_new
-        kt, vt = kn2, vn2
+        if NBUF == 0:
+            kt, vt = kn2, vn2
+        elif k0 + BLOCK_N < hi:  # block i + 1 from slot i % NBUF, block i + 1 + NBUF copied into it
+            async_copy.wait_group(NBUF - 1)  # one group per block, in order
+            kt = k_ring.index(i % NBUF).load(K5)
+            vt = v_ring.index(NBUF + i % NBUF).load(VL)
+            kt = gl.where(k0 + BLOCK_N + kidx5 == n - 1, kn, kt)
+            vt = gl.where(k0 + BLOCK_N + kidxv == n - 1, vn[None, None, :], vt)
+            kb = k0 + (1 + NBUF) * BLOCK_N
+            _ring_issue(k_ring, v_ring, i % NBUF, KC, VC, pgk, pgv, cache_off, kb, kidx5, kidxv, rd, PAGE, HKV, D,
+                        dk5, dv, NBUF)
+            pgk = _pages(PT, kb + BLOCK_N + kidx5, rd, PAGE)
+            pgv = _pages(PT, kb + BLOCK_N + kidxv, rd, PAGE)
+        i += 1
+    if NBUF > 0:
+        if lo + BLOCK_N < rd:
+            async_copy.wait_group(0)  # no copy into the buffer outlives the instruction
     # the warps' partials merged: weights exp(m_w - max over warps)
     top = gl.max(m_i, axis=0, keep_dims=True)  # [1, GP, 1]
     top_safe = gl.where(top == float("-inf"), 0.0, top)
@@ -449,7 +502,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
              H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
              S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
              FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
-             HOLD: gl.constexpr):
+             HOLD: gl.constexpr, KVRING: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
     to finish zeroes the counters for the next step; each resets the words it used."""
@@ -484,8 +537,8 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                              False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
-                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, HQ, HKV, D, S,
-                       PAGE, GP, 32, TRACE, HOLD, DIAG)
+                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, x_smem, HQ, HKV,
+                       D, S, PAGE, GP, 32, TRACE, HOLD, DIAG, KVRING)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
@@ -545,13 +598,14 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
-                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0):
+                     QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
+                     KVRING: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
     products are skipped (the step without them), 3 both; 4 ATTN reads no cached key, 5 nor computes a block of
-    them. HOLD: _loader's. The counters must be zero at the first
-    launch; each step leaves them so (_compute)."""
+    them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). The counters must
+    be zero at the first launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -575,7 +629,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
                     IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
                     ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
-                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD)),
+                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVRING)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -628,7 +682,7 @@ class FastStep:
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int | None = None, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
-                 diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
+                 kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -690,6 +744,18 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
+        # K and V blocks of 32 keys in the 64 KB staging buffer; cp.async copies 4 bytes or more per row
+        most = (64 << 10) // (4 * 32 * D) if self.fmt == "bf16" and D >= 64 else 0
+        if kv_ring is None:
+            kv_ring = min(2, most)
+        if not isinstance(kv_ring, int) or not 0 <= kv_ring <= most:
+            raise ValueError(f"kv_ring must be 0..{most} for {self.fmt} weights at head_dim {D}, got {kv_ring!r}")
+        vec = 2 * (D // 32)  # bytes per thread and row of a block
+        if kv_ring and (k_cache.stride(0) * 2 % vec or k_cache.data_ptr() % vec or v_cache.data_ptr() % vec):
+            raise ValueError(f"kv_ring={kv_ring}: the caches' rows must start {vec}-byte aligned, got layer stride "
+                             f"{k_cache.stride(0)} and data pointers {k_cache.data_ptr():#x}, {v_cache.data_ptr():#x}; "
+                             f"kv_ring=0 takes any")
+        self.kv_ring = kv_ring
         if diag not in range(6):
             raise ValueError(f"diag must be 0..5, got {diag!r}")
         self.diag = diag
@@ -740,7 +806,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -766,7 +832,7 @@ class FastStep:
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
-                 page: int = 16, trace: bool = False):
+                 page: int = 16, trace: bool = False, kv_ring: int | None = None):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -786,7 +852,8 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold)
+                  HOLD=hold, KVRING=(min(2, 512 // head_dim) if fmt == "bf16" and head_dim >= 64 else 0) if kv_ring is None
+                  else kv_ring)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
     return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))

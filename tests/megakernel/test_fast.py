@@ -60,6 +60,12 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
     with pytest.raises(ValueError, match="diag must be 0..5, got -1"):
         FastStep(prog, cfg, stacks, *args, kc, vc, diag=-1)
+    with pytest.raises(ValueError, match="kv_ring must be 0..8 for bf16 weights at head_dim 64, got 9"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, kv_ring=9)
+    odd = torch.zeros(kc.numel() + 1, dtype=torch.bfloat16)[1:].view(shape)  # rows 2 bytes off 4-byte alignment
+    with pytest.raises(ValueError, match="kv_ring=2: the caches' rows must start 4-byte aligned"):
+        FastStep(prog, cfg, stacks, *args, odd, odd, kv_ring=2)
+    FastStep(prog, cfg, stacks, *args, odd, odd, kv_ring=0)  # the register path takes any alignment
     with pytest.raises(ValueError, match="stages must be 2..18, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
@@ -178,15 +184,17 @@ def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, splits, engine_layout, warps",
-                         [("bf16", 2, True, 4), ("bf16", 3, False, 8), ("q4_k", 3, True, 8), ("q4_k", 2, False, 4)])
-def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, warps):
+@pytest.mark.parametrize("fmt, splits, engine_layout, warps, kv_ring",
+                         [("bf16", 2, True, 4, None), ("bf16", 3, False, 8, None), ("bf16", 3, True, 4, 0),
+                          ("bf16", 2, False, 4, 3), ("q4_k", 3, True, 8, None), ("q4_k", 2, False, 4, None)])
+def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, warps, kv_ring):
     """Splits of many blocks of 32 keys (about 600 cached keys over 2-3 splits, each warp's online softmax over
     its keys of every block, merged at the end) against the reference executor, at four consecutive
-    positions."""
+    positions: bf16 with its blocks through the cp.async ring (the default, and 3 slots: the ring wraps at
+    another point) and one block ahead in registers (kv_ring=0)."""
     _, f, cfg = _tiny(model_files, fmt)
     ctx = 600
-    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=ctx, warps=warps)
+    ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=ctx, warps=warps, kv_ring=kv_ring)
     _steps_agree(ref, fast, fmt, cfg, table, [ctx, ctx + 1, ctx + 2, ctx + 3])
 
 
