@@ -33,6 +33,7 @@ class _InFlight:
     batch: list  # [(sequence, new tokens)]
     logits: torch.Tensor
     greedy: torch.Tensor | None  # the logits' argmax where the step computed it (ModelRunner.greedy_ids)
+    greedy_host: torch.Tensor | None = None  # the same, written into pinned memory by the step (ModelRunner's)
 
 
 @dataclasses.dataclass
@@ -338,7 +339,7 @@ class LLM:
     def _launch(self, batch, ids_dev=None) -> _InFlight:
         logits, graph = self.runner.run(self.runner.prepare(batch), ids_dev)
         self.stats.graph_steps += graph
-        return _InFlight(batch, logits, self.runner.greedy_ids)
+        return _InFlight(batch, logits, self.runner.greedy_ids, self.runner.greedy_host)
 
     def _look_ahead(self, batch, tokens: torch.Tensor) -> None:
         """Schedule and launch the next decode step with this step's sampled ids still on the device (``tokens``);
@@ -380,14 +381,14 @@ class LLM:
         its next step is in flight has that step's result dropped. LLMK_LOOKAHEAD=0 turns this off (A/B runs)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # launched by the previous call
-            batch, logits, greedy = ahead.batch, ahead.logits, ahead.greedy
+            batch, logits, greedy, greedy_host = ahead.batch, ahead.logits, ahead.greedy, ahead.greedy_host
             keep = [k for k, (s, _) in enumerate(batch) if s.finish_reason is None]
             if not keep:
                 return self.step()
             if len(keep) < len(batch):
                 batch = [batch[k] for k in keep]
                 logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
-                greedy = None
+                greedy = greedy_host = None
             decode_only = True
         else:
             batch = self.scheduler.schedule()
@@ -395,7 +396,7 @@ class LLM:
                 return []
             decode_only = all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in batch)
             launched = self._launch(batch)
-            logits, greedy = launched.logits, launched.greedy
+            logits, greedy, greedy_host = launched.logits, launched.greedy, launched.greedy_host
         self.stats.steps += 1
         sampled = [s for s, n in batch if s.num_computed + n == s.num_tokens]
         for s, n in batch:
@@ -419,8 +420,11 @@ class LLM:
         if ahead:
             # read the ids back through pinned memory with an event, queued before the next step: a plain .tolist()
             # would wait for everything queued on the stream, the step launched ahead included
-            host = self._token_buffer(len(sampled))
-            host.copy_(tokens, non_blocking=True)
+            if tokens is greedy and greedy_host is not None:  # the step writes them there itself
+                host = greedy_host
+            else:
+                host = self._token_buffer(len(sampled))
+                host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event() if tokens.is_cuda else None
             if done is not None:
                 done.record()

@@ -84,7 +84,7 @@ class ModelRunner:
         self.peers = None  # on rank 0 of a tensor-parallel group: the other ranks' processes (tp.Peers)
         # batch-1 decode steps as one persistent kernel (megakernel.engine.attach), where the model takes it
         self.one_kernel = None
-        self.greedy_ids = None
+        self.greedy_ids = self.greedy_host = None
         self.decode_path = "kernel per op"
 
     def prepare(self, batch, logits_all: bool = False) -> StepBatch:
@@ -115,15 +115,16 @@ class ModelRunner:
         """Launch a step; returns (float32 logits [rows, vocab], whether a CUDA graph ran it). ``ids_dev``: the
         token ids already on the device (sampled by a step still in flight), replacing ``step.ids``. Afterwards
         ``greedy_ids`` holds the argmax of the logits' rows where the step computed it (int64 [rows] on the device,
-        a buffer the next step reuses), else None."""
+        a buffer the next step reuses), else None; ``greedy_host``, where not None, the same ids in pinned host
+        memory, written by the step itself (valid once the GPU is past it, until the step after next)."""
         if self.peers is not None:  # every rank runs the same step
             self.peers.send(("run", step, ids_dev is not None))
             if ids_dev is not None:
                 self.peers.broadcast(ids_dev.to(torch.int64).contiguous())
-        self.greedy_ids = None
+        self.greedy_ids = self.greedy_host = None
         if step.decode_only and self.one_kernel is not None and self.one_kernel.takes(step):
             logits = self.one_kernel.run(step, ids_dev)
-            self.greedy_ids = self.one_kernel.fast.token
+            self.greedy_ids, self.greedy_host = self.one_kernel.fast.token, self.one_kernel.greedy_host
             return logits, True
         if step.decode_only and self.use_graphs and len(step.ids) <= self.max_graph_batch:
             bs = min(1 << (len(step.ids) - 1).bit_length(), self.max_graph_batch)

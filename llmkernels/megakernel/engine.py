@@ -57,7 +57,12 @@ def why_not(model, device, spec: dict) -> str | None:
 
 class OneKernelGraph(_Graph):
     """The one-kernel step of one sequence in a CUDA graph fed through fixed buffers (the pinned uploads of
-    runner.DecodeGraph)."""
+    runner.DecodeGraph).
+
+    The step writes its greedy token and error flag straight into pinned host memory (``out_host``), and takes
+    the previous step's token from the device when it is fed back, so a look-ahead step needs no copy on the
+    stream besides the upload. Two graphs, used in turn with the two upload sets, write two host slots: a slot
+    is read before the step two later overwrites it."""
 
     def __init__(self, runner, fast, max_context: int | None):
         dev = runner.device
@@ -66,8 +71,7 @@ class OneKernelGraph(_Graph):
         self._pinned(2 + P, 0, dev)
         self.ids, self.lens, self.table = self.dev32[:1], self.dev32[1:2], self.dev32[2:].view(1, P)
         self.lens.fill_(1)
-        # a step that gave up (the spin limit) raises at the next one: read without waiting for the GPU
-        self.err_host = torch.zeros(2, dtype=torch.int32).pin_memory()
+        self.out_host = torch.zeros(2, 3, dtype=torch.int64).pin_memory()  # per graph: token, error flag
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):  # compile and warm up outside the capture; the step writes the KV of page 0
@@ -76,26 +80,37 @@ class OneKernelGraph(_Graph):
         msg = fast.error()
         if msg:
             raise RuntimeError(msg)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=s):
-            fast.launch(self.ids, self.lens, self.table)
+        self.graphs = []
+        for t in range(2):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                fast.launch(self.ids, self.lens, self.table, self.out_host[t])
+            self.graphs.append(g)
+        self.graph = self.graphs[0]
+        self.greedy_host = None
 
     def takes(self, step) -> bool:
         return len(step.ids) == 1 and (self.max_context is None or step.seq_lens[0] <= self.max_context)
 
     def run(self, step, ids_dev=None) -> torch.Tensor:
-        if self.err_host[0]:
-            raise RuntimeError(self.fast.error(self.err_host))
+        """Launch the step; afterwards ``greedy_host`` (int64 [1], pinned) holds its greedy token once the GPU is
+        past it. A step that gave up (the spin limit) raises at a later one: read without waiting for the GPU."""
+        for t in range(2):
+            if self.out_host[t, 1]:
+                raise RuntimeError(self.fast.error(self.out_host[t, 1:]))
         host32, host64 = self._host()
         h = host32.numpy()
         h[:] = 0
         h[0], h[1] = step.ids[0], step.seq_lens[0]
         h[2:2 + len(step.page_table[0])] = step.page_table[0]
+        fed = ids_dev is not None and ids_dev.data_ptr() == self.fast.token.data_ptr()
+        if fed:  # the previous step's greedy token: the step reads it on the device (an id below 0)
+            h[0] = -1
         self._upload(host32, host64)
-        if ids_dev is not None:  # sampled by the previous step, still on the device
+        if ids_dev is not None and not fed:  # sampled after the previous step, still on the device
             self.ids.copy_(ids_dev.view(-1)[:1])
-        self.graph.replay()
-        self.err_host.copy_(self.fast.err, non_blocking=True)
+        self.graphs[self.turn].replay()
+        self.greedy_host = self.out_host[self.turn, :1]
         return self.fast.logits
 
 

@@ -250,11 +250,15 @@ def _argmax_key(y, rows):
 
 
 @gluon.jit
-def _embed(EMB, IDS, RESID, H: gl.constexpr, B: gl.constexpr):
+def _embed(EMB, IDS, AUX, RESID, H: gl.constexpr, B: gl.constexpr):
+    """The embedding rows of IDS; an id below 0 stands for the previous step's greedy token (AUX[3]), so a
+    caller feeding it back needs no copy."""
     LE: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     k = gl.arange(0, 1024, layout=LE)
     for b in gl.static_range(B):
-        row = EMB + gl.load(IDS + b).to(gl.int64) * H
+        tok = gl.load(IDS + b).to(gl.int64)
+        tok = gl.where(tok < 0, gl.load(AUX + 3), tok)
+        row = EMB + tok * H
         for k0 in range(0, H, 1024):
             m = k0 + k < H
             gl.store(RESID + b * H + k0 + k, gl.load(row + k0 + k, mask=m, other=0.0).to(gl.float32), mask=m)
@@ -498,14 +502,15 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 @gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
-             H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
-             S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-             FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr, DIAG: gl.constexpr,
-             HOLD: gl.constexpr, KVRING: gl.constexpr):
+             LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR,
+             B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+             F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
+             STAGES: gl.constexpr, FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
+             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
-    to finish zeroes the counters for the next step; each resets the words it used."""
+    to finish zeroes the counters for the next step (each resets the words it used) and copies the token and
+    ERR into OUT (int64 [3]; pinned host memory, so that a host reads them without a copy on the stream)."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -530,7 +535,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                     mbarrier.arrive(gate, count=1)
         # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
         if op == 1:
-            _embed(EMB, IDS, RESID, H, B)
+            _embed(EMB, IDS, AUX, RESID, H, B)
         elif op == 2:
             _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
             c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
@@ -578,6 +583,9 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         for k0 in range(0, n_counters, 1024):
             gl.store(COUNTERS + k0 + z, gl.zeros_like(z), mask=k0 + z < n_counters)
         gl.atomic_xchg(AUX + 2, 0)
+        gl.store(OUT, gl.atomic_add(AUX + 3, 0))
+        gl.store(OUT + 1, gl.atomic_add(ERR, 0).to(gl.int64))
+        gl.store(OUT + 2, gl.atomic_add(ERR + 1, 0).to(gl.int64))
 
 
 @gluon.jit
@@ -594,8 +602,8 @@ def ring_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS,
                      PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-                     LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B: gl.constexpr,
-                     H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                     LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR,
+                     B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                      S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                      FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False, QSTEP: gl.constexpr = 2,
                      QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
@@ -628,8 +636,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                    n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
         (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
                     IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
-                    ATTN, ACT, LOGITS, AUX, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, B, H,
-                    HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVRING)),
+                    ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR,
+                    B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVRING)),
     ], [CW], [232 if CW == 4 else 192])
 
 
@@ -731,6 +739,7 @@ class FastStep:
         self.aux = torch.tensor([-(1 << 63), 0, 0, 0], dtype=torch.int64, device=dev)  # _compute's AUX
         self.token = self.aux[3:]
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(3, dtype=torch.int64, device=dev)  # launch's out
         S = prog.geometry["splits"]
         f32 = dict(dtype=torch.float32, device=dev)
         self.resid = torch.empty(1, H, **f32)
@@ -792,15 +801,18 @@ class FastStep:
         norms = torch.stack([torch.stack([L.attn_norm, L.ffn_norm]) for L in model.layers])
         return cls(prog, model.cfg, stacks, emb, norms, model.output_norm, model.inv_freq, k_cache, v_cache, **kw)
 
-    def launch(self, ids, seq_lens, page_table) -> None:
-        """The step's one kernel (it resets its own counters), nothing read back: CUDA-graph safe."""
+    def launch(self, ids, seq_lens, page_table, out=None) -> None:
+        """The step's one kernel (it resets its own counters), nothing read back: CUDA-graph safe. ``out``: int64
+        [3] (pinned host memory or on the device; default ``self.out``) that the step's end fills with its greedy
+        token and its error flag (``error``'s flag: set and where)."""
         import triton
 
         cfg, S = self.cfg, self.prog.geometry["splits"]
         fast_step_kernel[(self.prog.num_sms,)](
             *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
             self.kc, self.vc, self.inv_freq, self.emb, self.mt, self.norms, self.onorm, cfg.n_layers, self.resid,
-            self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.aux, self.counters.numel(),
+            self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.aux,
+            self.out if out is None else out, self.counters.numel(),
             self.n_logits, self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
             self.spin_limit, self.err if self.trace is None else self.trace, B=1, H=cfg.hidden, HQ=cfg.n_heads,
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
@@ -848,7 +860,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     ptrs = dict(PROG="*i32", COUNTERS="*i32", ERR="*i32", IDS="*i32",
                 SEQ_LENS="*i32", PT="*i32", KC="*bf16", VC="*bf16", INV_FREQ="*fp32", EMB="*bf16", MT="*i32",
                 NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
-                ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", AUX="*i64", TR="*i64" if trace else "*i32")
+                ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", AUX="*i64", OUT="*i64", TR="*i64" if trace else "*i32")
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,

@@ -165,6 +165,7 @@ def _steps_agree(ref, fast, fmt, cfg, table, positions):
         if fmt == "bf16":
             assert got.argmax() == want.argmax(), f"position {pos}"
         assert fast.token.item() == got.argmax().item(), f"position {pos}"
+        assert fast.out.tolist() == [fast.token.item(), 0, 0], f"position {pos}"  # the step's own copy
         assert fast.counters.eq(0).all() and fast.aux[:3].tolist() == [-(1 << 63), 0, 0], f"position {pos}"
 
 
@@ -232,6 +233,7 @@ def test_gpu_fast_step_hang_guard(model_files):
     args = (torch.ones(1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda"), table)
     with pytest.raises(RuntimeError, match=r"SM \d+ gave up at \w+ layer -?\d+ .* waiting for counter \d+"):
         fast(*args)
+    assert fast.out[1:].tolist() == fast.err.tolist() and fast.out[1].item() == 1
     assert torch.ones(4, device="cuda").sum().item() == 4
 
 
@@ -267,6 +269,24 @@ def test_gpu_engine_takes_the_one_kernel_step(model_files):
     want = ref_llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in two] == [o.token_ids for o in want]
     assert "one-kernel step (bf16 weights" in LLM(path, progress=False).describe()
+
+
+@pytest.mark.gpu
+def test_gpu_engine_one_kernel_look_ahead(model_files):
+    """Greedy decoding without logprobs runs a step ahead: each token is read from the pinned slot the step writes
+    and fed back to the next step on the device. The tokens equal those of steps run one at a time (logprobs on);
+    an error flag a step left in its slot raises RuntimeError at the next step."""
+    path, _, cfg = _tiny(model_files, "bf16")
+    prompt = torch.randint(1, cfg.vocab_size, (7,)).tolist()
+    llm = LLM(path, progress=False, megakernel=True)
+    ahead = llm.stats.ahead_steps
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    got = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    assert llm.stats.ahead_steps - ahead >= 40
+    assert got == _greedy(llm, prompt, 48).token_ids
+    llm.runner.one_kernel.out_host[1, 1] = 1  # as a step whose wait ran past the spin limit leaves it
+    with pytest.raises(RuntimeError, match="one-kernel decode step: SM 0 gave up"):
+        llm.generate([prompt], sp)
 
 
 def test_info_says_when_the_engine_takes_the_one_kernel_step():
