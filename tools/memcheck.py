@@ -450,7 +450,9 @@ def engine_kernel_cases(dev="cuda"):
 def megakernel_cases(dev="cuda"):
     """The one-kernel decode step (Gluon, sm_90) on a tiny llama, 5 steps each: bf16 and q4_k, 4 and 8 compute
     warps, 2 and 3 key splits, each way the loader holds its stream (fast.FastStep's hold), programs
-    for 7 SMs and for all of them, scattered pages, short splits and splits of several blocks of keys."""
+    for 7 SMs and for all of them, scattered pages, short splits and splits of several blocks of keys (bf16 through
+    ATTN's cp.async ring of 2 and 3 blocks, and through registers), the token and error flag written into pinned
+    host memory."""
     if torch.cuda.get_device_capability() != (9, 0):
         return
     import tempfile
@@ -469,7 +471,9 @@ def megakernel_cases(dev="cuda"):
     cases = (("bf16", 4, 2, 7, {}, 0), ("bf16", 4, 3, sms, dict(hold=0), 0), ("bf16", 4, 2, sms, dict(hold=3), 0),
              ("q4_k", 8, 3, 7, {}, 0), ("q4_k", 8, 2, sms, dict(hold=2), 0),
              # splits of several blocks of 32 keys
-             ("bf16", 4, 2, 7, {}, 203), ("bf16", 8, 3, sms, {}, 203), ("q4_k", 8, 2, sms, {}, 203))
+             ("bf16", 4, 2, 7, {}, 203), ("bf16", 8, 3, sms, {}, 203), ("q4_k", 8, 2, sms, {}, 203),
+             ("bf16", 4, 3, sms, dict(kv_ring=3), 203), ("bf16", 4, 2, 7, dict(kv_ring=0), 203))
+    out = torch.zeros(3, dtype=torch.int64).pin_memory()
     for fmt, warps, splits, n_sms, opts, ctx in cases:
         if fmt not in files:
             files[fmt] = read_gguf(convert_hf_to_gguf(d, f"{d}/model-{fmt}.gguf", fmt, progress=False))
@@ -486,8 +490,12 @@ def megakernel_cases(dev="cuda"):
         inv, _ = rope_inv_freq(cfg)
         fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.to(dev), warps=warps, spin_limit=1 << 30, **opts)
         for t in range(5):
-            fast(torch.full((1,), 3 + t, dtype=torch.int32, device=dev),
-                 torch.full((1,), ctx + 1 + t, dtype=torch.int32, device=dev), table)
+            args = (torch.full((1,), 3 + t, dtype=torch.int32, device=dev),
+                    torch.full((1,), ctx + 1 + t, dtype=torch.int32, device=dev), table)
+            if t % 2:
+                fast.launch(*args, out=out)
+            else:
+                fast(*args)
     torch.cuda.synchronize()
     print("memcheck script finished")
 
