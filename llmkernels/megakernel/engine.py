@@ -36,7 +36,7 @@ def why_not(model, device, spec: dict) -> str | None:
         return "it runs inside a CUDA graph (cuda_graphs=True)"
     if model.dtype != torch.bfloat16 or kv_dtype != torch.bfloat16:
         return f"it needs bf16 activations and a bf16 KV cache, got {model.dtype} and {kv_dtype}"
-    from .fast import unsupported  # Gluon code: imported only where this Triton's Gluon API is the one it is written for
+    from .fast import unsupported  # Gluon: imported only where this Triton's Gluon API is the one it is written for
 
     bad = unsupported(cfg)
     if model.padded or model.output_pad:
