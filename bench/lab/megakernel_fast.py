@@ -7,7 +7,6 @@ Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a bre
                                                      [--hold 0,1,2]
                                                      [--qstep 2] [--qdot 1] [--diag 0,1,2,3] [--skip-check]
                                                      [--skip-engine] [--trace] [--variants fast,...]
-                                                     [--kv-ring 0,2] [--stage-bf16 0,1]
 """
 import argparse
 import functools
@@ -112,8 +111,6 @@ def main():
                     "FastStep is timed (an A/B of a copy of fast.py)")
     ap.add_argument("--kv-ring", default="", help="comma-separated FastStep kv_ring (ATTN's cp.async ring in blocks; "
                     "empty: the default), for the variants that take it")
-    ap.add_argument("--stage-bf16", default="0", help="comma-separated 0/1: FastStep(stage_bf16): inputs wider than "
-                    "8192 staged in bf16, a halved staging buffer, up to 22 slots (for the variants that take it)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -154,20 +151,13 @@ def main():
             diags = [int(x) for x in args.diag.split(",")]
             variants = args.variants.split(",")
             rings = [int(x) for x in args.kv_ring.split(",")] if args.kv_ring else [None]
-            narrow = [bool(int(x)) for x in args.stage_bf16.split(",")]
-            for w, st, hd, dg, var, ring, nb in itertools.product(warps, stages, holds, diags, variants, rings,
-                                                                  narrow):
+            for w, st, hd, dg, var, ring in itertools.product(warps, stages, holds, diags, variants, rings):
                 kw = dict(stages=st, warps=w, hold=hd, diag=dg, **q)
                 step = importlib.import_module("llmkernels.megakernel." + var).FastStep
-                takes = inspect.signature(step).parameters
-                if (ring != rings[0] and "kv_ring" not in takes) or (nb != narrow[0] and "stage_bf16" not in takes):
-                    continue  # a variant without the option runs once
-                if "kv_ring" in takes:
+                if "kv_ring" in inspect.signature(step).parameters:
                     kw["kv_ring"] = ring
-                if "stage_bf16" in takes:
-                    kw["stage_bf16"] = nb
-                if fmt == "bf16" and st > 18 and not kw.get("stage_bf16"):
-                    continue  # 19-22 slots fit only the halved staging buffer
+                elif ring != rings[0]:
+                    continue
                 if base is None:
                     fast = base = step.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
@@ -176,8 +166,7 @@ def main():
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
                 print(f"{fmt} {var} step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
-                      f"{st} slots, hold {hd}, diag {dg}, kv_ring {kw.get('kv_ring', '-')}, "
-                      f"stage_bf16 {kw.get('stage_bf16', False)}: "
+                      f"{st} slots, hold {hd}, diag {dg}, kv_ring {kw.get('kv_ring', '-')}: "
                       f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)

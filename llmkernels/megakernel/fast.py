@@ -112,40 +112,23 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
 
 
 @gluon.jit
-def _stage_pieces(xs, X, NW, nk, inv, r, k, NORM: gl.constexpr, XB: gl.constexpr):
+def _stage_pieces(xs, X, NW, nk, inv, r, k, NORM: gl.constexpr):
     for p in range(0, nk, 16):
         offs = (p + r)[:, None] * BK + k[None, :]
         m = (p + r < nk)[:, None] & (k < BK)[None, :]
         x = gl.load(X + offs, mask=m, other=0.0)
         if NORM:
             x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
-        if XB:
-            xs.index(p // 16).store(x.to(gl.bfloat16))
-        else:
-            xs.index(p // 16).store(x)
+        xs.index(p // 16).store(x)
 
 
 @gluon.jit
-def _x_view(x_smem, XB: gl.constexpr):
-    """The staged input as [chunks, 256]: float32, or bf16 (XB) in the same bytes (twice the chunks)."""
-    X2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # as allocated: rows of 256 unswizzled
-    if XB:
-        return x_smem._reinterpret(gl.bfloat16, [2 * x_smem.shape[0], BK], X2)
-    else:
-        return x_smem
-
-
-@gluon.jit
-def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr, XB: gl.constexpr = False):
-    """x_smem ([n, 256] float32, one 256-wide chunk per row) <- X[:K] (float32), or its RMSNorm times NW with
-    NORM; pieces of 16 chunks, each piece's loads issued together (ONE: K fits one piece). XB: rounded to bf16,
-    2 n chunks in the same bytes (_x_view)."""
+def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr):
+    """x_smem ([64, 256] float32, one 256-wide chunk per row) <- X[:K] (float32), or its RMSNorm times NW with
+    NORM; pieces of 16 chunks, each piece's loads issued together (ONE: K fits one piece)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    if XB:
-        xs = x_smem._reinterpret(gl.bfloat16, [x_smem.shape[0] // 8, 16, BK], X3)
-    else:
-        xs = x_smem._reinterpret(gl.float32, [x_smem.shape[0] // 16, 16, BK], X3)
+    xs = x_smem._reinterpret(gl.float32, [4, 16, BK], X3)
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
     k = gl.arange(0, BK, layout=gl.SliceLayout(0, LP))
     nk = K // BK
@@ -156,30 +139,25 @@ def _stage(x_smem, X, NW, K, eps, NORM: gl.constexpr, ONE: gl.constexpr, XB: gl.
         w = gl.load(NW + offs, mask=m, other=0.0)
         inv = 1.0 / gl.sqrt(gl.sum(gl.sum(x * x, axis=1), axis=0) / K + eps)
         gl.thread_barrier()  # every warp is past its reads of the instruction before
-        if XB:
-            xs.index(0).store((x * inv * w).to(gl.bfloat16))
-        else:
-            xs.index(0).store(x * inv * w)
+        xs.index(0).store(x * inv * w)
     else:
         inv = 1.0
         if NORM:
             inv = inv_rms(X, K, eps)
         gl.thread_barrier()
-        _stage_pieces(xs, X, NW, nk, inv, r, k, NORM, XB)
+        _stage_pieces(xs, X, NW, nk, inv, r, k, NORM)
     gl.thread_barrier()
 
 
 @gluon.jit
-def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr, DIAG: gl.constexpr = 0,
-             XB: gl.constexpr = False):
-    """One 16-row subtile's products over the staged input (bf16 with XB): nk slots from the ring -> ([16]
-    float32, c + nk). DIAG 2 or 3 (timing only): the slots are taken and released without products."""
+def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
+    """One 16-row subtile's products over the staged input: nk slots from the ring -> ([16] float32, c + nk).
+    DIAG 2 or 3 (timing only): the slots are taken and released without products."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])  # [16, 256]: warps by rows
     XK: gl.constexpr = gl.SliceLayout(0, L)
-    xv = _x_view(x_smem, XB)
     acc = gl.zeros([16, BK], gl.float32, L)
     for kc in range(nk):
-        x = xv.index(kc).load(XK).to(gl.float32)
+        x = x_smem.index(kc).load(XK)
         s = c % STAGES
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         if (DIAG == 2) | (DIAG == 3):
@@ -208,10 +186,9 @@ def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.co
 
 
 @gluon.jit
-def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT: gl.constexpr, H: gl.constexpr,
-               XB: gl.constexpr = False):
+def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT: gl.constexpr, H: gl.constexpr):
     if FMT == 0:
-        _stage(x_smem, X, NW, K, eps, NORM, H <= 16 * 256, XB)
+        _stage(x_smem, X, NW, K, eps, NORM, H <= 16 * 256)
     else:
         stage_q(xq_smem, xd_smem, X, NW, K, eps, 0, NORM)
 
@@ -219,9 +196,9 @@ def _stage_any(x_smem, xq_smem, xd_smem, X, NW, K, eps, NORM: gl.constexpr, FMT:
 @gluon.jit
 def _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr,
                  STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-                 DIAG: gl.constexpr, XB: gl.constexpr = False):
+                 DIAG: gl.constexpr):
     if FMT == 0:
-        y, c = _subtile(w_smem, x_smem, ready, empty, c, K // BK, STAGES, DIAG, XB)
+        y, c = _subtile(w_smem, x_smem, ready, empty, c, K // BK, STAGES, DIAG)
     else:
         y, c = _subtile_q4k(w_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, QSTEP, QDOT)
     return y, c
@@ -230,7 +207,7 @@ def _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L
 @gluon.jit
 def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, K, OUT, ACC: gl.constexpr,
               GLU: gl.constexpr, STAGES: gl.constexpr, FMT: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-              DIAG: gl.constexpr, ARGMAX: gl.constexpr = False, XB: gl.constexpr = False):
+              DIAG: gl.constexpr, ARGMAX: gl.constexpr = False):
     """Rows [lo, hi) of the instruction's matrix: OUT[rows] = y (ACC: OUT[rows] += y; GLU: y = SiLU(gate) * up,
     gate and up subtiles taken in turn, as the loader streams them) -> (c after its slots, the largest _argmax_key
     of the rows with ARGMAX, else 0). bf16 (FMT 0): _subtile; q4_k: _subtile_q4k (q4k._slot_dot: dp4a on the int8
@@ -249,10 +226,10 @@ def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi,
     best = -9223372036854775807 - 1  # below every _argmax_key
     for r in range(lo, hi, 16):
         y, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
-                            QDOT, DIAG, XB)
+                            QDOT, DIAG)
         if GLU:
             u, c = _subtile_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, K, L4, STAGES, FMT, QSTEP,
-                                QDOT, DIAG, XB)
+                                QDOT, DIAG)
             y = y / (1.0 + gl.exp(-y)) * u
         if ACC:
             y += gl.load(OUT + r + rows)
@@ -534,10 +511,6 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
     done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
     to finish zeroes the counters for the next step (each resets the words it used) and copies the token and
     ERR into OUT (int64 [3]; pinned host memory, so that a host reads them without a copy on the stream)."""
-    # inputs wider than the float32 staging buffer (XBF builds: 32 chunks of 256) are staged in bf16
-    XH: gl.constexpr = (FMT == 0) & (H > x_smem.shape[0] * BK)
-    XO: gl.constexpr = (FMT == 0) & (HQ * D > x_smem.shape[0] * BK)
-    XF: gl.constexpr = (FMT == 0) & (F > x_smem.shape[0] * BK)
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -564,9 +537,9 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         if op == 1:
             _embed(EMB, IDS, AUX, RESID, H, B)
         elif op == 2:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H, XH)
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
             c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
-                             False, STAGES, FMT, QSTEP, QDOT, DIAG, False, XH)
+                             False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
             ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
                        COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, x_smem, HQ, HKV,
@@ -577,21 +550,21 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
-            _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H, XO)
+            _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
             c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID,
-                             True, False, STAGES, FMT, QSTEP, QDOT, DIAG, False, XO)
+                             True, False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 6:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H, XH)
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
             c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False,
-                             True, STAGES, FMT, QSTEP, QDOT, DIAG, False, XH)
+                             True, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 7:
-            _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H, XF)
+            _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
             c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True,
-                             False, STAGES, FMT, QSTEP, QDOT, DIAG, False, XF)
+                             False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 8:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H, XH)
+            _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
             c, best = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS,
-                                False, False, STAGES, FMT, QSTEP, QDOT, DIAG, True, XH)
+                                False, False, STAGES, FMT, QSTEP, QDOT, DIAG, True)
             gl.atomic_max(AUX, best)
             if gl.atomic_add(AUX + 1, 1, sem="acq_rel") == n_logits - 1:  # the last LOGITS tile: every max is in
                 key = gl.atomic_xchg(AUX, -9223372036854775807 - 1)
@@ -634,20 +607,19 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
                      STAGES: gl.constexpr, FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False,
                      QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
-                     KVRING: gl.constexpr = 0, XBF: gl.constexpr = 0):
+                     KVRING: gl.constexpr = 0):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
     products are skipped (the step without them), 3 both; 4 ATTN reads no cached key, 5 nor computes a block of
-    them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). XBF (bf16): a 32 KB
-    staging buffer instead of 64 KB, inputs wider than 8192 staged in bf16 (_stage), so 4 more ring slots fit.
-    The counters must be zero at the first launch; each step leaves them so (_compute)."""
+    them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). The counters must
+    be zero at the first launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if FMT == 0:
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, BK], desc_a.layout)
-        x_smem = gl.allocate_shared_memory(gl.float32, [64 if XBF == 0 else 32, BK], flat)
+        x_smem = gl.allocate_shared_memory(gl.float32, [64, BK], flat)
         h_smem = w_smem
         xq_smem = x_smem
         xd_smem = x_smem
@@ -707,24 +679,20 @@ class FastStep:
     argmax (torch.argmax's, ties and NaN included), the greedy choice made inside the step. q4_k: the products
     take the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic).
 
-    ``stages``: ring slots (bf16: 8 KB each, 18 by default, 22 with ``stage_bf16``; q4_k: 4.5 KB, 16);
-    ``warps``: the compute partition's warps (4 or 8); ``qstep``, ``qdot``: q4_k slots per barrier and dot
-    variant (q4k._slot_dot); ``hold``: 0, or the loader holds its weight stream at each ATTN instruction until
-    the split is past its wait (1, the default: the faster, bench/NOTES.md) or done (2), and (3) as 1 and at each
-    MERGE until it is past its wait; ``kv_ring``: blocks of 32 cached keys an ATTN split copies by cp.async from
-    before its wait into the staging buffer (bf16 at head dim 64 or more: 2 by default; 0, and always for q4_k:
-    one block ahead in registers); ``stage_bf16`` (bf16 weights): a staging buffer of 32 KB instead of 64, inputs
-    wider than 8192 (the FFN's down projection) staged rounded to bf16, as the kernel-per-op step has them, so
-    that 4 more ring slots fit (not measured yet, off by default); ``diag``: timing-only builds that give wrong
-    results (fast_step_kernel's DIAG); ``spin_limit``: polls of a counter before the step gives up (``error``
-    then names the instruction); ``trace``: record each instruction's start, end of wait and end (global ns) in
-    ``self.trace`` [SMs, instructions, 3].
+    ``stages``: ring slots (bf16: 8 KB each, 18 by default; q4_k: 4.5 KB, 16); ``warps``: the compute
+    partition's warps (4 or 8); ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot);
+    ``hold``: 0, or the loader holds its weight stream at each ATTN instruction until the split is past its wait
+    (1, the default: the faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its
+    wait; ``kv_ring``: blocks of 32 cached keys an ATTN split copies by cp.async from before its wait into the
+    staging buffer (bf16 at head dim 64 or more: 2 by default; 0, and always for q4_k: one block ahead in
+    registers); ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``:
+    polls of a counter before the step gives up (``error`` then names the instruction); ``trace``: record each
+    instruction's start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int | None = None, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
-                 kv_ring: int | None = None, stage_bf16: bool = False, diag: int = 0, spin_limit: int = 1 << 22,
-                 trace: bool = False):
+                 kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if prog.geometry["batch"] != 1:
@@ -737,14 +705,9 @@ class FastStep:
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
         if warps not in (4, 8):
             raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps!r}")
-        if not isinstance(stage_bf16, bool) or (stage_bf16 and stacks.format != "bf16"):
-            raise ValueError(f"stage_bf16 must be a bool, True only for bf16 weights, got {stage_bf16!r} for "
-                             f"{stacks.format}")
-        self.stage_bf16 = stage_bf16
-        # bf16: 18 slots (22 with the halved staging buffer), the staged input and ATTN's scratch: 227 KB
-        most = (22 if stage_bf16 else 18) if stacks.format == "bf16" else 24
+        most = 18 if stacks.format == "bf16" else 24  # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB
         if stages is None:  # the deepest prefetch that fits bf16 (NOTES: more slots, faster steps)
-            stages = most if stacks.format == "bf16" else 16
+            stages = 18 if stacks.format == "bf16" else 16
         if not isinstance(stages, int) or not 2 <= stages <= most:
             raise ValueError(f"stages must be 2..{most}, got {stages!r}")
         L, H, D, Hkv = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_kv_heads
@@ -792,8 +755,8 @@ class FastStep:
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
         self.hold = hold
-        # K and V blocks of 32 keys in the staging buffer (64 KB, or 32); cp.async copies 4 bytes or more per row
-        most = ((32 if stage_bf16 else 64) << 10) // (4 * 32 * D) if self.fmt == "bf16" and D >= 64 else 0
+        # K and V blocks of 32 keys in the 64 KB staging buffer; cp.async copies 4 bytes or more per row
+        most = (64 << 10) // (4 * 32 * D) if self.fmt == "bf16" and D >= 64 else 0
         if kv_ring is None:
             kv_ring = min(2, most)
         if not isinstance(kv_ring, int) or not 0 <= kv_ring <= most:
@@ -857,8 +820,7 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, XBF=int(self.stage_bf16),
-            num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, num_warps=4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -884,7 +846,7 @@ class FastStep:
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
-                 page: int = 16, trace: bool = False, kv_ring: int | None = None, stage_bf16: bool = False):
+                 page: int = 16, trace: bool = False, kv_ring: int | None = None):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -904,7 +866,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
                   SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold, XBF=int(stage_bf16),
+                  HOLD=hold,
                   KVRING=(min(2, 512 // head_dim) if fmt == "bf16" and head_dim >= 64 else 0) if kv_ring is None
                   else kv_ring)
     sig = dict(zip(names[:6], descs))

@@ -167,18 +167,15 @@ def _rms_pair(xe, xo, W, ev, od, eps, D: tl.constexpr):
 
 @triton.jit
 def _gate_up(W8, W16, WI8, mats, first, lo, hi, X, inv, NW, OUT, H: tl.constexpr, BLOCK_R: tl.constexpr,
-             QNB: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr, RND: tl.constexpr = False):
+             QNB: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr):
     """OUT[r] = SiLU(gate[first + r] . x) * (up[first + r] . x) for rows r in [lo, hi), x = X * inv * NW (the
-    layer's gate and up matrices, or an expert's rows of the stacks); RND: rounded to bf16."""
+    layer's gate and up matrices, or an expert's rows of the stacks)."""
     for r0 in range(lo, hi, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         rm = rows < hi
         g = _qdot(W8, W16, WI8, mats + 9, first + rows, rm, H, X, inv, NW, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
         u = _qdot(W8, W16, WI8, mats + 12, first + rows, rm, H, X, inv, NW, True, QNB=QNB, VEC=VEC, STAGES=STAGES)
-        y = g / (1.0 + tl.exp(-g)) * u
-        if RND:
-            y = y.to(tl.bfloat16).to(tl.float32)
-        tl.store(OUT + rows, y, mask=rm)
+        tl.store(OUT + rows, g / (1.0 + tl.exp(-g)) * u, mask=rm)
 
 
 @triton.jit
@@ -288,7 +285,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                        STAGES: tl.constexpr = 1, E: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                        TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, FE: tl.constexpr = 1,
                        RENORM: tl.constexpr = True, NEOX: tl.constexpr = False, QK_NORM: tl.constexpr = False,
-                       MOE: tl.constexpr = False, ACT_BF16: tl.constexpr = False):
+                       MOE: tl.constexpr = False):
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     sm = tl.program_id(0)
     ok = 1
@@ -350,7 +347,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                 for b in range(B):
                     inv = _rms_inv(RESID + b * H, H, eps, BLOCK_K)
                     _gate_up(W8, W16, WI8, mats, 0, lo, hi, RESID + b * H, inv, nw, ACT + b * F, H, BLOCK_R, QNB,
-                             VEC, STAGES, ACT_BF16)
+                             VEC, STAGES)
             elif op == 7:  # DOWN: the residual += W_down rows . activation
                 for b in range(B):
                     for r0 in range(lo, hi, BLOCK_R):
@@ -485,15 +482,14 @@ class DecodeStep:
     units of K per GEMV loop step (more bytes in flight per SM, more registers); ``vector_loads``: q4_k tiles load
     their code bytes as 16-byte vectors (``_qdot_q4k``) instead of through the generic dequantizer (measured 2.7x
     slower on the H200: the products then convert each tile to the activations' layout, bench/NOTES.md); ``stages``:
-    GEMV loop steps whose loads Triton keeps in flight (its software pipelining; 1: none); ``act_bf16``: the dense
-    FFN's activation rounded to bf16 before the down projection (as the fast step's ``stage_bf16`` stages it).
+    GEMV loop steps whose loads Triton keeps in flight (its software pipelining; 1: none).
 
     A program's list may stand for a fraction of an SM: a Program built for 2 or 4 times the SM count runs that many
     programs per SM, all resident at once (they wait on each other), which keeps more loads in flight."""
 
     def __init__(self, prog: Program, cfg, tensors, k_cache, v_cache, inv_freq, *, batch: int,
                  spin_limit: int = 1 << 24, block_r: int = 16, block_k: int = 64, num_warps: int = 4,
-                 blocks_per_step: int = 1, vector_loads: bool = False, stages: int = 1, act_bf16: bool = False):
+                 blocks_per_step: int = 1, vector_loads: bool = False, stages: int = 1):
         if batch != prog.geometry["batch"]:
             raise ValueError(f"batch must be the program's ({prog.geometry['batch']}), got {batch}")
         missing = unsupported(cfg)
@@ -544,7 +540,7 @@ class DecodeStep:
         if not isinstance(stages, int) or not 1 <= stages <= 8:
             raise ValueError(f"stages must be an int in 1..8, got {stages!r}")
         self.tiles = dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps, QNB=blocks_per_step,
-                          VEC=bool(vector_loads), STAGES=stages, ACT_BF16=bool(act_bf16))
+                          VEC=bool(vector_loads), STAGES=stages)
 
     def __call__(self, ids, seq_lens, page_table) -> torch.Tensor:
         """float32 logits [batch, vocab] of one decode step: ``ids`` int32 [batch] the new tokens, ``seq_lens``
@@ -596,7 +592,7 @@ def compile_sm90(batch: int = 1, hidden: int = 4096, heads: int = 32, kv_heads: 
                   BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=16, NF=NF, QNB=blocks_per_step, VEC=int(vector_loads),
                   STAGES=stages, E=max(experts, 1), BLOCK_E=triton.next_power_of_2(max(experts, 1)),
                   TOP_K=max(top_k, 1), BLOCK_TK=triton.next_power_of_2(max(top_k, 1)), FE=ffn if experts else 1,
-                  RENORM=1, NEOX=0, QK_NORM=0, MOE=int(experts > 0), ACT_BF16=0)
+                  RENORM=1, NEOX=0, QK_NORM=0, MOE=int(experts > 0))
     sig = {n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in decode_step_kernel.arg_names
            if n not in consts}
     sig.update({k: "constexpr" for k in consts})
