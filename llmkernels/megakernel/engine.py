@@ -95,9 +95,9 @@ class OneKernelGraph(_Graph):
     def run(self, step, ids_dev=None) -> torch.Tensor:
         """Launch the step; afterwards ``greedy_host`` (int64 [1], pinned) holds its greedy token once the GPU is
         past it. A step that gave up (the spin limit) raises at a later one: read without waiting for the GPU."""
-        for t in range(2):
-            if self.out_host[t, 1]:
-                raise RuntimeError(self.fast.error(self.out_host[t, 1:]))
+        failed = self.out_host[:, 1].nonzero()
+        if len(failed):
+            raise RuntimeError(self.fast.error(self.out_host[int(failed[0, 0]), 1:]))
         host32, host64 = self._host()
         h = host32.numpy()
         h[:] = 0

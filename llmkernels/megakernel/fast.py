@@ -314,6 +314,7 @@ def _ring_issue(k_ring, v_ring, slot, KC, VC, kpg, vpg, cache_off, k0, kidx5, ki
         kv = k0 + kidxv
         # the rows start 2 E-byte aligned (FastStep checks the caches); the hint goes on the pointers, as the
         # partition's arguments do not carry their alignment
+        # _cache_block's addresses, written out here: the alignment hints below do not reach through a call
         kp = KC + cache_off + (kpg.to(gl.int64) * PAGE + kk % PAGE) * HKV * D + dk5
         vp = VC + cache_off + (vpg.to(gl.int64) * PAGE + kv % PAGE) * HKV * D + dv
         kp = gl.max_contiguous(gl.multiple_of(kp, [2 * E, 2 * E, 2 * E, 2 * E]), [1, 1, 1, E])
@@ -664,6 +665,13 @@ def unsupported(cfg) -> list:
     return out
 
 
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    where = "pinned host memory" if t.device.type == "cpu" and t.is_pinned() else str(t.device)
+    return f"{t.dtype} {list(t.shape)} on {where}"
+
+
 class FastStep:
     """Runs a batch-1 Program (schedule.build_decode_program) over bf16 or q4_k weight stacks.
 
@@ -809,6 +817,10 @@ class FastStep:
         token and its error flag (``error``'s flag: set and where)."""
         import triton
 
+        if out is not None and not (isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.numel() == 3
+                                    and out.is_contiguous() and (out.device == self.out.device or out.is_pinned())):
+            raise ValueError(f"out must be a contiguous int64 tensor of 3 elements on {self.out.device} or in pinned "
+                             f"host memory, got {_describe(out)}")
         cfg, S = self.cfg, self.prog.geometry["splits"]
         fast_step_kernel[(self.prog.num_sms,)](
             *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,

@@ -1,5 +1,6 @@
 """The one-kernel step's fast executor (megakernel/fast.py) and its place in the engine (megakernel/engine.py)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -66,6 +67,12 @@ def test_fast_step_rejects_bad_arguments(model_files):
     with pytest.raises(ValueError, match="kv_ring=2: the caches' rows must start 4-byte aligned"):
         FastStep(prog, cfg, stacks, *args, odd, odd, kv_ring=2)
     FastStep(prog, cfg, stacks, *args, odd, odd, kv_ring=0)  # the register path takes any alignment
+    fast = FastStep(prog, cfg, stacks, *args, kc, vc)
+    step = (torch.ones(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32))
+    for bad, got in ((torch.zeros(3, dtype=torch.int32), "torch.int32 [3] on cpu"),
+                     (torch.zeros(2, dtype=torch.int64), "torch.int64 [2] on cpu"), ([0, 0, 0], "list")):
+        with pytest.raises(ValueError, match="out must be a contiguous int64 tensor of 3 elements .* got " + re.escape(got)):
+            fast.launch(*step, out=bad)
     with pytest.raises(ValueError, match="stages must be 2..18, got 40"):
         FastStep(prog, cfg, stacks, *args, kc, vc, stages=40)
     with pytest.raises(ValueError, match="k_cache: a 16-bit"):
