@@ -666,10 +666,7 @@ def unsupported(cfg) -> list:
 
 
 def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    where = "pinned host memory" if t.device.type == "cpu" and t.is_pinned() else str(t.device)
-    return f"{t.dtype} {list(t.shape)} on {where}"
+    return f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 class FastStep:
@@ -817,8 +814,9 @@ class FastStep:
         token and its error flag (``error``'s flag: set and where)."""
         import triton
 
+        # attributes only (no CUDA call: a launch may be captured); Triton itself refuses unpinned host memory
         if out is not None and not (isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.numel() == 3
-                                    and out.is_contiguous() and (out.device == self.out.device or out.is_pinned())):
+                                    and out.is_contiguous() and out.device in (self.out.device, torch.device("cpu"))):
             raise ValueError(f"out must be a contiguous int64 tensor of 3 elements on {self.out.device} or in pinned "
                              f"host memory, got {_describe(out)}")
         cfg, S = self.cfg, self.prog.geometry["splits"]
