@@ -36,15 +36,17 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int
     return tuple(entry) + (0,) * (6 - len(entry))
 
 
-def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int] | None:
-    """(BLOCK_N, STAGES, OVERLAP) of the warp-specialized Gluon kernel (prefill_ws.py) from the table key
+def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int] | None:
+    """(BLOCK_N, STAGES, OVERLAP, PERSIST) of the warp-specialized Gluon kernel (prefill_ws.py) from the table key
     "<dtype>/<head dim>/<full|causal>/ws", or None where the entry is [0, 0] (the Triton kernel is faster there) or
-    missing. OVERLAP 1 runs each block's softmax beside the previous block's PV product; entries without it mean 0."""
+    missing. OVERLAP 1 runs each block's softmax beside the previous block's PV product; PERSIST 1 launches one
+    program per SM that loops over the tiles (0: a program per tile). Missing trailing fields mean 0."""
     key = f"{str(dtype).replace('torch.', '')}/{head_dim}/{'causal' if causal else 'full'}/ws"
     entry = lookup("prefill", gpu_name(), key)
     if not entry or not entry[0]:
         return None
-    return int(entry[0]), int(entry[1]), int(entry[2]) if len(entry) > 2 else 0
+    entry = [int(x) for x in entry] + [0] * (4 - len(entry))
+    return entry[0], entry[1], entry[2], entry[3]
 
 
 @functools.cache

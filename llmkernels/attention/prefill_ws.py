@@ -41,43 +41,111 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._gluon import LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
+from .._runtime import num_sms
 
 
 @gluon.jit
-def _load_k(desc_k, k_smem, k_ready, kv_empty, k_row, k_col, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    s = j % STAGES
+def _load_k(desc_k, k_smem, k_ready, kv_empty, row, k_col, r, STAGES: gl.constexpr):
+    """K rows row.. into ring use r (slot r % STAGES, once that slot's previous K is read)."""
+    s = r % STAGES
     # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
-    mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_k, [k_row + j * BLOCK_N, k_col], k_ready.index(s), k_smem.index(s))
+    tma.async_copy_global_to_shared(desc_k, [row, k_col], k_ready.index(s), k_smem.index(s))
 
 
 @gluon.jit
-def _load_v(desc_v, v_smem, v_ready, kv_empty, k_row, k_col, v_row, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            VT: gl.constexpr):
-    s = j % STAGES
-    mbarrier.wait(kv_empty.index(STAGES + s), ((j // STAGES) & 1) ^ 1)
+def _load_v(desc_v, v_smem, v_ready, kv_empty, row, k_col, r, STAGES: gl.constexpr, VT: gl.constexpr):
+    s = r % STAGES
+    mbarrier.wait(kv_empty.index(STAGES + s), ((r // STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-    if VT:  # V^T [kv heads * D, tokens]: the tile is [D, BLOCK_N] at the head's rows
-        tma.async_copy_global_to_shared(desc_v, [k_col, v_row + j * BLOCK_N], v_ready.index(s), v_smem.index(s))
+    if VT:  # V^T [kv heads * D, tokens]: the tile is [D, BLOCK_N] at the head's rows, keys from column row
+        tma.async_copy_global_to_shared(desc_v, [k_col, row], v_ready.index(s), v_smem.index(s))
     else:
-        tma.async_copy_global_to_shared(desc_v, [k_row + j * BLOCK_N, k_col], v_ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(desc_v, [row, k_col], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
-def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-            q_row, q_col, k_row, k_col, v_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            VT: gl.constexpr):
-    """Q, then K_j and V_j tiles into the ring. kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K
-    tile is refilled once its S is computed, before the same block's PV product (measured 3-9% faster with the
-    overlapped consumers than one barrier per slot)."""
+def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work tile t: (sequence, query head, 128-row query block). The (sequence, head) pairs come in groups of
+    heads_per_group; within a group the query blocks run from the last (heaviest causal) down, the group's heads
+    fastest. With groups of one the query blocks of a head run together (its K/V stay in L2 across them); wider
+    groups give a persistent grid's round-robin a heaviest-first order over more tiles. -> b, h, the block's first
+    row m0, the sequence's q_start, q_len, k_start, k_len, and its key blocks: n_blocks in all, the first n_full
+    of them seen whole by every row."""
+    per_group = num_m_blocks * heads_per_group
+    g = t // per_group
+    rem = t % per_group
+    heads = gl.minimum(heads_per_group, num_bh - g * heads_per_group)  # the last group may be short
+    pid_bh = g * heads_per_group + rem % heads
+    m0 = (num_m_blocks - 1 - rem // heads) * BLOCK_M
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start = gl.load(CU_Q + b)
+    q_len = gl.load(CU_Q + b + 1) - q_start
+    k_start = gl.load(CU_K + b)
+    k_len = gl.load(CU_K + b + 1) - k_start
+    hi = k_len
+    full_hi = k_len
+    if CAUSAL:
+        first_pos = m0 + k_len - q_len
+        last_pos = gl.minimum(m0 + BLOCK_M, q_len) - 1 + k_len - q_len
+        hi = gl.maximum(gl.minimum(k_len, last_pos + 1), 0)
+        full_hi = gl.maximum(gl.minimum(full_hi, first_pos + 1), 0)
+    n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
+    n_full = full_hi // BLOCK_N
+    return b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full
+
+
+@gluon.jit
+def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, CU_Q,
+                 CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, t, r, qi, CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 VT: gl.constexpr):
+    """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's, then K_j and V_j
+    into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
-    mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(desc_q, [q_row + HALF, q_col], q_ready, q_smem.index(1))
-    for j in range(n_blocks):
-        _load_k(desc_k, k_smem, k_ready, kv_empty, k_row, k_col, j, BLOCK_N, STAGES)
-        _load_v(desc_v, v_smem, v_ready, kv_empty, k_row, k_col, v_row, j, BLOCK_N, STAGES, VT)
+    b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(
+        t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, 2 * HALF, BLOCK_N, CAUSAL)
+    if m0 < q_len:
+        mbarrier.wait(q_empty, (qi & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_start + m0, h * HEAD_DIM], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(desc_q, [q_start + m0 + HALF, h * HEAD_DIM], q_ready, q_smem.index(1))
+        k_col = (h // group) * HEAD_DIM
+        v_row = k_start
+        if VT:  # the sequence's first V^T column (v_col0)
+            v_row = (k_start + 15) // 16 * 16 + 16 * b
+        for j in range(n_blocks):
+            _load_k(desc_k, k_smem, k_ready, kv_empty, k_start + j * BLOCK_N, k_col, r + j, STAGES)
+            _load_v(desc_v, v_smem, v_ready, kv_empty, v_row + j * BLOCK_N, k_col, r + j, STAGES, VT)
+        r += n_blocks
+        qi += 1
+    return r, qi
+
+
+@gluon.jit
+def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, CU_Q, CU_K,
+            num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles, CAUSAL: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+            VT: gl.constexpr, PERSIST: gl.constexpr):
+    """Q, then K and V tiles into the ring, tile after tile. The ring's use count runs on across a persistent
+    program's tiles, so the next tile's Q (with two buffers) and first K/V tiles load while the consumers finish
+    this one. kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K tile is refilled once its S is
+    computed, before the same block's PV product (measured 3-9% faster with the overlapped consumers than one
+    barrier per slot)."""
+    if PERSIST:
+        r = 0
+        qi = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                 kv_empty, CU_Q, CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, t,
+                                 r, qi, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT)
+    else:
+        _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                     CU_Q, CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, gl.program_id(0),
+                     gl.to_tensor(0), gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT)
 
 
 @gluon.jit
@@ -170,10 +238,13 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot, stride_oh,
-              q_start, q_len, k_len, m0, h, hk, num_heads, num_kv_heads, n_full, n_blocks, qk_scale,
-              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
+                   CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, t, r, qi,
+                   qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   OVERLAP: gl.constexpr):
+    """Tile t (the program's qi-th) from ring use r: this consumer's 64 query rows of it -> the ring uses and
+    tiles so far."""
     HALF: gl.constexpr = q_smem.shape[1]
     FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
@@ -181,122 +252,141 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LS
                                                        instr_shape=[16, BLOCK_N, KW])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, KW])
-    if FP8:  # per-head descales: [q heads | kv heads (K) | kv heads (V)]
-        qk_scale = qk_scale * gl.load(DESCALES + h) * gl.load(DESCALES + num_heads + hk)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    r0 = m0 + HALF_ID * HALF
-    q_pos = r0 + gl.arange(0, HALF, layout=row_s) + (k_len - q_len)  # bottom-right aligned kv positions
-    m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([HALF], gl.float32, row_s)
-    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-    q = q_smem.index(HALF_ID)
-    mbarrier.wait(q_ready, 0)
+    num_kv_heads = num_heads // group
     # fp8: P is rounded to e4m3 for the PV product, taken as 2^P_SHIFT * p (<= 256, inside e4m3's range) so that
     # small probabilities keep their mantissa instead of falling into e4m3's subnormals; the row sums carry the
     # same factor and it cancels in O / l
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
-    if OVERLAP:
-        if n_blocks > 0:  # block 0 through the masked softmax (any block may), then one block behind on PV
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(q, k_smem, k_ready, 0, s_layout, STAGES),))
-            mbarrier.arrive(kv_empty.index(0), count=1)
-            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, qk_scale, q_pos, k_len, s_layout, True, CAUSAL, P_SHIFT)
-            p_lo = p.to(k_smem.dtype)
-            for j in range(1, n_full):
-                acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l_i,
-                                                      m_i, j, j * BLOCK_N, qk_scale, q_pos, k_len, s_layout,
-                                                      o_layout, False, CAUSAL, STAGES, P_SHIFT)
-            for j in range(gl.maximum(n_full, 1), n_blocks):
-                acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l_i,
-                                                      m_i, j, j * BLOCK_N, qk_scale, q_pos, k_len, s_layout,
-                                                      o_layout, True, CAUSAL, STAGES, P_SHIFT)
-            acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout), v_smem, v_ready, acc, n_blocks - 1, STAGES)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(STAGES + (n_blocks - 1) % STAGES), count=1)
-    else:
-        for j in range(n_full):
-            acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
-                                  qk_scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, STAGES, P_SHIFT)
-        for j in range(n_full, n_blocks):
-            acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, j * BLOCK_N,
-                                  qk_scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, STAGES, P_SHIFT)
-
-    empty = l_i == 0.0  # a query that sees no key: o = 0, lse = -inf
-    l_safe = gl.where(empty, 1.0, l_i)
-    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    if FP8:
-        o = o * gl.load(DESCALES + num_heads + num_kv_heads + hk)
-    rows = r0 + gl.arange(0, HALF, layout=row_o)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
-    gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
-    if WRITE_LSE:
-        rows_s = r0 + gl.arange(0, HALF, layout=row_s)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - P_SHIFT) * LN2)
-        gl.store(LSE + (q_start + rows_s).to(gl.int64) * num_heads + h, lse, mask=rows_s < q_len)
-
-
-@gluon.jit(do_not_specialize=["num_m_blocks"])  # follows max_seqlen_q: a new length never recompiles
-def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
-                        num_m_blocks, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                        OVERLAP: gl.constexpr):
-    HALF: gl.constexpr = desc_q.block_type.shape[0]
-    BLOCK_M: gl.constexpr = 2 * HALF
-    # query blocks fastest (K/V of one head stay in L2 across its query blocks), the last (heaviest causal) first
-    pid = gl.program_id(0)
-    pid_bh = pid // num_m_blocks
-    pid_m = num_m_blocks - 1 - pid % num_m_blocks
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    q_start = gl.load(CU_Q + b)
-    q_len = gl.load(CU_Q + b + 1) - q_start
-    m0 = pid_m * BLOCK_M
+    b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(
+        t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, 2 * HALF, BLOCK_N, CAUSAL)
     if m0 < q_len:
-        k_start = gl.load(CU_K + b)
-        k_len = gl.load(CU_K + b + 1) - k_start
         hk = h // group
-        hi = k_len
-        full_hi = k_len
-        if CAUSAL:
-            first_pos = m0 + k_len - q_len
-            last_pos = gl.minimum(m0 + BLOCK_M, q_len) - 1 + k_len - q_len
-            hi = gl.maximum(gl.minimum(k_len, last_pos + 1), 0)
-            full_hi = gl.maximum(gl.minimum(full_hi, first_pos + 1), 0)
-        n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
-        n_full = full_hi // BLOCK_N
-        dtype: gl.constexpr = desc_k.dtype
-        VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
-        v_row = k_start
-        if VT:  # the sequence's first V^T column (v_col0)
-            v_row = (k_start + 15) // 16 * 16 + 16 * b
+        scale = qk_scale
+        if FP8:  # per-head descales: [q heads | kv heads (K) | kv heads (V)]
+            scale = qk_scale * gl.load(DESCALES + h) * gl.load(DESCALES + num_heads + hk)
+        r0 = m0 + HALF_ID * HALF
+        q_pos = r0 + gl.arange(0, HALF, layout=row_s) + (k_len - q_len)  # bottom-right aligned kv positions
+        m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([HALF], gl.float32, row_s)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        q = q_smem.index(HALF_ID)
+        mbarrier.wait(q_ready, qi & 1)
+        if OVERLAP:
+            if n_blocks > 0:  # block 0 through the masked softmax (any block may), then one block behind on PV
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(q, k_smem, k_ready, r, s_layout, STAGES),))
+                mbarrier.arrive(kv_empty.index(r % STAGES), count=1)
+                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, scale, q_pos, k_len, s_layout, True, CAUSAL,
+                                              P_SHIFT)
+                p_lo = p.to(k_smem.dtype)
+                for j in range(1, n_full):
+                    acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc,
+                                                          p_lo, l_i, m_i, r + j, j * BLOCK_N, scale, q_pos,
+                                                          k_len, s_layout, o_layout, False, CAUSAL, STAGES,
+                                                          P_SHIFT)
+                for j in range(gl.maximum(n_full, 1), n_blocks):
+                    acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc,
+                                                          p_lo, l_i, m_i, r + j, j * BLOCK_N, scale, q_pos,
+                                                          k_len, s_layout, o_layout, True, CAUSAL, STAGES,
+                                                          P_SHIFT)
+                mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be refilled
+                acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout), v_smem, v_ready, acc, r + n_blocks - 1,
+                          STAGES)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(STAGES + (r + n_blocks - 1) % STAGES), count=1)
+            else:
+                mbarrier.arrive(q_empty, count=1)
+        else:
+            for j in range(n_full):
+                acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, r + j,
+                                      j * BLOCK_N, scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, STAGES,
+                                      P_SHIFT)
+            for j in range(n_full, n_blocks):
+                acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, r + j,
+                                      j * BLOCK_N, scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, STAGES,
+                                      P_SHIFT)
+            mbarrier.arrive(q_empty, count=1)
+        r += n_blocks
+        qi += 1
 
-        V_ROWS: gl.constexpr = desc_v.block_type.shape[0]
-        V_COLS: gl.constexpr = desc_v.block_type.shape[1]
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], desc_q.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], desc_v.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # K slots, V slots
-        mbarrier.init(q_ready, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
-            mbarrier.init(kv_empty.index(STAGES + i), count=2)
+        empty = l_i == 0.0  # a query that sees no key: o = 0, lse = -inf
+        l_safe = gl.where(empty, 1.0, l_i)
+        o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        if FP8:
+            o = o * gl.load(DESCALES + num_heads + num_kv_heads + hk)
+        rows = r0 + gl.arange(0, HALF, layout=row_o)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+        gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
+        if WRITE_LSE:
+            rows_s = r0 + gl.arange(0, HALF, layout=row_s)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - P_SHIFT) * LN2)
+            gl.store(LSE + (q_start + rows_s).to(gl.int64) * num_heads + h, lse, mask=rows_s < q_len)
+    return r, qi
 
-        gl.warp_specialize([
-            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                       q_start + m0, h * HEAD_DIM, k_start, hk * HEAD_DIM, v_row, n_blocks, BLOCK_N, STAGES, VT)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
-                         stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
-                         qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, DESCALES, stride_ot,
-                         stride_oh, q_start, q_len, k_len, m0, h, hk, num_heads, num_heads // group, n_full, n_blocks,
-                         qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP)),
-        ], [4, 4], [240, 240])
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q, CU_K,
+              stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles, qk_scale,
+              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              PERSIST: gl.constexpr):
+    if PERSIST:
+        r = 0
+        qi = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
+                                   DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
+                                   num_bh, heads_per_group, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                                   BLOCK_N, HEAD_DIM, STAGES, OVERLAP)
+    else:
+        _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
+                       CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group,
+                       gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP)
+
+
+@gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
+def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
+                        num_m_blocks, num_bh, heads_per_group, num_tiles, qk_scale, CAUSAL: gl.constexpr,
+                        WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr):
+    """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles pid, pid +
+    programs, ...: then the loader loads the next tile's Q once this one's last S is computed, and its K/V tiles
+    as ring slots free, while the consumers finish this tile."""
+    HALF: gl.constexpr = desc_q.block_type.shape[0]
+    dtype: gl.constexpr = desc_k.dtype
+    VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
+    V_ROWS: gl.constexpr = desc_v.block_type.shape[0]
+    V_COLS: gl.constexpr = desc_v.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], desc_v.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both consumers' last S done
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # K slots, V slots
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(kv_empty.index(STAGES + i), count=2)
+
+    gl.warp_specialize([
+        (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                   CU_Q, CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles, CAUSAL, BLOCK_N,
+                   HEAD_DIM, STAGES, VT, PERSIST)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
+                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles,
+                     qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
+                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles,
+                     qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
+    ], [4, 4], [240, 240])
 
 
 @triton.jit
@@ -363,20 +453,25 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
 
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
-              overlap=0, descales=None):
+              overlap=0, persist=0, descales=None, heads_per_group=1):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
-    (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head."""
+    (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head. persist 0: one program per tile; 1: one
+    program per SM looping over the tiles. heads_per_group: the tile order's group of (sequence, head) pairs
+    (``_tile``)."""
     D = out.shape[2]
     num_m = triton.cdiv(max_seqlen_q, 128)
     batch = cu_q.shape[0] - 1
-    flash_fwd_ws_kernel[(num_m * batch * num_heads,)](
+    num_bh = batch * num_heads
+    num_tiles = num_m * num_bh
+    grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
+    flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k,
-        out.stride(0), out.stride(1), num_heads, group, num_m, qk_scale, CAUSAL=bool(causal),
-        WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
-        OVERLAP=bool(overlap), num_warps=4)
+        out.stride(0), out.stride(1), num_heads, group, num_m, num_bh, heads_per_group, num_tiles, qk_scale,
+        CAUSAL=bool(causal), WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
+        OVERLAP=bool(overlap), PERSIST=bool(persist), num_warps=4)
 
 
-def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False):
+def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
     "fp8e4nv" (V^T tiles, bf16 output)."""
     fp8 = dtype == "fp8e4nv"
@@ -384,7 +479,8 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
     sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc,
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
            "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
-           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
+           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_bh": "i32", "heads_per_group": "i32",
+           "num_tiles": "i32", "qk_scale": "fp32"}
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
-              "OVERLAP": int(overlap)}
+              "OVERLAP": int(overlap), "PERSIST": int(bool(persist))}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

@@ -218,17 +218,20 @@ def test_ws_config_reads_the_table(monkeypatch):
 
     monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/causal/ws"), [128, 3])
     monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/full/ws"), [0, 0])
-    assert ws_config(torch.bfloat16, 128, True) == (128, 3, 0)
+    assert ws_config(torch.bfloat16, 128, True) == (128, 3, 0, 0)
     assert ws_config(torch.bfloat16, 128, False) is None
+    monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/full/ws"), [128, 2, 1, 2])
+    assert ws_config(torch.bfloat16, 128, False) == (128, 2, 1, 2)
 
 
-@pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap", [
-    (128, 2, 128, True, 0), (64, 3, 64, False, 0), (64, 2, 256, True, 0),
-    (128, 2, 128, True, 1), (128, 3, 128, False, 1), (128, 3, 64, False, 1), (64, 2, 256, True, 1)])
-def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal, overlap):
+@pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap, persist", [
+    (128, 2, 128, True, 0, 0), (64, 3, 64, False, 0, 0), (64, 2, 256, True, 0, 0),
+    (128, 2, 128, True, 1, 0), (128, 3, 128, False, 1, 0), (128, 3, 64, False, 1, 0), (64, 2, 256, True, 1, 0),
+    (128, 2, 128, True, 1, 1), (128, 2, 128, False, 1, 1), (128, 3, 64, True, 0, 1), (64, 2, 256, False, 1, 1)])
+def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal, overlap, persist):
     # compiled for sm_90 on any machine (ptxas ships with Triton): catches a kernel that no longer builds, or one
     # that uses local memory (spills), where CI has no GPU
-    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, overlap={overlap})"
+    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, overlap={overlap}, persist={persist})"
     got = sm90_compile_report(call, {"wgmma": "wgmma.mma_async", "setmaxnreg": "setmaxnreg", "local": ".local"})
     assert got == {"wgmma": True, "setmaxnreg": True, "local": False}
     assert sm90_spill_bytes(call) == 0
@@ -237,13 +240,14 @@ def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, c
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
-                                          for cfg in ([(64, 2), (64, 2, 1)] if c[4] == 256 else
-                                                      [(128, 2), (128, 3), (64, 3), (128, 2, 1), (128, 3, 1)])],
+                                          for cfg in ([(64, 2), (64, 2, 1), (64, 2, 1, 1)] if c[4] == 256 else
+                                                      [(128, 2), (128, 3), (64, 3), (128, 2, 1), (128, 3, 1),
+                                                       (128, 2, 1, 1), (64, 3, 0, 1)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
                          "/".join(map(str, c)))
 def test_ws_kernel_gpu(case, config, dtype, device, monkeypatch):
     # every tuning candidate for its head dim (D=256 fits only 64 keys x 2 stages in shared memory), one product
-    # after the other and overlapped (a third field of 1)
+    # after the other and overlapped (a third field of 1), a program per tile and persistent (a fourth of 1)
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
@@ -356,13 +360,15 @@ def test_fp8_inputs_gpu(causal, device, monkeypatch):
         assert_close(out, ro, torch.bfloat16, "o")
 
 
-@pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap", [
-    (128, 3, 128, True, 0), (256, 2, 128, False, 0), (64, 2, 256, True, 0), (128, 4, 64, True, 0),
-    (128, 3, 128, False, 1), (64, 2, 256, False, 1), (128, 4, 64, True, 1)])
-def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal, overlap):
+@pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap, persist", [
+    (128, 3, 128, True, 0, 0), (256, 2, 128, False, 0, 0), (64, 2, 256, True, 0, 0), (128, 4, 64, True, 0, 0),
+    (128, 3, 128, False, 1, 0), (64, 2, 256, False, 1, 0), (128, 4, 64, True, 1, 0), (256, 3, 128, False, 0, 1),
+    (256, 2, 128, True, 0, 1), (128, 2, 256, False, 0, 0), (64, 2, 256, True, 1, 1)])
+def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal, overlap, persist):
     # both products on e4m3 tensor cores (V read as V^T tiles), no register spills (ptxas -v). (D=256 with 128-key
-    # blocks, the H200's fastest there, spills 464 bytes: not listed)
-    call = f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, 'fp8e4nv', {overlap})"
+    # blocks in a persistent program spills 24 bytes: not listed)
+    call = (f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, 'fp8e4nv', {overlap}, "
+            f"persist={persist})")
     got = sm90_compile_report(call, {"qk": f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3",
                                      "pv": f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3"})
     assert got == {"qk": True, "pv": True}
@@ -371,8 +377,10 @@ def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, hea
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
-                                          for cfg in ([(64, 2), (64, 3), (64, 2, 1)] if c[4] == 256 else
-                                                      [(128, 3), (256, 2), (128, 2, 1)])],
+                                          for cfg in ([(64, 2), (64, 3), (64, 2, 1), (128, 2, 0, 1)]
+                                                      if c[4] == 256 else
+                                                      [(128, 3), (256, 2), (128, 2, 1), (256, 3, 0, 1),
+                                                       (128, 2, 1, 1)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
                          "/".join(map(str, c)))
 def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
@@ -394,6 +402,51 @@ def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
     assert launches, "the call did not take the Gluon kernel"
     ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
     assert_fp8_pv_close(o, ro)
+    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("programs, group", [(3, None), (5, 3), (7, 4), (1, 64)])
+def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, programs, group, device, monkeypatch):
+    # a persistent grid of a few programs: each loops over many tiles (ragged sequences, tiles past a sequence's
+    # end skipped, queries that see no key), the K/V ring's and Q's barrier phases carried from tile to tile, in
+    # several tile orders (heads per group; None: the launcher's default)
+    from llmkernels.attention import prefill, prefill_ws
+    from llmkernels.tuning import OVERRIDES
+
+    need_sm90()
+    monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)
+    monkeypatch.setattr(prefill_ws, "num_sms", lambda device=None: programs)
+    real = prefill_ws.launch_ws
+    launches = []
+
+    def launch(*a, **kw):
+        launches.append(1)
+        return real(*a, **(kw if group is None else dict(kw, heads_per_group=group)))
+
+    monkeypatch.setattr(prefill_ws, "launch_ws", launch)
+    fp8 = dtype == torch.float8_e4m3fn
+    D = 128
+    name = "float8_e4m3fn" if fp8 else "bfloat16"
+    monkeypatch.setitem(OVERRIDES, ("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws"),
+                        [256, 3, 0, 1] if fp8 else [128, 2, 1, 1])
+    q_lens, k_lens = [300, 1, 0, 129, 700], [300, 40, 7, 128, 900]
+    if fp8:
+        (qx, kx, vx), ds, (q, k, v), cq, ck, mq, mk = make_fp8(q_lens, k_lens, 6, 2, D, device, "heads")
+        kw = {"q_descale": ds[0], "k_descale": ds[1], "v_descale": ds[2]}
+    else:
+        q, k, v, cq, ck, mq, mk = make(q_lens, k_lens, 6, 2, D, dtype, device)
+        qx, kx, vx, kw = q, k, v, {}
+    out = poison(torch.empty(qx.shape, dtype=torch.bfloat16, device=device))
+    o, lse = lk.flash_attn_varlen(qx, kx, vx, cq, ck, mq, mk, causal=causal, out=out, return_lse=True, **kw)
+    assert launches, "the call did not take the Gluon kernel"
+    ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
+    if fp8:
+        assert_fp8_pv_close(o, ro)
+    else:
+        assert_close(o, ro, dtype, "o")
     assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
 
 
