@@ -11,14 +11,16 @@ import llmkernels as lk
 
 
 def ws_cases(dev="cuda"):
-    """The Gluon prefill kernel (sm_90) at every tuning candidate, overlapped and not, bf16 and fp8 (V^T tiles, per-head descales): odd
-    lengths, q_len != k_len, an empty sequence, group 7, LSE written."""
-    from llmkernels.attention import prefill
+    """The Gluon prefill kernel (sm_90) at every tuning candidate, overlapped and not, a program per tile and
+    persistent (a grid of 3 programs, so each loops over many tiles), bf16 and fp8 (V^T tiles, per-head
+    descales): odd lengths, q_len != k_len, an empty sequence, group 7, LSE written."""
+    from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
     prefill.WS_MIN_WORK = 0
+    prefill_ws.num_sms = lambda device=None: 3
     cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
     ck = torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev)
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float8_e4m3fn, "float8_e4m3fn")):
@@ -27,9 +29,11 @@ def ws_cases(dev="cuda"):
         for D in (64, 128, 256):
             q = torch.randn(250, 14, D, device=dev).to(dtype)
             k = torch.randn(190, 2, D, device=dev).to(dtype)
-            cfgs = ((64, 2), (32, 3), (64, 2, 1)) if D == 256 else ((128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1))
+            cfgs = ((64, 2), (32, 3), (64, 2, 1), (64, 2, 1, 1)) if D == 256 else (
+                (128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1), (128, 3, 1, 1), (128, 3, 0, 1))
             if fp8:
-                cfgs = ((64, 2), (64, 3), (64, 2, 1)) if D == 256 else ((128, 3), (128, 4), (256, 2), (128, 2, 1))
+                cfgs = ((64, 2), (64, 3), (64, 2, 1), (128, 2, 0, 1)) if D == 256 else (
+                    (128, 3), (128, 4), (256, 2), (128, 2, 1), (256, 2, 0, 1))
             for cfg in cfgs:
                 for causal in (False, True):
                     OVERRIDES[("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)

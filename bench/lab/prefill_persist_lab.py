@@ -1,10 +1,9 @@
 """The Gluon prefill kernel one program per tile against a persistent grid (one program per SM looping over the
 tiles, 1 or 2 Q buffers), bf16 and fp8, on the prefill suite's shapes and a few longer ones.
 
-    PYTHONPATH=.:bench/lab python bench/lab/prefill_persist_lab.py [--dtypes fp8,bf16] [--groups 0,1,32]
+    PYTHONPATH=.:bench/lab python bench/lab/prefill_persist_lab.py [--dtypes fp8,bf16] [--shapes 0,2]
 
-A variant is (BLOCK_N, STAGES, OVERLAP, PERSIST) as in the table, and for causal persistent calls the tile
-order's group of heads (``launch_ws(heads_per_group=)``; 0 = the launcher's default). ``--baseline MODULE`` also times a copy of
+A variant is (BLOCK_N, STAGES, OVERLAP, PERSIST) as in the table. ``--baseline MODULE`` also times a copy of
 an earlier prefill_ws.py importable as llmkernels.attention.MODULE (its launch_ws without persist). Each variant
 is checked first on a ragged batch against the float64 reference, then timed as the prefill suite times
 (``time_ms``: eager, L2 flushed), in TFLOP/s, with SDPA cuDNN on the bf16 inputs beside it.
@@ -32,7 +31,7 @@ VARIANTS = {  # (dtype, D) -> configs (BLOCK_N, STAGES, OVERLAP, PERSIST)
     ("fp8", 128): [(256, 2, 0, 0), (256, 2, 0, 1), (256, 3, 0, 0), (256, 3, 0, 1), (128, 4, 1, 1)],
     ("fp8", 64): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 3, 0, 1), (128, 2, 1, 1)],
     ("fp8", 256): [(128, 2, 0, 0), (128, 2, 0, 1), (64, 3, 1, 1)],
-    ("bf16", 128): [(128, 2, 1, 0), (128, 2, 1, 1), (128, 3, 1, 0), (128, 3, 1, 1)],
+    ("bf16", 128): [(128, 2, 0, 0), (128, 2, 1, 0), (128, 2, 1, 1), (128, 3, 1, 1)],
     ("bf16", 64): [(128, 3, 0, 0), (128, 3, 0, 1), (128, 3, 1, 1)],
     ("bf16", 256): [(64, 2, 1, 0), (64, 2, 1, 1)],
 }
@@ -55,7 +54,6 @@ def _check(dtype, D, causal):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtypes", default="fp8,bf16")
-    p.add_argument("--groups", default="0", help="heads_per_group values for causal persistent variants")
     p.add_argument("--baseline", default="", help="module name of an earlier prefill_ws.py copy")
     p.add_argument("--shapes", default="", help="indices into SHAPES (default all)")
     p.add_argument("--rep", type=float, default=100)
@@ -63,7 +61,6 @@ def main():
     prefill.WS_MIN_WORK = 0
     real_launch = prefill_ws.launch_ws
     base = importlib.import_module(f"llmkernels.attention.{args.baseline}") if args.baseline else None
-    groups = [int(g) for g in args.groups.split(",")]
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs, "
           f"L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MB", flush=True)
@@ -88,17 +85,13 @@ def main():
             cfgs = VARIANTS[(name, D)]
             if base is not None:
                 runs.append(("baseline " + str(cfgs[0][:3]), cfgs[0], None))
-            for cfg in cfgs:
-                for g in (groups if causal and cfg[3] else [0]):
-                    runs.append((f"{cfg}" + (f" g{g}" if causal and cfg[3] else ""), cfg, g))
+            runs += [(str(cfg), cfg, 0) for cfg in cfgs]
             line = []
             for label, cfg, g in runs:
                 OVERRIDES[key] = list(cfg)
                 if g is None:
                     prefill_ws.launch_ws = (lambda *a, descales=None, **kw2:
                                             base.launch_ws(*a[:12], a[12] if len(a) > 12 else 0, descales=descales))
-                elif g:
-                    prefill_ws.launch_ws = lambda *a, g=g, **kw2: real_launch(*a, **dict(kw2, heads_per_group=g))
                 else:
                     prefill_ws.launch_ws = real_launch
                 try:

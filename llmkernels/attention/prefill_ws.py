@@ -66,20 +66,14 @@ def _load_v(desc_v, v_smem, v_ready, kv_empty, row, k_col, r, STAGES: gl.constex
 
 
 @gluon.jit
-def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work tile t: (sequence, query head, 128-row query block). The (sequence, head) pairs come in groups of
-    heads_per_group; within a group the query blocks run from the last (heaviest causal) down, the group's heads
-    fastest. With groups of one the query blocks of a head run together (its K/V stay in L2 across them); wider
-    groups give a persistent grid's round-robin a heaviest-first order over more tiles. -> b, h, the block's first
-    row m0, the sequence's q_start, q_len, k_start, k_len, and its key blocks: n_blocks in all, the first n_full
-    of them seen whole by every row."""
-    per_group = num_m_blocks * heads_per_group
-    g = t // per_group
-    rem = t % per_group
-    heads = gl.minimum(heads_per_group, num_bh - g * heads_per_group)  # the last group may be short
-    pid_bh = g * heads_per_group + rem % heads
-    m0 = (num_m_blocks - 1 - rem // heads) * BLOCK_M
+def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          CAUSAL: gl.constexpr):
+    """Work tile t: (sequence, query head, 128-row query block), query blocks fastest (K/V of one head stay in L2
+    across its query blocks), the last (heaviest causal) block of a head first. -> b, h, the block's first row m0,
+    the sequence's q_start, q_len, k_start, k_len, and its key blocks: n_blocks in all, the first n_full of them
+    seen whole by every row."""
+    pid_bh = t // num_m_blocks
+    m0 = (num_m_blocks - 1 - t % num_m_blocks) * BLOCK_M
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start = gl.load(CU_Q + b)
@@ -100,14 +94,14 @@ def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, BLOCK
 
 @gluon.jit
 def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, CU_Q,
-                 CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, t, r, qi, CAUSAL: gl.constexpr,
+                 CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                  VT: gl.constexpr):
     """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's, then K_j and V_j
     into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
-    b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(
-        t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, 2 * HALF, BLOCK_N, CAUSAL)
+    b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
+                                                                      2 * HALF, BLOCK_N, CAUSAL)
     if m0 < q_len:
         mbarrier.wait(q_empty, (qi & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
@@ -127,7 +121,7 @@ def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empt
 
 @gluon.jit
 def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, CU_Q, CU_K,
-            num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles, CAUSAL: gl.constexpr,
+            num_heads, group, num_m_blocks, num_tiles, CAUSAL: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
             VT: gl.constexpr, PERSIST: gl.constexpr):
     """Q, then K and V tiles into the ring, tile after tile. The ring's use count runs on across a persistent
@@ -140,11 +134,11 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         qi = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 kv_empty, CU_Q, CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, t,
+                                 kv_empty, CU_Q, CU_K, num_heads, group, num_m_blocks, t,
                                  r, qi, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT)
     else:
         _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     CU_Q, CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, gl.program_id(0),
+                     CU_Q, CU_K, num_heads, group, num_m_blocks, gl.program_id(0),
                      gl.to_tensor(0), gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT)
 
 
@@ -239,7 +233,7 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 
 @gluon.jit
 def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                   CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, t, r, qi,
+                   CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, t, r, qi,
                    qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                    OVERLAP: gl.constexpr):
@@ -259,8 +253,8 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
     # small probabilities keep their mantissa instead of falling into e4m3's subnormals; the row sums carry the
     # same factor and it cancels in O / l
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
-    b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(
-        t, CU_Q, CU_K, num_heads, num_m_blocks, num_bh, heads_per_group, 2 * HALF, BLOCK_N, CAUSAL)
+    b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
+                                                                      2 * HALF, BLOCK_N, CAUSAL)
     if m0 < q_len:
         hk = h // group
         scale = qk_scale
@@ -328,7 +322,7 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q, CU_K,
-              stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles, qk_scale,
+              stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
               PERSIST: gl.constexpr):
@@ -338,18 +332,18 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
-                                   num_bh, heads_per_group, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                                   t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
                                    BLOCK_N, HEAD_DIM, STAGES, OVERLAP)
     else:
         _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                       CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group,
+                       CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                        gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
                        BLOCK_N, HEAD_DIM, STAGES, OVERLAP)
 
 
 @gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
 def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
-                        num_m_blocks, num_bh, heads_per_group, num_tiles, qk_scale, CAUSAL: gl.constexpr,
+                        num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr,
                         WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr):
     """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles pid, pid +
@@ -378,13 +372,13 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
 
     gl.warp_specialize([
         (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                   CU_Q, CU_K, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles, CAUSAL, BLOCK_N,
+                   CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, CAUSAL, BLOCK_N,
                    HEAD_DIM, STAGES, VT, PERSIST)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles,
+                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_bh, heads_per_group, num_tiles,
+                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
     ], [4, 4], [240, 240])
 
@@ -453,20 +447,18 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
 
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
-              overlap=0, persist=0, descales=None, heads_per_group=1):
+              overlap=0, persist=0, descales=None):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
     (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head. persist 0: one program per tile; 1: one
-    program per SM looping over the tiles. heads_per_group: the tile order's group of (sequence, head) pairs
-    (``_tile``)."""
+    program per SM looping over the tiles."""
     D = out.shape[2]
     num_m = triton.cdiv(max_seqlen_q, 128)
     batch = cu_q.shape[0] - 1
-    num_bh = batch * num_heads
-    num_tiles = num_m * num_bh
+    num_tiles = num_m * batch * num_heads
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
     flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k,
-        out.stride(0), out.stride(1), num_heads, group, num_m, num_bh, heads_per_group, num_tiles, qk_scale,
+        out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale,
         CAUSAL=bool(causal), WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
         OVERLAP=bool(overlap), PERSIST=bool(persist), num_warps=4)
 
@@ -479,8 +471,7 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
     sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc,
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
            "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
-           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_bh": "i32", "heads_per_group": "i32",
-           "num_tiles": "i32", "qk_scale": "fp32"}
+           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
               "OVERLAP": int(overlap), "PERSIST": int(bool(persist))}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

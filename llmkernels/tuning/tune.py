@@ -155,12 +155,13 @@ def tune_prefill(gpu):
             out[key] = best
             out[key.replace("bfloat16", "float16")] = best
             if torch.cuda.get_device_capability() == (9, 0) and gluon_supported():
-                # the warp-specialized Gluon kernel (attention/prefill_ws.py), (BLOCK_N, STAGES, OVERLAP), against
-                # the Triton kernel's best config just found ([0, 0] keeps the Triton kernel); at D=256 two K/V
-                # stages of 64 keys fill 197 KB of shared memory with Q
+                # the warp-specialized Gluon kernel (attention/prefill_ws.py), (BLOCK_N, STAGES, OVERLAP, PERSIST),
+                # against the Triton kernel's best config just found ([0, 0] keeps the Triton kernel); at D=256 two
+                # K/V stages of 64 keys fill 197 KB of shared memory with Q
                 OVERRIDES[("prefill", key)] = best
-                ws_cands = ([(0, 0), (64, 2), (32, 3), (64, 2, 1)] if D == 256 else
-                            [(0, 0), (128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1), (128, 3, 1)])
+                ws_cands = ([(0, 0), (64, 2), (32, 3), (64, 2, 1), (64, 2, 1, 1)] if D == 256 else
+                            [(0, 0), (128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1), (128, 3, 1), (128, 2, 1, 1),
+                             (128, 3, 1, 1), (128, 3, 0, 1)])
                 ws = _best("prefill", key + "/ws", ws_cands, fns, check=check)
                 OVERRIDES.pop(("prefill", key), None)
                 out[key + "/ws"] = ws
@@ -169,8 +170,8 @@ def tune_prefill(gpu):
 
 
 def tune_prefill_fp8(gpu):
-    """The Gluon kernel's (BLOCK_N, STAGES[, OVERLAP]) for fp8 e4m3 q/k/v per head dim ([0, 0]: the Triton kernel,
-    which widens to fp16), on the dense shapes of tune_prefill."""
+    """The Gluon kernel's (BLOCK_N, STAGES[, OVERLAP[, PERSIST]]) for fp8 e4m3 q/k/v per head dim ([0, 0]: the
+    Triton kernel, which widens to fp16), on the dense shapes of tune_prefill."""
     from ..attention import flash_attn_varlen
 
     if torch.cuda.get_device_capability() != (9, 0) or not gluon_supported():
@@ -180,8 +181,9 @@ def tune_prefill_fp8(gpu):
         inputs = _prefill_inputs(D, torch.float8_e4m3fn)
         # fp8 tiles are half the bytes of bf16 ones: deeper rings and wider key blocks fit
         # (at D=256, 128 keys spill a few registers and still ran fastest on the H200)
-        cands = ([(0, 0), (64, 2), (64, 3), (128, 2), (64, 2, 1)] if D == 256 else
-                 [(0, 0), (128, 2), (128, 3), (128, 4), (256, 2), (128, 2, 1)])
+        cands = ([(0, 0), (64, 2), (64, 3), (128, 2), (64, 2, 1), (128, 2, 0, 1)] if D == 256 else
+                 [(0, 0), (128, 2), (128, 3), (128, 4), (256, 2), (256, 3), (128, 2, 1), (256, 2, 0, 1),
+                  (256, 3, 0, 1)])
         for causal in (False, True):
             key = f"float8_e4m3fn/{D}/{'causal' if causal else 'full'}/ws"
             fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
