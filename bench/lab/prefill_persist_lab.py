@@ -6,10 +6,16 @@ tiles, 1 or 2 Q buffers), bf16 and fp8, on the prefill suite's shapes and a few 
 A variant is (BLOCK_N, STAGES, OVERLAP, PERSIST) as in the table. ``--baseline MODULE`` also times a copy of
 an earlier prefill_ws.py importable as llmkernels.attention.MODULE (its launch_ws without persist). Each variant
 is checked first on a ragged batch against the float64 reference, then timed as the prefill suite times
-(``time_ms``: eager, L2 flushed), in TFLOP/s, with SDPA cuDNN on the bf16 inputs beside it.
+(``time_ms``: eager, L2 flushed), in TFLOP/s, with SDPA cuDNN on the bf16 inputs beside it. ``--pick DIR``
+writes, for each table key run, the variant with the best geometric mean over that key's shapes (among those
+that passed the check) to DIR/prefill.json under this GPU's name, a user table (``LLMKERNELS_TUNING_DIR=DIR``)
+that a bench run in the same call then uses.
 """
 import argparse
 import importlib
+import json
+import math
+import os
 
 import torch
 
@@ -28,12 +34,12 @@ SHAPES = [  # (B, H, Hkv, S, D, causal)
     (2, 32, 32, 2048, 128, True), (8, 32, 8, 1024, 128, True),
 ]
 VARIANTS = {  # (dtype, D) -> configs (BLOCK_N, STAGES, OVERLAP, PERSIST)
-    ("fp8", 128): [(256, 2, 0, 0), (256, 2, 0, 1), (256, 3, 0, 0), (256, 3, 0, 1), (128, 4, 1, 1)],
-    ("fp8", 64): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 3, 0, 1), (128, 2, 1, 1)],
-    ("fp8", 256): [(128, 2, 0, 0), (128, 2, 0, 1), (64, 3, 1, 1)],
-    ("bf16", 128): [(128, 2, 0, 0), (128, 2, 1, 0), (128, 2, 1, 1), (128, 3, 1, 1)],
-    ("bf16", 64): [(128, 3, 0, 0), (128, 3, 0, 1), (128, 3, 1, 1)],
-    ("bf16", 256): [(64, 2, 1, 0), (64, 2, 1, 1)],
+    ("fp8", 128): [(256, 2, 0, 0), (256, 2, 0, 1), (256, 2, 0, 2)],
+    ("fp8", 64): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2)],
+    ("fp8", 256): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2)],
+    ("bf16", 128): [(128, 2, 0, 0), (128, 2, 1, 0), (128, 3, 1, 0), (128, 3, 1, 1), (128, 2, 1, 2), (128, 3, 1, 2)],
+    ("bf16", 64): [(128, 3, 0, 0), (128, 3, 0, 1), (128, 3, 0, 2)],
+    ("bf16", 256): [(64, 2, 1, 0), (64, 2, 1, 1), (64, 2, 1, 2)],
 }
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
@@ -57,6 +63,7 @@ def main():
     p.add_argument("--baseline", default="", help="module name of an earlier prefill_ws.py copy")
     p.add_argument("--shapes", default="", help="indices into SHAPES (default all)")
     p.add_argument("--rep", type=float, default=100)
+    p.add_argument("--pick", default="", help="folder for a user table of the best variants")
     args = p.parse_args()
     prefill.WS_MIN_WORK = 0
     real_launch = prefill_ws.launch_ws
@@ -65,6 +72,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs, "
           f"L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MB", flush=True)
     cudnn = {}
+    scores = {}  # table key -> {cfg: [ratios]} (None once a check failed)
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
         for B, H, Hkv, S, D, causal in shapes:
@@ -100,6 +108,10 @@ def main():
                                  rep_ms=args.rep)
                     tf = flops / ms / 1e9
                     line.append(f"{label}: {tf:.0f} ({tf / cudnn[case]:.2f}x) {err}")
+                    if g is not None:
+                        got = scores.setdefault(key[1], {}).setdefault(cfg, [])
+                        if got is not None:
+                            got.append(None if "FAIL" in err else tf / cudnn[case])
                 except Exception as e:  # a variant that does not fit is reported, not fatal
                     line.append(f"{label}: failed {type(e).__name__}: {str(e)[:120]}")
                 finally:
@@ -107,6 +119,24 @@ def main():
                     OVERRIDES.pop(key, None)
             print(f"{name} B{B} H{H}/{Hkv} S{S} D{D} {'causal' if causal else 'full'} (cuDNN bf16 "
                   f"{cudnn[case]:.0f}) | " + " | ".join(line), flush=True)
+    if args.pick:
+        table = {}
+        for key, by_cfg in scores.items():
+            ok = {cfg: math.exp(sum(map(math.log, r)) / len(r)) for cfg, r in by_cfg.items()
+                  if r and None not in r and len(r) == max(len(x) for x in by_cfg.values())}
+            if ok:
+                best = max(ok, key=ok.get)
+                table[key] = list(best)
+                if key.startswith("bfloat16"):
+                    table[key.replace("bfloat16", "float16")] = list(best)
+                print(f"pick {key}: {best} (geometric mean {ok[best]:.3f}x cuDNN; " +
+                      ", ".join(f"{c} {v:.3f}" for c, v in ok.items()) + ")", flush=True)
+        os.makedirs(args.pick, exist_ok=True)
+        path = os.path.join(args.pick, "prefill.json")
+        doc = json.load(open(path)) if os.path.exists(path) else {}  # earlier picks of the same call stay
+        doc.setdefault(torch.cuda.get_device_name(), {}).update(table)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._gluon import LN2, row_descriptor, smem_layout, tile_desc_type
 from ._gluon import compile_sm90 as _compile_sm90
-from .._runtime import num_sms
+from .._runtime import num_sms, split_counters
 
 
 @gluon.jit
@@ -93,18 +93,20 @@ def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, CU_Q,
-                 CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 VT: gl.constexpr):
-    """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's, then K_j and V_j
-    into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
+def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                 tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
+                 DYNAMIC: gl.constexpr):
+    """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's (DYNAMIC: t written
+    to tile_id for them first), then K_j and V_j into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
                                                                       2 * HALF, BLOCK_N, CAUSAL)
     if m0 < q_len:
         mbarrier.wait(q_empty, (qi & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
+        if DYNAMIC:
+            _write_tile(tile_id, t)
+        mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)  # releases the tile id to the consumers
         tma.async_copy_global_to_shared(desc_q, [q_start + m0, h * HEAD_DIM], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(desc_q, [q_start + m0 + HALF, h * HEAD_DIM], q_ready, q_smem.index(1))
         k_col = (h // group) * HEAD_DIM
@@ -120,26 +122,55 @@ def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empt
 
 
 @gluon.jit
-def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, CU_Q, CU_K,
-            num_heads, group, num_m_blocks, num_tiles, CAUSAL: gl.constexpr,
-            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-            VT: gl.constexpr, PERSIST: gl.constexpr):
+def _write_tile(tile_id, t):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_id.store(gl.full([1], t, gl.int32, layout))
+
+
+@gluon.jit
+def _read_tile(tile_id):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.max(tile_id.load(layout), axis=0)
+
+
+@gluon.jit
+def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id,
+            CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
+            PERSIST: gl.constexpr):
     """Q, then K and V tiles into the ring, tile after tile. The ring's use count runs on across a persistent
-    program's tiles, so the next tile's Q (with two buffers) and first K/V tiles load while the consumers finish
-    this one. kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K tile is refilled once its S is
-    computed, before the same block's PV product (measured 3-9% faster with the overlapped consumers than one
-    barrier per slot)."""
-    if PERSIST:
+    program's tiles, so the next tile's Q and first K/V tiles load while the consumers finish this one.
+    kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K tile is refilled once its S is computed,
+    before the same block's PV product (measured 3-9% faster with the overlapped consumers than one barrier per
+    slot). PERSIST 1 takes tiles pid, pid + programs, ...; PERSIST 2 claims each next tile from the counter
+    TILES (one atomic per tile, so a program that ends early takes more), hands its id to the consumers through
+    tile_id, and after the last claim hands them -1; the launch's last claim (the counter at num_tiles +
+    programs - 1) sets the counter back to 0 for the next launch."""
+    if PERSIST == 2:
+        r = 0
+        qi = 0
+        t = gl.atomic_add(TILES, 1)
+        while t < num_tiles:
+            r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL,
+                                 BLOCK_N, HEAD_DIM, STAGES, VT, True)
+            t = gl.atomic_add(TILES, 1)
+        if t == num_tiles + gl.num_programs(0) - 1:
+            gl.atomic_xchg(TILES, 0)
+        mbarrier.wait(q_empty, (qi & 1) ^ 1)
+        _write_tile(tile_id, -1)
+        mbarrier.arrive(q_ready, count=1)
+    elif PERSIST:
         r = 0
         qi = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 kv_empty, CU_Q, CU_K, num_heads, group, num_m_blocks, t,
-                                 r, qi, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT)
+                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL,
+                                 BLOCK_N, HEAD_DIM, STAGES, VT, False)
     else:
         _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     CU_Q, CU_K, num_heads, group, num_m_blocks, gl.program_id(0),
-                     gl.to_tensor(0), gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT)
+                     tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, gl.program_id(0), gl.to_tensor(0),
+                     gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False)
 
 
 @gluon.jit
@@ -233,12 +264,11 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 
 @gluon.jit
 def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                   CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, t, r, qi,
-                   qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   OVERLAP: gl.constexpr):
+                   CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, t, r, qi, qk_scale,
+                   CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr):
     """Tile t (the program's qi-th) from ring use r: this consumer's 64 query rows of it -> the ring uses and
-    tiles so far."""
+    tiles so far. WAIT_Q 0: the caller has waited for its Q already (it read the tile's id after that wait)."""
     HALF: gl.constexpr = q_smem.shape[1]
     FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8
     KW: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # wgmma's K per instruction
@@ -266,7 +296,8 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
         l_i = gl.zeros([HALF], gl.float32, row_s)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         q = q_smem.index(HALF_ID)
-        mbarrier.wait(q_ready, qi & 1)
+        if WAIT_Q:
+            mbarrier.wait(q_ready, qi & 1)
         if OVERLAP:
             if n_blocks > 0:  # block 0 through the masked softmax (any block may), then one block behind on PV
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(q, k_smem, k_ready, r, s_layout, STAGES),))
@@ -321,34 +352,46 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q, CU_K,
-              stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE, DESCALES, CU_Q,
+              CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              PERSIST: gl.constexpr):
-    if PERSIST:
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr):
+    if PERSIST == 2:  # tiles as the loader claims them: each one's id comes with its Q, -1 after the last
+        r = 0
+        qi = 0
+        mbarrier.wait(q_ready, 0)
+        t = _read_tile(tile_id)
+        while t >= 0:
+            r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
+                                   DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
+                                   t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
+                                   OVERLAP, False)
+            mbarrier.wait(q_ready, qi & 1)
+            t = _read_tile(tile_id)
+    elif PERSIST:
         r = 0
         qi = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
-                                   t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
-                                   BLOCK_N, HEAD_DIM, STAGES, OVERLAP)
+                                   t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
+                                   OVERLAP, True)
     else:
         _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
                        CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                        gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
-                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP)
+                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True)
 
 
 @gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
-def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
-                        num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr,
-                        WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr):
-    """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles pid, pid +
-    programs, ...: then the loader loads the next tile's Q once this one's last S is computed, and its K/V tiles
-    as ring slots free, while the consumers finish this tile."""
+def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TILES, stride_ot, stride_oh, num_heads,
+                        group, num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                        PERSIST: gl.constexpr):
+    """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles one after
+    another: pid, pid + programs, ... (1) or as claimed from the counter TILES (2, ``_loader``). Then the loader
+    loads the next tile's Q once this one's last S is computed, and its K/V tiles as ring slots free, while the
+    consumers finish this tile."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     dtype: gl.constexpr = desc_k.dtype
     VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
@@ -359,6 +402,7 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both consumers' last S done
+    tile_id = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # PERSIST 2
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # K slots, V slots
@@ -372,13 +416,13 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, st
 
     gl.warp_specialize([
         (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                   CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, CAUSAL, BLOCK_N,
+                   tile_id, CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL, BLOCK_N,
                    HEAD_DIM, STAGES, VT, PERSIST)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
+                     DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                     CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
+                     DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
     ], [4, 4], [240, 240])
 
@@ -450,17 +494,26 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
               overlap=0, persist=0, descales=None):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
     (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head. persist 0: one program per tile; 1: one
-    program per SM looping over the tiles."""
+    program per SM looping over the tiles, pid, pid + programs, ...; 2: the same, each program claiming its next
+    tile from a counter (the stream's split counters' last slot; 1 where there is none, under a capture that
+    has not made it)."""
     D = out.shape[2]
     num_m = triton.cdiv(max_seqlen_q, 128)
     batch = cu_q.shape[0] - 1
     num_tiles = num_m * batch * num_heads
+    tiles = cu_q  # unused unless persist == 2
+    if persist == 2:
+        counters = split_counters(out.device)
+        if counters is None:
+            persist = 1
+        else:
+            tiles = counters[-1:]
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
     flash_fwd_ws_kernel[(grid,)](
-        *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k,
-        out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale,
-        CAUSAL=bool(causal), WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
-        OVERLAP=bool(overlap), PERSIST=bool(persist), num_warps=4)
+        *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k, tiles,
+        out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale, CAUSAL=bool(causal),
+        WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, OVERLAP=bool(overlap),
+        PERSIST=int(persist), num_warps=4)
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0):
@@ -470,8 +523,8 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
     kv_desc = tile_desc_type(dtype, block_n, head_dim)
     sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc,
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
-           "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "stride_ot": "i32", "stride_oh": "i32",
+           "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
-              "OVERLAP": int(overlap), "PERSIST": int(bool(persist))}
+              "OVERLAP": int(overlap), "PERSIST": int(persist)}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

@@ -227,7 +227,7 @@ def test_ws_config_reads_the_table(monkeypatch):
 @pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap, persist", [
     (128, 2, 128, True, 0, 0), (64, 3, 64, False, 0, 0), (64, 2, 256, True, 0, 0),
     (128, 2, 128, True, 1, 0), (128, 3, 128, False, 1, 0), (128, 3, 64, False, 1, 0), (64, 2, 256, True, 1, 0),
-    (128, 2, 128, True, 1, 1), (128, 2, 128, False, 1, 1), (128, 3, 64, True, 0, 1), (64, 2, 256, False, 1, 1)])
+    (128, 2, 128, True, 1, 2), (128, 2, 128, False, 1, 1), (128, 3, 64, True, 0, 2), (64, 2, 256, False, 1, 1)])
 def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, causal, overlap, persist):
     # compiled for sm_90 on any machine (ptxas ships with Triton): catches a kernel that no longer builds, or one
     # that uses local memory (spills), where CI has no GPU
@@ -242,7 +242,7 @@ def test_ws_kernel_compiles_for_sm90_without_spills(block_n, stages, head_dim, c
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
                                           for cfg in ([(64, 2), (64, 2, 1), (64, 2, 1, 1)] if c[4] == 256 else
                                                       [(128, 2), (128, 3), (64, 3), (128, 2, 1), (128, 3, 1),
-                                                       (128, 2, 1, 1), (64, 3, 0, 1)])],
+                                                       (128, 2, 1, 1), (64, 3, 0, 2)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
                          "/".join(map(str, c)))
 def test_ws_kernel_gpu(case, config, dtype, device, monkeypatch):
@@ -363,7 +363,7 @@ def test_fp8_inputs_gpu(causal, device, monkeypatch):
 @pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap, persist", [
     (128, 3, 128, True, 0, 0), (256, 2, 128, False, 0, 0), (64, 2, 256, True, 0, 0), (128, 4, 64, True, 0, 0),
     (128, 3, 128, False, 1, 0), (64, 2, 256, False, 1, 0), (128, 4, 64, True, 1, 0), (256, 3, 128, False, 0, 1),
-    (256, 2, 128, True, 0, 1), (128, 2, 256, False, 0, 0), (64, 2, 256, True, 1, 1)])
+    (256, 2, 128, True, 0, 2), (128, 2, 256, False, 0, 0), (64, 2, 256, True, 1, 1)])
 def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal, overlap, persist):
     # both products on e4m3 tensor cores (V read as V^T tiles), no register spills (ptxas -v). (D=256 with 128-key
     # blocks in a persistent program spills 24 bytes: not listed)
@@ -408,10 +408,12 @@ def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persist", [1, 2])
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, programs, device, monkeypatch):
+def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, persist, programs, device, monkeypatch):
     # a persistent grid of a few programs: each loops over many tiles (ragged sequences, tiles past a sequence's
-    # end skipped, queries that see no key), the K/V ring's and Q's barrier phases carried from tile to tile
+    # end skipped, queries that see no key), the K/V ring's and Q's barrier phases carried from tile to tile;
+    # tiles taken in turn (1) or claimed from a counter (2), which must be back at 0 for the next call
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
@@ -423,7 +425,7 @@ def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, programs, 
     D = 128
     name = "float8_e4m3fn" if fp8 else "bfloat16"
     monkeypatch.setitem(OVERRIDES, ("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws"),
-                        [256, 3, 0, 1] if fp8 else [128, 2, 1, 1])
+                        [256, 3, 0, persist] if fp8 else [128, 2, 1, persist])
     q_lens, k_lens = [300, 1, 0, 129, 700], [300, 40, 7, 128, 900]
     if fp8:
         (qx, kx, vx), ds, (q, k, v), cq, ck, mq, mk = make_fp8(q_lens, k_lens, 6, 2, D, device, "heads")
@@ -431,15 +433,21 @@ def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, programs, 
     else:
         q, k, v, cq, ck, mq, mk = make(q_lens, k_lens, 6, 2, D, dtype, device)
         qx, kx, vx, kw = q, k, v, {}
-    out = poison(torch.empty(qx.shape, dtype=torch.bfloat16, device=device))
-    o, lse = lk.flash_attn_varlen(qx, kx, vx, cq, ck, mq, mk, causal=causal, out=out, return_lse=True, **kw)
-    assert launches, "the call did not take the Gluon kernel"
+    out = torch.empty(qx.shape, dtype=torch.bfloat16, device=device)
     ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
-    if fp8:
-        assert_fp8_pv_close(o, ro)
-    else:
-        assert_close(o, ro, dtype, "o")
-    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+    for _ in range(2):  # twice: the second call starts from the counter the first left
+        out = poison(out)
+        o, lse = lk.flash_attn_varlen(qx, kx, vx, cq, ck, mq, mk, causal=causal, out=out, return_lse=True, **kw)
+        if fp8:
+            assert_fp8_pv_close(o, ro)
+        else:
+            assert_close(o, ro, dtype, "o")
+        assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+    assert len(launches) == 2, "the calls did not take the Gluon kernel"
+    if persist == 2:
+        from llmkernels._runtime import split_counters
+
+        assert split_counters(out.device)[-1].item() == 0
 
 
 def test_fp8_transpose_v_aligns_sequences_and_zero_fills(device, monkeypatch):
