@@ -101,23 +101,25 @@ _COUNTERS: dict = {}
 COUNTER_SLOTS = 4096
 
 
-def split_counters(device):
-    """A zeroed int32 buffer of COUNTER_SLOTS arrival counters for split-K kernels that sum their own partials
-    (the last program of an output tile to arrive adds the others' partials and resets its counter to 0).
+def split_counters(device, slots: int = COUNTER_SLOTS, purpose: str = "split"):
+    """A zeroed int32 buffer of ``slots`` counters: by default COUNTER_SLOTS arrival counters for split-K kernels
+    that sum their own partials (the last program of an output tile to arrive adds the others' partials and
+    resets its counter to 0); another ``purpose`` gets a buffer of its own (a kernel launched with PDL may start
+    before the one ahead of it ends, so kernels of different kinds do not share counters).
 
-    One buffer per (device, stream): kernels on one stream run one after another, so they can share it; two streams
-    get different buffers. Returns None inside CUDA-graph capture when the stream has no buffer yet (allocating
-    there would put it in the graph's private pool): callers then sum the partials with a separate kernel."""
+    One buffer per (device, stream, purpose): kernels on one stream run one after another, so they can share it;
+    two streams get different buffers. Returns None inside CUDA-graph capture when the stream has no buffer yet
+    (allocating there would put it in the graph's private pool): callers then take a path without counters."""
     import torch
 
     if device.type != "cuda":
-        key = (str(device), 0)
+        key = (str(device), 0, purpose)
     else:
         key = (device.index if device.index is not None else torch.cuda.current_device(),
-               torch.cuda.current_stream(device).cuda_stream)
+               torch.cuda.current_stream(device).cuda_stream, purpose)
     buf = _COUNTERS.get(key)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        buf = _COUNTERS[key] = torch.zeros(slots, dtype=torch.int32, device=device)
     return buf

@@ -495,19 +495,17 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
     (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head. persist 0: one program per tile; 1: one
     program per SM looping over the tiles, pid, pid + programs, ...; 2: the same, each program claiming its next
-    tile from a counter (the stream's split counters' last slot; 1 where there is none, under a capture that
-    has not made it)."""
+    tile from a counter (the stream's, ``split_counters(..., purpose="prefill tiles")``; 1 where there is none,
+    under a capture that has not made it)."""
     D = out.shape[2]
     num_m = triton.cdiv(max_seqlen_q, 128)
     batch = cu_q.shape[0] - 1
     num_tiles = num_m * batch * num_heads
     tiles = cu_q  # unused unless persist == 2
     if persist == 2:
-        counters = split_counters(out.device)
-        if counters is None:
-            persist = 1
-        else:
-            tiles = counters[-1:]
+        tiles = split_counters(out.device, 1, "prefill tiles")
+        if tiles is None:
+            tiles, persist = cu_q, 1
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
     flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k, tiles,
