@@ -10,11 +10,11 @@ import torch
 import llmkernels as lk
 
 
-def ws_cases(dev="cuda"):
+def ws_cases(dev="cuda", persist_only=False):
     """The Gluon prefill kernel (sm_90) at every tuning candidate, overlapped and not, a program per tile and
     persistent (a grid of 3 programs, so each loops over many tiles; tiles in turn and claimed from a counter),
     bf16 and fp8 (V^T tiles, per-head descales): odd lengths, q_len != k_len, an empty sequence, group 7, LSE
-    written."""
+    written. persist_only: the persistent candidates at head dim 128 alone (the quick part)."""
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
@@ -27,43 +27,21 @@ def ws_cases(dev="cuda"):
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float8_e4m3fn, "float8_e4m3fn")):
         fp8 = dtype == torch.float8_e4m3fn
         ds = dict(q_descale=torch.rand(14, device=dev) + 0.5, k_descale=0.5, v_descale=torch.rand(2, device=dev) + 0.5)
-        for D in (64, 128, 256):
+        for D in (128,) if persist_only else (64, 128, 256):
             q = torch.randn(250, 14, D, device=dev).to(dtype)
             k = torch.randn(190, 2, D, device=dev).to(dtype)
             cfgs = ((64, 2), (32, 3), (64, 2, 1), (64, 2, 1, 1)) if D == 256 else (
-                (128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1), (128, 3, 1, 1), (128, 3, 0, 2))
+                (128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1), (128, 3, 1, 1), (128, 2, 1, 2), (128, 3, 0, 2))
             if fp8:
                 cfgs = ((64, 2), (64, 3), (64, 2, 1), (128, 2, 0, 1)) if D == 256 else (
                     (128, 3), (128, 4), (256, 2), (128, 2, 1), (256, 2, 0, 1), (256, 2, 0, 2))
             for cfg in cfgs:
+                if persist_only and (len(cfg) < 4 or not cfg[3]):
+                    continue
                 for causal in (False, True):
                     OVERRIDES[("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)
                     lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True,
                                          **(ds if fp8 else {}))
-    for key in [k for k in OVERRIDES if k[1].endswith("/ws")]:
-        del OVERRIDES[key]
-
-
-def ws_persist_cases(dev="cuda"):
-    """The Gluon prefill kernel's persistent grids alone (3 programs, tiles in turn and claimed from a counter),
-    head dim 128, bf16 and fp8: the quick part of ws_cases."""
-    from llmkernels.attention import prefill, prefill_ws
-    from llmkernels.tuning import OVERRIDES
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        return
-    prefill.WS_MIN_WORK = 0
-    prefill_ws.num_sms = lambda device=None: 3
-    cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
-    ck = torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev)
-    for dtype, name, cfgs in ((torch.bfloat16, "bfloat16", ((128, 3, 1, 1), (128, 2, 1, 2))),
-                              (torch.float8_e4m3fn, "float8_e4m3fn", ((256, 2, 0, 2),))):
-        q = torch.randn(250, 14, 128, device=dev).to(dtype)
-        k = torch.randn(190, 2, 128, device=dev).to(dtype)
-        for cfg in cfgs:
-            for causal in (False, True):
-                OVERRIDES[("prefill", f"{name}/128/{'causal' if causal else 'full'}/ws")] = list(cfg)
-                lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True)
     for key in [k for k in OVERRIDES if k[1].endswith("/ws")]:
         del OVERRIDES[key]
 
@@ -534,7 +512,7 @@ if __name__ == "__main__":
 
     # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "prefill_persist" / "decode_ws" / "engine" /
     # "megakernel": those kernels alone; no argument: every single-GPU kernel
-    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "prefill_persist": ws_persist_cases,
+    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "prefill_persist": lambda: ws_cases(persist_only=True),
              "decode_ws": ws_decode_cases, "engine": engine_kernel_cases, "megakernel": megakernel_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
