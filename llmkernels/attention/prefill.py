@@ -46,6 +46,9 @@ def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int
     if not entry or not entry[0]:
         return None
     entry = [int(x) for x in entry] + [0] * (4 - len(entry))
+    if len(entry) > 4 or entry[2] not in (0, 1) or entry[3] not in (0, 1, 2):
+        raise ValueError(f"tuning entry prefill {key!r} must be [BLOCK_N, STAGES, OVERLAP (0 or 1), PERSIST (0, 1 or "
+                         f"2)], got {list(entry)}")
     return entry[0], entry[1], entry[2], entry[3]
 
 

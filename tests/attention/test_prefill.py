@@ -222,6 +222,10 @@ def test_ws_config_reads_the_table(monkeypatch):
     assert ws_config(torch.bfloat16, 128, False) is None
     monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/full/ws"), [128, 2, 1, 2])
     assert ws_config(torch.bfloat16, 128, False) == (128, 2, 1, 2)
+    for bad in ([128, 2, 1, 3], [128, 2, 2], [128, 2, 1, 1, 0]):  # a hand-edited user table: refused, named
+        monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/full/ws"), bad)
+        with pytest.raises(ValueError, match="bfloat16/128/full/ws"):
+            ws_config(torch.bfloat16, 128, False)
 
 
 @pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap, persist", [
