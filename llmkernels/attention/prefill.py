@@ -40,7 +40,8 @@ def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int
     """(BLOCK_N, STAGES, OVERLAP, PERSIST) of the warp-specialized Gluon kernel (prefill_ws.py) from the table key
     "<dtype>/<head dim>/<full|causal>/ws", or None where the entry is [0, 0] (the Triton kernel is faster there) or
     missing. OVERLAP 1 runs each block's softmax beside the previous block's PV product; PERSIST 1 launches one
-    program per SM that loops over the tiles (0: a program per tile). Missing trailing fields mean 0."""
+    program per SM that loops over the tiles round-robin, 2 one per SM that claims its next tile from a counter
+    (0: a program per tile). Missing trailing fields mean 0."""
     key = f"{str(dtype).replace('torch.', '')}/{head_dim}/{'causal' if causal else 'full'}/ws"
     entry = lookup("prefill", gpu_name(), key)
     if not entry or not entry[0]:

@@ -159,9 +159,9 @@ def tune_prefill(gpu):
                 # against the Triton kernel's best config just found ([0, 0] keeps the Triton kernel); at D=256 two
                 # K/V stages of 64 keys fill 197 KB of shared memory with Q
                 OVERRIDES[("prefill", key)] = best
-                ws_cands = ([(0, 0), (64, 2), (32, 3), (64, 2, 1), (64, 2, 1, 1)] if D == 256 else
+                ws_cands = ([(0, 0), (64, 2), (32, 3), (64, 2, 1), (64, 2, 1, 1), (64, 2, 1, 2)] if D == 256 else
                             [(0, 0), (128, 2), (128, 3), (64, 3), (64, 4), (128, 2, 1), (128, 3, 1), (128, 2, 1, 1),
-                             (128, 3, 1, 1), (128, 3, 0, 1)])
+                             (128, 3, 1, 1), (128, 3, 0, 1), (128, 2, 1, 2), (128, 3, 1, 2), (128, 3, 0, 2)])
                 ws = _best("prefill", key + "/ws", ws_cands, fns, check=check)
                 OVERRIDES.pop(("prefill", key), None)
                 out[key + "/ws"] = ws
@@ -181,9 +181,9 @@ def tune_prefill_fp8(gpu):
         inputs = _prefill_inputs(D, torch.float8_e4m3fn)
         # fp8 tiles are half the bytes of bf16 ones: deeper rings and wider key blocks fit
         # (at D=256, 128 keys spill a few registers and still ran fastest on the H200)
-        cands = ([(0, 0), (64, 2), (64, 3), (128, 2), (64, 2, 1), (128, 2, 0, 1)] if D == 256 else
+        cands = ([(0, 0), (64, 2), (64, 3), (128, 2), (64, 2, 1), (128, 2, 0, 1), (128, 2, 0, 2)] if D == 256 else
                  [(0, 0), (128, 2), (128, 3), (128, 4), (256, 2), (256, 3), (128, 2, 1), (256, 2, 0, 1),
-                  (256, 3, 0, 1)])
+                  (256, 3, 0, 1), (256, 2, 0, 2), (128, 2, 0, 2)])
         for causal in (False, True):
             key = f"float8_e4m3fn/{D}/{'causal' if causal else 'full'}/ws"
             fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
