@@ -3,7 +3,7 @@ tiles, 1 or 2 Q buffers), bf16 and fp8, on the prefill suite's shapes and a few 
 
     PYTHONPATH=.:bench/lab python bench/lab/prefill_persist_lab.py [--dtypes fp8,bf16] [--shapes 0,2]
 
-A variant is (BLOCK_N, STAGES, OVERLAP, PERSIST) as in the table. ``--baseline MODULE`` also times a copy of
+A variant is (BLOCK_N, STAGES, OVERLAP, PERSIST) as in the table ((0, 0, 0, 0): the Triton kernel). ``--baseline MODULE`` also times a copy of
 an earlier prefill_ws.py importable as llmkernels.attention.MODULE (its launch_ws without persist). Each variant
 is checked first on a ragged batch against the float64 reference, then timed as the prefill suite times
 (``time_ms``: eager, L2 flushed), in TFLOP/s, with SDPA cuDNN on the bf16 inputs beside it. ``--pick DIR``
@@ -35,11 +35,11 @@ SHAPES = [  # (B, H, Hkv, S, D, causal)
 ]
 VARIANTS = {  # (dtype, D) -> configs (BLOCK_N, STAGES, OVERLAP, PERSIST)
     ("fp8", 128): [(256, 2, 0, 0), (256, 2, 0, 1), (256, 2, 0, 2)],
-    ("fp8", 64): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2)],
+    ("fp8", 64): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2), (128, 3, 0, 0), (128, 3, 0, 2)],
     ("fp8", 256): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2)],
     ("bf16", 128): [(128, 2, 0, 0), (128, 2, 1, 0), (128, 3, 1, 0), (128, 3, 1, 1), (128, 2, 1, 2), (128, 3, 1, 2)],
-    ("bf16", 64): [(128, 3, 0, 0), (128, 3, 0, 1), (128, 3, 0, 2)],
-    ("bf16", 256): [(64, 2, 1, 0), (64, 2, 1, 1), (64, 2, 1, 2)],
+    ("bf16", 64): [(0, 0, 0, 0), (128, 3, 0, 0), (128, 3, 0, 1), (128, 3, 0, 2), (128, 2, 0, 2)],
+    ("bf16", 256): [(64, 2, 0, 0), (64, 2, 1, 0), (64, 2, 1, 1), (64, 2, 1, 2)],
 }
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 

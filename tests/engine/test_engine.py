@@ -418,7 +418,12 @@ def test_gpu_extend_graphs(model_files, fmt):
             assert len(llm.runner.extend_graphs) >= 3
             assert llm.stats.cached_tokens >= 288 + 288  # the last two prompts extend cached prefixes
     for e, c in zip(runs[False], runs[True]):
-        assert c.token_ids == e.token_ids
+        # greedy tokens agree up to a step where eager's top two were within the routes' difference (a near tie
+        # that the other GEMM's rounding may break the other way; the tokens after it are free)
+        gaps = [top[0][1] - top[1][1] for _, top in e.logprobs]
+        j = next((i for i, (a, b) in enumerate(zip(e.token_ids, c.token_ids)) if a != b), None)
+        assert len(c.token_ids) == len(e.token_ids) and (j is None or gaps[j] < 0.15), (e.token_ids, c.token_ids,
+                                                                                         gaps)
         assert abs(c.logprobs[0][0] - e.logprobs[0][0]) < 0.15
         want = dict(e.logprobs[0][1])
         assert all(abs(lp - want[t]) < 0.15 for t, lp in c.logprobs[0][1] if t in want)
