@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -175,9 +176,10 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 
 @gluon.jit
 def _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout: gl.constexpr, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr):
+             CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, SUM: gl.constexpr = True):
     """The online softmax of one block's raw scores qk (keys key0.., masked at k_len and causally at q_pos), in the
-    log2 domain: p, the new row maximum and sum, and alpha, the factor that rescales what came before."""
+    log2 domain: p, the new row maximum and sum, and alpha, the factor that rescales what came before. SUM False:
+    l_i comes back as it came (the caller sums p on the tensor cores, _step's ROWSUM)."""
     BLOCK_N: gl.constexpr = qk.shape[1]
     if MASKED:
         k_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -193,7 +195,8 @@ def _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout: gl.constexpr,
         m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
         p = gl.exp2(qk * qk_scale - (m_new - P_SHIFT)[:, None])
         alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    if SUM:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
 
 
@@ -230,15 +233,27 @@ def _pv(p_op, v_smem, v_ready, acc, j, STAGES: gl.constexpr):
 @gluon.jit
 def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0, qk_scale, q_pos, k_len,
           s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          STAGES: gl.constexpr, P_SHIFT: gl.constexpr):
-    """One key block from ring use j, one product after the other: S = Q K^T, online softmax, O = O * alpha + P V."""
+          STAGES: gl.constexpr, P_SHIFT: gl.constexpr, ones_smem=None, ROWSUM: gl.constexpr = False):
+    """One key block from ring use j, one product after the other: S = Q K^T, online softmax, O = O * alpha + P V.
+    ROWSUM (fp8): l_i is a [rows, 8] accumulator and the row sums come from the tensor cores, P times the
+    [BLOCK_N, 8] ones of ones_smem, beside P V: no add per score in the softmax, and the sums are those of the
+    e4m3 P that P V reads."""
     qk = _qk(q, k_smem, k_ready, j, s_layout, STAGES)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     mbarrier.arrive(kv_empty.index(j % STAGES), count=1)  # K slot: S is done
-    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT)
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT,
+                                  not ROWSUM)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = _pv(_p_operand(p, k_smem.dtype, o_layout), v_smem, v_ready, acc, j, STAGES)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    p_op = _p_operand(p, k_smem.dtype, o_layout)
+    acc = _pv(p_op, v_smem, v_ready, acc, j, STAGES)
+    if ROWSUM:
+        l_layout: gl.constexpr = l_i.type.layout
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+        l_op = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4))
+        l_i = warpgroup_mma(l_op, ones_smem.permute((1, 0)), l_i, is_async=True)
+        acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(kv_empty.index(STAGES + j % STAGES), count=1)
     return acc, l_i, m_i
 
@@ -266,7 +281,8 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
                    CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, t, r, qi, qk_scale,
                    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr,
+                   ones_smem, ROWSUM: gl.constexpr):
     """Tile t (the program's qi-th) from ring use r: this consumer's 64 query rows of it -> the ring uses and
     tiles so far. WAIT_Q 0: the caller has waited for its Q already (it read the tile's id after that wait)."""
     HALF: gl.constexpr = q_smem.shape[1]
@@ -293,7 +309,12 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
         r0 = m0 + HALF_ID * HALF
         q_pos = r0 + gl.arange(0, HALF, layout=row_s) + (k_len - q_len)  # bottom-right aligned kv positions
         m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([HALF], gl.float32, row_s)
+        if ROWSUM:
+            l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, 8, KW])
+            l_i = gl.zeros([HALF, 8], gl.float32, l_layout)
+        else:
+            l_i = gl.zeros([HALF], gl.float32, row_s)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         q = q_smem.index(HALF_ID)
         if WAIT_Q:
@@ -326,12 +347,14 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
             for j in range(n_full):
                 acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, r + j,
                                       j * BLOCK_N, scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, STAGES,
-                                      P_SHIFT)
+                                      P_SHIFT, ones_smem, ROWSUM)
             for j in range(n_full, n_blocks):
                 acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, r + j,
                                       j * BLOCK_N, scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, STAGES,
-                                      P_SHIFT)
+                                      P_SHIFT, ones_smem, ROWSUM)
             mbarrier.arrive(q_empty, count=1)
+            if ROWSUM:  # every column of the [rows, 8] product holds the row sum
+                l_i = gl.convert_layout(gl.max(l_i, axis=1), row_s)
         r += n_blocks
         qi += 1
 
@@ -355,7 +378,8 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE, DESCALES, CU_Q,
               CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr,
+              ones_smem, ROWSUM: gl.constexpr):
     if PERSIST == 2:  # tiles as the loader claims them: each one's id comes with its Q, -1 after the last
         r = 0
         qi = 0
@@ -365,7 +389,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                                    t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
-                                   OVERLAP, False)
+                                   OVERLAP, False, ones_smem, ROWSUM)
             mbarrier.wait(q_ready, qi & 1)
             t = _read_tile(tile_id)
     elif PERSIST:
@@ -375,23 +399,24 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                                    t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
-                                   OVERLAP, True)
+                                   OVERLAP, True, ones_smem, ROWSUM)
     else:
         _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
                        CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                        gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
-                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True)
+                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM)
 
 
 @gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
 def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TILES, stride_ot, stride_oh, num_heads,
                         group, num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                        PERSIST: gl.constexpr):
+                        PERSIST: gl.constexpr, ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None):
     """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles one after
     another: pid, pid + programs, ... (1) or as claimed from the counter TILES (2, ``_loader``). Then the loader
     loads the next tile's Q once this one's last S is computed, and its K/V tiles as ring slots free, while the
-    consumers finish this tile."""
+    consumers finish this tile. ROWSUM (fp8, OVERLAP 0): the row sums on the tensor cores (_step), from a
+    [8, BLOCK_N] tile of ones in shared memory (ONES_LAYOUT)."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     dtype: gl.constexpr = desc_k.dtype
     VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
@@ -413,6 +438,16 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TI
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
         mbarrier.init(kv_empty.index(STAGES + i), count=2)
+    if ROWSUM:
+        gl.static_assert(VT and not OVERLAP, "ROWSUM is built for fp8 without OVERLAP")
+        ones_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], ONES_LAYOUT)
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        # e4m3 1.0 is the byte 0x38, stored as bytes: a converted constant came out with its upper half
+        # undefined (sm_90, ptxas merged the packed conversion with an unrelated register)
+        ones_smem.store(gl.full([8, BLOCK_N], 0x38, gl.int8, ones_layout).to(dtype, bitcast=True))
+        fence_async_shared()  # the tile is read by wgmma (the async proxy)
+    else:
+        ones_smem = tile_id
 
     gl.warp_specialize([
         (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
@@ -420,10 +455,12 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TI
                    HEAD_DIM, STAGES, VT, PERSIST)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
                      DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
-                     qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
+                     qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
+                     ROWSUM)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
                      DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
-                     qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST)),
+                     qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
+                     ROWSUM)),
     ], [4, 4], [240, 240])
 
 
@@ -490,6 +527,11 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
     return descs
 
 
+# fp8 without OVERLAP: the softmax's row sums on the tensor cores (see _step). Off until its results are checked on a
+# GPU (bench/lab/fp8_rowsum_lab.py; bench/NOTES.md has its timing and the fill it needed)
+FP8_ROWSUM = False
+
+
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
               overlap=0, persist=0, descales=None):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
@@ -507,14 +549,17 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
         if tiles is None:
             tiles, persist = cu_q, 1
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
+    rowsum = FP8_ROWSUM and not overlap and descs[1].base.dtype == torch.float8_e4m3fn
     flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k, tiles,
         out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale, CAUSAL=bool(causal),
         WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, OVERLAP=bool(overlap),
-        PERSIST=int(persist), num_warps=4)
+        PERSIST=int(persist), ROWSUM=rowsum, ONES_LAYOUT=smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None,
+        num_warps=4)
 
 
-def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0):
+def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0,
+                 rowsum=None):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
     "fp8e4nv" (V^T tiles, bf16 output)."""
     fp8 = dtype == "fp8e4nv"
@@ -523,6 +568,8 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
            "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
+    rowsum = FP8_ROWSUM and fp8 and not overlap if rowsum is None else rowsum
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
-              "OVERLAP": int(overlap), "PERSIST": int(persist)}
+              "OVERLAP": int(overlap), "PERSIST": int(persist), "ROWSUM": int(rowsum),
+              "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

@@ -5,7 +5,7 @@ import torch
 import llmkernels as lk
 from llmkernels.testing import assert_close, flash_attn_varlen_ref, poison
 
-from .gluon_helpers import need_sm90, sm90_compile_report, sm90_spill_bytes, spy
+from .gluon_helpers import need_sm90, sm90_compile_report, sm90_sass, sm90_spill_bytes, spy
 
 # (q_lens, k_lens, Hq, Hkv, D, causal, window, softcap, sinks)
 CPU_CASES = [
@@ -379,6 +379,19 @@ def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, hea
     assert sm90_spill_bytes(call) == 0
 
 
+@pytest.mark.parametrize("block_n, stages, head_dim, causal, persist", [
+    (256, 2, 128, False, 0), (128, 2, 64, True, 2), (128, 2, 256, False, 0)])
+def test_ws_kernel_fp8_rowsum_compiles(block_n, stages, head_dim, causal, persist):
+    # the row sums on the tensor cores (prefill_ws.FP8_ROWSUM): P times a [BLOCK_N, 8] tile of e4m3 ones, no
+    # spills, and the ones stored as bytes 0x38 (a converted 1.0 left the upper half of each packed pair undefined)
+    call = (f"prefill_ws.compile_sm90({block_n}, {stages}, {head_dim}, {causal}, 'fp8e4nv', 0, persist={persist}, "
+            f"rowsum=True)")
+    got = sm90_compile_report(call, {"sums": "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"})
+    assert got == {"sums": True}
+    assert sm90_spill_bytes(call) == 0
+    assert "0x38383838" in sm90_sass(call)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
                                           for cfg in ([(64, 2), (64, 3), (64, 2, 1), (128, 2, 0, 1)]
@@ -390,6 +403,23 @@ def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, hea
 def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
     # per-head descales, every tuning candidate's ring, V^T tiles over ragged sequences (the pad columns of V^T
     # must be zeros: poisoning them would show as NaN rows)
+    _check_ws_fp8(case, config, device, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, config", [(c, cfg) for c in WS_CASES
+                                          for cfg in ([(128, 2)] if c[4] == 256 else [(256, 2), (128, 2, 0, 2)])],
+                         ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
+                         "/".join(map(str, c)))
+def test_ws_kernel_fp8_rowsum_gpu(case, config, device, monkeypatch):
+    # the row sums on the tensor cores (prefill_ws.FP8_ROWSUM, off by default): the same outputs and LSE
+    from llmkernels.attention import prefill_ws
+
+    monkeypatch.setattr(prefill_ws, "FP8_ROWSUM", True)
+    _check_ws_fp8(case, config, device, monkeypatch)
+
+
+def _check_ws_fp8(case, config, device, monkeypatch):
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
