@@ -412,14 +412,15 @@ def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
                          "/".join(map(str, c)))
 def test_ws_kernel_fp8_rowsum_gpu(case, config, device, monkeypatch):
-    # the row sums on the tensor cores (prefill_ws.FP8_ROWSUM, off by default): the same outputs and LSE
+    # the row sums on the tensor cores (prefill_ws.FP8_ROWSUM, off by default): the same outputs; the LSE sums the
+    # e4m3-rounded P that P V reads, each term within 2^-4 of the exact one, so within log(1 + 2^-4) = 0.061
     from llmkernels.attention import prefill_ws
 
     monkeypatch.setattr(prefill_ws, "FP8_ROWSUM", True)
-    _check_ws_fp8(case, config, device, monkeypatch)
+    _check_ws_fp8(case, config, device, monkeypatch, lse_atol=0.062)
 
 
-def _check_ws_fp8(case, config, device, monkeypatch):
+def _check_ws_fp8(case, config, device, monkeypatch, lse_atol=2e-3):
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
@@ -436,7 +437,7 @@ def _check_ws_fp8(case, config, device, monkeypatch):
     assert launches, "the call did not take the Gluon kernel"
     ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=causal)
     assert_fp8_pv_close(o, ro)
-    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+    assert_close(lse, rl, torch.float32, "lse", atol=lse_atol, rtol=2e-3)
 
 
 @pytest.mark.gpu
