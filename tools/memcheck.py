@@ -10,21 +10,23 @@ import torch
 import llmkernels as lk
 
 
-def ws_cases(dev="cuda", persist_only=False):
+def ws_cases(dev="cuda", persist_only=False, rowsum=False):
     """The Gluon prefill kernel (sm_90) at every tuning candidate, overlapped and not, a program per tile and
     persistent (a grid of 3 programs, so each loops over many tiles; tiles in turn and claimed from a counter),
     bf16 and fp8 (V^T tiles, per-head descales): odd lengths, q_len != k_len, an empty sequence, group 7, LSE
-    written. persist_only: the persistent candidates at head dim 128 alone (the quick part)."""
+    written. persist_only: the persistent candidates at head dim 128 alone (the quick part); rowsum: fp8 with
+    its row sums on the tensor cores (prefill_ws.FP8_ROWSUM)."""
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
+    prefill_ws.FP8_ROWSUM = rowsum or prefill_ws.FP8_ROWSUM
     prefill.WS_MIN_WORK = 0
     prefill_ws.num_sms = lambda device=None: 3
     cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
     ck = torch.tensor([0, 17, 20, 57, 190], dtype=torch.int32, device=dev)
-    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float8_e4m3fn, "float8_e4m3fn")):
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float8_e4m3fn, "float8_e4m3fn"))[int(rowsum):]:
         fp8 = dtype == torch.float8_e4m3fn
         ds = dict(q_descale=torch.rand(14, device=dev) + 0.5, k_descale=0.5, v_descale=torch.rand(2, device=dev) + 0.5)
         for D in (128,) if persist_only else (64, 128, 256):
@@ -510,12 +512,13 @@ def megakernel_cases(dev="cuda"):
 if __name__ == "__main__":
     import sys
 
-    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "prefill_persist" / "decode_ws" / "engine" /
-    # "megakernel": those kernels alone; no argument: every single-GPU kernel
-    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases, "prefill_persist": lambda: ws_cases(persist_only=True),
+    # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "prefill_persist" / "prefill_rowsum" /
+    # "decode_ws" / "engine" / "megakernel": those kernels alone; no argument: every single-GPU kernel
+    parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases,
+             "prefill_persist": lambda: ws_cases(persist_only=True), "prefill_rowsum": lambda: ws_cases(rowsum=True),
              "decode_ws": ws_decode_cases, "engine": engine_kernel_cases, "megakernel": megakernel_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
-        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | prefill_persist | decode_ws | engine | "
-                 f"megakernel], got {' '.join(sys.argv[1:])!r}")
+        sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | prefill_persist | prefill_rowsum | "
+                 f"decode_ws | engine | megakernel], got {' '.join(sys.argv[1:])!r}")
     parts[part]()
