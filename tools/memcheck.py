@@ -15,13 +15,14 @@ def ws_cases(dev="cuda", persist_only=False, rowsum=False):
     persistent (a grid of 3 programs, so each loops over many tiles; tiles in turn and claimed from a counter),
     bf16 and fp8 (V^T tiles, per-head descales): odd lengths, q_len != k_len, an empty sequence, group 7, LSE
     written. persist_only: the persistent candidates at head dim 128 alone (the quick part); rowsum: fp8 with
-    its row sums on the tensor cores (prefill_ws.FP8_ROWSUM)."""
+    its row sums on the tensor cores and its keys permuted (prefill_ws.FP8_ROWSUM, FP8_PERM)."""
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
     prefill_ws.FP8_ROWSUM = rowsum or prefill_ws.FP8_ROWSUM
+    prefill_ws.FP8_PERM = rowsum or prefill_ws.FP8_PERM
     prefill.WS_MIN_WORK = 0
     prefill_ws.num_sms = lambda device=None: 3
     cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)

@@ -1,6 +1,7 @@
-"""fp8 prefill with the softmax's row sums added per score (``prefill_ws.FP8_ROWSUM`` off) against the same sums
-taken on the tensor cores (on), alternating, each run checked against the float64 reference on a ragged batch,
-then timed as the prefill suite times (``time_ms``), TFLOP/s, with the table's config for each shape.
+"""fp8 prefill's off-by-default options side by side: the softmax's row sums on the tensor cores
+(``prefill_ws.FP8_ROWSUM``) and V^T's and P's keys permuted so that P V's operand needs no shuffles
+(``FP8_PERM``): off, each alone and both, twice, each run checked against the float64 reference on a ragged
+batch, then timed as the prefill suite times (``time_ms``), TFLOP/s, with the table's config for each shape.
 
     PYTHONPATH=.:bench/lab python bench/lab/fp8_rowsum_lab.py [--shapes 0,1,3,5,7,8] [--rep 60]
 """
@@ -28,12 +29,12 @@ def main():
         ds = torch.ones(1, device="cuda")
         flops = attention_flops([S] * B, H, D, causal)
         line = []
-        for rowsum in (False, True, False, True):
-            prefill_ws.FP8_ROWSUM = rowsum
+        for rowsum, perm in ((0, 0), (1, 0), (0, 1), (1, 1)) * 2:
+            prefill_ws.FP8_ROWSUM, prefill_ws.FP8_PERM = bool(rowsum), bool(perm)
             err = _check(torch.float8_e4m3fn, D, causal)
             ms = time_ms(lambda: lk.flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal, q_descale=ds,
                                                       k_descale=ds, v_descale=ds), rep_ms=args.rep)
-            line.append(f"rowsum {int(rowsum)}: {flops / ms / 1e9:.0f} {err}")
+            line.append(f"rowsum {rowsum} perm {perm}: {flops / ms / 1e9:.0f} {err}")
         print(f"fp8 B{B} H{H}/{Hkv} S{S} D{D} {'causal' if causal else 'full'} config "
               f"{prefill.ws_config(torch.float8_e4m3fn, D, causal)} | " + " | ".join(line), flush=True)
 

@@ -97,7 +97,7 @@ def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N
 def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                  tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-                 DYNAMIC: gl.constexpr):
+                 DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False):
     """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's (DYNAMIC: t written
     to tile_id for them first), then K_j and V_j into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
@@ -113,7 +113,10 @@ def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empt
         k_col = (h // group) * HEAD_DIM
         v_row = k_start
         if VT:  # the sequence's first V^T column (v_col0)
-            v_row = (k_start + 15) // 16 * 16 + 16 * b
+            if PERM_K:
+                v_row = (k_start + 31) // 32 * 32 + 32 * b
+            else:
+                v_row = (k_start + 15) // 16 * 16 + 16 * b
         for j in range(n_blocks):
             _load_k(desc_k, k_smem, k_ready, kv_empty, k_start + j * BLOCK_N, k_col, r + j, STAGES)
             _load_v(desc_v, v_smem, v_ready, kv_empty, v_row + j * BLOCK_N, k_col, r + j, STAGES, VT)
@@ -138,7 +141,7 @@ def _read_tile(tile_id):
 def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id,
             CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-            PERSIST: gl.constexpr):
+            PERSIST: gl.constexpr, PERM_K: gl.constexpr = False):
     """Q, then K and V tiles into the ring, tile after tile. The ring's use count runs on across a persistent
     program's tiles, so the next tile's Q and first K/V tiles load while the consumers finish this one.
     kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K tile is refilled once its S is computed,
@@ -154,7 +157,7 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         while t < num_tiles:
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                  kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL,
-                                 BLOCK_N, HEAD_DIM, STAGES, VT, True)
+                                 BLOCK_N, HEAD_DIM, STAGES, VT, True, PERM_K)
             t = gl.atomic_add(TILES, 1)
         if t == num_tiles + gl.num_programs(0) - 1:
             gl.atomic_xchg(TILES, 0)
@@ -167,11 +170,11 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                  kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL,
-                                 BLOCK_N, HEAD_DIM, STAGES, VT, False)
+                                 BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K)
     else:
         _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, gl.program_id(0), gl.to_tensor(0),
-                     gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False)
+                     gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K)
 
 
 @gluon.jit
@@ -201,10 +204,18 @@ def _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout: gl.constexpr,
 
 
 @gluon.jit
-def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
-    """p as the register A operand of the PV product (32 bits of operand per register)."""
+def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, PERM_K: gl.constexpr = False):
+    """p as the register A operand of the PV product (32 bits of operand per register). PERM_K (fp8): the keys
+    of each group of 32 reordered (key 16 hi + 8 i1 + 2 q + i0 to position 16 hi + 4 q + 2 i1 + i0, as
+    transpose_v(perm=True) orders V^T's columns), so that each thread's scores already are its operand bytes:
+    no shuffles between the accumulator's layout and the operand's."""
     K_WIDTH: gl.constexpr = 4 if dtype.primitive_bitwidth == 8 else 2
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH))
+    p = p.to(dtype)
+    if PERM_K:
+        R: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        p = gl.reshape(gl.permute(gl.reshape(p, [R, N // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]), [R, N])
+    return gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH))
 
 
 @gluon.jit
@@ -233,7 +244,8 @@ def _pv(p_op, v_smem, v_ready, acc, j, STAGES: gl.constexpr):
 @gluon.jit
 def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0, qk_scale, q_pos, k_len,
           s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          STAGES: gl.constexpr, P_SHIFT: gl.constexpr, ones_smem=None, ROWSUM: gl.constexpr = False):
+          STAGES: gl.constexpr, P_SHIFT: gl.constexpr, ones_smem=None, ROWSUM: gl.constexpr = False,
+          PERM_K: gl.constexpr = False):
     """One key block from ring use j, one product after the other: S = Q K^T, online softmax, O = O * alpha + P V.
     ROWSUM (fp8): l_i is a [rows, 8] accumulator and the row sums come from the tensor cores, P times the
     [BLOCK_N, 8] ones of ones_smem, beside P V: no add per score in the softmax, and the sums are those of the
@@ -244,7 +256,7 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT,
                                   not ROWSUM)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = _p_operand(p, k_smem.dtype, o_layout)
+    p_op = _p_operand(p, k_smem.dtype, o_layout, PERM_K)
     acc = _pv(p_op, v_smem, v_ready, acc, j, STAGES)
     if ROWSUM:
         l_layout: gl.constexpr = l_i.type.layout
@@ -261,13 +273,14 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
 @gluon.jit
 def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l_i, m_i, j, key0, qk_scale, q_pos,
                      k_len, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
-                     CAUSAL: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr):
+                     CAUSAL: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr,
+                     PERM_K: gl.constexpr = False):
     """Block j's S = Q K^T and block j - 1's O += P V issued together; block j's softmax runs while the tensor
     cores do the PV product, and O is rescaled once it is done. p_lo (block j - 1's P in the input dtype, in the
     scores' layout: converted to the PV operand here, where the fp8 conversion costs fewest byte permutes) comes in,
     block j's goes out."""
     qk = _qk(q, k_smem, k_ready, j, s_layout, STAGES)
-    acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout), v_smem, v_ready, acc, j - 1, STAGES)
+    acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout, PERM_K), v_smem, v_ready, acc, j - 1, STAGES)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # groups complete in order: S is ready, PV may run on
     mbarrier.arrive(kv_empty.index(j % STAGES), count=1)  # K slot: S is done
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, key0, qk_scale, q_pos, k_len, s_layout, MASKED, CAUSAL, P_SHIFT)
@@ -282,7 +295,7 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
                    CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, t, r, qi, qk_scale,
                    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr,
-                   ones_smem, ROWSUM: gl.constexpr):
+                   ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr):
     """Tile t (the program's qi-th) from ring use r: this consumer's 64 query rows of it -> the ring uses and
     tiles so far. WAIT_Q 0: the caller has waited for its Q already (it read the tile's id after that wait)."""
     HALF: gl.constexpr = q_smem.shape[1]
@@ -330,15 +343,15 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
                     acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc,
                                                           p_lo, l_i, m_i, r + j, j * BLOCK_N, scale, q_pos,
                                                           k_len, s_layout, o_layout, False, CAUSAL, STAGES,
-                                                          P_SHIFT)
+                                                          P_SHIFT, PERM_K)
                 for j in range(gl.maximum(n_full, 1), n_blocks):
                     acc, p_lo, l_i, m_i = _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc,
                                                           p_lo, l_i, m_i, r + j, j * BLOCK_N, scale, q_pos,
                                                           k_len, s_layout, o_layout, True, CAUSAL, STAGES,
-                                                          P_SHIFT)
+                                                          P_SHIFT, PERM_K)
                 mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be refilled
-                acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout), v_smem, v_ready, acc, r + n_blocks - 1,
-                          STAGES)
+                acc = _pv(_p_operand(p_lo, k_smem.dtype, o_layout, PERM_K), v_smem, v_ready, acc,
+                          r + n_blocks - 1, STAGES)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(STAGES + (r + n_blocks - 1) % STAGES), count=1)
             else:
@@ -347,11 +360,11 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
             for j in range(n_full):
                 acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, r + j,
                                       j * BLOCK_N, scale, q_pos, k_len, s_layout, o_layout, False, CAUSAL, STAGES,
-                                      P_SHIFT, ones_smem, ROWSUM)
+                                      P_SHIFT, ones_smem, ROWSUM, PERM_K)
             for j in range(n_full, n_blocks):
                 acc, l_i, m_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, r + j,
                                       j * BLOCK_N, scale, q_pos, k_len, s_layout, o_layout, True, CAUSAL, STAGES,
-                                      P_SHIFT, ones_smem, ROWSUM)
+                                      P_SHIFT, ones_smem, ROWSUM, PERM_K)
             mbarrier.arrive(q_empty, count=1)
             if ROWSUM:  # every column of the [rows, 8] product holds the row sum
                 l_i = gl.convert_layout(gl.max(l_i, axis=1), row_s)
@@ -379,7 +392,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
               CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr,
-              ones_smem, ROWSUM: gl.constexpr):
+              ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr):
     if PERSIST == 2:  # tiles as the loader claims them: each one's id comes with its Q, -1 after the last
         r = 0
         qi = 0
@@ -389,7 +402,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                                    t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
-                                   OVERLAP, False, ones_smem, ROWSUM)
+                                   OVERLAP, False, ones_smem, ROWSUM, PERM_K)
             mbarrier.wait(q_ready, qi & 1)
             t = _read_tile(tile_id)
     elif PERSIST:
@@ -399,24 +412,26 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                                    t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
-                                   OVERLAP, True, ones_smem, ROWSUM)
+                                   OVERLAP, True, ones_smem, ROWSUM, PERM_K)
     else:
         _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
                        CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
                        gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
-                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM)
+                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM, PERM_K)
 
 
 @gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
 def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TILES, stride_ot, stride_oh, num_heads,
                         group, num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                        PERSIST: gl.constexpr, ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None):
+                        PERSIST: gl.constexpr, ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None,
+                        PERM_K: gl.constexpr = False):
     """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles one after
     another: pid, pid + programs, ... (1) or as claimed from the counter TILES (2, ``_loader``). Then the loader
     loads the next tile's Q once this one's last S is computed, and its K/V tiles as ring slots free, while the
     consumers finish this tile. ROWSUM (fp8, OVERLAP 0): the row sums on the tensor cores (_step), from a
-    [8, BLOCK_N] tile of ones in shared memory (ONES_LAYOUT)."""
+    [8, BLOCK_N] tile of ones in shared memory (ONES_LAYOUT). PERM_K (fp8): V^T from transpose_v(perm=True),
+    P's keys in the same order (_p_operand)."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     dtype: gl.constexpr = desc_k.dtype
     VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
@@ -452,55 +467,66 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TI
     gl.warp_specialize([
         (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                    tile_id, CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL, BLOCK_N,
-                   HEAD_DIM, STAGES, VT, PERSIST)),
+                   HEAD_DIM, STAGES, VT, PERSIST, PERM_K)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
                      DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
-                     ROWSUM)),
+                     ROWSUM, PERM_K)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
                      DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
-                     ROWSUM)),
+                     ROWSUM, PERM_K)),
     ], [4, 4], [240, 240])
 
 
 @triton.jit
-def v_col0(k_start, b):
+def v_col0(k_start, b, ALIGN: tl.constexpr = 16):
     """The first V^T column of sequence b: TMA wants a tile's innermost start 16-byte aligned, so each sequence
-    starts at a multiple of 16, after at least the previous one's tokens (ceil16(x) - ceil16(y) + 16 > x - y)."""
-    return (k_start + 15) // 16 * 16 + 16 * b
+    starts at a multiple of ALIGN (16, or 32 for keys permuted in groups of 32), after at least the previous one's
+    tokens (ceilA(x) - ceilA(y) + A > x - y)."""
+    return (k_start + ALIGN - 1) // ALIGN * ALIGN + ALIGN * b
 
 
 @triton.jit
-def _transpose_v_kernel(V, VT, CU_K, stride_vt, stride_vh, width, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+def _transpose_v_kernel(V, VT, CU_K, stride_vt, stride_vh, width, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                        PERM: tl.constexpr = False):
     """Sequence b's v rows [T, kv heads, D] (bytes) -> columns v_col0(b) .. v_col0(b + 1) of vt [kv heads * D,
     width]: its tokens, then zeros up to the next sequence (the kernel's last tile reads them; p is 0 there, and 0
-    times a NaN byte pattern would not be)."""
+    times a NaN byte pattern would not be). PERM: sequences 32-aligned, and within each group of 32 keys key
+    16 hi + 8 i1 + 2 q + i0 goes to column 16 hi + 4 q + 2 i1 + i0 (``_p_operand``'s order)."""
     c = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     b = tl.program_id(1)
     h = tl.program_id(2)
     k_start = tl.load(CU_K + b)
     k_len = tl.load(CU_K + b + 1) - k_start
-    col0 = v_col0(k_start, b)
-    n = v_col0(k_start + k_len, b + 1) - col0
+    ALIGN: tl.constexpr = 32 if PERM else 16
+    col0 = v_col0(k_start, b, ALIGN)
+    n = v_col0(k_start + k_len, b + 1, ALIGN) - col0
     if tl.program_id(0) * BLOCK_T < n:
         d = tl.arange(0, HEAD_DIM)
         tile = tl.load(V + (k_start + c).to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :],
                        mask=(c < k_len)[:, None], other=0)
-        dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * width + (col0 + c)[None, :]
+        col = c
+        if PERM:  # within its group of 32 (n is a multiple of 32: the column stays below it)
+            x = c % 32
+            col = c - x + (x // 16) * 16 + ((x // 2) % 4) * 4 + ((x // 8) % 2) * 2 + x % 2
+        dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * width + (col0 + col)[None, :]
         tl.store(dst, tl.trans(tile), mask=(c < n)[None, :])
 
 
-def transpose_v(v, cu_k, max_seqlen_k):
-    """fp8 v [T, kv heads, D] -> V^T [kv heads * D, ceil16(T) + 16 * batch], keys contiguous (the layout fp8 wgmma
-    reads its B operand in), sequence b from column ``v_col0`` on; a copy."""
+def transpose_v(v, cu_k, max_seqlen_k, perm=False):
+    """fp8 v [T, kv heads, D] -> V^T [kv heads * D, ceilA(T) + A * batch], keys contiguous (the layout fp8 wgmma
+    reads its B operand in), sequence b from column ``v_col0`` on (A = 16; with ``perm`` 32, the keys of each
+    group of 32 in ``_p_operand``'s order); a copy."""
     T, H, D = v.shape
     batch = cu_k.shape[0] - 1
-    width = (T + 15) // 16 * 16 + 16 * batch
+    align = 32 if perm else 16
+    width = (T + align - 1) // align * align + align * batch
     vt = torch.empty(H * D, width, dtype=v.dtype, device=v.device)
-    grid = (triton.cdiv(max_seqlen_k + 31, 64), batch, H)  # a sequence spans at most its length + 31 columns
+    # a sequence spans at most its length + 2 align - 1 columns
+    grid = (triton.cdiv(max_seqlen_k + 2 * align - 1, 64), batch, H)
     _transpose_v_kernel[grid](v.view(torch.uint8), vt.view(torch.uint8), cu_k, v.stride(0), v.stride(1), width,
-                              HEAD_DIM=D, BLOCK_T=64, num_warps=4)
+                              HEAD_DIM=D, BLOCK_T=64, PERM=perm, num_warps=4)
     return vt
 
 
@@ -519,7 +545,7 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
     if v.dtype == torch.float8_e4m3fn:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        vt = transpose_v(v, cu_k, max_seqlen_k)
+        vt = transpose_v(v, cu_k, max_seqlen_k, perm=FP8_PERM)
         descs.append(TensorDescriptor(vt, list(vt.shape), [vt.shape[1], 1], [D, block_n],
                                       smem_layout(D, block_n, v.dtype)))
     else:
@@ -530,6 +556,9 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
 # fp8 without OVERLAP: the softmax's row sums on the tensor cores (see _step). Off until its results are checked on a
 # GPU (bench/lab/fp8_rowsum_lab.py; bench/NOTES.md has its timing and the fill it needed)
 FP8_ROWSUM = False
+# fp8: V^T's keys and P's in the order of _p_operand (no shuffles to form P V's operand). Off until run on a GPU;
+# read by ws_descriptors (the V^T copy) and launch_ws alike
+FP8_PERM = False
 
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
@@ -549,17 +578,18 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
         if tiles is None:
             tiles, persist = cu_q, 1
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
-    rowsum = FP8_ROWSUM and not overlap and descs[1].base.dtype == torch.float8_e4m3fn
+    fp8 = descs[1].base.dtype == torch.float8_e4m3fn
+    rowsum = FP8_ROWSUM and not overlap and fp8
     flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k, tiles,
         out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale, CAUSAL=bool(causal),
         WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, OVERLAP=bool(overlap),
         PERSIST=int(persist), ROWSUM=rowsum, ONES_LAYOUT=smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None,
-        num_warps=4)
+        PERM_K=FP8_PERM and fp8, num_warps=4)
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0,
-                 rowsum=None):
+                 rowsum=None, perm=None):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
     "fp8e4nv" (V^T tiles, bf16 output)."""
     fp8 = dtype == "fp8e4nv"
@@ -569,7 +599,8 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
            "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
     rowsum = FP8_ROWSUM and fp8 and not overlap if rowsum is None else rowsum
+    perm = FP8_PERM and fp8 if perm is None else perm
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
               "OVERLAP": int(overlap), "PERSIST": int(persist), "ROWSUM": int(rowsum),
-              "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None}
+              "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None, "PERM_K": int(perm)}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

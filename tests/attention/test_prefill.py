@@ -411,13 +411,16 @@ def test_ws_kernel_fp8_gpu(case, config, device, monkeypatch):
                                           for cfg in ([(128, 2)] if c[4] == 256 else [(256, 2), (128, 2, 0, 2)])],
                          ids=lambda c: f"q{c[0][:3]}H{c[2]}/{c[3]}D{c[4]}c{int(c[5])}" if len(c) == 6 else
                          "/".join(map(str, c)))
-def test_ws_kernel_fp8_rowsum_gpu(case, config, device, monkeypatch):
-    # the row sums on the tensor cores (prefill_ws.FP8_ROWSUM, off by default): the same outputs; the LSE sums the
-    # e4m3-rounded P that P V reads, each term within 2^-4 of the exact one, so within log(1 + 2^-4) = 0.061
+@pytest.mark.parametrize("rowsum, perm", [(True, False), (False, True), (True, True)])
+def test_ws_kernel_fp8_rowsum_gpu(case, config, rowsum, perm, device, monkeypatch):
+    # the row sums on the tensor cores (prefill_ws.FP8_ROWSUM) and the keys in _p_operand's order (FP8_PERM), both
+    # off by default: the same outputs; with the row sums the LSE sums the e4m3-rounded P that P V reads, each
+    # term within 2^-4 of the exact one, so within log(1 + 2^-4) = 0.061
     from llmkernels.attention import prefill_ws
 
-    monkeypatch.setattr(prefill_ws, "FP8_ROWSUM", True)
-    _check_ws_fp8(case, config, device, monkeypatch, lse_atol=0.062)
+    monkeypatch.setattr(prefill_ws, "FP8_ROWSUM", rowsum)
+    monkeypatch.setattr(prefill_ws, "FP8_PERM", perm)
+    _check_ws_fp8(case, config, device, monkeypatch, lse_atol=0.062 if rowsum else 2e-3)
 
 
 def _check_ws_fp8(case, config, device, monkeypatch, lse_atol=2e-3):
@@ -513,6 +516,54 @@ def test_fp8_transpose_v_aligns_sequences_and_zero_fills(device, monkeypatch):
         want[:, starts[b]:starts[b] + n] = v[int(cu[b]):int(cu[b + 1])].cpu().permute(1, 2, 0).reshape(H * D, n).view(
             torch.uint8)
     assert torch.equal(vt.cpu().view(torch.uint8), want)
+
+
+def test_fp8_transpose_v_permuted_keys(device, monkeypatch):
+    # transpose_v(perm=True): sequences from 32-aligned columns, zero gaps, and within each group of 32 keys the
+    # order _p_operand gives P, so that P' V^T' equals P V for every sequence (P' reordered as the kernel does)
+    from llmkernels.attention import prefill_ws
+
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        t.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        return t
+
+    monkeypatch.setattr(prefill_ws.torch, "empty", nan_empty)
+    lens = [37, 0, 5, 32, 100, 1]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(device)
+    T, H, D = sum(lens), 2, 16
+    v = torch.randn(T, H, D, device=device).to(torch.float8_e4m3fn)
+    vt = prefill_ws.transpose_v(v, cu, max(lens), perm=True).cpu()
+    width = (T + 31) // 32 * 32 + 32 * len(lens)
+    assert vt.shape == (H * D, width)
+    vt = vt.float()
+    assert torch.isfinite(vt).all()
+    starts = [(int(cu[b]) + 31) // 32 * 32 + 32 * b for b in range(len(lens) + 1)]
+    for b, n in enumerate(lens):
+        span = starts[b + 1] - starts[b]
+        assert starts[b] % 32 == 0 and span % 32 == 0 and span >= n
+        seq = vt[:, starts[b]:starts[b + 1]]  # [H * D, span]: the sequence's keys (permuted), then zeros
+        vs = v[int(cu[b]):int(cu[b + 1])].cpu().float().reshape(n, H * D)
+        p = torch.rand(3, span)
+        p[:, n:] = 0.0  # keys past the sequence are masked
+        pp = p.reshape(3, span // 32, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(3, span)  # _p_operand's order
+        torch.testing.assert_close(pp @ seq.T, p[:, :n] @ vs, rtol=1e-5, atol=1e-5)
+        assert (seq.abs().sum(0) > 0).sum() <= n  # every other column is zero
+
+
+@pytest.mark.parametrize("block_n, head_dim, causal", [(256, 128, False), (128, 64, True)])
+def test_ws_kernel_fp8_permuted_keys_need_no_shuffles(block_n, head_dim, causal):
+    # with V^T's and P's keys in _p_operand's order, P V's operand comes from the scores without shuffles
+    def shuffles(perm):
+        call = (f"prefill_ws.compile_sm90({block_n}, 2, {head_dim}, {causal}, 'fp8e4nv', 0, rowsum=True, "
+                f"perm={perm})")
+        assert sm90_spill_bytes(call) == 0
+        return sm90_sass(call).count("SHFL")
+
+    base, perm = shuffles(False), shuffles(True)
+    assert perm * 3 < base, (base, perm)
 
 
 @pytest.mark.gpu
