@@ -488,19 +488,24 @@ def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, persist, p
         assert split_counters(out.device, 1, "prefill tiles").item() == 0
 
 
+def _nan_buffers(monkeypatch, module):
+    """module's torch.empty hands out buffers filled with e4m3 NaN bytes (unwritten elements show)."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        t.view(torch.uint8).fill_(0x7F)
+        return t
+
+    monkeypatch.setattr(module.torch, "empty", nan_empty)
+
+
 def test_fp8_transpose_v_aligns_sequences_and_zero_fills(device, monkeypatch):
     # V^T for the fp8 kernel: each sequence from a 16-byte aligned column (TMA refuses a misaligned innermost
     # start: an illegal instruction), the gaps zero (the last tile reads them). The buffer starts as NaN bytes.
     from llmkernels.attention import prefill_ws
 
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kw):
-        t = real_empty(*args, **kw)
-        t.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-        return t
-
-    monkeypatch.setattr(prefill_ws.torch, "empty", nan_empty)
+    _nan_buffers(monkeypatch, prefill_ws)
 
     lens = [37, 0, 5, 16, 100]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(device)
@@ -523,14 +528,7 @@ def test_fp8_transpose_v_permuted_keys(device, monkeypatch):
     # order _p_operand gives P, so that P' V^T' equals P V for every sequence (P' reordered as the kernel does)
     from llmkernels.attention import prefill_ws
 
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kw):
-        t = real_empty(*args, **kw)
-        t.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-        return t
-
-    monkeypatch.setattr(prefill_ws.torch, "empty", nan_empty)
+    _nan_buffers(monkeypatch, prefill_ws)
     lens = [37, 0, 5, 32, 100, 1]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(device)
     T, H, D = sum(lens), 2, 16
