@@ -113,10 +113,8 @@ def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empt
         k_col = (h // group) * HEAD_DIM
         v_row = k_start
         if VT:  # the sequence's first V^T column (v_col0)
-            if PERM_K:
-                v_row = (k_start + 31) // 32 * 32 + 32 * b
-            else:
-                v_row = (k_start + 15) // 16 * 16 + 16 * b
+            ALIGN: gl.constexpr = 32 if PERM_K else 16
+            v_row = (k_start + ALIGN - 1) // ALIGN * ALIGN + ALIGN * b
         for j in range(n_blocks):
             _load_k(desc_k, k_smem, k_ready, kv_empty, k_start + j * BLOCK_N, k_col, r + j, STAGES)
             _load_v(desc_v, v_smem, v_ready, kv_empty, v_row + j * BLOCK_N, k_col, r + j, STAGES, VT)
