@@ -14,15 +14,13 @@ def ws_cases(dev="cuda", persist_only=False, rowsum=False):
     """The Gluon prefill kernel (sm_90) at every tuning candidate, overlapped and not, a program per tile and
     persistent (a grid of 3 programs, so each loops over many tiles; tiles in turn and claimed from a counter),
     bf16 and fp8 (V^T tiles, per-head descales): odd lengths, q_len != k_len, an empty sequence, group 7, LSE
-    written. persist_only: the persistent candidates at head dim 128 alone (the quick part); rowsum: fp8 with
-    its row sums on the tensor cores and its keys permuted (prefill_ws.FP8_ROWSUM, FP8_PERM)."""
+    written. persist_only: the persistent candidates at head dim 128 alone (the quick part); rowsum: fp8 calls
+    without an LSE too (the row sums on the tensor cores serve those), its keys permuted (PERM 1)."""
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
     if torch.cuda.get_device_capability() != (9, 0):
         return
-    prefill_ws.FP8_ROWSUM = rowsum or prefill_ws.FP8_ROWSUM
-    prefill_ws.FP8_PERM = rowsum or prefill_ws.FP8_PERM
     prefill.WS_MIN_WORK = 0
     prefill_ws.num_sms = lambda device=None: 3
     cq = torch.tensor([0, 13, 13, 50, 250], dtype=torch.int32, device=dev)
@@ -38,13 +36,17 @@ def ws_cases(dev="cuda", persist_only=False, rowsum=False):
             if fp8:
                 cfgs = ((64, 2), (64, 3), (64, 2, 1), (128, 2, 0, 1)) if D == 256 else (
                     (128, 3), (128, 4), (256, 2), (128, 2, 1), (256, 2, 0, 1), (256, 2, 0, 2))
+                if rowsum:  # the keys permuted too (PERM), in a program per tile and persistent
+                    cfgs = ((128, 2, 0, 0, 1), (128, 2, 0, 2, 1)) if D == 256 else (
+                        (256, 2, 0, 0, 1), (128, 2, 0, 2, 1), (256, 2, 0, 1, 1))
             for cfg in cfgs:
                 if persist_only and (len(cfg) < 4 or not cfg[3]):
                     continue
                 for causal in (False, True):
                     OVERRIDES[("prefill", f"{name}/{D}/{'causal' if causal else 'full'}/ws")] = list(cfg)
-                    lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=True,
-                                         **(ds if fp8 else {}))
+                    for return_lse in (True, False) if rowsum else (True,):  # the row sums serve calls without
+                        lk.flash_attn_varlen(q, k, k, cq, ck, 200, 133, causal=causal, return_lse=return_lse,
+                                             **(ds if fp8 else {}))
     for key in [k for k in OVERRIDES if k[1].endswith("/ws")]:
         del OVERRIDES[key]
 

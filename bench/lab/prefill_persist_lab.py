@@ -33,8 +33,9 @@ SHAPES = [  # (B, H, Hkv, S, D, causal)
     (4, 16, 16, 4096, 64, True), (1, 16, 16, 8192, 256, False), (1, 16, 16, 8192, 256, True),
     (2, 32, 32, 2048, 128, True), (8, 32, 8, 1024, 128, True),
 ]
-VARIANTS = {  # (dtype, D) -> configs (BLOCK_N, STAGES, OVERLAP, PERSIST)
-    ("fp8", 128): [(256, 2, 0, 0), (256, 2, 0, 1), (256, 2, 0, 2)],
+VARIANTS = {  # (dtype, D) -> configs (BLOCK_N, STAGES, OVERLAP, PERSIST[, PERM])
+    ("fp8", 128): [(256, 2, 0, 0), (256, 2, 0, 0, 1), (256, 2, 0, 2), (128, 2, 0, 0, 1), (128, 2, 0, 2),
+                   (128, 2, 0, 2, 1), (128, 3, 0, 2, 1)],
     ("fp8", 64): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2), (128, 3, 0, 0), (128, 3, 0, 2)],
     ("fp8", 256): [(128, 2, 0, 0), (128, 2, 0, 1), (128, 2, 0, 2)],
     ("bf16", 128): [(128, 2, 0, 0), (128, 2, 1, 0), (128, 3, 1, 0), (128, 3, 1, 1), (128, 2, 1, 2), (128, 3, 1, 2)],
@@ -45,7 +46,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def _check(dtype, D, causal):
-    lens = [1, 63, 64, 65, 300, 1000, 777, 129]
+    lens = [1, 63, 64, 65, 300, 1000, 777, 129, 4000]  # one long row: a sum that drifts shows there
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
     q, k, v = (torch.randn(int(cu[-1]), h, D, device="cuda").to(dtype) for h in (8, 2, 2))
     out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -53,7 +54,7 @@ def _check(dtype, D, causal):
     ref, _ = flash_attn_varlen_ref(q.double(), k.double(), v.double(), cu, cu, causal=causal)
     e = out.double() - ref
     rel = (e.pow(2).mean() / ref.pow(2).mean()).sqrt().item()
-    bad = rel > (0.05 if dtype != torch.bfloat16 else 0.01) or not torch.isfinite(out).all()
+    bad = rel > (0.03 if dtype != torch.bfloat16 else 0.01) or not torch.isfinite(out).all()
     return f"rel rms {rel:.4f}{' FAIL' if bad else ''}"
 
 

@@ -36,21 +36,23 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int
     return tuple(entry) + (0,) * (6 - len(entry))
 
 
-def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int] | None:
-    """(BLOCK_N, STAGES, OVERLAP, PERSIST) of the warp-specialized Gluon kernel (prefill_ws.py) from the table key
-    "<dtype>/<head dim>/<full|causal>/ws", or None where the entry is [0, 0] (the Triton kernel is faster there) or
-    missing. OVERLAP 1 runs each block's softmax beside the previous block's PV product; PERSIST 1 launches one
-    program per SM that loops over the tiles round-robin, 2 one per SM that claims its next tile from a counter
-    (0: a program per tile). Missing trailing fields mean 0."""
+def ws_config(dtype: torch.dtype, head_dim: int, causal: bool) -> tuple[int, int, int, int, int] | None:
+    """(BLOCK_N, STAGES, OVERLAP, PERSIST, PERM) of the warp-specialized Gluon kernel (prefill_ws.py) from the table
+    key "<dtype>/<head dim>/<full|causal>/ws", or None where the entry is [0, 0] (the Triton kernel is faster
+    there) or missing. OVERLAP 1 runs each block's softmax beside the previous block's PV product; PERSIST 1
+    launches one program per SM that loops over the tiles round-robin, 2 one per SM that claims its next tile from a
+    counter (0: a program per tile); PERM 1 (fp8 only) orders the keys of V^T and P alike so that P V's operand
+    forms without shuffles. Missing trailing fields mean 0."""
     key = f"{str(dtype).replace('torch.', '')}/{head_dim}/{'causal' if causal else 'full'}/ws"
     entry = lookup("prefill", gpu_name(), key)
     if not entry or not entry[0]:
         return None
-    entry = [int(x) for x in entry] + [0] * (4 - len(entry))
-    if len(entry) > 4 or entry[2] not in (0, 1) or entry[3] not in (0, 1, 2):
+    entry = [int(x) for x in entry] + [0] * (5 - len(entry))
+    if (len(entry) > 5 or entry[2] not in (0, 1) or entry[3] not in (0, 1, 2)
+            or entry[4] not in ((0, 1) if dtype == FP8 else (0,))):
         raise ValueError(f"tuning entry prefill {key!r} must be [BLOCK_N, STAGES, OVERLAP (0 or 1), PERSIST (0, 1 or "
-                         f"2)], got {list(entry)}")
-    return entry[0], entry[1], entry[2], entry[3]
+                         f"2), PERM (0, or 1 for fp8)], got {list(entry)}")
+    return entry[0], entry[1], entry[2], entry[3], entry[4]
 
 
 @functools.cache
@@ -177,7 +179,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
         from .prefill_ws import launch_ws, ws_descriptors
 
         descs = ws_descriptors(q, k, v, ws[0], cu_seqlens_k,
-                               max_seqlen_k if max_seqlen_k is not None else max_seqlen_q)
+                               max_seqlen_k if max_seqlen_k is not None else max_seqlen_q, perm=ws[4])
         if descs is not None:  # None: heads not packed or rows not 16-byte aligned; the Triton kernel takes it
             launch_ws(descs, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, Hq, Hq // Hkv,
                       scale * 1.4426950408889634, causal, *ws, descales=descales)

@@ -260,8 +260,12 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, j, key0,
         l_layout: gl.constexpr = l_i.type.layout
         l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
         l_op = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4))
-        l_i = warpgroup_mma(l_op, ones_smem.permute((1, 0)), l_i, is_async=True)
-        acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
+        # each block's sums from a zeroed accumulator, added in float32 here: fp8 wgmma's own adds keep too few
+        # bits to carry a sum over thousands of keys (sums fell 6% short at 4096 keys)
+        l_blk = warpgroup_mma(l_op, ones_smem.permute((1, 0)), gl.zeros(l_i.shape, gl.float32, l_layout),
+                              use_acc=False, is_async=True)
+        acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_blk))
+        l_i = l_i + l_blk
     else:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(kv_empty.index(STAGES + j % STAGES), count=1)
@@ -502,13 +506,14 @@ def _transpose_v_kernel(V, VT, CU_K, stride_vt, stride_vh, width, HEAD_DIM: tl.c
     n = v_col0(k_start + k_len, b + 1, ALIGN) - col0
     if tl.program_id(0) * BLOCK_T < n:
         d = tl.arange(0, HEAD_DIM)
-        tile = tl.load(V + (k_start + c).to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :],
-                       mask=(c < k_len)[:, None], other=0)
-        col = c
-        if PERM:  # within its group of 32 (n is a multiple of 32: the column stays below it)
-            x = c % 32
-            col = c - x + (x // 16) * 16 + ((x // 2) % 4) * 4 + ((x // 8) % 2) * 2 + x % 2
-        dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * width + (col0 + col)[None, :]
+        key = c
+        if PERM:  # column 16 hi + 4 q + 2 i1 + i0 of a group holds its key 16 hi + 8 i1 + 2 q + i0; permuting the
+            # rows read (not the columns written) keeps the store contiguous along the keys, so it vectorizes
+            y = c % 32
+            key = c - y + (y // 16) * 16 + ((y // 2) % 2) * 8 + ((y // 4) % 4) * 2 + y % 2
+        tile = tl.load(V + (k_start + key).to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :],
+                       mask=(key < k_len)[:, None], other=0)
+        dst = VT + (h * HEAD_DIM + d).to(tl.int64)[:, None] * width + (col0 + c)[None, :]
         tl.store(dst, tl.trans(tile), mask=(c < n)[None, :])
 
 
@@ -528,10 +533,11 @@ def transpose_v(v, cu_k, max_seqlen_k, perm=False):
     return vt
 
 
-def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
+def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0, perm=0):
     """Gluon TMA descriptors over Q, K, V viewed as [tokens, heads * D] (64-row Q tiles, block_n-row K/V tiles),
     or None where that view does not exist: heads not packed, rows or base not 16-byte aligned, or no tokens.
-    fp8: V is read as V^T (``transpose_v`` over cu_k, a copy) in [D, block_n] tiles."""
+    fp8: V is read as V^T (``transpose_v`` over cu_k, a copy) in [D, block_n] tiles, its keys in _p_operand's
+    order where perm (launch_ws must get the same perm)."""
     D = q.shape[2]
     descs = []
     for t in (q, k, v):
@@ -543,7 +549,7 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
     if v.dtype == torch.float8_e4m3fn:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        vt = transpose_v(v, cu_k, max_seqlen_k, perm=FP8_PERM)
+        vt = transpose_v(v, cu_k, max_seqlen_k, perm=bool(perm))
         descs.append(TensorDescriptor(vt, list(vt.shape), [vt.shape[1], 1], [D, block_n],
                                       smem_layout(D, block_n, v.dtype)))
     else:
@@ -551,21 +557,20 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0):
     return descs
 
 
-# fp8 without OVERLAP: the softmax's row sums on the tensor cores (see _step). Off until its results are checked on a
-# GPU (bench/lab/fp8_rowsum_lab.py; bench/NOTES.md has its timing and the fill it needed)
-FP8_ROWSUM = False
-# fp8: V^T's keys and P's in the order of _p_operand (no shuffles to form P V's operand). Off until run on a GPU;
-# read by ws_descriptors (the V^T copy) and launch_ws alike
-FP8_PERM = False
+# fp8 without OVERLAP and without an LSE: the softmax's row sums on the tensor cores (see _step), which frees the
+# consumers' adds at head dim 128, where the exponentials and the fp8 wgmma are about equally fast. They sum the
+# e4m3-rounded P that P V reads (o normalized consistently), so an LSE from them could be off by log(1 + 2^-4) on
+# rows with few keys: calls that ask for the LSE sum the float32 P
+FP8_ROWSUM = True
 
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
-              overlap=0, persist=0, descales=None):
+              overlap=0, persist=0, perm=0, descales=None):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
     (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head. persist 0: one program per tile; 1: one
     program per SM looping over the tiles, pid, pid + programs, ...; 2: the same, each program claiming its next
     tile from a counter (the stream's, ``split_counters(..., purpose="prefill tiles")``; 1 where there is none,
-    under a capture that has not made it)."""
+    under a capture that has not made it). perm (fp8): V^T's keys permuted (ws_descriptors' perm)."""
     D = out.shape[2]
     num_m = triton.cdiv(max_seqlen_q, 128)
     batch = cu_q.shape[0] - 1
@@ -577,17 +582,17 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
             tiles, persist = cu_q, 1
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
     fp8 = descs[1].base.dtype == torch.float8_e4m3fn
-    rowsum = FP8_ROWSUM and not overlap and fp8
+    rowsum = FP8_ROWSUM and fp8 and not overlap and lse is None
     flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k, tiles,
         out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale, CAUSAL=bool(causal),
         WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, OVERLAP=bool(overlap),
         PERSIST=int(persist), ROWSUM=rowsum, ONES_LAYOUT=smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None,
-        PERM_K=FP8_PERM and fp8, num_warps=4)
+        PERM_K=bool(perm) and fp8, num_warps=4)
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0,
-                 rowsum=None, perm=None):
+                 rowsum=None, perm=0):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
     "fp8e4nv" (V^T tiles, bf16 output)."""
     fp8 = dtype == "fp8e4nv"
@@ -597,7 +602,7 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
            "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
     rowsum = FP8_ROWSUM and fp8 and not overlap if rowsum is None else rowsum
-    perm = FP8_PERM and fp8 if perm is None else perm
+    perm = bool(perm) and fp8
     consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
               "OVERLAP": int(overlap), "PERSIST": int(persist), "ROWSUM": int(rowsum),
               "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None, "PERM_K": int(perm)}

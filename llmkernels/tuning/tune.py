@@ -170,8 +170,8 @@ def tune_prefill(gpu):
 
 
 def tune_prefill_fp8(gpu):
-    """The Gluon kernel's (BLOCK_N, STAGES[, OVERLAP[, PERSIST]]) for fp8 e4m3 q/k/v per head dim ([0, 0]: the
-    Triton kernel, which widens to fp16), on the dense shapes of tune_prefill."""
+    """The Gluon kernel's (BLOCK_N, STAGES[, OVERLAP[, PERSIST[, PERM]]]) for fp8 e4m3 q/k/v per head dim ([0, 0]:
+    the Triton kernel, which widens to fp16), on the dense shapes of tune_prefill."""
     from ..attention import flash_attn_varlen
 
     if torch.cuda.get_device_capability() != (9, 0) or not gluon_supported():
@@ -181,9 +181,11 @@ def tune_prefill_fp8(gpu):
         inputs = _prefill_inputs(D, torch.float8_e4m3fn)
         # fp8 tiles are half the bytes of bf16 ones: deeper rings and wider key blocks fit
         # (at D=256, 128 keys spill a few registers and still ran fastest on the H200)
-        cands = ([(0, 0), (64, 2), (64, 3), (128, 2), (64, 2, 1), (128, 2, 0, 1), (128, 2, 0, 2)] if D == 256 else
+        cands = ([(0, 0), (64, 2), (64, 3), (128, 2), (64, 2, 1), (128, 2, 0, 1), (128, 2, 0, 2), (128, 2, 0, 0, 1),
+                  (128, 2, 0, 2, 1)] if D == 256 else
                  [(0, 0), (128, 2), (128, 3), (128, 4), (256, 2), (256, 3), (128, 2, 1), (256, 2, 0, 1),
-                  (256, 3, 0, 1), (256, 2, 0, 2), (128, 2, 0, 2)])
+                  (256, 3, 0, 1), (256, 2, 0, 2), (128, 2, 0, 2), (128, 2, 0, 0, 1), (256, 2, 0, 0, 1),
+                  (128, 2, 0, 2, 1), (256, 2, 0, 1, 1)])
         for causal in (False, True):
             key = f"float8_e4m3fn/{D}/{'causal' if causal else 'full'}/ws"
             fns = [lambda q=q, k=k, v=v, cu=cu, S=S: flash_attn_varlen(q, k, v, cu, cu, S, S, causal=causal)
