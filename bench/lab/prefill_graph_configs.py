@@ -1,6 +1,6 @@
 """Gluon prefill table entries timed two ways on causal shapes: as the suite times (``time_ms``, eager: where an
 eager call's host time exceeds its kernel's, this times the host) and by CUDA-graph replay (the kernels alone),
-each twice. Under a capture without a tile counter PERSIST 2 runs as 1, so list PERSIST 1 entries here.
+each twice (the graph timer's eager warm-up on its stream makes the tile counter that PERSIST 2 needs).
 
     PYTHONPATH=. python bench/lab/prefill_graph_configs.py [--dtype fp8] [--shapes 1x4096x32x32,2x2048x32x32]
         [--configs "256,2,0,0;128,2,0,1,1"]
