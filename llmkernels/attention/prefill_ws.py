@@ -594,7 +594,8 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0,
                  rowsum=None, perm=0):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
-    "fp8e4nv" (V^T tiles, bf16 output)."""
+    "fp8e4nv" (V^T tiles, bf16 output). With the row sums (fp8 without OVERLAP, by default) the build writes no
+    LSE, as launched."""
     fp8 = dtype == "fp8e4nv"
     kv_desc = tile_desc_type(dtype, block_n, head_dim)
     sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc,
@@ -603,7 +604,8 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
     rowsum = FP8_ROWSUM and fp8 and not overlap if rowsum is None else rowsum
     perm = bool(perm) and fp8
-    consts = {"CAUSAL": int(causal), "WRITE_LSE": 1, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
+    # as launched: the row sums serve calls without an LSE
+    consts = {"CAUSAL": int(causal), "WRITE_LSE": int(not rowsum), "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
               "OVERLAP": int(overlap), "PERSIST": int(persist), "ROWSUM": int(rowsum),
               "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None, "PERM_K": int(perm)}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)
