@@ -218,8 +218,14 @@ def _descales(q, k, fp8, q_descale, k_descale, v_descale):
     from ..kv_cache import as_scale_tensor
 
     heads = {"q_descale": q.shape[1], "k_descale": k.shape[-2], "v_descale": k.shape[-2]}
-    # floats alone are gathered on the host and copied once; a tensor keeps them all on the device (no sync)
-    host = not any(isinstance(d, torch.Tensor) for d in given.values())
+    # floats alone: one cached device tensor per set of values (a copy from the host each call would wait for the
+    # stream), built with fills on the device (no copy, so a capture may build it too)
+    key = None
+    if all(isinstance(d, (int, float)) and not isinstance(d, bool) for d in given.values()):
+        key = (q.device, *heads.values(), *(given.get(n, 1.0) for n in heads))
+        cached = _FLOAT_DESCALES.get(key)
+        if cached is not None:
+            return cached
     parts = []
     for n, count in heads.items():
         d = given.get(n, 1.0)
@@ -227,9 +233,17 @@ def _descales(q, k, fp8, q_descale, k_descale, v_descale):
             check_tensor(n, d, dtypes=(torch.float32,), shape=(count,))
             check_device(q=q, **{n: d})
         else:  # per tensor (value checks for floats)
-            d = as_scale_tensor(n, d, "cpu" if host else q.device)
+            d = as_scale_tensor(n, d, q.device)
         parts.append(d.expand(count))
-    return torch.cat(parts).to(q.device)
+    out = torch.cat(parts)
+    # (not from inside a capture: that tensor lives in the graph's private pool)
+    if key is not None and len(_FLOAT_DESCALES) < 64 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _FLOAT_DESCALES[key] = out
+    return out
+
+
+# (device, Hq, Hkv, Hkv, q, k, v descale) -> the float32 [Hq + 2 * Hkv] tensor _descales built for those floats
+_FLOAT_DESCALES: dict = {}
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

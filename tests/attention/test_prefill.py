@@ -321,6 +321,27 @@ def test_fp8_inputs_with_descales(case, tensors, device):
     assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
 
 
+def test_fp8_float_descales_built_once(device):
+    # floats are gathered into one device tensor per set of values and reused (no copy from the host per call);
+    # the values land per head, a bad value is still refused after a good one was cached
+    from llmkernels.attention.prefill import _descales
+
+    q = torch.empty(3, 6, 32, device=device).to(torch.float8_e4m3fn)
+    k = torch.empty(5, 2, 32, device=device).to(torch.float8_e4m3fn)
+    a = _descales(q, k, True, 0.5, 2, None)
+    assert a.device == q.device and a.dtype == torch.float32
+    assert a.tolist() == [0.5] * 6 + [2.0] * 2 + [1.0] * 2
+    assert _descales(q, k, True, 0.5, 2.0, 1.0) is a
+    b = _descales(q, k, True, 0.25, 2.0, None)
+    assert b is not a and b.tolist() == [0.25] * 6 + [2.0] * 2 + [1.0] * 2
+    with pytest.raises(ValueError, match="v_descale must be a positive float"):
+        _descales(q, k, True, 0.5, 2.0, -1.0)
+    with pytest.raises(ValueError, match="q_descale must be a positive float"):
+        _descales(q, k, True, [0.5], 2.0, None)
+    per_head = _descales(q, k, True, torch.full((6,), 3.0, device=device), 2.0, None)
+    assert per_head.tolist() == [3.0] * 6 + [2.0] * 2 + [1.0] * 2
+
+
 def test_fp8_bad_input(device):
     (q8, k8, v8), _, _, cq, ck, mq, mk = make_fp8([9], None, 2, 1, 32, device, False)
     qb = q8.to(torch.bfloat16)
