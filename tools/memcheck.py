@@ -38,7 +38,7 @@ def ws_cases(dev="cuda", persist_only=False, rowsum=False):
                     (128, 3), (128, 4), (256, 2), (128, 2, 1), (256, 2, 0, 1), (256, 2, 0, 2))
                 if rowsum:  # the keys permuted too (PERM), in a program per tile and persistent
                     cfgs = ((128, 2, 0, 0, 1), (128, 2, 0, 2, 1)) if D == 256 else (
-                        (256, 2, 0, 0, 1), (128, 2, 0, 2, 1), (256, 2, 0, 1, 1))
+                        (256, 2, 0, 0, 1), (128, 2, 0, 1, 1), (128, 2, 0, 2, 1), (256, 2, 0, 1, 1))
             for cfg in cfgs:
                 if persist_only and (len(cfg) < 4 or not cfg[3]):
                     continue

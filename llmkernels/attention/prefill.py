@@ -195,7 +195,8 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
 
     flash_fwd_kernel[grid](
         q, k, v, out, lse if lse is not None else out, sinks if sinks is not None else out,
-        cu_seqlens_q, cu_seqlens_k, *(descs or (None, None)), descales if descales is not None else cu_seqlens_q,
+        cu_seqlens_q, cu_seqlens_k, *(descs or (None, None)),
+        *(descales if descales is not None else (cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, 0)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         Hq, Hq // Hkv, num_m, qk_scale, softcap, left, right,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
@@ -205,10 +206,10 @@ def _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse,
 
 
 def _descales(q, k, fp8, q_descale, k_descale, v_descale):
-    """float32 [Hq + 2 * Hkv] on q's device for fp8 inputs (the q descale of each query head, then the k and the v
-    descale of each kv head), else None; descales with fp16/bf16 inputs are an error (they would be ignored).
-    Each is a float, a 1-element tensor (per tensor) or a tensor with one value per head ([Hq] for q, [Hkv] for
-    k and v)."""
+    """(q's, k's, v's descale as float32 tensors on q's device, heads) for fp8 inputs, else None; descales with
+    fp16/bf16 inputs are an error (they would be ignored). Each is a float, a 1-element tensor (per tensor) or a
+    tensor with one value per head ([Hq] for q, [Hkv] for k and v); bit 0 / 1 / 2 of heads is set where q's /
+    k's / v's is per head. The kernels read the tensors as given (no gathering copy per call)."""
     given = {n: d for n, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
              if d is not None}
     if not fp8:
@@ -217,39 +218,40 @@ def _descales(q, k, fp8, q_descale, k_descale, v_descale):
         return None
     from ..kv_cache import as_scale_tensor
 
-    heads = {"q_descale": q.shape[1], "k_descale": k.shape[-2], "v_descale": k.shape[-2]}
-    # floats alone: one cached device tensor per set of values (a copy from the host each call would wait for the
-    # stream), built with fills on the device (no copy, so a capture may build it too)
-    key = None
-    if all(isinstance(d, (int, float)) and not isinstance(d, bool) for d in given.values()):
-        key = (q.device, *heads.values(), *(given.get(n, 1.0) for n in heads))
-        cached = _FLOAT_DESCALES.get(key)
-        if cached is not None:
-            return cached
-    parts = []
-    for n, count in heads.items():
+    out, heads = [], 0
+    for i, (n, count) in enumerate((("q_descale", q.shape[1]), ("k_descale", k.shape[-2]),
+                                    ("v_descale", k.shape[-2]))):
         d = given.get(n, 1.0)
         if isinstance(d, torch.Tensor) and d.numel() != 1:  # per head
             check_tensor(n, d, dtypes=(torch.float32,), shape=(count,))
             check_device(q=q, **{n: d})
+            if d.stride(0) != 1:
+                d = d.contiguous()
+            heads |= 1 << i
+        elif isinstance(d, (int, float)) and not isinstance(d, bool) and (q.device, d) in _FLOAT_DESCALES:
+            d = _FLOAT_DESCALES[q.device, d]
         else:  # per tensor (value checks for floats)
-            d = as_scale_tensor(n, d, q.device)
-        parts.append(d.expand(count))
-    out = torch.cat(parts)
-    # (not from inside a capture: that tensor lives in the graph's private pool)
-    if key is not None and len(_FLOAT_DESCALES) < 64 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _FLOAT_DESCALES[key] = out
-    return out
+            t = as_scale_tensor(n, d, q.device)
+            # floats: one device tensor per value, made by a fill (a copy from the host would wait for the stream),
+            # kept unless made inside a capture (it would live in the graph's private pool)
+            if (not isinstance(d, torch.Tensor) and len(_FLOAT_DESCALES) < 64
+                    and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+                _FLOAT_DESCALES[q.device, d] = t
+            d = t
+        out.append(d)
+    return (*out, heads)
 
 
-# (device, Hq, Hkv, Hkv, q, k, v descale) -> the float32 [Hq + 2 * Hkv] tensor _descales built for those floats
+# (device, float) -> the float32 [1] device tensor _descales made for that descale
 _FLOAT_DESCALES: dict = {}
 
 
 def _flash_attn_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor,
                           write_lse: bool, causal: bool, softmax_scale: float, left: int, right: int, softcap: float,
-                          sinks: torch.Tensor | None, descales: torch.Tensor | None, max_seqlen_k: int) -> None:
+                          sinks: torch.Tensor | None, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
+                          v_descale: torch.Tensor | None, descale_heads: int, max_seqlen_k: int) -> None:
+    descales = None if q_descale is None else (q_descale, k_descale, v_descale, descale_heads)
     _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse if write_lse else None, causal,
                     softmax_scale, left, right, softcap, sinks, descales, max_seqlen_k)
 
@@ -260,7 +262,7 @@ _flash_attn_varlen_op = torch.library.custom_op("llmkernels::flash_attn_varlen_o
 
 @_flash_attn_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse, write_lse, causal, softmax_scale, left, right,
-      softcap, sinks, descales, max_seqlen_k):
+      softcap, sinks, q_descale, k_descale, v_descale, descale_heads, max_seqlen_k):
     return None
 
 
@@ -318,8 +320,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
     out, lse = output_buffers(q, out, return_lse, torch.bfloat16 if fp8 else None)
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     call_op(_flash_attn_varlen_op, _flash_attn_varlen_impl, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks, descales,
-            int(max_seqlen_k))
+            out, lse, bool(return_lse), bool(causal), scale, left, right, float(softcap), sinks,
+            *(descales if descales is not None else (None, None, None, 0)), int(max_seqlen_k))
     return (out, lse) if return_lse else out
 
 

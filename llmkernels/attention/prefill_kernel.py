@@ -72,15 +72,15 @@ def _prefill_full(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start,
 
 # num_m_blocks follows max_seqlen_q: not specialized (== 1, divisible by 16), so a new length never recompiles
 @triton.jit(do_not_specialize=["num_m_blocks"])
-def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, DESCALES,
+def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, QD, KD, VD, ds_heads,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      num_heads, group, num_m_blocks, qk_scale, softcap, left, right,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, FOLD_SCALE: tl.constexpr,
                      USE_TMA: tl.constexpr, FP8: tl.constexpr = 0):
-    """FP8: q, k, v are e4m3 holding values / descale; DESCALES -> float32 [Hq + 2 * Hkv], the q descale of each
-    query head, then the k and v descales of each kv head. They are widened to fp16 where loaded (exact), the dots
+    """FP8: q, k, v are e4m3 holding values / descale; QD, KD, VD -> their float32 descales, one value, or one per
+    head where bit 0 / 1 / 2 of ds_heads is set (q's per query head, k's and v's per kv head). They are widened to fp16 where loaded (exact), the dots
     run in fp16, q_descale * k_descale joins the score scale and v_descale the output."""
     # One grid axis, query blocks fastest: the programs that run at the same time share a (sequence, head), and the
     # heads of one KV group are neighbours, so K/V tiles are read from DRAM once and then hit L2 for the other query
@@ -111,8 +111,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, DESCALE
     v_descale = 1.0
     if FP8:
         q = q.to(tl.float16)
-        qk_scale = qk_scale * tl.load(DESCALES + h) * tl.load(DESCALES + num_heads + hk)
-        v_descale = tl.load(DESCALES + num_heads + num_heads // group + hk)
+        qk_scale = qk_scale * tl.load(QD + h * (ds_heads & 1)) * tl.load(KD + hk * ((ds_heads >> 1) & 1))
+        v_descale = tl.load(VD + hk * ((ds_heads >> 2) & 1))
     k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
 

@@ -67,14 +67,26 @@ def _load_v(desc_v, v_smem, v_ready, kv_empty, row, k_col, r, STAGES: gl.constex
 
 
 @gluon.jit
-def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          CAUSAL: gl.constexpr):
+def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          CAUSAL: gl.constexpr, LPT: gl.constexpr = 0):
     """Work tile t: (sequence, query head, 128-row query block), query blocks fastest (K/V of one head stay in L2
-    across its query blocks), the last (heaviest causal) block of a head first. -> b, h, the block's first row m0,
-    the sequence's q_start, q_len, k_start, k_len, and its key blocks: n_blocks in all, the first n_full of them
-    seen whole by every row."""
-    pid_bh = t // num_m_blocks
-    m0 = (num_m_blocks - 1 - t % num_m_blocks) * BLOCK_M
+    across its query blocks), the last (heaviest causal) block of a head first. LPT > 0 (causal): (sequence, head)
+    pairs in groups of LPT, within a group query blocks slowest, heaviest first, so tiles handed out in order
+    (claimed from a counter, or by the hardware's block scheduler) end with the lightest and no program is left
+    with a heavy one at the end; the group's K/V stay in L2. -> b, h, the block's first row m0, the sequence's
+    q_start, q_len, k_start, k_len, and its key blocks: n_blocks in all, the first n_full of them seen whole by
+    every row."""
+    if LPT > 0:
+        num_bh = num_tiles // num_m_blocks
+        g = t // (LPT * num_m_blocks)
+        w = t - g * (LPT * num_m_blocks)
+        width = gl.minimum(num_bh - g * LPT, LPT)
+        mi = w // width
+        pid_bh = g * LPT + w - mi * width
+    else:
+        pid_bh = t // num_m_blocks
+        mi = t % num_m_blocks
+    m0 = (num_m_blocks - 1 - mi) * BLOCK_M
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start = gl.load(CU_Q + b)
@@ -95,14 +107,14 @@ def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                 tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL: gl.constexpr,
+                 tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, t, r, qi, CAUSAL: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-                 DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False):
+                 DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = 0):
     """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's (DYNAMIC: t written
     to tile_id for them first), then K_j and V_j into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
-                                                                      2 * HALF, BLOCK_N, CAUSAL)
+                                                                      num_tiles, 2 * HALF, BLOCK_N, CAUSAL, LPT)
     if m0 < q_len:
         mbarrier.wait(q_empty, (qi & 1) ^ 1)
         if DYNAMIC:
@@ -139,7 +151,7 @@ def _read_tile(tile_id):
 def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id,
             CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-            PERSIST: gl.constexpr, PERM_K: gl.constexpr = False):
+            PERSIST: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = 0):
     """Q, then K and V tiles into the ring, tile after tile. The ring's use count runs on across a persistent
     program's tiles, so the next tile's Q and first K/V tiles load while the consumers finish this one.
     kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K tile is refilled once its S is computed,
@@ -154,8 +166,8 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         t = gl.atomic_add(TILES, 1)
         while t < num_tiles:
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL,
-                                 BLOCK_N, HEAD_DIM, STAGES, VT, True, PERM_K)
+                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, t, r, qi,
+                                 CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, True, PERM_K, LPT)
             t = gl.atomic_add(TILES, 1)
         if t == num_tiles + gl.num_programs(0) - 1:
             gl.atomic_xchg(TILES, 0)
@@ -167,12 +179,12 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         qi = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, t, r, qi, CAUSAL,
-                                 BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K)
+                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, t, r, qi,
+                                 CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K, LPT)
     else:
         _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, gl.program_id(0), gl.to_tensor(0),
-                     gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K)
+                     tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, gl.program_id(0),
+                     gl.to_tensor(0), gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K, LPT)
 
 
 @gluon.jit
@@ -293,11 +305,12 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 
 
 @gluon.jit
-def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                   CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, t, r, qi, qk_scale,
+def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, QD, KD, VD,
+                   ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, t, r, qi,
+                   qk_scale,
                    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr,
-                   ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr):
+                   ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = 0):
     """Tile t (the program's qi-th) from ring use r: this consumer's 64 query rows of it -> the ring uses and
     tiles so far. WAIT_Q 0: the caller has waited for its Q already (it read the tile's id after that wait)."""
     HALF: gl.constexpr = q_smem.shape[1]
@@ -309,18 +322,17 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
                                                        instr_shape=[16, HEAD_DIM, KW])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    num_kv_heads = num_heads // group
     # fp8: P is rounded to e4m3 for the PV product, taken as 2^P_SHIFT * p (<= 256, inside e4m3's range) so that
     # small probabilities keep their mantissa instead of falling into e4m3's subnormals; the row sums carry the
     # same factor and it cancels in O / l
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
-                                                                      2 * HALF, BLOCK_N, CAUSAL)
+                                                                      num_tiles, 2 * HALF, BLOCK_N, CAUSAL, LPT)
     if m0 < q_len:
         hk = h // group
         scale = qk_scale
-        if FP8:  # per-head descales: [q heads | kv heads (K) | kv heads (V)]
-            scale = qk_scale * gl.load(DESCALES + h) * gl.load(DESCALES + num_heads + hk)
+        if FP8:  # descales: bit i of ds_heads set where q's (0), k's (1), v's (2) has one value per head
+            scale = qk_scale * gl.load(QD + h * (ds_heads & 1)) * gl.load(KD + hk * ((ds_heads >> 1) & 1))
         r0 = m0 + HALF_ID * HALF
         q_pos = r0 + gl.arange(0, HALF, layout=row_s) + (k_len - q_len)  # bottom-right aligned kv positions
         m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
@@ -377,7 +389,7 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
         l_safe = gl.where(empty, 1.0, l_i)
         o = acc / gl.convert_layout(l_safe, row_o)[:, None]
         if FP8:
-            o = o * gl.load(DESCALES + num_heads + num_kv_heads + hk)
+            o = o * gl.load(VD + hk * ((ds_heads >> 2) & 1))
         rows = r0 + gl.arange(0, HALF, layout=row_o)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
@@ -390,11 +402,11 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE, DESCALES, CU_Q,
-              CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE, QD, KD, VD,
+              ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr,
-              ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr):
+              ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = 0):
     if PERSIST == 2:  # tiles as the loader claims them: each one's id comes with its Q, -1 after the last
         r = 0
         qi = 0
@@ -402,9 +414,9 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         t = _read_tile(tile_id)
         while t >= 0:
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-                                   DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
-                                   t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
-                                   OVERLAP, False, ones_smem, ROWSUM, PERM_K)
+                                   QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
+                                   num_m_blocks, num_tiles, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                                   BLOCK_N, HEAD_DIM, STAGES, OVERLAP, False, ones_smem, ROWSUM, PERM_K, LPT)
             mbarrier.wait(q_ready, qi & 1)
             t = _read_tile(tile_id)
     elif PERSIST:
@@ -412,28 +424,28 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         qi = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-                                   DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
-                                   t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID, BLOCK_N, HEAD_DIM, STAGES,
-                                   OVERLAP, True, ones_smem, ROWSUM, PERM_K)
+                                   QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
+                                   num_m_blocks, num_tiles, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                                   BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM, PERM_K, LPT)
     else:
-        _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, DESCALES, CU_Q,
-                       CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
+        _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, QD, KD, VD,
+                       ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                        gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
-                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM, PERM_K)
+                       BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM, PERM_K, LPT)
 
 
 @gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
-def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TILES, stride_ot, stride_oh, num_heads,
-                        group, num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                        PERSIST: gl.constexpr, ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None,
-                        PERM_K: gl.constexpr = False):
+def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, QD, KD, VD, ds_heads, CU_Q, CU_K, TILES, stride_ot,
+                        stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr,
+                        WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr, ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None,
+                        PERM_K: gl.constexpr = False, LPT: gl.constexpr = 0):
     """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles one after
     another: pid, pid + programs, ... (1) or as claimed from the counter TILES (2, ``_loader``). Then the loader
     loads the next tile's Q once this one's last S is computed, and its K/V tiles as ring slots free, while the
     consumers finish this tile. ROWSUM (fp8, OVERLAP 0): the row sums on the tensor cores (_step), from a
     [8, BLOCK_N] tile of ones in shared memory (ONES_LAYOUT). PERM_K (fp8): V^T from transpose_v(perm=True),
-    P's keys in the same order (_p_operand)."""
+    P's keys in the same order (_p_operand). LPT: _tile's order of causal tiles."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     dtype: gl.constexpr = desc_k.dtype
     VT: gl.constexpr = dtype.primitive_bitwidth == 8  # fp8: V comes transposed (ws_descriptors)
@@ -469,15 +481,15 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, DESCALES, CU_Q, CU_K, TI
     gl.warp_specialize([
         (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                    tile_id, CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL, BLOCK_N,
-                   HEAD_DIM, STAGES, VT, PERSIST, PERM_K)),
+                   HEAD_DIM, STAGES, VT, PERSIST, PERM_K, LPT)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
-                     DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+                     QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
-                     ROWSUM, PERM_K)),
+                     ROWSUM, PERM_K, LPT)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
-                     DESCALES, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+                     QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
                      qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
-                     ROWSUM, PERM_K)),
+                     ROWSUM, PERM_K, LPT)),
     ], [4, 4], [240, 240])
 
 
@@ -563,11 +575,16 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0, perm=0):
 # rows with few keys: calls that ask for the LSE sum the float32 P
 FP8_ROWSUM = True
 
+# Causal tiles in groups of this many (sequence, head) pairs, query blocks slowest within a group, heaviest first
+# (_tile's LPT; 0: each head's blocks together). Programs that take tiles in order then end on the lightest.
+CAUSAL_TILE_GROUP = 8
+
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
               overlap=0, persist=0, perm=0, descales=None):
     """Launch flash_fwd_ws_kernel over descriptors from ``ws_descriptors``; qk_scale includes log2(e); descales
-    (fp8): float32 [Hq + 2 * Hkv], the q, k and v descale of each head. persist 0: one program per tile; 1: one
+    (fp8): (q's, k's, v's float32 descale tensors, heads), each tensor one value or one per head, heads' bit 0 / 1
+    / 2 set where q's / k's / v's is per head (``prefill._descales``). persist 0: one program per tile; 1: one
     program per SM looping over the tiles, pid, pid + programs, ...; 2: the same, each program claiming its next
     tile from a counter (the stream's, ``split_counters(..., purpose="prefill tiles")``; 1 where there is none,
     under a capture that has not made it). perm (fp8): V^T's keys permuted (ws_descriptors' perm)."""
@@ -584,15 +601,16 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
     fp8 = descs[1].base.dtype == torch.float8_e4m3fn
     rowsum = FP8_ROWSUM and fp8 and not overlap and lse is None
     flash_fwd_ws_kernel[(grid,)](
-        *descs, out, lse if lse is not None else out, descales if descales is not None else cu_q, cu_q, cu_k, tiles,
+        *descs, out, lse if lse is not None else out, *(descales if descales is not None else (cu_q, cu_q, cu_q, 0)),
+        cu_q, cu_k, tiles,
         out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale, CAUSAL=bool(causal),
         WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, OVERLAP=bool(overlap),
         PERSIST=int(persist), ROWSUM=rowsum, ONES_LAYOUT=smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None,
-        PERM_K=bool(perm) and fp8, num_warps=4)
+        PERM_K=bool(perm) and fp8, LPT=CAUSAL_TILE_GROUP if causal else 0, num_warps=4)
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0,
-                 rowsum=None, perm=0):
+                 rowsum=None, perm=0, lpt=None):
     """flash_fwd_ws_kernel compiled for sm_90 without a GPU (see _gluon.compile_sm90); dtype "fp16", "bf16" or
     "fp8e4nv" (V^T tiles, bf16 output). With the row sums (fp8 without OVERLAP, by default) the build writes no
     LSE, as launched."""
@@ -600,12 +618,14 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
     kv_desc = tile_desc_type(dtype, block_n, head_dim)
     sig = {"desc_q": tile_desc_type(dtype, 64, head_dim), "desc_k": kv_desc,
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
-           "LSE": "*fp32", "DESCALES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
+           "LSE": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "ds_heads": "i32", "CU_Q": "*i32",
+           "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
     rowsum = FP8_ROWSUM and fp8 and not overlap if rowsum is None else rowsum
     perm = bool(perm) and fp8
     # as launched: the row sums serve calls without an LSE
     consts = {"CAUSAL": int(causal), "WRITE_LSE": int(not rowsum), "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
               "OVERLAP": int(overlap), "PERSIST": int(persist), "ROWSUM": int(rowsum),
-              "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None, "PERM_K": int(perm)}
+              "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None, "PERM_K": int(perm),
+              "LPT": (CAUSAL_TILE_GROUP if causal else 0) if lpt is None else lpt}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

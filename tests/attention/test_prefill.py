@@ -321,25 +321,33 @@ def test_fp8_inputs_with_descales(case, tensors, device):
     assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
 
 
-def test_fp8_float_descales_built_once(device):
-    # floats are gathered into one device tensor per set of values and reused (no copy from the host per call);
-    # the values land per head, a bad value is still refused after a good one was cached
+def test_fp8_descales_reach_the_kernel_as_given(device):
+    # floats become one device tensor per value, made once and reused (no copy from the host per call); tensors
+    # pass as they are (no gathering copy per call), per-head ones flagged; a bad value is still refused after a
+    # good one was kept
     from llmkernels.attention.prefill import _descales
 
     q = torch.empty(3, 6, 32, device=device).to(torch.float8_e4m3fn)
     k = torch.empty(5, 2, 32, device=device).to(torch.float8_e4m3fn)
     a = _descales(q, k, True, 0.5, 2, None)
-    assert a.device == q.device and a.dtype == torch.float32
-    assert a.tolist() == [0.5] * 6 + [2.0] * 2 + [1.0] * 2
-    assert _descales(q, k, True, 0.5, 2.0, 1.0) is a
-    b = _descales(q, k, True, 0.25, 2.0, None)
-    assert b is not a and b.tolist() == [0.25] * 6 + [2.0] * 2 + [1.0] * 2
+    assert all(t.device == q.device and t.dtype == torch.float32 for t in a[:3])
+    assert [t.tolist() for t in a[:3]] == [[0.5], [2.0], [1.0]] and a[3] == 0
+    b = _descales(q, k, True, 0.5, 2.0, 1.0)
+    assert all(x is y for x, y in zip(a[:3], b[:3]))
+    c = _descales(q, k, True, 0.25, 2.0, None)
+    assert c[0] is not a[0] and c[0].tolist() == [0.25] and c[1] is a[1]
     with pytest.raises(ValueError, match="v_descale must be a positive float"):
         _descales(q, k, True, 0.5, 2.0, -1.0)
     with pytest.raises(ValueError, match="q_descale must be a positive float"):
         _descales(q, k, True, [0.5], 2.0, None)
-    per_head = _descales(q, k, True, torch.full((6,), 3.0, device=device), 2.0, None)
-    assert per_head.tolist() == [3.0] * 6 + [2.0] * 2 + [1.0] * 2
+    per_head = torch.full((6,), 3.0, device=device)
+    one = torch.full((1,), 4.0, device=device)
+    d = _descales(q, k, True, per_head, one, torch.arange(1.0, 3.0, device=device))
+    assert d[0] is per_head and d[1].data_ptr() == one.data_ptr() and d[2].tolist() == [1.0, 2.0] and d[3] == 0b101
+    strided = torch.arange(12.0, device=device)[::2]
+    assert _descales(q, k, True, strided, None, None)[0].tolist() == strided.tolist()
+    with pytest.raises(ValueError, match="k_descale"):
+        _descales(q, k, True, None, torch.ones(3, device=device), None)
 
 
 def test_fp8_bad_input(device):
@@ -529,6 +537,30 @@ def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, persist, p
         from llmkernels._runtime import split_counters
 
         assert split_counters(out.device, 1, "prefill tiles").item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persist", [0, 1, 2])
+@pytest.mark.parametrize("tile_group", [1, 4, 7])
+def test_ws_kernel_causal_tile_groups_cover_every_tile(persist, tile_group, device, monkeypatch):
+    # causal tiles handed out in groups of (sequence, head) pairs, query blocks slowest: 30 pairs leave a last
+    # group narrower than the others (except for groups of 1), and ragged sequences skip tiles in every group
+    from llmkernels.attention import prefill, prefill_ws
+    from llmkernels.tuning import OVERRIDES
+
+    need_sm90()
+    monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)
+    monkeypatch.setattr(prefill_ws, "num_sms", lambda device=None: 5)
+    monkeypatch.setattr(prefill_ws, "CAUSAL_TILE_GROUP", tile_group)
+    launches = spy(monkeypatch, prefill_ws, "launch_ws")
+    monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/causal/ws"), [128, 2, 1, persist])
+    q, k, v, cq, ck, mq, mk = make([300, 1, 0, 129, 700], [300, 40, 7, 128, 900], 6, 2, 128, torch.bfloat16, device)
+    ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=True)
+    o, lse = lk.flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=True, out=poison(torch.empty_like(q)),
+                                  return_lse=True)
+    assert_close(o, ro, torch.bfloat16, "o")
+    assert_close(lse, rl, torch.float32, "lse", atol=2e-3, rtol=2e-3)
+    assert len(launches) == 1, "the call did not take the Gluon kernel"
 
 
 def _nan_buffers(monkeypatch, module):
