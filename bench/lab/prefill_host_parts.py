@@ -2,29 +2,18 @@
 config lookup, descriptors, the V^T copy, the launch) timed alone over many calls while the GPU runs behind, for
 bf16 and fp8 inputs at one shape; then the whole call, and cProfile's top entries for the fp8 call.
 
-    PYTHONPATH=. python bench/lab/prefill_host_parts.py [--s 4096] [--causal] [--n 200]
+    PYTHONPATH=.:bench/lab python bench/lab/prefill_host_parts.py [--s 4096] [--causal] [--n 200]
 """
 import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
+from prefill_host import host_us
 
 from llmkernels._checks import check_cu_seqlens
 from llmkernels.attention import flash_attn_varlen, prefill, prefill_ws
-
-
-def host_us(f, n):
-    f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def main():
