@@ -5,7 +5,8 @@ each twice (the graph timer's eager warm-up on its stream makes the tile counter
     PYTHONPATH=. python bench/lab/prefill_graph_configs.py [--dtype fp8] [--shapes 1x4096x32x32,2x2048x32x32]
         [--configs "256,2,0,0;128,2,0,1,1"] [--tile-groups 0,8]
 
---tile-groups: prefill_ws.CAUSAL_TILE_GROUP values to time each entry with (the order tiles are handed out in).
+--tile-groups: prefill_ws.CAUSAL_TILE_GROUP values to time each entry with (the order claimed tiles are handed out
+in); --l2-mb: prefill_ws.TILE_GROUP_L2_BYTES in MiB (a large value makes every group CAUSAL_TILE_GROUP wide).
 """
 import argparse
 
@@ -28,8 +29,10 @@ def main():
                    help="table entries, ';'-separated")
     p.add_argument("--rep", type=float, default=40)
     p.add_argument("--tile-groups", default=str(prefill_ws.CAUSAL_TILE_GROUP))
+    p.add_argument("--l2-mb", type=int, default=prefill_ws.TILE_GROUP_L2_BYTES >> 20)
     args = p.parse_args()
     prefill.WS_MIN_WORK = 0
+    prefill_ws.TILE_GROUP_L2_BYTES = args.l2_mb << 20
     dtype = torch.float8_e4m3fn if args.dtype == "fp8" else torch.bfloat16
     D = args.head_dim
     key = ("prefill", f"{str(dtype).replace('torch.', '')}/{D}/causal/ws")

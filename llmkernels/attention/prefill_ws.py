@@ -67,22 +67,22 @@ def _load_v(desc_v, v_smem, v_ready, kv_empty, row, k_col, r, STAGES: gl.constex
 
 
 @gluon.jit
-def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          CAUSAL: gl.constexpr, LPT: gl.constexpr = 0):
+def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_tiles, tile_group, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr = False):
     """Work tile t: (sequence, query head, 128-row query block), query blocks fastest (K/V of one head stay in L2
-    across its query blocks), the last (heaviest causal) block of a head first. LPT > 0 (causal): (sequence, head)
-    pairs in groups of LPT, within a group query blocks slowest, heaviest first, so tiles handed out in order
+    across its query blocks), the last (heaviest causal) block of a head first. LPT (causal): (sequence, head)
+    pairs in groups of tile_group, within a group query blocks slowest, heaviest first, so tiles handed out in order
     (claimed from a counter, or by the hardware's block scheduler) end with the lightest and no program is left
     with a heavy one at the end; the group's K/V stay in L2. -> b, h, the block's first row m0, the sequence's
     q_start, q_len, k_start, k_len, and its key blocks: n_blocks in all, the first n_full of them seen whole by
     every row."""
-    if LPT > 0:
+    if LPT:
         num_bh = num_tiles // num_m_blocks
-        g = t // (LPT * num_m_blocks)
-        w = t - g * (LPT * num_m_blocks)
-        width = gl.minimum(num_bh - g * LPT, LPT)
+        g = t // (tile_group * num_m_blocks)
+        w = t - g * (tile_group * num_m_blocks)
+        width = gl.minimum(num_bh - g * tile_group, tile_group)
         mi = w // width
-        pid_bh = g * LPT + w - mi * width
+        pid_bh = g * tile_group + w - mi * width
     else:
         pid_bh = t // num_m_blocks
         mi = t % num_m_blocks
@@ -107,14 +107,16 @@ def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_tiles, BLOCK_M: gl.constex
 
 @gluon.jit
 def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                 tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, t, r, qi, CAUSAL: gl.constexpr,
+                 tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, tile_group, t, r, qi,
+                 CAUSAL: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-                 DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = 0):
+                 DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = False):
     """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's (DYNAMIC: t written
     to tile_id for them first), then K_j and V_j into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
     b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
-                                                                      num_tiles, 2 * HALF, BLOCK_N, CAUSAL, LPT)
+                                                                      num_tiles, tile_group, 2 * HALF, BLOCK_N, CAUSAL,
+                                                                      LPT)
     if m0 < q_len:
         mbarrier.wait(q_empty, (qi & 1) ^ 1)
         if DYNAMIC:
@@ -149,9 +151,9 @@ def _read_tile(tile_id):
 
 @gluon.jit
 def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id,
-            CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL: gl.constexpr,
+            CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, tile_group, CAUSAL: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-            PERSIST: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = 0):
+            PERSIST: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = False):
     """Q, then K and V tiles into the ring, tile after tile. The ring's use count runs on across a persistent
     program's tiles, so the next tile's Q and first K/V tiles load while the consumers finish this one.
     kv_empty[s] frees K slot s and kv_empty[STAGES + s] V slot s: a K tile is refilled once its S is computed,
@@ -166,7 +168,8 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         t = gl.atomic_add(TILES, 1)
         while t < num_tiles:
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, t, r, qi,
+                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles,
+                                 tile_group, t, r, qi,
                                  CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, True, PERM_K, LPT)
             t = gl.atomic_add(TILES, 1)
         if t == num_tiles + gl.num_programs(0) - 1:
@@ -179,11 +182,12 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         qi = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, t, r, qi,
+                                 kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles,
+                                 tile_group, t, r, qi,
                                  CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K, LPT)
     else:
         _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, gl.program_id(0),
+                     tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, tile_group, gl.program_id(0),
                      gl.to_tensor(0), gl.to_tensor(0), CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K, LPT)
 
 
@@ -306,11 +310,12 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 
 @gluon.jit
 def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, QD, KD, VD,
-                   ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, t, r, qi,
+                   ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, tile_group,
+                   t, r, qi,
                    qk_scale,
                    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr,
-                   ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = 0):
+                   ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = False):
     """Tile t (the program's qi-th) from ring use r: this consumer's 64 query rows of it -> the ring uses and
     tiles so far. WAIT_Q 0: the caller has waited for its Q already (it read the tile's id after that wait)."""
     HALF: gl.constexpr = q_smem.shape[1]
@@ -327,7 +332,8 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
     # same factor and it cancels in O / l
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     b, h, m0, q_start, q_len, k_start, k_len, n_blocks, n_full = _tile(t, CU_Q, CU_K, num_heads, num_m_blocks,
-                                                                      num_tiles, 2 * HALF, BLOCK_N, CAUSAL, LPT)
+                                                                      num_tiles, tile_group, 2 * HALF, BLOCK_N, CAUSAL,
+                                                                      LPT)
     if m0 < q_len:
         hk = h // group
         scale = qk_scale
@@ -403,10 +409,11 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE, QD, KD, VD,
-              ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale,
+              ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, tile_group,
+              qk_scale,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr,
-              ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = 0):
+              ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = False):
     if PERSIST == 2:  # tiles as the loader claims them: each one's id comes with its Q, -1 after the last
         r = 0
         qi = 0
@@ -415,7 +422,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         while t >= 0:
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
-                                   num_m_blocks, num_tiles, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                                   num_m_blocks, num_tiles, tile_group, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
                                    BLOCK_N, HEAD_DIM, STAGES, OVERLAP, False, ones_smem, ROWSUM, PERM_K, LPT)
             mbarrier.wait(q_ready, qi & 1)
             t = _read_tile(tile_id)
@@ -425,21 +432,24 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                                    QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group,
-                                   num_m_blocks, num_tiles, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
+                                   num_m_blocks, num_tiles, tile_group, t, r, qi, qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
                                    BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM, PERM_K, LPT)
     else:
         _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, QD, KD, VD,
                        ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+                       tile_group,
                        gl.program_id(0), gl.to_tensor(0), gl.to_tensor(0), qk_scale, CAUSAL, WRITE_LSE, HALF_ID,
                        BLOCK_N, HEAD_DIM, STAGES, OVERLAP, True, ones_smem, ROWSUM, PERM_K, LPT)
 
 
-@gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles"])  # follow max_seqlen_q: a new length never recompiles
+# follow max_seqlen_q and the lengths: a new length never recompiles
+@gluon.jit(do_not_specialize=["num_m_blocks", "num_tiles", "tile_group"])
 def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, QD, KD, VD, ds_heads, CU_Q, CU_K, TILES, stride_ot,
-                        stride_oh, num_heads, group, num_m_blocks, num_tiles, qk_scale, CAUSAL: gl.constexpr,
-                        WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr, ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None,
-                        PERM_K: gl.constexpr = False, LPT: gl.constexpr = 0):
+                        stride_oh, num_heads, group, num_m_blocks, num_tiles, tile_group, qk_scale,
+                        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr,
+                        ROWSUM: gl.constexpr = False, ONES_LAYOUT: gl.constexpr = None, PERM_K: gl.constexpr = False,
+                        LPT: gl.constexpr = False):
     """A program takes tile pid (``_tile``), or with PERSIST (a grid of one program per SM) tiles one after
     another: pid, pid + programs, ... (1) or as claimed from the counter TILES (2, ``_loader``). Then the loader
     loads the next tile's Q once this one's last S is computed, and its K/V tiles as ring slots free, while the
@@ -480,14 +490,16 @@ def flash_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, QD, KD, VD, ds_heads, CU
 
     gl.warp_specialize([
         (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                   tile_id, CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, CAUSAL, BLOCK_N,
+                   tile_id, CU_Q, CU_K, TILES, num_heads, group, num_m_blocks, num_tiles, tile_group, CAUSAL, BLOCK_N,
                    HEAD_DIM, STAGES, VT, PERSIST, PERM_K, LPT)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
-                     QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+                     QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
+                     num_tiles, tile_group,
                      qk_scale, CAUSAL, WRITE_LSE, 0, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
                      ROWSUM, PERM_K, LPT)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE,
-                     QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles,
+                     QD, KD, VD, ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks,
+                     num_tiles, tile_group,
                      qk_scale, CAUSAL, WRITE_LSE, 1, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PERSIST, ones_smem,
                      ROWSUM, PERM_K, LPT)),
     ], [4, 4], [240, 240])
@@ -575,9 +587,19 @@ def ws_descriptors(q, k, v, block_n, cu_k=None, max_seqlen_k=0, perm=0):
 # rows with few keys: calls that ask for the LSE sum the float32 P
 FP8_ROWSUM = True
 
-# Causal tiles in groups of this many (sequence, head) pairs, query blocks slowest within a group, heaviest first
-# (_tile's LPT; 0: each head's blocks together). Programs that take tiles in order then end on the lightest.
+# Causal tiles claimed from the counter (PERSIST 2) in groups of up to this many (sequence, head) pairs, query
+# blocks slowest within a group, heaviest first (_tile's LPT; 0: each head's blocks together), so the last claims
+# are the lightest tiles; as many pairs as keep their K/V within TILE_GROUP_L2_BYTES (the group's K/V is read by
+# all of its tiles at once). Not for a static round-robin (PERSIST 0 and 1), whose programs it loads unevenly.
 CAUSAL_TILE_GROUP = 8
+TILE_GROUP_L2_BYTES = 24 << 20
+
+
+def tile_group(k_tokens: int, batch: int, head_dim: int, elem_bytes: int, group: int) -> int:
+    """Pairs per group of claimed causal tiles: K/V bytes of one (sequence, query head) pair at the mean key
+    length (a kv head's over its group of query heads), as many as TILE_GROUP_L2_BYTES holds, 1..CAUSAL_TILE_GROUP."""
+    pair = max(1, k_tokens // max(batch, 1) * head_dim * 2 * elem_bytes // group)
+    return max(1, min(CAUSAL_TILE_GROUP, TILE_GROUP_L2_BYTES // pair))
 
 
 def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_scale, causal, block_n, stages,
@@ -600,13 +622,16 @@ def launch_ws(descs, out, lse, cu_q, cu_k, max_seqlen_q, num_heads, group, qk_sc
     grid = min(num_tiles, num_sms(out.device)) if persist else num_tiles
     fp8 = descs[1].base.dtype == torch.float8_e4m3fn
     rowsum = FP8_ROWSUM and fp8 and not overlap and lse is None
+    lpt = bool(causal) and persist == 2 and CAUSAL_TILE_GROUP > 0
+    k = descs[1].base
+    groups = tile_group(k.shape[0], batch, D, k.element_size(), group) if lpt else 1
     flash_fwd_ws_kernel[(grid,)](
         *descs, out, lse if lse is not None else out, *(descales if descales is not None else (cu_q, cu_q, cu_q, 0)),
         cu_q, cu_k, tiles,
-        out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, qk_scale, CAUSAL=bool(causal),
+        out.stride(0), out.stride(1), num_heads, group, num_m, num_tiles, groups, qk_scale, CAUSAL=bool(causal),
         WRITE_LSE=lse is not None, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, OVERLAP=bool(overlap),
         PERSIST=int(persist), ROWSUM=rowsum, ONES_LAYOUT=smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None,
-        PERM_K=bool(perm) and fp8, LPT=CAUSAL_TILE_GROUP if causal else 0, num_warps=4)
+        PERM_K=bool(perm) and fp8, LPT=lpt, num_warps=4)
 
 
 def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16", overlap=False, persist=0,
@@ -620,12 +645,13 @@ def compile_sm90(block_n=128, stages=2, head_dim=128, causal=False, dtype="fp16"
            "desc_v": tile_desc_type(dtype, head_dim, block_n) if fp8 else kv_desc, "O": "*bf16" if fp8 else f"*{dtype}",
            "LSE": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "ds_heads": "i32", "CU_Q": "*i32",
            "CU_K": "*i32", "TILES": "*i32", "stride_ot": "i32", "stride_oh": "i32",
-           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "qk_scale": "fp32"}
+           "num_heads": "i32", "group": "i32", "num_m_blocks": "i32", "num_tiles": "i32", "tile_group": "i32",
+           "qk_scale": "fp32"}
     rowsum = FP8_ROWSUM and fp8 and not overlap if rowsum is None else rowsum
     perm = bool(perm) and fp8
     # as launched: the row sums serve calls without an LSE
     consts = {"CAUSAL": int(causal), "WRITE_LSE": int(not rowsum), "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
               "OVERLAP": int(overlap), "PERSIST": int(persist), "ROWSUM": int(rowsum),
               "ONES_LAYOUT": smem_layout(8, block_n, torch.float8_e4m3fn) if rowsum else None, "PERM_K": int(perm),
-              "LPT": (CAUSAL_TILE_GROUP if causal else 0) if lpt is None else lpt}
+              "LPT": bool(causal and persist == 2 and CAUSAL_TILE_GROUP > 0) if lpt is None else lpt}
     return _compile_sm90(flash_fwd_ws_kernel, sig, consts)

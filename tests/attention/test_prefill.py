@@ -400,7 +400,7 @@ def test_fp8_inputs_gpu(causal, device, monkeypatch):
 @pytest.mark.parametrize("block_n, stages, head_dim, causal, overlap, persist, perm", [
     (128, 3, 128, True, 0, 0, 0), (256, 2, 128, False, 0, 0, 1), (64, 2, 256, True, 0, 0, 0),
     (128, 4, 64, True, 0, 0, 0), (128, 3, 128, False, 1, 0, 0), (64, 2, 256, False, 1, 0, 0),
-    (128, 4, 64, True, 1, 0, 0), (256, 3, 128, False, 0, 1, 0), (128, 2, 128, True, 0, 1, 1),
+    (128, 4, 64, True, 1, 0, 0), (256, 3, 128, False, 0, 1, 0), (128, 2, 128, True, 0, 2, 1),
     (128, 2, 256, False, 0, 0, 1), (128, 2, 256, True, 0, 2, 1), (128, 2, 64, True, 0, 2, 1),
     (64, 2, 256, True, 1, 1, 0)])
 def test_ws_kernel_fp8_compiles_to_fp8_wgmma_without_spills(block_n, stages, head_dim, causal, overlap, persist,
@@ -539,21 +539,35 @@ def test_ws_kernel_persistent_programs_loop_over_tiles(dtype, causal, persist, p
         assert split_counters(out.device, 1, "prefill tiles").item() == 0
 
 
+def test_causal_tile_group_width_follows_the_kv_bytes():
+    # pairs per group of claimed causal tiles: as many as keep their K/V within the L2 budget, 1..CAUSAL_TILE_GROUP
+    from llmkernels.attention.prefill_ws import CAUSAL_TILE_GROUP, TILE_GROUP_L2_BYTES, tile_group
+
+    assert (CAUSAL_TILE_GROUP, TILE_GROUP_L2_BYTES) == (8, 24 << 20)
+    assert tile_group(16384, 1, 128, 2, 1) == 3  # bf16: 8 MiB of K/V per head
+    assert tile_group(16384, 1, 128, 1, 1) == 6  # fp8: 4 MiB
+    assert tile_group(4096, 1, 128, 2, 1) == 8  # 2 MiB: capped
+    assert tile_group(8192, 1, 128, 2, 4) == 8  # GQA: a kv head's bytes over its 4 query heads
+    assert tile_group(1 << 20, 2, 256, 2, 1) == 1  # 256 MiB per head: one pair
+    assert tile_group(0, 3, 64, 2, 1) == 8
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("persist", [0, 1, 2])
+@pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("tile_group", [1, 4, 7])
-def test_ws_kernel_causal_tile_groups_cover_every_tile(persist, tile_group, device, monkeypatch):
-    # causal tiles handed out in groups of (sequence, head) pairs, query blocks slowest: 30 pairs leave a last
-    # group narrower than the others (except for groups of 1), and ragged sequences skip tiles in every group
+def test_ws_kernel_causal_tile_groups_cover_every_tile(programs, tile_group, device, monkeypatch):
+    # causal tiles claimed from the counter in groups of (sequence, head) pairs, query blocks slowest: 30 pairs
+    # leave a last group narrower than the others (except for groups of 1), ragged sequences skip tiles in every
+    # group
     from llmkernels.attention import prefill, prefill_ws
     from llmkernels.tuning import OVERRIDES
 
     need_sm90()
     monkeypatch.setattr(prefill, "WS_MIN_WORK", 0)
-    monkeypatch.setattr(prefill_ws, "num_sms", lambda device=None: 5)
+    monkeypatch.setattr(prefill_ws, "num_sms", lambda device=None: programs)
     monkeypatch.setattr(prefill_ws, "CAUSAL_TILE_GROUP", tile_group)
     launches = spy(monkeypatch, prefill_ws, "launch_ws")
-    monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/causal/ws"), [128, 2, 1, persist])
+    monkeypatch.setitem(OVERRIDES, ("prefill", "bfloat16/128/causal/ws"), [128, 2, 1, 2])
     q, k, v, cq, ck, mq, mk = make([300, 1, 0, 129, 700], [300, 40, 7, 128, 900], 6, 2, 128, torch.bfloat16, device)
     ro, rl = flash_attn_varlen_ref(q, k, v, cq, ck, causal=True)
     o, lse = lk.flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=True, out=poison(torch.empty_like(q)),
