@@ -108,9 +108,8 @@ def _tile(t, CU_Q, CU_K, num_heads, num_m_blocks, num_tiles, tile_group, BLOCK_M
 @gluon.jit
 def _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                  tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, tile_group, t, r, qi,
-                 CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VT: gl.constexpr,
-                 DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = False):
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 VT: gl.constexpr, DYNAMIC: gl.constexpr, PERM_K: gl.constexpr = False, LPT: gl.constexpr = False):
     """Tile t (the program's qi-th): Q once both consumers are done with the previous tile's (DYNAMIC: t written
     to tile_id for them first), then K_j and V_j into ring uses r, r + 1, ... -> the ring uses and tiles so far."""
     HALF: gl.constexpr = desc_q.block_type.shape[0]
@@ -169,8 +168,7 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         while t < num_tiles:
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                  kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles,
-                                 tile_group, t, r, qi,
-                                 CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, True, PERM_K, LPT)
+                                 tile_group, t, r, qi, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, True, PERM_K, LPT)
             t = gl.atomic_add(TILES, 1)
         if t == num_tiles + gl.num_programs(0) - 1:
             gl.atomic_xchg(TILES, 0)
@@ -183,8 +181,7 @@ def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             r, qi = _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                  kv_empty, tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles,
-                                 tile_group, t, r, qi,
-                                 CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K, LPT)
+                                 tile_group, t, r, qi, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, VT, False, PERM_K, LPT)
     else:
         _loader_tile(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      tile_id, CU_Q, CU_K, num_heads, group, num_m_blocks, num_tiles, tile_group, gl.program_id(0),
@@ -311,8 +308,7 @@ def _overlapped_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p_lo, l
 @gluon.jit
 def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE, QD, KD, VD,
                    ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, tile_group,
-                   t, r, qi,
-                   qk_scale,
+                   t, r, qi, qk_scale,
                    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, WAIT_Q: gl.constexpr,
                    ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = False):
@@ -410,8 +406,7 @@ def _consumer_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, tile_id, O, LSE, QD, KD, VD,
               ds_heads, CU_Q, CU_K, stride_ot, stride_oh, num_heads, group, num_m_blocks, num_tiles, tile_group,
-              qk_scale,
-              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
+              qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PERSIST: gl.constexpr,
               ones_smem, ROWSUM: gl.constexpr, PERM_K: gl.constexpr, LPT: gl.constexpr = False):
     if PERSIST == 2:  # tiles as the loader claims them: each one's id comes with its Q, -1 after the last
