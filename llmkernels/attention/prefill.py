@@ -228,16 +228,17 @@ def _descales(q, k, fp8, q_descale, k_descale, v_descale):
             if d.stride(0) != 1:
                 d = d.contiguous()
             heads |= 1 << i
-        elif isinstance(d, (int, float)) and not isinstance(d, bool) and (q.device, d) in _FLOAT_DESCALES:
-            d = _FLOAT_DESCALES[q.device, d]
-        else:  # per tensor (value checks for floats)
-            t = as_scale_tensor(n, d, q.device)
-            # floats: one device tensor per value, made by a fill (a copy from the host would wait for the stream),
-            # kept unless made inside a capture (it would live in the graph's private pool)
-            if (not isinstance(d, torch.Tensor) and len(_FLOAT_DESCALES) < 64
-                    and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-                _FLOAT_DESCALES[q.device, d] = t
+        elif isinstance(d, (int, float)) and not isinstance(d, bool):
+            # one device tensor per value, made by a fill (a copy from the host would wait for the stream), kept
+            # unless made inside a capture (it would live in the graph's private pool)
+            t = _FLOAT_DESCALES.get((q.device, d))
+            if t is None:
+                t = as_scale_tensor(n, d, q.device)  # checks the value
+                if len(_FLOAT_DESCALES) < 64 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    _FLOAT_DESCALES[q.device, d] = t
             d = t
+        else:  # a 1-element tensor (per tensor), or refused with the expected types named
+            d = as_scale_tensor(n, d, q.device)
         out.append(d)
     return (*out, heads)
 

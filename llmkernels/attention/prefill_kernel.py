@@ -80,8 +80,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, SINKS, CU_Q, CU_K, DESC_K, DESC_V, QD, KD,
                      HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, FOLD_SCALE: tl.constexpr,
                      USE_TMA: tl.constexpr, FP8: tl.constexpr = 0):
     """FP8: q, k, v are e4m3 holding values / descale; QD, KD, VD -> their float32 descales, one value, or one per
-    head where bit 0 / 1 / 2 of ds_heads is set (q's per query head, k's and v's per kv head). They are widened to fp16 where loaded (exact), the dots
-    run in fp16, q_descale * k_descale joins the score scale and v_descale the output."""
+    head where bit 0 / 1 / 2 of ds_heads is set (q's per query head, k's and v's per kv head). They are widened to
+    fp16 where loaded (exact), the dots run in fp16, q_descale * k_descale joins the score scale and v_descale the output."""
     # One grid axis, query blocks fastest: the programs that run at the same time share a (sequence, head), and the
     # heads of one KV group are neighbours, so K/V tiles are read from DRAM once and then hit L2 for the other query
     # blocks. (Heads fastest, as before, spread the resident programs over all heads: at S=16384 the L2 hit rate was
