@@ -44,10 +44,39 @@ def matrices(spec):
     return out
 
 
+# beyond the tuner's lists: other K splits (waves, the last field) and, for m1, 2 or 4 lanes along K
+LANE_MORE = [(2, 1, 4, 3, 8, 1, 3), (2, 1, 4, 3, 8, 1, 4), (4, 1, 4, 3, 8, 1, 2), (1, 1, 4, 3, 8, 1, 2)]
+M1_MORE = [(4, 1, 4, 3, 2, 4, 2), (2, 1, 4, 3, 2, 4, 2), (4, 1, 4, 3, 4, 2, 2), (8, 1, 4, 3, 2, 4, 2)]
+
+
+def _alternatives(x, qts, nbytes, bw, picked):
+    """The matrix on every other kernel that reads it: m1 under each M1 candidate (lanes and tc excluded), tc, and
+    the lane kernel under each LANE_CANDIDATE."""
+    fns = [lambda qt=qt: gemv(x, qt) for qt in qts]
+    runs = [("tc", {"lanes", "m1"}, [None])] if picked != "tc" else []
+    runs += [("m1", {"lanes", "tc"}, M1_CANDIDATES + M1_MORE), ("lanes", {"tc"}, LANE_CANDIDATES + LANE_MORE)]
+    for kernel, exclude, cands in runs:
+        for c in cands:
+            key = R.m1_key("q4_k", 1) if kernel == "m1" else "lanes/q4_k"
+            if c is not None:
+                OVERRIDES[("gemv", key)] = list(c)
+            try:
+                with R.override(exclude=exclude):
+                    got = choose("gemv", "q4_k", 1, qts[0].shape[0], qts[0].shape[1], torch.bfloat16).kernel
+                    t = time_graph_ms(fns) * 1e3
+                print(f"    {got} {c}: {t:7.1f} us {100 * nbytes / bw / (t * 1e-6):5.1f}%", flush=True)
+            except Exception as e:  # a config the kernel does not take at this shape
+                print(f"    {kernel} {c}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            finally:
+                OVERRIDES.pop(("gemv", key), None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", default=["gemma2-9b", "llama3-8b"])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--alt", action="store_true", help="also time each q4_k matrix on the kernels gemv did not pick "
+                    "(m1 under each of its candidates, tc, lanes)")
     args = ap.parse_args()
     bw = measure_read_bandwidth() * 1e12
     print(f"{torch.cuda.get_device_name()}, read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -80,6 +109,8 @@ def main():
                         print(f"    {key} {c}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                     finally:
                         OVERRIDES.pop(("gemv", key), None)
+            if args.alt and fmt == "q4_k":
+                _alternatives(x, qts, first.nbytes, bw, r.kernel)
             del qts
         print(f"{name}: the listed matrices {total_bytes / 1e6:.0f} MB in {total_us:.0f} us, "
               f"{100 * total_bytes / bw / (total_us * 1e-6):.1f}% of the bandwidth", flush=True)
