@@ -195,6 +195,9 @@ def test_paged_features_gpu(device):
     check([1, 12, 1], [5000, 700, 129], 16, 32, 8, 128, device, dtype=torch.bfloat16, window=(1024, -1),
           softcap=30.0, sinks=True)
     check([6, 3, 1], [400, 230, 17], 16, 32, 8, 128, device, dtype=torch.bfloat16, tree=True)
+    # Gemma-2's batch-1 step: head dim 256 under the tables' few-programs entry, soft cap, a window past the keys
+    for dtype in (torch.bfloat16, torch.float16):
+        check([1], [601], 16, 16, 8, 256, device, dtype=dtype, window=(4095, -1), softcap=50.0)
 
 
 def _graph_replay(device, kv_len, num_splits, warm_stream=False):
