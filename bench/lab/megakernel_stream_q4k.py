@@ -17,6 +17,7 @@ integer dots in torch, against gguf_codec's dequantization).
 
     PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py [--layers 32] [--stages 16,24] [--warps 4,8] [--modes 0,1,2]
                                                            [--layouts gguf,planes]
+                                                           [--configs "8,1,0,16;16,2,1,16"]  # warps,tpc,part,stages
     PYTHONPATH=. python bench/lab/megakernel_stream_q4k.py --emulate       # CPU
 """
 import argparse
@@ -31,7 +32,7 @@ from llmkernels.megakernel.fast import ring_barriers
 from llmkernels.megakernel.q4k import int8_input_smem, q4k_copy, q4k_descriptors, q4k_step, stage_q
 from megakernel_stream import FFN, HIDDEN, QKV, UP, _entry, _release, _wait_op, llama_ops, measure, tile_lists
 
-ROWS_PER_WARP = 4  # a tile has 4 rows per compute warp (the thread layout L4 below)
+ROWS_PER_WARP = 4  # a tile has 4 rows per compute warp over threads per chunk (the thread layout L4 below)
 
 
 @gluon.jit
@@ -56,10 +57,18 @@ def _loader(dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, ST
 
 @gluon.jit
 def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride, SPIN,
-             STAGES: gl.constexpr, MODE: gl.constexpr, STEP: gl.constexpr, DOT: gl.constexpr):
+             STAGES: gl.constexpr, MODE: gl.constexpr, STEP: gl.constexpr, DOT: gl.constexpr,
+             TPC: gl.constexpr = 1):
     """MODE 0: the chain; 1: slots freed as they land (the loader alone); 2: products without the counters.
-    STEP: slots per barrier (K / 512 a multiple); DOT: _slot_dot's."""
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
+    STEP: slots per barrier (K / 512 a multiple); DOT: _slot_dot's; TPC: threads per chunk."""
+    # TPC threads per 64-weight chunk (8 // TPC code words each): a slot has 4 * warps // TPC rows
+    W: gl.constexpr = gl.num_warps()
+    if TPC == 1:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+    elif TPC == 2:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [4, 1, 4, 2], [W // 2, 2, 1, 1], [3, 2, 1, 0])
+    else:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [4, 1, 2, 4], [W // 4, 2, 2, 1], [3, 2, 1, 0])
     R1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
     ROWS: gl.constexpr = c_smem.shape[1]
     rows = gl.arange(0, ROWS, layout=R1)
@@ -89,7 +98,13 @@ def _compute(c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, AC
 @gluon.jit
 def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, ACT, CNT, ERR, act_stride, SPIN,
                       STAGES: gl.constexpr, CW: gl.constexpr = 4, MODE: gl.constexpr = 0,
-                      GGUF: gl.constexpr = False, STEP: gl.constexpr = 2, DOT: gl.constexpr = 0):
+                      GGUF: gl.constexpr = False, STEP: gl.constexpr = 2, DOT: gl.constexpr = 0,
+                      TPC: gl.constexpr = 1, PART: gl.constexpr = 0, LW: gl.constexpr = 1,
+                      LREGS: gl.constexpr = 40):
+    """PART 0: the loader is the default partition (launch with num_warps=4) and the products a worker of CW
+    warps; PART 1: the products are the default partition (launch with num_warps=CW) and the loader a worker of
+    LW warps capped at LREGS registers, so the products may take more warps than a worker's register budget
+    allows."""
     pid = gl.program_id(0)
     LIST = LISTS + pid * list_stride
     n_my = gl.load(COUNTS + pid)
@@ -102,11 +117,18 @@ def stream_q4k_kernel(dc_a, dc_b, dh_a, dh_b, LISTS, COUNTS, list_stride, OPS, A
         h_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 32], dh_a.layout)
     xq_smem, xd_smem = int8_input_smem()
     ready, empty = ring_barriers(STAGES)
-    gl.warp_specialize([
-        (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES, GGUF)),
-        (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,
-                    SPIN, STAGES, MODE, STEP, DOT)),
-    ], [CW], [232 if CW == 4 else 192])
+    if PART == 0:
+        gl.warp_specialize([
+            (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES, GGUF)),
+            (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,
+                        SPIN, STAGES, MODE, STEP, DOT, TPC)),
+        ], [CW], [232 if CW == 4 else 192])
+    else:
+        gl.warp_specialize([
+            (_compute, (c_smem, h_smem, xq_smem, xd_smem, ready, empty, LIST, n_my, OPS, ACT, CNT, ERR, act_stride,
+                        SPIN, STAGES, MODE, STEP, DOT, TPC)),
+            (_loader, (dc_a, dc_b, dh_a, dh_b, c_smem, h_smem, ready, empty, LIST, n_my, STAGES, GGUF)),
+        ], [LW], [LREGS])
 
 
 def planes(blocks):
@@ -204,6 +226,8 @@ def main():
     ap.add_argument("--step", default="2", help="comma-separated: slots per barrier (2 or 4)")
     ap.add_argument("--dot", default="0", help="comma-separated: _slot_dot's DOT (1: fewer instructions)")
     ap.add_argument("--check-ops", type=int, default=8, help="mode 0 checks the chain's first N ops")
+    ap.add_argument("--configs", default="", help="';'-separated warps,tpc,part,stages (threads per chunk, "
+                    "stream_q4k_kernel's PART): replaces --warps and --stages, e.g. '8,1,0,16;16,2,1,16'")
     ap.add_argument("--emulate", action="store_true", help="check the arithmetic in torch on the CPU and stop")
     args = ap.parse_args()
     if args.emulate:
@@ -236,23 +260,28 @@ def main():
     for lay in args.layouts.split(","):
         gguf = lay == "gguf"
         ma, mb = (wa, wb) if gguf else (planes(wa), planes(wb))
-        for cw in (int(x) for x in args.warps.split(",")):
-            rows = ROWS_PER_WARP * cw
+        if args.configs:
+            configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
+        else:
+            configs = [(int(w), 1, 0, int(st)) for w in args.warps.split(",") for st in args.stages.split(",")]
+        for cw, tpc, part, stages in configs:
+            rows = ROWS_PER_WARP * cw // tpc
             table, lists, counts = tile_lists(ops, rows, P, "cuda")
             (dc_a, dh_a), (dc_b, dh_b) = q4k_descriptors(ma, rows, gguf), q4k_descriptors(mb, rows, gguf)
-            for stages in (int(x) for x in args.stages.split(",")):
-                for mode, step, dot in itertools.product(*(map(int, a.split(",")) for a in
-                                                           (args.modes, args.step, args.dot))):
-                    name = f"q4_k {lay} rows {rows} stages {stages} warps {cw} step {step} dot {dot} mode {mode}"
+            for mode, step, dot in itertools.product(*(map(int, a.split(",")) for a in
+                                                       (args.modes, args.step, args.dot))):
+                name = (f"q4_k {lay} rows {rows} stages {stages} warps {cw} tpc {tpc} part {part} step {step} "
+                        f"dot {dot} mode {mode}")
 
-                    def run():
-                        cnt.zero_()
-                        stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act,
-                                                cnt, err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode,
-                                                GGUF=gguf, STEP=step, DOT=dot, num_warps=4)
-                    if measure(name, run, err, ops, act, nbytes, bw, product,
-                               check=args.check_ops if mode == 0 else 0) == "stop":
-                        return
+                def run():
+                    cnt.zero_()
+                    stream_q4k_kernel[(P,)](dc_a, dc_b, dh_a, dh_b, lists, counts, lists.stride(0), table, act,
+                                            cnt, err, act_stride, 1 << 20, STAGES=stages, CW=cw, MODE=mode,
+                                            GGUF=gguf, STEP=step, DOT=dot, TPC=tpc, PART=part,
+                                            num_warps=cw if part else 4)
+                if measure(name, run, err, ops, act, nbytes, bw, product,
+                           check=args.check_ops if mode == 0 else 0) == "stop":
+                    return
         del ma, mb
 
 

@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..attention.paged_ws import _now
-from .q4k import int8_input_smem, inv_rms, q4k_copy, q4k_descriptors, q4k_step, stage_q
+from .q4k import int8_input_smem, inv_rms, q4k_copy, q4k_descriptors, q4k_pair_step, q4k_step, stage_q
 from .weights import WeightStacks, stack_tensors
 
 NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target, sig_lo, sig_hi
@@ -63,12 +63,14 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 @gluon.jit
 def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate, PROG, n_instr,
             MT, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
-            FMT: gl.constexpr, DIAG: gl.constexpr, HOLD: gl.constexpr):
+            FMT: gl.constexpr, DIAG: gl.constexpr, HOLD: gl.constexpr, PAD: gl.constexpr = 0):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
     bytes and their headers, q4k_copy). HOLD > 0: at an ATTN instruction it waits on ``gate`` (the compute warps
     open it once past that split's wait, HOLD 1 and 3, or done with it, HOLD 2), and with HOLD 3 at a MERGE until
-    it is past its wait, so those loads and signals do not queue behind this SM's weight stream."""
+    it is past its wait, so those loads and signals do not queue behind this SM's weight stream. PAD (16 compute
+    warps, q4_k): a row of an odd number of slots gets a filler slot (arrived, never filled), as the products take
+    the slots in pairs."""
     c = 0
     na = 0
     for j in range(n_instr):
@@ -83,13 +85,16 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
                 na += 1
         base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
         nmat = 1 + (op == 6).to(gl.int32)
+        nk = K // (BK * (1 + FMT))
         for r in range(lo, gl.where(K > 0, hi, lo), 16):
             for m in range(nmat):
                 row = base + r + m * up
-                for kc in range(K // (BK * (1 + FMT))):
+                for kc in range(nk + PAD * (nk % 2)):
                     s = c % STAGES
                     mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                    if (DIAG == 1) | (DIAG == 3):  # timing only: the slot is released unfilled
+                    if kc == nk:  # PAD: a filler slot after a row of an odd count, so the products take pairs
+                        mbarrier.arrive(ready.index(s), count=1)
+                    elif (DIAG == 1) | (DIAG == 3):  # timing only: the slot is released unfilled
                         gl.thread_barrier()
                         mbarrier.arrive(ready.index(s), count=1)
                     elif FMT == 0:
@@ -175,6 +180,14 @@ def _subtile(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr, DIAG: gl
 @gluon.jit
 def _subtile_q4k(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, K, L4: gl.constexpr, STAGES: gl.constexpr,
                  QSTEP: gl.constexpr, QDOT: gl.constexpr):
+    if gl.num_warps() == 16:  # slots in pairs, half the warps on each (_loader pads a row to an even count)
+        L5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 4, 1, 4, 2], [2, 4, 2, 1, 1], [4, 3, 2, 1, 0])
+        acc5 = gl.zeros([2, 16, 2, 4, 1], gl.float32, L5)
+        for kp in range(0, K // 512, 2):
+            acc5, c = q4k_pair_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, K // 512, acc5, L5,
+                                    STAGES, QDOT)
+        y = gl.sum(gl.sum(gl.sum(gl.sum(acc5, axis=4), axis=3), axis=2), axis=0)
+        return gl.convert_layout(y, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))), c
     acc = gl.zeros([16, 2, 4, 1], gl.float32, L4)
     n = K // 512
     full = n - n % QSTEP
@@ -214,7 +227,9 @@ def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi,
     input)."""
     # q4_k: [16 rows, 2 super-blocks, 4 chunks of 64 weights, 8 code words]: a thread per chunk with 4 warps; with
     # 8, two threads per chunk (4 words each), so a 16-row slot still has no replicated work
-    if gl.num_warps() == 8:
+    if gl.num_warps() == 16:  # four threads per chunk (2 words each)
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [4, 1, 2, 4], [4, 2, 2, 1], [3, 2, 1, 0])
+    elif gl.num_warps() == 8:
         L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [8, 1, 2, 2], [2, 2, 2, 1], [3, 2, 1, 0])
     else:
         L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 2, 4, 1], [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
@@ -632,14 +647,26 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
     ready, empty = ring_barriers(STAGES)
     gate = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(gate, count=1)
-    gl.warp_specialize([
-        (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate, PROG_SM,
-                   n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
-        (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS, ERR,
-                    IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L,
-                    ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR,
-                    B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG, HOLD, KVRING)),
-    ], [CW], [232 if CW == 4 else 192])
+    if CW == 16:  # the compute warps as the default partition (launched with num_warps=16), the loader a worker
+        gl.warp_specialize([
+            (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS,
+                        ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
+                        PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
+                        spin_limit, TR, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG,
+                        HOLD, KVRING)),
+            (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
+                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, FMT)),
+        ], [1], [40])
+    else:
+        gl.warp_specialize([
+            (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
+                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
+            (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS,
+                        ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
+                        PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
+                        spin_limit, TR, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG,
+                        HOLD, KVRING)),
+        ], [CW], [232 if CW == 4 else 192])
 
 
 def _layout():
@@ -684,8 +711,9 @@ class FastStep:
     argmax (torch.argmax's, ties and NaN included), the greedy choice made inside the step. q4_k: the products
     take the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic).
 
-    ``stages``: ring slots (bf16: 8 KB each, 18 by default; q4_k: 4.5 KB, 16); ``warps``: the compute
-    partition's warps (4 or 8); ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot);
+    ``stages``: ring slots (bf16: 8 KB each, 18 by default, 16 with 16 warps; q4_k: 4.5 KB, 16); ``warps``: the
+    compute warps (4 or 8 in a worker partition beside the loader's 4; 16: the default partition, the loader a
+    one-warp worker); ``qstep``, ``qdot``: q4_k slots per barrier and dot variant (q4k._slot_dot);
     ``hold``: 0, or the loader holds its weight stream at each ATTN instruction until the split is past its wait
     (1, the default: the faster, bench/NOTES.md) or done (2), and (3) as 1 and at each MERGE until it is past its
     wait; ``kv_ring``: blocks of 32 cached keys an ATTN split copies by cp.async from before its wait into the
@@ -708,13 +736,15 @@ class FastStep:
         if not isinstance(stacks, WeightStacks) or stacks.format not in ("bf16", "q4_k"):
             raise ValueError(f"stacks: bf16 or q4_k WeightStacks expected, got "
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
-        if warps not in (4, 8):
-            raise ValueError(f"warps (the compute partition's) must be 4 or 8, got {warps!r}")
-        most = 18 if stacks.format == "bf16" else 24  # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB
+        if warps not in (4, 8, 16):
+            raise ValueError(f"warps (the compute partition's) must be 4, 8 or 16, got {warps!r}")
+        # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB (16 slots with 16 compute warps, whose
+        # layout conversions take more scratch)
+        most = (16 if warps == 16 else 18) if stacks.format == "bf16" else 24
         if stages is None:  # the deepest prefetch that fits bf16 (NOTES: more slots, faster steps)
-            stages = 18 if stacks.format == "bf16" else 16
-        if not isinstance(stages, int) or not 2 <= stages <= most:
-            raise ValueError(f"stages must be 2..{most}, got {stages!r}")
+            stages = most if stacks.format == "bf16" else 16
+        if not isinstance(stages, int) or not 2 <= stages <= most or (warps == 16 and stages % 2):
+            raise ValueError(f"stages must be {'an even number in ' if warps == 16 else ''}2..{most}, got {stages!r}")
         L, H, D, Hkv = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_kv_heads
         shape = (L, k_cache.shape[1], k_cache.shape[2], Hkv, D) if k_cache.dim() == 5 else None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -830,7 +860,8 @@ class FastStep:
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, num_warps=4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring,
+            num_warps=16 if self.warps == 16 else 4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -881,4 +912,4 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
                   else kv_ring)
     sig = dict(zip(names[:6], descs))
     sig.update({n: ptrs.get(n, "fp32" if n in ("eps", "qk_scale") else "i32") for n in names[6:] if n not in consts})
-    return compile_gluon(fast_step_kernel, sig, consts, num_warps=4, aligned=tuple(ptrs))
+    return compile_gluon(fast_step_kernel, sig, consts, num_warps=16 if warps == 16 else 4, aligned=tuple(ptrs))

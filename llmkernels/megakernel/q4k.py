@@ -184,6 +184,67 @@ def _scale_min_pair(w1, w2, w3, c):
 
 
 @gluon.jit
+def _pair_dot(c_smem, h_smem, xq_smem, xd_smem, s2, kp2, L5: gl.constexpr, DOT: gl.constexpr):
+    """Slots 2 s2 and 2 s2 + 1 (super-blocks 4 kp2 .. 4 kp2 + 3 of the tile's rows) as one [2, rows, 2 blocks, 4
+    chunks, 1] increment, _slot_dot's arithmetic with the slot as the first axis: half the warps take each slot,
+    so a thread keeps _slot_dot's share of a chunk with twice the warps."""
+    W5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0])  # views indexed on their first axis
+    W4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    NS: gl.constexpr = c_smem.shape[0] // 2
+    R: gl.constexpr = c_smem.shape[1]
+    codes = c_smem._reinterpret(gl.int32, [NS, 2, R, 2, 4, 8], W5).index(s2).load(L5)
+    X4: gl.constexpr = gl.SliceLayout(1, L5)  # [slots, blocks, chunks, words]
+    xv = xq_smem._reinterpret(gl.int32, [16, 2, 2, 4, 16], W4).index(kp2)
+    x_lo = xv.slice(0, 8, dim=3).load(X4)[:, None, :, :, :]
+    x_hi = xv.slice(8, 8, dim=3).load(X4)[:, None, :, :, :]
+    s_lo = gl.sum(_dp4a(codes & LO, x_lo), axis=4, keep_dims=True).to(gl.float32)
+    if DOT == 1:
+        s_hi = gl.sum(_dp4a(codes & HI, x_hi), axis=4, keep_dims=True).to(gl.float32) * 0.0625
+    else:
+        s_hi = gl.sum(_dp4a((codes >> 4) & LO, x_hi), axis=4, keep_dims=True).to(gl.float32)
+    xd = xd_smem._reinterpret(gl.float32, [16, 2, 2, 4, 4], W4).index(kp2)
+    dx0 = xd.slice(0, 1, dim=3).load(X4)[:, None, :, :, :]
+    sx0 = xd.slice(1, 1, dim=3).load(X4)[:, None, :, :, :]
+    dx1 = xd.slice(2, 1, dim=3).load(X4)[:, None, :, :, :]
+    sx1 = xd.slice(3, 1, dim=3).load(X4)[:, None, :, :, :]
+    H4: gl.constexpr = gl.SliceLayout(4, L5)  # [slots, rows, blocks, chunks]
+    hv = h_smem._reinterpret(gl.int32, [NS, 2, R, 2, 4], W4).index(s2)
+    w0 = hv.slice(0, 1, dim=3).load(H4)[:, :, :, :, None]
+    w1 = hv.slice(1, 1, dim=3).load(H4)[:, :, :, :, None]
+    w2 = hv.slice(2, 1, dim=3).load(H4)[:, :, :, :, None]
+    w3 = hv.slice(3, 1, dim=3).load(H4)[:, :, :, :, None]
+    d = _f16_lo(w0)
+    dmin = _f16_lo(w0 >> 16)
+    C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, H4)))
+    c = gl.arange(0, 4, layout=C1)[None, None, None, :, None]
+    if DOT == 1:
+        sc0, mn0, sc1, mn1 = _scale_min_pair(w1, w2, w3, c)
+    else:
+        sc0, mn0 = _scale_min(w1, w2, w3, 2 * c)
+        sc1, mn1 = _scale_min(w1, w2, w3, 2 * c + 1)
+    return d * (sc0 * dx0 * s_lo + sc1 * dx1 * s_hi) - dmin * (mn0 * sx0 + mn1 * sx1)
+
+
+@gluon.jit
+def q4k_pair_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, n, acc, L5: gl.constexpr,
+                  STAGES: gl.constexpr, DOT: gl.constexpr):
+    """Slots c and c + 1 (c and STAGES even, so the two are adjacent in the ring) taken at once by _pair_dot ->
+    (acc, c + 2). Slot kp + 1 = n (a row of an odd number of slots) is the loader's filler: its products are
+    dropped."""
+    s = c % STAGES
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    mbarrier.wait(ready.index(s + 1), (c // STAGES) & 1)
+    inc = _pair_dot(c_smem, h_smem, xq_smem, xd_smem, s // 2, kp // 2, L5, DOT)
+    S1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
+    half = gl.arange(0, 2, layout=S1)[:, None, None, None, None]
+    acc += gl.where(kp + half < n, inc, 0.0)
+    gl.thread_barrier()  # every warp has read the slots
+    mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.arrive(empty.index(s + 1), count=1)
+    return acc, c + 2
+
+
+@gluon.jit
 def q4k_step(c_smem, h_smem, xq_smem, xd_smem, ready, empty, c, kp, acc, L4: gl.constexpr, STAGES: gl.constexpr,
              N: gl.constexpr, DOT: gl.constexpr, PRODUCTS: gl.constexpr = True):
     """N slots' products (one barrier for all; PRODUCTS False: the slots freed as they land) -> (acc, c + N)."""

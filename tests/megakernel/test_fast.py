@@ -55,7 +55,7 @@ def test_fast_step_rejects_bad_arguments(model_files):
     inv, _ = rope_inv_freq(cfg)
     args = (torch.ones(cfg.vocab_size, cfg.hidden), torch.ones(cfg.n_layers, 2, cfg.hidden), torch.ones(cfg.hidden),
             inv)
-    with pytest.raises(ValueError, match="warps .* must be 4 or 8, got 6"):
+    with pytest.raises(ValueError, match="warps .* must be 4, 8 or 16, got 6"):
         FastStep(prog, cfg, stacks, *args, kc, vc, warps=6)
     with pytest.raises(ValueError, match="hold must be 0, 1, 2 or 3, got 4"):
         FastStep(prog, cfg, stacks, *args, kc, vc, hold=4)
@@ -89,13 +89,14 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
-    """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM, the
-    loader's hold (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no
-    weight reads issues no TMA copy."""
+    """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM (bf16 with 4
+    compute warps, q4_k with 8, and with 16 as the default partition beside a one-warp loader), the loader's hold
+    (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no weight reads issues no
+    TMA copy."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
             "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
-            "compile_sm90('bf16', 4, hold=0)]; "
+            "compile_sm90('bf16', 4, hold=0), compile_sm90('q4_k', 16)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
             "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -103,8 +104,8 @@ def test_fast_step_compiles_for_sm90_without_a_gpu():
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    bf, q, diag, free = json.loads(r.stdout)
-    assert bf[1] and q[1] and diag[1] and free[1]
+    bf, q, diag, free, q16 = json.loads(r.stdout)
+    assert bf[1] and q[1] and diag[1] and free[1] and q16[1] and q16[3] and q16[0] <= 227 * 1024
     assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
@@ -180,7 +181,8 @@ def _steps_agree(ref, fast, fmt, cfg, table, positions):
 @pytest.mark.parametrize("fmt, warps, splits, engine_layout, hold",
                          [("bf16", 4, 2, False, 1), ("bf16", 4, 3, True, 1), ("bf16", 8, 2, True, 1),
                           ("q4_k", 8, 3, True, 1), ("q4_k", 4, 2, False, 1), ("bf16", 4, 3, True, 0),
-                          ("bf16", 4, 2, False, 2), ("q4_k", 8, 2, True, 2), ("bf16", 4, 2, True, 3)])
+                          ("bf16", 4, 2, False, 2), ("q4_k", 8, 2, True, 2), ("bf16", 4, 2, True, 3),
+                          ("q4_k", 16, 3, True, 1), ("bf16", 16, 2, True, 1)])
 def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, splits, engine_layout, hold):
     """Every step's logits against the reference executor (kernel.py) on the same Program, each with its own
     NaN-poisoned cache and the same scattered pages: bf16 within 1e-3 of the largest logit and the same greedy
@@ -194,7 +196,8 @@ def test_gpu_fast_step_matches_the_reference_executor(model_files, fmt, warps, s
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, splits, engine_layout, warps, kv_ring",
                          [("bf16", 2, True, 4, None), ("bf16", 3, False, 8, None), ("bf16", 3, True, 4, 0),
-                          ("bf16", 2, False, 4, 3), ("q4_k", 3, True, 8, None), ("q4_k", 2, False, 4, None)])
+                          ("bf16", 2, False, 4, 3), ("q4_k", 3, True, 8, None), ("q4_k", 2, False, 4, None),
+                          ("q4_k", 3, True, 16, None)])
 def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, warps, kv_ring):
     """Splits of many blocks of 32 keys (about 600 cached keys over 2-3 splits, each warp's online softmax over
     its keys of every block, merged at the end) against the reference executor, at four consecutive

@@ -1,0 +1,55 @@
+"""The one-kernel step at 8 and 16 compute warps on a few Llama-3-8B-shaped q4_k layers: both run to the end (a
+short spin limit, so a schedule that cannot finish reports instead of spinning), their logits agree, and the time
+per step of each.
+
+    PYTHONPATH=. python bench/lab/fast_warps_check.py [layers] [context]
+"""
+import functools
+import sys
+
+import torch
+
+from llmkernels.bench.harness import time_graph_ms
+from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_tensors
+from llmkernels.engine.config import rope_inv_freq
+from llmkernels.megakernel import build_decode_program
+from llmkernels.megakernel.fast import FastStep
+
+
+def main():
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    context = int(sys.argv[2]) if len(sys.argv) > 2 else 512
+    cfg = llama3_8b_config(layers)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tensors = synthetic_tensors("q4_k", cfg)
+    prog = build_decode_program(cfg, "q4_k", batch=1, context=context, num_sms=sms)
+    page = 16
+    pages = -(-(context + 1) // page)
+    kc = torch.randn(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
+    ids = torch.ones(1, dtype=torch.int32, device="cuda")
+    lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    inv, _ = rope_inv_freq(cfg)
+    out = {}
+    base = None
+    for w in (8, 16):
+        kw = dict(warps=w, stages=16, spin_limit=1 << 16)
+        if base is None:
+            fast = base = FastStep.from_tensors(prog, cfg, tensors, kc.clone(), vc.clone(), inv.cuda(), **kw)
+        else:
+            fast = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc.clone(), vc.clone(), **kw)
+        fast.launch(ids, lens, table)
+        torch.cuda.synchronize()
+        print(f"{w} warps: first step done, error: {fast.error()}", flush=True)
+        out[w] = fast.logits.clone()
+        ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
+        print(f"{w} warps, {layers} layers, context {context}: {ms * 1e3:.1f} us per step, error {fast.error()}",
+              flush=True)
+    e = ((out[16] - out[8]).abs().max() / out[8].abs().max()).item()
+    print(f"16 against 8 warps: {e:.2e} of the largest logit, argmax {out[16].argmax().item()} / "
+          f"{out[8].argmax().item()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
