@@ -153,10 +153,17 @@ def _slot_dot(c_slot, h_slot, xq_smem, xd_smem, kp, L4: gl.constexpr, DOT: gl.co
     w1 = hv.slice(1, 1, dim=2).load(H3)[:, :, :, None]
     w2 = hv.slice(2, 1, dim=2).load(H3)[:, :, :, None]
     w3 = hv.slice(3, 1, dim=2).load(H3)[:, :, :, None]
-    d = _f16_lo(w0)
-    dmin = _f16_lo(w0 >> 16)
     C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
     c = gl.arange(0, 4, layout=C1)[None, None, :, None]
+    return _scaled(w0, w1, w2, w3, c, s_lo, s_hi, dx0, sx0, dx1, sx1, DOT)
+
+
+@gluon.jit
+def _scaled(w0, w1, w2, w3, c, s_lo, s_hi, dx0, sx0, dx1, sx1, DOT: gl.constexpr):
+    """The chunks' increments from their integer dots (s_lo, s_hi: sub-blocks 2c, 2c + 1), the super-blocks'
+    header words w0-w3 and the activations' (d, s) per sub-block."""
+    d = _f16_lo(w0)
+    dmin = _f16_lo(w0 >> 16)
     if DOT == 1:
         sc0, mn0, sc1, mn1 = _scale_min_pair(w1, w2, w3, c)
     else:
@@ -213,16 +220,9 @@ def _pair_dot(c_smem, h_smem, xq_smem, xd_smem, s2, kp2, L5: gl.constexpr, DOT: 
     w1 = hv.slice(1, 1, dim=3).load(H4)[:, :, :, :, None]
     w2 = hv.slice(2, 1, dim=3).load(H4)[:, :, :, :, None]
     w3 = hv.slice(3, 1, dim=3).load(H4)[:, :, :, :, None]
-    d = _f16_lo(w0)
-    dmin = _f16_lo(w0 >> 16)
     C1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, H4)))
     c = gl.arange(0, 4, layout=C1)[None, None, None, :, None]
-    if DOT == 1:
-        sc0, mn0, sc1, mn1 = _scale_min_pair(w1, w2, w3, c)
-    else:
-        sc0, mn0 = _scale_min(w1, w2, w3, 2 * c)
-        sc1, mn1 = _scale_min(w1, w2, w3, 2 * c + 1)
-    return d * (sc0 * dx0 * s_lo + sc1 * dx1 * s_hi) - dmin * (mn0 * sx0 + mn1 * sx1)
+    return _scaled(w0, w1, w2, w3, c, s_lo, s_hi, dx0, sx0, dx1, sx1, DOT)
 
 
 @gluon.jit
