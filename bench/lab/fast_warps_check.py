@@ -1,8 +1,8 @@
 """The one-kernel step at 8 and 16 compute warps on a few Llama-3-8B-shaped q4_k layers: both run to the end (a
-short spin limit, so a schedule that cannot finish reports instead of spinning), their logits agree, and the time
-per step of each.
+short spin limit, so a schedule that cannot finish reports instead of spinning), their logits agree, the time per
+step of each, and with ``trace`` where each SM's time goes at each width (megakernel_fast.trace_summary).
 
-    PYTHONPATH=. python bench/lab/fast_warps_check.py [layers] [context]
+    PYTHONPATH=.:bench/lab python bench/lab/fast_warps_check.py [layers] [context] [trace]
 """
 import functools
 import sys
@@ -19,6 +19,7 @@ from llmkernels.megakernel.fast import FastStep
 def main():
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     context = int(sys.argv[2]) if len(sys.argv) > 2 else 512
+    trace = len(sys.argv) > 3 and sys.argv[3] == "trace"
     cfg = llama3_8b_config(layers)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tensors = synthetic_tensors("q4_k", cfg)
@@ -46,6 +47,15 @@ def main():
         ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
         print(f"{w} warps, {layers} layers, context {context}: {ms * 1e3:.1f} us per step, error {fast.error()}",
               flush=True)
+        if trace:
+            from megakernel_fast import trace_summary
+
+            traced = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc.clone(), vc.clone(),
+                              trace=True, **kw)
+            traced(ids, lens, table)
+            traced(ids, lens, table)
+            torch.cuda.synchronize()
+            print(f"{w} warps: " + trace_summary(prog, traced.trace), flush=True)
     e = ((out[16] - out[8]).abs().max() / out[8].abs().max()).item()
     print(f"16 against 8 warps: {e:.2e} of the largest logit, argmax {out[16].argmax().item()} / "
           f"{out[8].argmax().item()}", flush=True)
