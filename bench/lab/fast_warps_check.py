@@ -2,10 +2,11 @@
 short spin limit, so a schedule that cannot finish reports instead of spinning), their logits agree, the time per
 step of each, and with ``trace`` where each SM's time goes at each width (megakernel_fast.trace_summary).
 
-    PYTHONPATH=.:bench/lab python bench/lab/fast_warps_check.py [layers] [context] [trace]
+    PYTHONPATH=.:bench/lab python bench/lab/fast_warps_check.py [--layers 4] [--context 512] [--hold 1]
+                                                                [--warps 8,16] [--trace]
 """
+import argparse
 import functools
-import sys
 
 import torch
 
@@ -17,9 +18,15 @@ from llmkernels.megakernel.fast import FastStep
 
 
 def main():
-    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    context = int(sys.argv[2]) if len(sys.argv) > 2 else 512
-    trace = len(sys.argv) > 3 and sys.argv[3] == "trace"
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--hold", type=int, default=1, help="FastStep's hold")
+    ap.add_argument("--warps", default="8,16", help="comma-separated compute warps; the first is the reference")
+    ap.add_argument("--trace", action="store_true")
+    args = ap.parse_args()
+    layers, context, trace = args.layers, args.context, args.trace
+    widths = [int(w) for w in args.warps.split(",")]
     cfg = llama3_8b_config(layers)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tensors = synthetic_tensors("q4_k", cfg)
@@ -34,8 +41,8 @@ def main():
     inv, _ = rope_inv_freq(cfg)
     out = {}
     base = None
-    for w in (8, 16):
-        kw = dict(warps=w, stages=16, spin_limit=1 << 16)
+    for w in widths:
+        kw = dict(warps=w, stages=16, spin_limit=1 << 16, hold=args.hold)
         if base is None:
             fast = base = FastStep.from_tensors(prog, cfg, tensors, kc.clone(), vc.clone(), inv.cuda(), **kw)
         else:
@@ -56,9 +63,11 @@ def main():
             traced(ids, lens, table)
             torch.cuda.synchronize()
             print(f"{w} warps: " + trace_summary(prog, traced.trace), flush=True)
-    e = ((out[16] - out[8]).abs().max() / out[8].abs().max()).item()
-    print(f"16 against 8 warps: {e:.2e} of the largest logit, argmax {out[16].argmax().item()} / "
-          f"{out[8].argmax().item()}", flush=True)
+    ref = out[widths[0]]
+    for w in widths[1:]:
+        e = ((out[w] - ref).abs().max() / ref.abs().max()).item()
+        print(f"{w} against {widths[0]} warps: {e:.2e} of the largest logit, argmax {out[w].argmax().item()} / "
+              f"{ref.argmax().item()}", flush=True)
 
 
 if __name__ == "__main__":
