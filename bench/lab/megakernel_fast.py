@@ -2,7 +2,7 @@
 reference executor (llmkernels/megakernel/kernel.py) on a tiny llama GGUF (every step's logits), then timed on the
 Llama-3-8B shape against the engine's kernel-per-op step, with ``--trace`` a breakdown of where each SM's time goes.
 
-    PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...]
+    PYTHONPATH=. python bench/lab/megakernel_fast.py [--fmt bf16,q4_k] [--layers 32] [--context 512,...] [--batch 1]
                                                      [--stages 16,...] [--warps 4,8] [--splits 0,4,8]
                                                      [--hold 0,1,2]
                                                      [--qstep 2] [--qdot 1] [--diag 0,1,2,3] [--skip-check]
@@ -111,6 +111,8 @@ def main():
                     "FastStep is timed (an A/B of a copy of fast.py)")
     ap.add_argument("--kv-ring", default="", help="comma-separated FastStep kv_ring (ATTN's cp.async ring in blocks; "
                     "empty: the default), for the variants that take it")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step (bf16: 1-8), each of --context "
+                    "cached tokens; the engine's kernel-per-op rate at the same batch beside it")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -134,18 +136,19 @@ def main():
             continue
         tensors = synthetic_tensors(fmt, cfg)
         for context, splits in itertools.product(contexts, [int(x) for x in args.splits.split(",")]):
-            prog = build_decode_program(cfg, fmt, batch=1, context=args.prog_context or context, num_sms=sms,
+            B = args.batch
+            prog = build_decode_program(cfg, fmt, batch=B, context=args.prog_context or context, num_sms=sms,
                                         bandwidth=bw,
                                         num_splits=splits or None)
             print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
             page = 16
             pages = -(-(context + 1) // page)
-            kc = torch.randn(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda",
+            kc = torch.randn(cfg.n_layers, B * pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda",
                              dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
-            table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
-            ids = torch.ones(1, dtype=torch.int32, device="cuda")
-            lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+            table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
+            ids = torch.ones(B, dtype=torch.int32, device="cuda")
+            lens = torch.full((B,), context, dtype=torch.int32, device="cuda")
             base = None
             holds = [int(x) for x in args.hold.split(",")]
             diags = [int(x) for x in args.diag.split(",")]
@@ -165,9 +168,11 @@ def main():
                 fast(ids, lens, table)
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
-                print(f"{fmt} {var} step, context {context}, {prog.geometry['splits']} splits, {w} compute warps, "
+                print(f"{fmt} {var} step, batch {B}, context {context}, {prog.geometry['splits']} splits, {w} "
+                      f"compute warps, "
                       f"{st} slots, hold {hd}, diag {dg}, kv_ring {kw.get('kv_ring', '-')}: "
-                      f"{ms * 1e3:.1f} us per step, {100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
+                      f"{ms * 1e3:.1f} us per step ({B / ms * 1e3:.1f} tokens/s), "
+                      f"{100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "
                       f"weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)",
                       flush=True)
                 if args.trace:  # the same build traced
@@ -189,10 +194,13 @@ def main():
         # q4_k: the fast step rounds activations to int8, so the engine's act_int8 path is its like; megakernel:
         # the engine's step with the fast step in its CUDA graph
         paths = ((False, False), (True, False), (True, True)) if fmt == "q4_k" else ((False, False), (False, True))
+        if args.batch > 1:  # the engine takes the one-kernel step at batch 1 only
+            paths = ((fmt == "q4_k", False),)
         for (a8, mk), context in itertools.product(paths if not args.skip_engine else (), contexts):
-            rate = engine_rate(cfg, tensors, context, act_int8=a8, megakernel=mk)
-            print(f"engine, {'one-kernel step' if mk else 'kernel per op'}, {fmt}{' act_int8' * a8}, context "
-                  f"{context}: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms per step", flush=True)
+            rate = engine_rate(cfg, tensors, context, act_int8=a8, megakernel=mk, batch=args.batch)
+            print(f"engine, {'one-kernel step' if mk else 'kernel per op'}, {fmt}{' act_int8' * a8}, batch "
+                  f"{args.batch}, context {context}: {rate:.1f} tokens/s, {1e3 * args.batch / rate:.2f} ms per step",
+                  flush=True)
         del tensors
         torch.cuda.empty_cache()
 

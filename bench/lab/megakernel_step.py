@@ -81,15 +81,15 @@ def main():
     print(f"engine, kernel per op: {rate:.1f} tokens/s, {1e3 / rate:.2f} ms per step", flush=True)
 
 
-def engine_rate(cfg, tensors, context: int, act_int8: bool = False, megakernel: bool = False) -> float:
-    """The engine's batch-1 decode rate (tokens/s, CUDA graphs, as the engine suite measures it) on these weights
-    after a ``context``-token prompt; ``act_int8``: the int8-activation GEMVs (LLM's act_int8); ``megakernel``:
-    LLM's (False: the kernel-per-op step)."""
-    llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=1, max_model_len=context + 160,
-                         act_int8=act_int8, megakernel=megakernel)
-    llm.capture_graphs([1])
-    _decode_rate(llm, 1, prompt=context)
-    return _decode_rate(llm, 1, prompt=context)[0]
+def engine_rate(cfg, tensors, context: int, act_int8: bool = False, megakernel: bool = False, batch: int = 1) -> float:
+    """The engine's decode rate at ``batch`` sequences (tokens/s, CUDA graphs, as the engine suite measures it) on
+    these weights after ``context``-token prompts; ``act_int8``: the int8-activation GEMVs (LLM's act_int8);
+    ``megakernel``: LLM's (False: the kernel-per-op step)."""
+    llm = LLM.from_model(Model(cfg, tensors, "cuda", torch.bfloat16), max_num_seqs=batch,
+                         max_model_len=context + 160, act_int8=act_int8, megakernel=megakernel)
+    llm.capture_graphs([batch])
+    _decode_rate(llm, batch, prompt=context)
+    return _decode_rate(llm, batch, prompt=context)[0]
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ NF = gl.constexpr(9)  # schedule.FIELDS: op, layer, lo, hi, split, wait, target,
 BK = gl.constexpr(256)  # weight columns per ring slot
 ROWS = 16  # weight rows per slot (schedule.ROW_GRANULE: every GEMV tile is a multiple)
 MTW = gl.constexpr(8)  # int32 fields per row of the matrix table
+MAX_BATCH = 8  # sequences per step (bf16); q4_k runs one
 
 
 @gluon.jit
@@ -63,14 +64,16 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 @gluon.jit
 def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate, PROG, n_instr,
             MT, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
-            FMT: gl.constexpr, DIAG: gl.constexpr, HOLD: gl.constexpr, PAD: gl.constexpr = 0):
+            FMT: gl.constexpr, DIAG: gl.constexpr, HOLD: gl.constexpr, PAD: gl.constexpr = 0,
+            XPC: gl.constexpr = 65536):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
     bytes and their headers, q4k_copy). HOLD > 0: at an ATTN instruction it waits on ``gate`` (the compute warps
     open it once past that split's wait, HOLD 1 and 3, or done with it, HOLD 2), and with HOLD 3 at a MERGE until
     it is past its wait, so those loads and signals do not queue behind this SM's weight stream. PAD (16 compute
     warps, q4_k): a row of an odd number of slots gets a filler slot (arrived, never filled), as the products take
-    the slots in pairs."""
+    the slots in pairs. XPC (batch > 1): an instruction's slots go in pieces of XPC per row, every subtile's first
+    piece, then every subtile's second..., the order in which _gemv_b stages its input."""
     c = 0
     na = 0
     for j in range(n_instr):
@@ -86,34 +89,41 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
         base, K, which, up = _gemv_source(MT, op, layer, n_layers, H, KO, F)
         nmat = 1 + (op == 6).to(gl.int32)
         nk = K // (BK * (1 + FMT))
-        for r in range(lo, gl.where(K > 0, hi, lo), 16):
-            for m in range(nmat):
-                row = base + r + m * up
-                for kc in range(nk + PAD * (nk % 2)):
-                    s = c % STAGES
-                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                    if kc == nk:  # PAD: a filler slot after a row of an odd count, so the products take pairs
-                        mbarrier.arrive(ready.index(s), count=1)
-                    elif (DIAG == 1) | (DIAG == 3):  # timing only: the slot is released unfilled
-                        gl.thread_barrier()
-                        mbarrier.arrive(ready.index(s), count=1)
-                    elif FMT == 0:
-                        mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
-                        if which == 0:
-                            tma.async_copy_global_to_shared(desc_a, [row, kc * BK], ready.index(s), w_smem.index(s))
-                        elif which == 1:
-                            tma.async_copy_global_to_shared(desc_o, [row, kc * BK], ready.index(s), w_smem.index(s))
+        for p0 in range(0, nk, XPC):  # batch > 1: pieces of the staged input's width, each piece's subtiles
+            for r in range(lo, hi, 16):
+                for m in range(nmat):
+                    row = base + r + m * up
+                    for kc in range(p0, gl.minimum(p0 + XPC, nk) + PAD * (nk % 2)):
+                        s = c % STAGES
+                        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                        if kc == nk:  # PAD: a filler slot after a row of an odd count, so the products take pairs
+                            mbarrier.arrive(ready.index(s), count=1)
+                        elif (DIAG == 1) | (DIAG == 3):  # timing only: the slot is released unfilled
+                            gl.thread_barrier()
+                            mbarrier.arrive(ready.index(s), count=1)
+                        elif FMT == 0:
+                            mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
+                            if which == 0:
+                                tma.async_copy_global_to_shared(desc_a, [row, kc * BK], ready.index(s),
+                                                                w_smem.index(s))
+                            elif which == 1:
+                                tma.async_copy_global_to_shared(desc_o, [row, kc * BK], ready.index(s),
+                                                                w_smem.index(s))
+                            else:
+                                tma.async_copy_global_to_shared(desc_d, [row, kc * BK], ready.index(s),
+                                                                w_smem.index(s))
                         else:
-                            tma.async_copy_global_to_shared(desc_d, [row, kc * BK], ready.index(s), w_smem.index(s))
-                    else:
-                        mbarrier.expect(ready.index(s), desc_a.block_type.nbytes + hdesc_a.block_type.nbytes)
-                        if which == 0:
-                            q4k_copy(desc_a, hdesc_a, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
-                        elif which == 1:
-                            q4k_copy(desc_o, hdesc_o, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
-                        else:
-                            q4k_copy(desc_d, hdesc_d, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s), True)
-                    c += 1
+                            mbarrier.expect(ready.index(s), desc_a.block_type.nbytes + hdesc_a.block_type.nbytes)
+                            if which == 0:
+                                q4k_copy(desc_a, hdesc_a, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s),
+                                         True)
+                            elif which == 1:
+                                q4k_copy(desc_o, hdesc_o, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s),
+                                         True)
+                            else:
+                                q4k_copy(desc_d, hdesc_d, row, kc, ready.index(s), w_smem.index(s), h_smem.index(s),
+                                         True)
+                        c += 1
 
 
 @gluon.jit
@@ -255,6 +265,87 @@ def _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi,
 
 
 @gluon.jit
+def _stage_b(x_smem, X, xs, NW, K, k0, eps, NORM: gl.constexpr, B: gl.constexpr, BP: gl.constexpr):
+    """Columns [k0, k0 + 32768 / BP) of rows b < B of X (float32, row stride xs; with NORM each row's RMSNorm over
+    its K columns times NW), rounded to bf16 (as the kernel-per-op step rounds activations) into the 64 KB staging
+    buffer seen as [chunks of 256 columns, BP, 256]; rows B..BP are left as they are (their products are never
+    stored)."""
+    XP: gl.constexpr = 32768 // BP
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [gl.num_warps(), 1, 1], [2, 1, 0])
+    LP: gl.constexpr = gl.SliceLayout(1, L3)  # [16 chunks, 256]
+    X3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    xs4 = x_smem._reinterpret(gl.bfloat16, [XP // 4096, 16, BP, BK], X3)  # groups of 16 chunks
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
+    k = gl.arange(0, BK, layout=gl.SliceLayout(0, LP))
+    nk = gl.minimum(K - k0, XP) // BK
+    gl.thread_barrier()  # every warp is past its reads of the piece before
+    for b in gl.static_range(B):
+        inv = 1.0
+        if NORM:
+            inv = inv_rms(X + b * xs, K, eps)
+        for g in range(0, nk, 16):
+            offs = k0 + (g + r)[:, None] * BK + k[None, :]
+            m = (g + r < nk)[:, None] & (k < BK)[None, :]
+            x = gl.load(X + b * xs + offs, mask=m, other=0.0)
+            if NORM:
+                x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
+            xs4.index(g // 16).slice(b, 1, dim=1).store(x.to(gl.bfloat16)[:, None, :])
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4: gl.constexpr, STAGES: gl.constexpr, BP: gl.constexpr):
+    """One 16-row subtile's products over nk slots against the staged piece's BP rows -> ([BP, 16] float32, c +
+    nk). L4 [BP, 16, 32, 8]: a slot's [16, 256] as _subtile reads it (warps by rows, 8 columns per lane), each
+    input row's 8 columns of a lane against them, summed in the thread; the lanes' sums are added once, at the
+    end."""
+    XP: gl.constexpr = 32768 // BP
+    S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    xs = x_smem._reinterpret(gl.bfloat16, [XP // BK, BP, 32, 8], S3)
+    acc = gl.zeros([BP, 16, 32], gl.float32, gl.SliceLayout(3, L4))
+    for kc in range(nk):
+        x = xs.index(kc).load(gl.SliceLayout(1, L4)).to(gl.float32)
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        w = w_smem.index(s)._reinterpret(gl.bfloat16, [16, 32, 8], S3).load(gl.SliceLayout(0, L4)).to(gl.float32)
+        gl.thread_barrier()  # every warp has its piece of the slot in registers
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += gl.sum(w[None, :, :, :] * x[:, None, :, :], axis=3)
+        c += 1
+    return gl.sum(acc, axis=2), c
+
+
+@gluon.jit
+def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps, NORM: gl.constexpr,
+            ACC: gl.constexpr, GLU: gl.constexpr, STAGES: gl.constexpr, B: gl.constexpr, BP: gl.constexpr):
+    """Batch > 1, bf16 weights: rows [lo, hi) of the instruction's matrix for rows b < B of X (row stride xs):
+    OUT[b, rows] = y (ACC: += y; GLU: y = SiLU(gate) * up, as _gemv_any) at OUT's row stride os -> c after its
+    slots. The input is staged in pieces of 32768 / BP columns (_stage_b) and each piece's partial products added
+    into OUT, in the order the loader streams them (XPC); GLU's K fits one piece (FastStep checks)."""
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 32, 1], [1, gl.num_warps(), 1, 1], [3, 2, 1, 0])
+    LY: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BP, 16]
+    bi = gl.arange(0, BP, layout=gl.SliceLayout(1, LY))[:, None]
+    ri = gl.arange(0, 16, layout=gl.SliceLayout(0, LY))[None, :]
+    m = (bi < B) & (ri < 16)
+    XP: gl.constexpr = 32768 // BP
+    for k0 in range(0, K, XP):
+        _stage_b(x_smem, X, xs, NW, K, k0, eps, NORM, B, BP)
+        nk = gl.minimum(K - k0, XP) // BK
+        for r in range(lo, hi, 16):
+            y, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
+            if GLU:
+                u, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
+                y = y / (1.0 + gl.exp(-y)) * u
+            ptr = OUT + bi * os + r + ri
+            if ACC:
+                y += gl.load(ptr, mask=m, other=0.0)
+            else:  # a later piece adds to the earlier ones
+                y += gl.load(ptr, mask=m & (k0 > 0), other=0.0)
+            gl.store(ptr, y, mask=m)
+    return c
+
+
+@gluon.jit
 def _argmax_key(y, rows):
     """int64 keys ordered as torch.argmax ranks float32 values y at ``rows``: the larger value, at equal values
     the lower row; NaN above every number, -0.0 as 0.0."""
@@ -341,11 +432,13 @@ def _ring_issue(k_ring, v_ring, slot, KC, VC, kpg, vpg, cache_off, k0, kidx5, ki
 
 @gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
-          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, HQ: gl.constexpr, HKV: gl.constexpr,
+          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, lead, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
           TRACE: gl.constexpr, HOLD: gl.constexpr, DIAG: gl.constexpr = 0, NBUF: gl.constexpr = 0):
-    """One KV head's key split of the sequence (batch 1), as kernel._attn_split: q of the group rotated, the last
-    split stores the new token's rotated K and its V, then the split's keys -> float32 partial and log-sum-exp.
+    """One KV head's key split of one sequence (the caller offsets QKV, PT, SEQ_LENS and the partials to it; lead:
+    the instruction's first sequence, which stamps the trace and opens the loader's gate), as
+    kernel._attn_split: q of the group rotated, the last split stores the new token's rotated K and its V, then the
+    split's keys -> float32 partial and log-sum-exp.
     What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys,
     the rotation's angles) is loaded or computed before the wait on it, so only q's loads follow it -> ok
     (_wait). NBUF 0: later blocks are loaded one block ahead, in registers; NBUF > 0: blocks 1..NBUF are copied
@@ -415,11 +508,12 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
                         cache_off, kb, kidx5, kidxv, rd, PAGE, HKV, D, dk5, dv, NBUF)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
-    if TRACE:
-        gl.store(TRW, _now())
-    if (HOLD == 1) | (HOLD == 3):  # the loader may stream again (_loader)
-        gl.thread_barrier()
-        mbarrier.arrive(gate, count=1)
+    if lead:  # the instruction's first sequence (_compute)
+        if TRACE:
+            gl.store(TRW, _now())
+        if (HOLD == 1) | (HOLD == 3):  # the loader may stream again (_loader)
+            gl.thread_barrier()
+            mbarrier.arrive(gate, count=1)
     qoff = (h * G + g5) * D
     qm = gm & (dq < D)
     q = (gl.load(QKV + qoff + dq, mask=qm, other=0.0) * cos_q
@@ -518,15 +612,16 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
 @gluon.jit
 def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG, n_instr, sm, COUNTERS, ERR, IDS,
              SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-             LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR,
+             LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, pt_stride, n_vocab,
              B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
              F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
              STAGES: gl.constexpr, FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr):
+             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr, BP: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
-    done, [3] the step's greedy token. The last LOGITS instruction to finish writes the token, the last program
-    to finish zeroes the counters for the next step (each resets the words it used) and copies the token and
-    ERR into OUT (int64 [3]; pinned host memory, so that a host reads them without a copy on the stream)."""
+    done, [3] the step's greedy token (batch 1; B > 1 leaves the choice to the caller). The last LOGITS
+    instruction to finish writes the token, the last program to finish zeroes the counters for the next step (each
+    resets the words it used) and copies the token and ERR into OUT (int64 [3]; pinned host memory, so that a host
+    reads them without a copy on the stream)."""
     ok = 1
     c = 0
     for j in range(n_instr):
@@ -553,39 +648,67 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         if op == 1:
             _embed(EMB, IDS, AUX, RESID, H, B)
         elif op == 2:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
-            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
-                             False, STAGES, FMT, QSTEP, QDOT, DIAG)
+            if B > 1:  # bf16 products of every sequence
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, NORMS + layer * 2 * H, QKV,
+                            (HQ + 2 * HKV) * D, eps, True, False, False, STAGES, B, BP)
+            else:
+                _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
+                c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
+                                 False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 3:
-            ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale,
-                       COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, x_smem, HQ, HKV,
-                       D, S, PAGE, GP, 32, TRACE, HOLD, DIAG, KVRING)
+            if B == 1:
+                ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride,
+                           qk_scale, COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate,
+                           x_smem, 1, HQ, HKV, D, S, PAGE, GP, 32, TRACE, HOLD, DIAG, KVRING)
+            else:  # the split of every sequence in turn; only the first waits
+                for b in range(B):
+                    ok = _attn(layer, lo, split, QKV + b * ((HQ + 2 * HKV) * D), KC, VC, PT + b * pt_stride,
+                               SEQ_LENS + b, INV_FREQ, PART_O + b * (HQ * S * D), PART_L + b * (HQ * S), layer_stride,
+                               qk_scale, COUNTERS, ERR, gl.where(b == 0, wait, -1), target, ok, where, spin_limit,
+                               TR + where * 3 + 1, gate, x_smem, b == 0, HQ, HKV, D, S, PAGE, GP, 32, TRACE, HOLD,
+                               DIAG, KVRING)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)
         elif op == 4:
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
-            _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
-            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID,
-                             True, False, STAGES, FMT, QSTEP, QDOT, DIAG)
+            if B > 1:  # bf16 products of every sequence
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, HQ * D, ATTN, HQ * D, ATTN, RESID, H, eps,
+                            False, True, False, STAGES, B, BP)
+            else:
+                _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
+                c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID,
+                                 True, False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 6:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
-            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False,
-                             True, STAGES, FMT, QSTEP, QDOT, DIAG)
+            if B > 1:  # bf16 products of every sequence
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, NORMS + layer * 2 * H + H, ACT,
+                            F, eps, True, False, True, STAGES, B, BP)
+            else:
+                _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
+                c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False,
+                                 True, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 7:
-            _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
-            c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True,
-                             False, STAGES, FMT, QSTEP, QDOT, DIAG)
+            if B > 1:  # bf16 products of every sequence
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, F, ACT, F, ACT, RESID, H, eps, False, True,
+                            False, STAGES, B, BP)
+            else:
+                _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
+                c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True,
+                                 False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 8:
-            _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
-            c, best = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS,
-                                False, False, STAGES, FMT, QSTEP, QDOT, DIAG, True)
-            gl.atomic_max(AUX, best)
-            if gl.atomic_add(AUX + 1, 1, sem="acq_rel") == n_logits - 1:  # the last LOGITS tile: every max is in
-                key = gl.atomic_xchg(AUX, -9223372036854775807 - 1)
-                gl.atomic_xchg(AUX + 3, 4294967295 - (key & 4294967295))
-                gl.atomic_xchg(AUX + 1, 0)
+            if B > 1:  # bf16 products of every sequence
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, ONORM, LOGITS, n_vocab, eps, True,
+                            False, False, STAGES, B, BP)
+            else:
+                _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
+                c, best = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS,
+                                    False, False, STAGES, FMT, QSTEP, QDOT, DIAG, True)
+                gl.atomic_max(AUX, best)
+                if gl.atomic_add(AUX + 1, 1, sem="acq_rel") == n_logits - 1:  # the last LOGITS tile: every max is in
+                    key = gl.atomic_xchg(AUX, -9223372036854775807 - 1)
+                    gl.atomic_xchg(AUX + 3, 4294967295 - (key & 4294967295))
+                    gl.atomic_xchg(AUX + 1, 0)
         if op != 0:
             gl.thread_barrier()  # every warp's stores come before the one-thread releases
             if TRACE:
@@ -618,18 +741,20 @@ def ring_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS,
                      PT, KC, VC, INV_FREQ, EMB, MT, NORMS, ONORM, n_layers, RESID, QKV, PART_O, PART_L, ATTN, ACT,
-                     LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR,
-                     B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                     LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale, spin_limit, TR, pt_stride,
+                     n_vocab, B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
                      F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
                      STAGES: gl.constexpr, FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False,
                      QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
-                     KVRING: gl.constexpr = 0):
+                     KVRING: gl.constexpr = 0, BP: gl.constexpr = 1, XPC: gl.constexpr = 65536):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
     products are skipped (the step without them), 3 both; 4 ATTN reads no cached key, 5 nor computes a block of
-    them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). The counters must
-    be zero at the first launch; each step leaves them so (_compute)."""
+    them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). B > 1 (bf16): B
+    sequences (page table rows pt_stride apart, logits rows n_vocab apart), the products by _gemv_b with BP the
+    power of two from B, XPC = 128 / BP slots per staged piece. The counters must be zero at the first launch;
+    each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -652,20 +777,20 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
             (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS,
                         ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
                         PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
-                        spin_limit, TR, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG,
-                        HOLD, KVRING)),
+                        spin_limit, TR, pt_stride, n_vocab, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE,
+                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP)),
             (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
-                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, FMT)),
+                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, FMT, XPC)),
         ], [1], [40])
     else:
         gl.warp_specialize([
             (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
-                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD)),
+                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, 0, XPC)),
             (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS,
                         ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
                         PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
-                        spin_limit, TR, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE, QSTEP, QDOT, DIAG,
-                        HOLD, KVRING)),
+                        spin_limit, TR, pt_stride, n_vocab, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE,
+                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP)),
         ], [CW], [232 if CW == 4 else 192])
 
 
@@ -697,7 +822,7 @@ def _describe(t) -> str:
 
 
 class FastStep:
-    """Runs a batch-1 Program (schedule.build_decode_program) over bf16 or q4_k weight stacks.
+    """Runs a Program (schedule.build_decode_program) over bf16 weight stacks at batch 1-8, or q4_k ones at batch 1.
 
     ``stacks``: weights.WeightStacks; ``embed``: the token embedding, bf16 [vocab, hidden] on the device;
     ``norms``: float32 [layers, 2, hidden] (attention and FFN RMSNorm weights); ``output_norm``: float32
@@ -705,11 +830,12 @@ class FastStep:
     pages, page, kv heads, head_dim] views, each layer's pages contiguous (any layer stride, the same for both).
     ``from_tensors`` builds one from a GGUF's tensors, ``from_model`` from an engine Model.
 
-    Call it (or ``launch`` it, inside a CUDA graph) with int32 device tensors ``ids`` [1], ``seq_lens`` [1] (the
-    new token is at position seq_lens[0] - 1 and its K and V are written there) and ``page_table`` [1, pages];
-    it returns float32 logits [1, vocab] (a buffer it reuses), and ``token`` (int64 [1], also reused) holds their
-    argmax (torch.argmax's, ties and NaN included), the greedy choice made inside the step. q4_k: the products
-    take the activations rounded to int8 per block of 32 (the engine's act_int8 arithmetic).
+    Call it (or ``launch`` it, inside a CUDA graph) with int32 device tensors ``ids`` [B], ``seq_lens`` [B] (the
+    new token of sequence b is at position seq_lens[b] - 1 and its K and V are written there) and ``page_table``
+    [B, pages], B the program's batch; it returns float32 logits [B, vocab] (a buffer it reuses). At batch 1
+    ``token`` (int64 [1], also reused) holds their argmax (torch.argmax's, ties and NaN included), the greedy
+    choice made inside the step. q4_k: the products take the activations rounded to int8 per block of 32 (the
+    engine's act_int8 arithmetic); bf16 at batch > 1: rounded to bf16, as the kernel-per-op step rounds them.
 
     ``stages``: ring slots (bf16: 8 KB each, 18 by default, 16 with 16 warps; q4_k: 4.5 KB, 16); ``warps``: the
     compute warps (4 or 8 in a worker partition beside the loader's 4; 16: the default partition, the loader a
@@ -728,14 +854,21 @@ class FastStep:
                  kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        if prog.geometry["batch"] != 1:
-            raise ValueError(f"prog: the fast step runs batch 1, the program has batch {prog.geometry['batch']}")
+        B = prog.geometry["batch"]
+        if not 1 <= B <= MAX_BATCH:
+            raise ValueError(f"prog: the fast step runs batch 1-{MAX_BATCH}, the program has batch {B}")
         bad = unsupported(cfg)
         if bad:
             raise ValueError(f"cfg: the fast step does not run {', '.join(bad)}")
         if not isinstance(stacks, WeightStacks) or stacks.format not in ("bf16", "q4_k"):
             raise ValueError(f"stacks: bf16 or q4_k WeightStacks expected, got "
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
+        self.batch, self.bp = B, 1 << (B - 1).bit_length()
+        if B > 1 and stacks.format != "bf16":
+            raise ValueError(f"prog: batch {B} takes bf16 weights (q4_k runs batch 1), got {stacks.format}")
+        if B > 1 and cfg.hidden > 32768 // self.bp:  # GATEUP's SiLU(gate) * up needs its whole input staged
+            raise ValueError(f"prog: batch {B} stages {32768 // self.bp} columns of a bf16 input, hidden is "
+                             f"{cfg.hidden}")
         if warps not in (4, 8, 16):
             raise ValueError(f"warps (the compute partition's) must be 4, 8 or 16, got {warps!r}")
         # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB (16 slots with 16 compute warps, whose
@@ -779,13 +912,13 @@ class FastStep:
         self.out = torch.zeros(3, dtype=torch.int64, device=dev)  # launch's out
         S = prog.geometry["splits"]
         f32 = dict(dtype=torch.float32, device=dev)
-        self.resid = torch.empty(1, H, **f32)
-        self.qkv = torch.empty(1, (cfg.n_heads + 2 * Hkv) * D, **f32)
-        self.part_o = torch.empty(1, cfg.n_heads, S, D, **f32)
-        self.part_l = torch.empty(1, cfg.n_heads, S, **f32)
-        self.attn = torch.empty(1, cfg.n_heads * D, **f32)
-        self.act = torch.empty(1, cfg.ffn, **f32)
-        self.logits = torch.empty(1, cfg.vocab_size, **f32)
+        self.resid = torch.empty(B, H, **f32)
+        self.qkv = torch.empty(B, (cfg.n_heads + 2 * Hkv) * D, **f32)
+        self.part_o = torch.empty(B, cfg.n_heads, S, D, **f32)
+        self.part_l = torch.empty(B, cfg.n_heads, S, **f32)
+        self.attn = torch.empty(B, cfg.n_heads * D, **f32)
+        self.act = torch.empty(B, cfg.ffn, **f32)
+        self.logits = torch.empty(B, cfg.vocab_size, **f32)
         self.stages, self.warps, self.qstep, self.qdot = stages, warps, qstep, qdot
         if hold not in (0, 1, 2, 3):
             raise ValueError(f"hold must be 0, 1, 2 or 3, got {hold!r}")
@@ -849,6 +982,14 @@ class FastStep:
                                     and out.is_contiguous() and out.device in (self.out.device, torch.device("cpu"))):
             raise ValueError(f"out must be a contiguous int64 tensor of 3 elements on {self.out.device} or in pinned "
                              f"host memory, got {_describe(out)}")
+        B = self.batch
+        for name, t, want in (("ids", ids, (B,)), ("seq_lens", seq_lens, (B,))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != torch.int32:
+                raise ValueError(f"{name} must be an int32 tensor of shape [{B}], got {_describe(t)}")
+        if (not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != B
+                or page_table.dtype != torch.int32 or page_table.stride(1) != 1):
+            raise ValueError(f"page_table must be an int32 [{B}, pages] tensor with contiguous rows, got "
+                             f"{_describe(page_table)}")
         cfg, S = self.cfg, self.prog.geometry["splits"]
         fast_step_kernel[(self.prog.num_sms,)](
             *self.descs, self.table, self.table.shape[1], self.counters, self.err, ids, seq_lens, page_table,
@@ -856,12 +997,13 @@ class FastStep:
             self.qkv, self.part_o, self.part_l, self.attn, self.act, self.logits, self.aux,
             self.out if out is None else out, self.counters.numel(),
             self.n_logits, self.kc.stride(0), cfg.rms_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
-            self.spin_limit, self.err if self.trace is None else self.trace, B=1, H=cfg.hidden, HQ=cfg.n_heads,
+            self.spin_limit, self.err if self.trace is None else self.trace, page_table.stride(0), cfg.vocab_size,
+            B=self.batch, H=cfg.hidden, HQ=cfg.n_heads,
             HKV=cfg.n_kv_heads, D=cfg.head_dim, F=cfg.ffn, S=S, SP=triton.next_power_of_2(S),
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
-            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring,
-            num_warps=16 if self.warps == 16 else 4)
+            QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, BP=self.bp,
+            XPC=128 // self.bp if self.batch > 1 else 65536, num_warps=16 if self.warps == 16 else 4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -887,7 +1029,7 @@ class FastStep:
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
-                 page: int = 16, trace: bool = False, kv_ring: int | None = None):
+                 page: int = 16, trace: bool = False, kv_ring: int | None = None, batch: int = 1):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -904,8 +1046,10 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
                 SEQ_LENS="*i32", PT="*i32", KC="*bf16", VC="*bf16", INV_FREQ="*fp32", EMB="*bf16", MT="*i32",
                 NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
                 ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", AUX="*i64", OUT="*i64", TR="*i64" if trace else "*i32")
-    consts = dict(B=1, H=hidden, HQ=heads, HKV=kv_heads, D=head_dim, F=ffn, S=splits,
-                  SP=triton.next_power_of_2(splits), PAGE=page, GP=triton.next_power_of_2(heads // kv_heads),
+    bp = 1 << (batch - 1).bit_length()
+    consts = dict(B=batch, BP=bp, XPC=128 // bp if batch > 1 else 65536, H=hidden, HQ=heads, HKV=kv_heads,
+                  D=head_dim, F=ffn, S=splits, SP=triton.next_power_of_2(splits), PAGE=page,
+                  GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
                   HOLD=hold,
                   KVRING=(min(2, 512 // head_dim) if fmt == "bf16" and head_dim >= 64 else 0) if kv_ring is None

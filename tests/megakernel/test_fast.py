@@ -84,19 +84,32 @@ def test_fast_step_rejects_bad_arguments(model_files):
     q8 = stack_tensors(cfg, read_gguf(_tiny(model_files, "q8_0")[0]))
     with pytest.raises(ValueError, match="stacks: bf16 or q4_k WeightStacks expected, got q8_0"):
         FastStep(prog, cfg, q8, *args, kc, vc)
-    with pytest.raises(ValueError, match="prog: the fast step runs batch 1"):
-        FastStep(build_decode_program(cfg, "bf16", batch=2, context=16, num_sms=8), cfg, stacks, *args, kc, vc)
+    prog2 = build_decode_program(cfg, "bf16", batch=2, context=16, num_sms=8)
+    q4 = stack_tensors(cfg, read_gguf(_tiny(model_files, "q4_k")[0]))
+    with pytest.raises(ValueError, match="prog: batch 2 takes bf16 weights .q4_k runs batch 1., got q4_k"):
+        FastStep(prog2, cfg, q4, *args, kc, vc)
+    fast2 = FastStep(prog2, cfg, stacks, *args, kc, vc)
+    two = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"ids must be an int32 tensor of shape \[2\], got torch.int32 \[1\]"):
+        fast2.launch(step[0], two, torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seq_lens must be an int32 tensor of shape \[2\], got torch.int64"):
+        fast2.launch(two, two.long(), torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"page_table must be an int32 \[2, pages\] tensor with contiguous rows"):
+        fast2.launch(two, two, torch.zeros(4, 2, dtype=torch.int32).t())
+    with pytest.raises(ValueError, match=r"page_table must be an int32 \[1, pages\]"):
+        fast.launch(*step[:2], torch.zeros(2, 4, dtype=torch.int32))  # batch 1 takes one row
 
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
     """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM (bf16 with 4
-    compute warps, q4_k with 8, and with 16 as the default partition beside a one-warp loader), the loader's hold
+    compute warps and at batch 3 with 8, q4_k with 8, and with 16 as the default partition beside a one-warp
+    loader), the loader's hold
     (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no weight reads issues no
     TMA copy."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
             "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
-            "compile_sm90('bf16', 4, hold=0), compile_sm90('q4_k', 16)]; "
+            "compile_sm90('bf16', 4, hold=0), compile_sm90('q4_k', 16), compile_sm90('bf16', 8, batch=3)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
             "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -104,8 +117,9 @@ def test_fast_step_compiles_for_sm90_without_a_gpu():
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    bf, q, diag, free, q16 = json.loads(r.stdout)
+    bf, q, diag, free, q16, b3 = json.loads(r.stdout)
     assert bf[1] and q[1] and diag[1] and free[1] and q16[1] and q16[3] and q16[0] <= 227 * 1024
+    assert b3[1] and b3[3] and b3[0] <= 227 * 1024
     assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
@@ -207,6 +221,56 @@ def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, warp
     ctx = 600
     ref, fast, table = _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=ctx, warps=warps, kv_ring=kv_ring)
     _steps_agree(ref, fast, fmt, cfg, table, [ctx, ctx + 1, ctx + 2, ctx + 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, warps, splits, engine_layout, context",
+                         [(2, 4, 2, True, 40), (3, 4, 3, False, 600), (8, 4, 2, True, 70), (4, 8, 3, True, 40),
+                          (5, 8, 2, False, 300)])
+def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, warps, splits, engine_layout,
+                                                            context):
+    """Batch 2-8 (bf16 weights; the products take their inputs rounded to bf16, the reference float32 ones):
+    each sequence of its own length (context - 7 b cached keys before the step, in scattered pages of one shared
+    pool, NaN past them) against the reference executor on the same Program at four consecutive positions,
+    within 2e-2 of the largest logit; sequences whose products are padded to a power of two (3, 5) included."""
+    from llmkernels.megakernel.fast import FastStep
+    from llmkernels.megakernel.kernel import DecodeStep
+
+    _, f, cfg = _tiny(model_files, "bf16")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    prog = build_decode_program(cfg, "bf16", batch=batch, context=context + 4, num_sms=sms, num_splits=splits)
+    page = 16
+    pages = -(-(context + 8) // page)
+    shape = (cfg.n_layers, batch * pages + 3, page, cfg.n_kv_heads, cfg.head_dim)
+    nan = dict(dtype=torch.bfloat16, device="cuda")
+    ref_k, ref_v = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    if engine_layout:
+        kv = torch.full((cfg.n_layers, 2, *shape[1:]), float("nan"), **nan)
+        kc, vc = kv[:, 0], kv[:, 1]
+    else:
+        kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    table = torch.randperm(shape[1])[:batch * pages].view(batch, pages).to(torch.int32).cuda()
+    lens = [context - 7 * b for b in range(batch)]
+    for b, n in enumerate(lens):
+        rows = table[b].long()
+        for ref_c, c in ((ref_k, kc), (ref_v, vc)):
+            old = torch.randn(cfg.n_layers, pages * page, cfg.n_kv_heads, cfg.head_dim, **nan)
+            old[:, n:] = float("nan")
+            ref_c[:, rows] = old.view(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim)
+            c[:, rows] = ref_c[:, rows]
+    inv, _ = rope_inv_freq(cfg)
+    ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=batch)
+    fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), warps=warps)
+    for t in range(4):
+        ids = torch.randint(1, cfg.vocab_size, (batch,), dtype=torch.int32, device="cuda")
+        seq_lens = torch.tensor([n + 1 + t for n in lens], dtype=torch.int32, device="cuda")
+        want = ref(ids, seq_lens, table).clone()
+        fast.logits.fill_(float("nan"))
+        got = fast(ids, seq_lens, table)
+        assert got.shape == want.shape == (batch, cfg.vocab_size)
+        err = ((got - want).abs().amax(1) / want.abs().amax(1)).max().item()
+        assert err < 2e-2, f"step {t}: {err:.3g} of the largest logit"
+        assert fast.counters.eq(0).all(), f"step {t}"
 
 
 @pytest.mark.gpu
