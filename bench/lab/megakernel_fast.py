@@ -113,6 +113,8 @@ def main():
                     "empty: the default), for the variants that take it")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (bf16: 1-8), each of --context "
                     "cached tokens; the engine's kernel-per-op rate at the same batch beside it")
+    ap.add_argument("--batch-mma", default="1", help="comma-separated FastStep batch_mma (batch > 1: 1 the tensor "
+                    "cores, 0 the CUDA cores)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--trace", action="store_true", help="then one traced step per context: where the time goes")
@@ -154,8 +156,11 @@ def main():
             diags = [int(x) for x in args.diag.split(",")]
             variants = args.variants.split(",")
             rings = [int(x) for x in args.kv_ring.split(",")] if args.kv_ring else [None]
-            for w, st, hd, dg, var, ring in itertools.product(warps, stages, holds, diags, variants, rings):
+            mmas = [bool(int(x)) for x in args.batch_mma.split(",")] if B > 1 else [True]
+            for w, st, hd, dg, var, ring, mma in itertools.product(warps, stages, holds, diags, variants, rings, mmas):
                 kw = dict(stages=st, warps=w, hold=hd, diag=dg, **q)
+                if B > 1:
+                    kw["batch_mma"] = mma
                 step = importlib.import_module("llmkernels.megakernel." + var).FastStep
                 if "kv_ring" in inspect.signature(step).parameters:
                     kw["kv_ring"] = ring
@@ -169,7 +174,7 @@ def main():
                 torch.cuda.synchronize()
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
                 print(f"{fmt} {var} step, batch {B}, context {context}, {prog.geometry['splits']} splits, {w} "
-                      f"compute warps, "
+                      f"compute warps{', tensor cores' if B > 1 and mma else ''}, "
                       f"{st} slots, hold {hd}, diag {dg}, kv_ring {kw.get('kv_ring', '-')}: "
                       f"{ms * 1e3:.1f} us per step ({B / ms * 1e3:.1f} tokens/s), "
                       f"{100 * prog.weight_bytes / bw / (ms * 1e-3):.1f}% of the "

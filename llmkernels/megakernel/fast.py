@@ -19,7 +19,8 @@ views with any layer stride (the engine's cache holds K and V of a layer side by
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import (DotOperandLayout, NVMMADistributedLayout, async_copy,
+                                                               mma_v2)
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..attention.paged_ws import _now
@@ -65,7 +66,7 @@ def _gemv_source(MT, op, layer, n_layers, H: gl.constexpr, KO: gl.constexpr, F: 
 def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate, PROG, n_instr,
             MT, n_layers, H: gl.constexpr, KO: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
             FMT: gl.constexpr, DIAG: gl.constexpr, HOLD: gl.constexpr, PAD: gl.constexpr = 0,
-            XPC: gl.constexpr = 65536):
+            XPC: gl.constexpr = 65536, BMMA: gl.constexpr = False):
     """Every GEMV instruction's slots in the compute warps' order: per 16-row subtile (GATEUP: gate, then up),
     K / 256 boxes of bf16 (FMT 0), or K / 512 slots of q4_k read in the GGUF layout (FMT 1: two super-blocks' code
     bytes and their headers, q4k_copy). HOLD > 0: at an ATTN instruction it waits on ``gate`` (the compute warps
@@ -73,7 +74,8 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
     it is past its wait, so those loads and signals do not queue behind this SM's weight stream. PAD (16 compute
     warps, q4_k): a row of an odd number of slots gets a filler slot (arrived, never filled), as the products take
     the slots in pairs. XPC (batch > 1): an instruction's slots go in pieces of XPC per row, every subtile's first
-    piece, then every subtile's second..., the order in which _gemv_b stages its input."""
+    piece, then every subtile's second..., the order in which _gemv_b stages its input; BMMA: a bf16 slot is four
+    [16, 64] boxes with the 128-byte swizzle (the mma's A operand), in w_smem rows 4 s .. 4 s + 3."""
     c = 0
     na = 0
     for j in range(n_instr):
@@ -101,6 +103,18 @@ def _loader(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, r
                         elif (DIAG == 1) | (DIAG == 3):  # timing only: the slot is released unfilled
                             gl.thread_barrier()
                             mbarrier.arrive(ready.index(s), count=1)
+                        elif (FMT == 0) & BMMA:  # batch > 1 on the tensor cores: four [16, 64] boxes a slot
+                            mbarrier.expect(ready.index(s), 4 * desc_a.block_type.nbytes)
+                            for q in gl.static_range(4):
+                                if which == 0:
+                                    tma.async_copy_global_to_shared(desc_a, [row, kc * BK + 64 * q], ready.index(s),
+                                                                    w_smem.index(s * 4 + q))
+                                elif which == 1:
+                                    tma.async_copy_global_to_shared(desc_o, [row, kc * BK + 64 * q], ready.index(s),
+                                                                    w_smem.index(s * 4 + q))
+                                else:
+                                    tma.async_copy_global_to_shared(desc_d, [row, kc * BK + 64 * q], ready.index(s),
+                                                                    w_smem.index(s * 4 + q))
                         elif FMT == 0:
                             mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
                             if which == 0:
@@ -316,26 +330,94 @@ def _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4: gl.constexpr, STAGES: gl
 
 
 @gluon.jit
+def _stage_m(x_smem, X, xs, NW, K, k0, eps, NORM: gl.constexpr, B: gl.constexpr):
+    """_stage_b for the tensor cores: columns [k0, k0 + 4096) of rows b < B of X, rounded to bf16, into the staging
+    buffer seen as [64 chunks of 64 columns, 8 rows, 64] with the 128-byte swizzle (the mma's B operand, n = 8
+    sequences); rows B..7 and columns past K are zeros."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])  # [16, 8, 64]
+    SWB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    xs4 = x_smem._reinterpret(gl.bfloat16, [4, 16, 8, 64], SWB)  # groups of 16 chunks
+    cc = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    bb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    ee = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    inv = gl.full([1, 8, 1], 1.0, gl.float32, L3)
+    if NORM:
+        for b in gl.static_range(B):
+            inv = gl.where(bb == b, inv_rms(X + b * xs, K, eps), inv)
+    nk = gl.minimum(K - k0, 4096) // 64
+    gl.thread_barrier()  # every warp is past its reads of the piece before
+    for g in range(4):
+        col = k0 + (g * 16 + cc) * 64 + ee
+        cm = (g * 16 + cc < nk) & (ee < 64)
+        x = gl.load(X + bb * xs + col, mask=cm & (bb < B), other=0.0)
+        if NORM:
+            x = x * inv * gl.load(NW + col, mask=cm, other=0.0)
+        xs4.index(g).store(x.to(gl.bfloat16))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
+    """One 16-row subtile over nk slots on the tensor cores (mma.sync m16n8k16, 4 compute warps): A the slot's
+    four [16, 64] boxes, one per warp, B the staged input's matching [64, 8] -> ([16 rows, 8 sequences] float32,
+    c + nk); the warps' sums are added once, at the end."""
+    MMA: gl.constexpr = NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    SWB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    NS: gl.constexpr = w_smem.shape[0] // 4
+    wv = w_smem._reinterpret(gl.bfloat16, [NS, 4, 16, 64], SWB)
+    xv = x_smem._reinterpret(gl.bfloat16, [16, 4, 8, 64], SWB)
+    acc = gl.zeros([4, 16, 8], gl.float32, MMA)
+    for kc in range(nk):
+        xb = xv.index(kc).permute([0, 2, 1]).load(DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        wa = wv.index(s).load(DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+        gl.thread_barrier()  # every warp has its box in registers
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = mma_v2(wa, xb, acc)
+        c += 1
+    return gl.sum(acc, axis=0), c
+
+
+@gluon.jit
 def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps, NORM: gl.constexpr,
-            ACC: gl.constexpr, GLU: gl.constexpr, STAGES: gl.constexpr, B: gl.constexpr, BP: gl.constexpr):
+            ACC: gl.constexpr, GLU: gl.constexpr, STAGES: gl.constexpr, B: gl.constexpr, BP: gl.constexpr,
+            BMMA: gl.constexpr):
     """Batch > 1, bf16 weights: rows [lo, hi) of the instruction's matrix for rows b < B of X (row stride xs):
     OUT[b, rows] = y (ACC: += y; GLU: y = SiLU(gate) * up, as _gemv_any) at OUT's row stride os -> c after its
-    slots. The input is staged in pieces of 32768 / BP columns (_stage_b) and each piece's partial products added
-    into OUT, in the order the loader streams them (XPC); GLU's K fits one piece (FastStep checks)."""
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 32, 1], [1, gl.num_warps(), 1, 1], [3, 2, 1, 0])
-    LY: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BP, 16]
-    bi = gl.arange(0, BP, layout=gl.SliceLayout(1, LY))[:, None]
-    ri = gl.arange(0, 16, layout=gl.SliceLayout(0, LY))[None, :]
+    slots. The input is staged in pieces (_stage_b: 32768 / BP columns; BMMA, _stage_m: 4096) and each piece's
+    partial products added into OUT, in the order the loader streams them (XPC); GLU's K fits one piece (FastStep
+    checks). The products: _subtile_b on the CUDA cores, or with BMMA _subtile_m on the tensor cores."""
+    if BMMA:
+        MMA: gl.constexpr = NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+        LY: gl.constexpr = gl.SliceLayout(0, MMA)  # [16 rows, 8 sequences]
+        ri = gl.arange(0, 16, layout=gl.SliceLayout(1, LY))[:, None]
+        bi = gl.arange(0, 8, layout=gl.SliceLayout(0, LY))[None, :]
+        XP: gl.constexpr = 4096
+    else:
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 32, 1], [1, gl.num_warps(), 1, 1], [3, 2, 1, 0])
+        LY: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BP sequences, 16 rows]
+        bi = gl.arange(0, BP, layout=gl.SliceLayout(1, LY))[:, None]
+        ri = gl.arange(0, 16, layout=gl.SliceLayout(0, LY))[None, :]
+        XP: gl.constexpr = 32768 // BP
     m = (bi < B) & (ri < 16)
-    XP: gl.constexpr = 32768 // BP
     for k0 in range(0, K, XP):
-        _stage_b(x_smem, X, xs, NW, K, k0, eps, NORM, B, BP)
+        if BMMA:
+            _stage_m(x_smem, X, xs, NW, K, k0, eps, NORM, B)
+        else:
+            _stage_b(x_smem, X, xs, NW, K, k0, eps, NORM, B, BP)
         nk = gl.minimum(K - k0, XP) // BK
         for r in range(lo, hi, 16):
-            y, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
-            if GLU:
-                u, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
-                y = y / (1.0 + gl.exp(-y)) * u
+            if BMMA:
+                y, c = _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES)
+                if GLU:
+                    u, c = _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES)
+                    y = y / (1.0 + gl.exp(-y)) * u
+            else:
+                y, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
+                if GLU:
+                    u, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
+                    y = y / (1.0 + gl.exp(-y)) * u
             ptr = OUT + bi * os + r + ri
             if ACC:
                 y += gl.load(ptr, mask=m, other=0.0)
@@ -616,7 +698,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
              B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
              F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
              STAGES: gl.constexpr, FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr, BP: gl.constexpr):
+             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr, BP: gl.constexpr, BMMA: gl.constexpr):
     """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token (batch 1; B > 1 leaves the choice to the caller). The last LOGITS
     instruction to finish writes the token, the last program to finish zeroes the counters for the next step (each
@@ -650,7 +732,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 2:
             if B > 1:  # bf16 products of every sequence
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, NORMS + layer * 2 * H, QKV,
-                            (HQ + 2 * HKV) * D, eps, True, False, False, STAGES, B, BP)
+                            (HQ + 2 * HKV) * D, eps, True, False, False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
@@ -675,7 +757,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 5:
             if B > 1:  # bf16 products of every sequence
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, HQ * D, ATTN, HQ * D, ATTN, RESID, H, eps,
-                            False, True, False, STAGES, B, BP)
+                            False, True, False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID,
@@ -683,7 +765,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 6:
             if B > 1:  # bf16 products of every sequence
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, NORMS + layer * 2 * H + H, ACT,
-                            F, eps, True, False, True, STAGES, B, BP)
+                            F, eps, True, False, True, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, ACT, False,
@@ -691,7 +773,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 7:
             if B > 1:  # bf16 products of every sequence
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, F, ACT, F, ACT, RESID, H, eps, False, True,
-                            False, STAGES, B, BP)
+                            False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True,
@@ -699,7 +781,7 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
         elif op == 8:
             if B > 1:  # bf16 products of every sequence
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, ONORM, LOGITS, n_vocab, eps, True,
-                            False, False, STAGES, B, BP)
+                            False, False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
                 c, best = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, LOGITS,
@@ -746,20 +828,25 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
                      STAGES: gl.constexpr, FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False,
                      QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
-                     KVRING: gl.constexpr = 0, BP: gl.constexpr = 1, XPC: gl.constexpr = 65536):
+                     KVRING: gl.constexpr = 0, BP: gl.constexpr = 1, XPC: gl.constexpr = 65536,
+                     BMMA: gl.constexpr = False):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
     products are skipped (the step without them), 3 both; 4 ATTN reads no cached key, 5 nor computes a block of
     them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). B > 1 (bf16): B
     sequences (page table rows pt_stride apart, logits rows n_vocab apart), the products by _gemv_b with BP the
-    power of two from B, XPC = 128 / BP slots per staged piece. The counters must be zero at the first launch;
-    each step leaves them so (_compute)."""
+    power of two from B, XPC = 128 / BP slots per staged piece; BMMA (4 compute warps): on the tensor cores, desc_*
+    with [16, 64] boxes, XPC = 16. The counters must be zero at the first launch; each step leaves them so
+    (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if FMT == 0:
-        w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, BK], desc_a.layout)
+        if BMMA:  # four [16, 64] boxes a slot (desc_*: 128-byte swizzle)
+            w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, 16, 64], desc_a.layout)
+        else:
+            w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, BK], desc_a.layout)
         x_smem = gl.allocate_shared_memory(gl.float32, [64, BK], flat)
         h_smem = w_smem
         xq_smem = x_smem
@@ -778,24 +865,24 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                         ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
                         PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
                         spin_limit, TR, pt_stride, n_vocab, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE,
-                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP)),
+                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP, BMMA)),
             (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
-                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, FMT, XPC)),
+                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, FMT, XPC, BMMA)),
         ], [1], [40])
     else:
         gl.warp_specialize([
             (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
-                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, 0, XPC)),
+                       PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, 0, XPC, BMMA)),
             (_compute, (w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG_SM, n_instr, sm, COUNTERS,
                         ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
                         PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
                         spin_limit, TR, pt_stride, n_vocab, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE,
-                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP)),
+                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP, BMMA)),
         ], [CW], [232 if CW == 4 else 192])
 
 
-def _layout():
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+def _layout(swizzle: int = 0):
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
 
 
 def unsupported(cfg) -> list:
@@ -846,12 +933,15 @@ class FastStep:
     staging buffer (bf16 at head dim 64 or more: 2 by default; 0, and always for q4_k: one block ahead in
     registers); ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``:
     polls of a counter before the step gives up (``error`` then names the instruction); ``trace``: record each
-    instruction's start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3].
+    instruction's start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3];
+    ``batch_mma``: at batch > 1 the products run on the tensor cores (mma.sync, 4 compute warps; hidden up to
+    4096), else on the CUDA cores (hidden up to 32768 / B rounded up to a power of two).
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int | None = None, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
-                 kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False):
+                 kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False,
+                 batch_mma: bool = True):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B = prog.geometry["batch"]
@@ -864,11 +954,14 @@ class FastStep:
             raise ValueError(f"stacks: bf16 or q4_k WeightStacks expected, got "
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
         self.batch, self.bp = B, 1 << (B - 1).bit_length()
+        self.bmma = B > 1 and bool(batch_mma)
         if B > 1 and stacks.format != "bf16":
             raise ValueError(f"prog: batch {B} takes bf16 weights (q4_k runs batch 1), got {stacks.format}")
-        if B > 1 and cfg.hidden > 32768 // self.bp:  # GATEUP's SiLU(gate) * up needs its whole input staged
-            raise ValueError(f"prog: batch {B} stages {32768 // self.bp} columns of a bf16 input, hidden is "
-                             f"{cfg.hidden}")
+        if self.bmma and warps != 4:
+            raise ValueError(f"batch_mma: the tensor-core products at batch {B} take 4 compute warps, got {warps}")
+        piece = 4096 if self.bmma else 32768 // self.bp
+        if B > 1 and cfg.hidden > piece:  # GATEUP's SiLU(gate) * up needs its whole input staged
+            raise ValueError(f"prog: batch {B} stages {piece} columns of a bf16 input, hidden is {cfg.hidden}")
         if warps not in (4, 8, 16):
             raise ValueError(f"warps (the compute partition's) must be 4, 8 or 16, got {warps!r}")
         # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB (16 slots with 16 compute warps, whose
@@ -892,8 +985,8 @@ class FastStep:
         self.bytes = {k: getattr(stacks, k) for k in "aod"}
         if self.fmt == "bf16":
             mats = [self.bytes[k].view(torch.bfloat16) for k in "aod"]
-            self.descs = tuple(TensorDescriptor(t, list(t.shape), [t.shape[1], 1], [16, 256], _layout())
-                               for t in mats) * 2
+            box, lay = ([16, 64], _layout(128)) if self.bmma else ([16, 256], _layout())
+            self.descs = tuple(TensorDescriptor(t, list(t.shape), [t.shape[1], 1], box, lay) for t in mats) * 2
         else:
             d = [q4k_descriptors(self.bytes[k], 16, True) for k in "aod"]
             self.descs = tuple(x[0] for x in d) + tuple(x[1] for x in d)
@@ -1003,7 +1096,8 @@ class FastStep:
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
             QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, BP=self.bp,
-            XPC=128 // self.bp if self.batch > 1 else 65536, num_warps=16 if self.warps == 16 else 4)
+            XPC=16 if self.bmma else 128 // self.bp if self.batch > 1 else 65536, BMMA=self.bmma,
+            num_warps=16 if self.warps == 16 else 4)
 
     def error(self, flag=None) -> str | None:
         """What stopped a step (``flag``: ``self.err`` or a host copy of it), or None: the instruction whose wait
@@ -1029,7 +1123,8 @@ class FastStep:
 
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
-                 page: int = 16, trace: bool = False, kv_ring: int | None = None, batch: int = 1):
+                 page: int = 16, trace: bool = False, kv_ring: int | None = None, batch: int = 1,
+                 batch_mma: bool = True):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -1037,8 +1132,11 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
     from ..attention._gluon import compile_sm90 as compile_gluon
     from .q4k import layout8
 
+    bmma = batch > 1 and batch_mma
+    if bmma and warps != 4:
+        raise ValueError(f"batch_mma takes 4 compute warps, got {warps}")
     if fmt == "bf16":
-        descs = [f"tensordesc<bf16[16,256],{_layout()!r}>"] * 6
+        descs = [f"tensordesc<bf16[16,64],{_layout(128)!r}>" if bmma else f"tensordesc<bf16[16,256],{_layout()!r}>"] * 6
     else:
         descs = [f"tensordesc<u8[16,2,{n}],{layout8(3)!r}>" for n in (128, 128, 128, 16, 16, 16)]
     names = fast_step_kernel.arg_names
@@ -1047,7 +1145,8 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
                 NORMS="*fp32", ONORM="*fp32", RESID="*fp32", QKV="*fp32", PART_O="*fp32", PART_L="*fp32",
                 ATTN="*fp32", ACT="*fp32", LOGITS="*fp32", AUX="*i64", OUT="*i64", TR="*i64" if trace else "*i32")
     bp = 1 << (batch - 1).bit_length()
-    consts = dict(B=batch, BP=bp, XPC=128 // bp if batch > 1 else 65536, H=hidden, HQ=heads, HKV=kv_heads,
+    consts = dict(B=batch, BP=bp, XPC=16 if bmma else 128 // bp if batch > 1 else 65536, BMMA=bmma, H=hidden,
+                  HQ=heads, HKV=kv_heads,
                   D=head_dim, F=ffn, S=splits, SP=triton.next_power_of_2(splits), PAGE=page,
                   GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,

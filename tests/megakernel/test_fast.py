@@ -88,6 +88,9 @@ def test_fast_step_rejects_bad_arguments(model_files):
     q4 = stack_tensors(cfg, read_gguf(_tiny(model_files, "q4_k")[0]))
     with pytest.raises(ValueError, match="prog: batch 2 takes bf16 weights .q4_k runs batch 1., got q4_k"):
         FastStep(prog2, cfg, q4, *args, kc, vc)
+    with pytest.raises(ValueError, match="batch_mma: the tensor-core products at batch 2 take 4 compute warps"):
+        FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8)
+    FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8, batch_mma=False)
     fast2 = FastStep(prog2, cfg, stacks, *args, kc, vc)
     two = torch.ones(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"ids must be an int32 tensor of shape \[2\], got torch.int32 \[1\]"):
@@ -102,14 +105,15 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
     """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM (bf16 with 4
-    compute warps and at batch 3 with 8, q4_k with 8, and with 16 as the default partition beside a one-warp
-    loader), the loader's hold
+    compute warps, at batch 3 with 8 on the CUDA cores and at batch 8 on the tensor cores; q4_k with 8, and with
+    16 as the default partition beside a one-warp loader), the loader's hold
     (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no weight reads issues no
     TMA copy."""
     _needs_gluon()
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
             "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
-            "compile_sm90('bf16', 4, hold=0), compile_sm90('q4_k', 16), compile_sm90('bf16', 8, batch=3)]; "
+            "compile_sm90('bf16', 4, hold=0), compile_sm90('q4_k', 16), compile_sm90('bf16', 8, batch=3, "
+            "batch_mma=False), compile_sm90('bf16', 4, batch=8)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
             "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -117,9 +121,9 @@ def test_fast_step_compiles_for_sm90_without_a_gpu():
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
-    bf, q, diag, free, q16, b3 = json.loads(r.stdout)
+    bf, q, diag, free, q16, b3, b8 = json.loads(r.stdout)
     assert bf[1] and q[1] and diag[1] and free[1] and q16[1] and q16[3] and q16[0] <= 227 * 1024
-    assert b3[1] and b3[3] and b3[0] <= 227 * 1024
+    assert b3[1] and b3[3] and b3[0] <= 227 * 1024 and b8[1] and b8[3] and b8[0] <= 227 * 1024
     assert bf[2] == free[2] + 1
     assert bf[3] and q[3] and not diag[3]
     assert 128 * 1024 < bf[0] <= 227 * 1024 and q[0] <= 227 * 1024
@@ -224,15 +228,17 @@ def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, warp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, warps, splits, engine_layout, context",
-                         [(2, 4, 2, True, 40), (3, 4, 3, False, 600), (8, 4, 2, True, 70), (4, 8, 3, True, 40),
-                          (5, 8, 2, False, 300)])
-def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, warps, splits, engine_layout,
+@pytest.mark.parametrize("batch, warps, mma, splits, engine_layout, context",
+                         [(2, 4, True, 2, True, 40), (3, 4, True, 3, False, 600), (8, 4, True, 2, True, 70),
+                          (2, 4, False, 2, False, 40), (8, 4, False, 3, True, 70), (4, 8, False, 3, True, 40),
+                          (5, 8, False, 2, False, 300)])
+def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, warps, mma, splits, engine_layout,
                                                             context):
-    """Batch 2-8 (bf16 weights; the products take their inputs rounded to bf16, the reference float32 ones):
-    each sequence of its own length (context - 7 b cached keys before the step, in scattered pages of one shared
-    pool, NaN past them) against the reference executor on the same Program at four consecutive positions,
-    within 2e-2 of the largest logit; sequences whose products are padded to a power of two (3, 5) included."""
+    """Batch 2-8 (bf16 weights; the products take their inputs rounded to bf16, the reference float32 ones), on
+    the tensor cores and on the CUDA cores: each sequence of its own length (context - 7 b cached keys before the
+    step, in scattered pages of one shared pool, NaN past them) against the reference executor on the same
+    Program at four consecutive positions, within 2e-2 of the largest logit; batches the products pad (3, 5)
+    included."""
     from llmkernels.megakernel.fast import FastStep
     from llmkernels.megakernel.kernel import DecodeStep
 
@@ -260,7 +266,7 @@ def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, 
             c[:, rows] = ref_c[:, rows]
     inv, _ = rope_inv_freq(cfg)
     ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=batch)
-    fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), warps=warps)
+    fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), warps=warps, batch_mma=mma)
     for t in range(4):
         ids = torch.randint(1, cfg.vocab_size, (batch,), dtype=torch.int32, device="cuda")
         seq_lens = torch.tensor([n + 1 + t for n in lens], dtype=torch.int32, device="cuda")
