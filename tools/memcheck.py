@@ -460,8 +460,9 @@ def engine_kernel_cases(dev="cuda"):
 
 
 def megakernel_cases(dev="cuda"):
-    """The one-kernel decode step (Gluon, sm_90) on a tiny llama, 5 steps each: bf16 and q4_k, 4 and 8 compute
-    warps, 2 and 3 key splits, each way the loader holds its stream (fast.FastStep's hold), programs
+    """The one-kernel decode step (Gluon, sm_90) on a tiny llama, 5 steps each: bf16 and q4_k, 4, 8 and 16 compute
+    warps, batch 1 and bf16 at batch 3, 5 and 8 (tensor and CUDA cores), 2 and 3 key splits, each way the loader
+    holds its stream (fast.FastStep's hold), programs
     for 7 SMs and for all of them, scattered pages, short splits and splits of several blocks of keys (bf16 through
     ATTN's cp.async ring of 2 and 3 blocks, and through registers), the token and error flag written into pinned
     host memory."""
@@ -484,27 +485,36 @@ def megakernel_cases(dev="cuda"):
              ("q4_k", 8, 3, 7, {}, 0), ("q4_k", 8, 2, sms, dict(hold=2), 0),
              # splits of several blocks of 32 keys
              ("bf16", 4, 2, 7, {}, 203), ("bf16", 8, 3, sms, {}, 203), ("q4_k", 8, 2, sms, {}, 203),
-             ("bf16", 4, 3, sms, dict(kv_ring=3), 203), ("bf16", 4, 2, 7, dict(kv_ring=0), 203))
+             ("bf16", 4, 3, sms, dict(kv_ring=3), 203), ("bf16", 4, 2, 7, dict(kv_ring=0), 203),
+             # 16 compute warps (q4_k slots in pairs, a filler slot after odd rows)
+             ("q4_k", 16, 2, sms, {}, 0), ("q4_k", 16, 3, 7, {}, 203),
+             # batch 3 and 8: the tensor cores and the CUDA cores
+             ("bf16", 4, 2, sms, dict(batch=3), 203), ("bf16", 4, 3, 7, dict(batch=8), 40),
+             ("bf16", 8, 2, sms, dict(batch=3, batch_mma=False), 203),
+             ("bf16", 4, 2, 7, dict(batch=5, batch_mma=False), 40))
     out = torch.zeros(3, dtype=torch.int64).pin_memory()
     for fmt, warps, splits, n_sms, opts, ctx in cases:
+        opts = dict(opts)
+        B = opts.pop("batch", 1)
         if fmt not in files:
             files[fmt] = read_gguf(convert_hf_to_gguf(d, f"{d}/model-{fmt}.gguf", fmt, progress=False))
         f = files[fmt]
         cfg = ModelConfig.from_gguf(f.metadata, f.keys())
-        prog = build_decode_program(cfg, fmt, batch=1, context=max(16, ctx), num_sms=n_sms, num_splits=splits)
+        prog = build_decode_program(cfg, fmt, batch=B, context=max(16, ctx), num_sms=n_sms, num_splits=splits)
         # short: the GPU tests' page geometry (their compiled kernels are reused); long: pages of 16, the last
         # one partly used
         page, pages = (4, 4) if not ctx else (16, -(-(ctx + 5) // 16))
-        kc = torch.zeros(cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16,
+        kc = torch.zeros(cfg.n_layers, B * pages + 3, page, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16,
                          device=dev)
         vc = torch.zeros_like(kc)
-        table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).to(dev)
+        table = torch.randperm(B * pages + 3)[:B * pages].view(B, pages).to(torch.int32).to(dev)
         inv, _ = rope_inv_freq(cfg)
         fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.to(dev), warps=warps, spin_limit=1 << 30, **opts)
-        for t in range(5):
-            args = (torch.full((1,), 3 + t, dtype=torch.int32, device=dev),
-                    torch.full((1,), ctx + 1 + t, dtype=torch.int32, device=dev), table)
-            if t % 2:
+        for t in range(5):  # batch > 1: sequence b holds 3 b keys fewer
+            args = (torch.full((B,), 3 + t, dtype=torch.int32, device=dev),
+                    torch.tensor([max(1, ctx + 1 + t - 3 * b) for b in range(B)], dtype=torch.int32, device=dev),
+                    table)
+            if t % 2 and B == 1:
                 fast.launch(*args, out=out)
             else:
                 fast(*args)
