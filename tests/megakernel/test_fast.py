@@ -145,6 +145,29 @@ def test_engine_describes_its_decode_path_on_the_cpu(model_files):
 
 # --- on the GPU -------------------------------------------------------------------------------------------------
 
+def _poisoned_caches(cfg, shape, engine_layout):
+    """(reference K, reference V, fast K, fast V): NaN caches of ``shape``; with ``engine_layout`` the fast step's K
+    and V of a layer side by side, as the engine's cache (a layer stride of two caches)."""
+    nan = dict(dtype=torch.bfloat16, device="cuda")
+    ref_k, ref_v = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    if engine_layout:
+        kv = torch.full((cfg.n_layers, 2, *shape[1:]), float("nan"), **nan)
+        return ref_k, ref_v, kv[:, 0], kv[:, 1]
+    return ref_k, ref_v, torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+
+
+def _fill_keys(refs, fasts, pages, n):
+    """The same random keys and values at positions before ``n`` in the pages ``pages`` of both cache pairs (NaN
+    past them)."""
+    rows = pages.long()
+    L, _, page, Hkv, D = refs[0].shape
+    for ref_c, c in zip(refs, fasts):
+        old = torch.randn(L, len(rows) * page, Hkv, D, dtype=torch.bfloat16, device="cuda")
+        old[:, n:] = float("nan")
+        ref_c[:, rows] = old.view(L, len(rows), page, Hkv, D)
+        c[:, rows] = ref_c[:, rows]
+
+
 def _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=0, **kw):
     """The reference executor and a fast step on one Program, each with its own NaN-poisoned cache over the same
     scattered pages; ``context`` > 0: both caches hold the same random keys and values at positions before it."""
@@ -156,21 +179,10 @@ def _ref_and_fast(f, cfg, fmt, splits, engine_layout, context=0, **kw):
     page = 4 if not context else 16
     pages = 4 if not context else -(-(context + 16) // page)
     shape = (cfg.n_layers, pages + 3, page, cfg.n_kv_heads, cfg.head_dim)
-    nan = dict(dtype=torch.bfloat16, device="cuda")
-    ref_k, ref_v = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
-    if engine_layout:  # K and V of a layer side by side, as the engine's cache: a layer stride of two caches
-        kv = torch.full((cfg.n_layers, 2, *shape[1:]), float("nan"), **nan)
-        kc, vc = kv[:, 0], kv[:, 1]
-    else:
-        kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    ref_k, ref_v, kc, vc = _poisoned_caches(cfg, shape, engine_layout)
     table = torch.randperm(pages + 3)[:pages].view(1, pages).to(torch.int32).cuda()
     if context:
-        rows = table[0].long()
-        for ref_c, c in ((ref_k, kc), (ref_v, vc)):
-            old = torch.randn(cfg.n_layers, pages * page, cfg.n_kv_heads, cfg.head_dim, **nan)
-            old[:, context:] = float("nan")
-            ref_c[:, rows] = old.view(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim)
-            c[:, rows] = ref_c[:, rows]
+        _fill_keys((ref_k, ref_v), (kc, vc), table[0], context)
     inv, _ = rope_inv_freq(cfg)
     ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=1)
     return ref, FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), **kw), table
@@ -248,22 +260,11 @@ def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, 
     page = 16
     pages = -(-(context + 8) // page)
     shape = (cfg.n_layers, batch * pages + 3, page, cfg.n_kv_heads, cfg.head_dim)
-    nan = dict(dtype=torch.bfloat16, device="cuda")
-    ref_k, ref_v = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
-    if engine_layout:
-        kv = torch.full((cfg.n_layers, 2, *shape[1:]), float("nan"), **nan)
-        kc, vc = kv[:, 0], kv[:, 1]
-    else:
-        kc, vc = torch.full(shape, float("nan"), **nan), torch.full(shape, float("nan"), **nan)
+    ref_k, ref_v, kc, vc = _poisoned_caches(cfg, shape, engine_layout)
     table = torch.randperm(shape[1])[:batch * pages].view(batch, pages).to(torch.int32).cuda()
     lens = [context - 7 * b for b in range(batch)]
     for b, n in enumerate(lens):
-        rows = table[b].long()
-        for ref_c, c in ((ref_k, kc), (ref_v, vc)):
-            old = torch.randn(cfg.n_layers, pages * page, cfg.n_kv_heads, cfg.head_dim, **nan)
-            old[:, n:] = float("nan")
-            ref_c[:, rows] = old.view(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim)
-            c[:, rows] = ref_c[:, rows]
+        _fill_keys((ref_k, ref_v), (kc, vc), table[b], n)
     inv, _ = rope_inv_freq(cfg)
     ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=batch)
     fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), warps=warps, batch_mma=mma)
