@@ -13,6 +13,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import time
 
 import torch
 
@@ -166,12 +167,17 @@ def main():
                     kw["kv_ring"] = ring
                 elif ring != rings[0]:
                     continue
+                t0 = time.perf_counter()
                 if base is None:
                     fast = base = step.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), **kw)
                 else:
                     fast = step(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc, vc, **kw)
+                t1 = time.perf_counter()
                 fast(ids, lens, table)
                 torch.cuda.synchronize()
+                # where a slow start goes: building the step (stacks), or its first launch (compilation, a wait)
+                print(f"  built in {t1 - t0:.1f} s, first step (compiled and run) in {time.perf_counter() - t1:.1f} s",
+                      flush=True)
                 ms = time_graph_ms([functools.partial(fast.launch, ids, lens, table)], reps=10)
                 print(f"{fmt} {var} step, batch {B}, context {context}, {prog.geometry['splits']} splits, {w} "
                       f"compute warps{', tensor cores' if B > 1 and mma else ''}, "
