@@ -44,6 +44,8 @@ def test_unsupported_names_what_the_fast_step_lacks(model_files):
 
 def test_fast_step_rejects_bad_arguments(model_files):
     _needs_gluon()
+    import dataclasses
+
     from llmkernels.megakernel.fast import FastStep
     from llmkernels.megakernel.weights import stack_tensors
 
@@ -91,6 +93,10 @@ def test_fast_step_rejects_bad_arguments(model_files):
     with pytest.raises(ValueError, match="batch_mma: the tensor-core products at batch 2 take 4 compute warps"):
         FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8)
     FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8, batch_mma=False)
+    with pytest.raises(ValueError, match="prog: batch 2 stages 4096 columns of a bf16 input, hidden is 8192"):
+        FastStep(prog2, dataclasses.replace(cfg, hidden=8192), stacks, *args, kc, vc)
+    with pytest.raises(ValueError, match="stages must be an even number in 2..24, got 15"):
+        FastStep(prog, cfg, q4, *args, kc, vc, warps=16, stages=15)
     fast2 = FastStep(prog2, cfg, stacks, *args, kc, vc)
     two = torch.ones(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"ids must be an int32 tensor of shape \[2\], got torch.int32 \[1\]"):
