@@ -514,11 +514,10 @@ def _ring_issue(k_ring, v_ring, slot, KC, VC, kpg, vpg, cache_off, k0, kidx5, ki
 
 @gluon.jit
 def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride, qk_scale, COUNTERS,
-          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, lead, HQ: gl.constexpr, HKV: gl.constexpr,
+          ERR, wait, target, ok, where, spin_limit, TRW, gate, kv_buf, HQ: gl.constexpr, HKV: gl.constexpr,
           D: gl.constexpr, S: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr, BLOCK_N: gl.constexpr,
           TRACE: gl.constexpr, HOLD: gl.constexpr, DIAG: gl.constexpr = 0, NBUF: gl.constexpr = 0):
-    """One KV head's key split of one sequence (the caller offsets QKV, PT, SEQ_LENS and the partials to it; lead:
-    the instruction's first sequence, which stamps the trace and opens the loader's gate), as
+    """One KV head's key split of one sequence (the caller offsets QKV, PT, SEQ_LENS and the partials to it), as
     kernel._attn_split: q of the group rotated, the last split stores the new token's rotated K and its V, then the
     split's keys -> float32 partial and log-sum-exp.
     What does not depend on this step's QKV (the length, the page table, the first block of BLOCK_N cached keys,
@@ -590,12 +589,11 @@ def _attn(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, 
                         cache_off, kb, kidx5, kidxv, rd, PAGE, HKV, D, dk5, dv, NBUF)
     new_page = gl.load(PT + (n - 1) // PAGE)
     ok = _wait(COUNTERS, ERR, wait, target, ok, where, spin_limit)
-    if lead:  # the instruction's first sequence (_compute)
-        if TRACE:
-            gl.store(TRW, _now())
-        if (HOLD == 1) | (HOLD == 3):  # the loader may stream again (_loader)
-            gl.thread_barrier()
-            mbarrier.arrive(gate, count=1)
+    if TRACE:
+        gl.store(TRW, _now())
+    if (HOLD == 1) | (HOLD == 3):  # the loader may stream again (_loader)
+        gl.thread_barrier()
+        mbarrier.arrive(gate, count=1)
     qoff = (h * G + g5) * D
     qm = gm & (dq < D)
     q = (gl.load(QKV + qoff + dq, mask=qm, other=0.0) * cos_q
@@ -737,18 +735,14 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, H, QKV, False,
                                  False, STAGES, FMT, QSTEP, QDOT, DIAG)
-        elif op == 3:
-            if B == 1:
-                ok = _attn(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, layer_stride,
-                           qk_scale, COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate,
-                           x_smem, 1, HQ, HKV, D, S, PAGE, GP, 32, TRACE, HOLD, DIAG, KVRING)
-            else:  # the split of every sequence in turn; only the first waits
-                for b in range(B):
-                    ok = _attn(layer, lo, split, QKV + b * ((HQ + 2 * HKV) * D), KC, VC, PT + b * pt_stride,
-                               SEQ_LENS + b, INV_FREQ, PART_O + b * (HQ * S * D), PART_L + b * (HQ * S), layer_stride,
-                               qk_scale, COUNTERS, ERR, gl.where(b == 0, wait, -1), target, ok, where, spin_limit,
-                               TR + where * 3 + 1, gate, x_smem, b == 0, HQ, HKV, D, S, PAGE, GP, 32, TRACE, HOLD,
-                               DIAG, KVRING)
+        elif op == 3:  # one sequence's key split (schedule: split = sequence * S + key split)
+            b = 0
+            if B > 1:
+                b = split // S
+            ok = _attn(layer, lo, split - b * S, QKV + b * ((HQ + 2 * HKV) * D), KC, VC, PT + b * pt_stride,
+                       SEQ_LENS + b, INV_FREQ, PART_O + b * (HQ * S * D), PART_L + b * (HQ * S), layer_stride,
+                       qk_scale, COUNTERS, ERR, wait, target, ok, where, spin_limit, TR + where * 3 + 1, gate, x_smem,
+                       HQ, HKV, D, S, PAGE, GP, 32, TRACE, HOLD, DIAG, KVRING)
             if HOLD == 2:  # the loader may stream again (_loader)
                 gl.thread_barrier()
                 mbarrier.arrive(gate, count=1)

@@ -195,7 +195,9 @@ def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PA
     gm = gi < G
     inv = tl.load(INV_FREQ + ii)
     qn = QKN + layer * 2 * D
-    for b in range(B):
+    b0 = split // S  # the unit's sequence and its key split there
+    split = split % S
+    for b in range(b0, b0 + 1):
         n = tl.load(SEQ_LENS + b)
         pos = n - 1
         cos = tl.cos(pos.to(tl.float32) * inv)

@@ -6,9 +6,9 @@ one to a range of counters. The counters are zeroed before each step. Ops, per l
 
 - QKV: rows [lo, hi) of one section (q, k or v) of the fused QKV weight, after the RMSNorm of the residual stream
   (recomputed by every tile: a few KB per sequence). Signals the counter of every KV group its rows belong to.
-- ATTN: one KV head and one key split of every sequence: RoPE on the group's query heads, attention over its split
-  of the cache, written as a float32 partial with its log-sum-exp; the last split rotates the new token's K and
-  stores it and its V into the cache first.
+- ATTN: one KV head and one key split of one sequence (``split`` = sequence * splits + key split): RoPE on the
+  group's query heads, attention over its split of the cache, written as a float32 partial with its log-sum-exp;
+  the last split rotates the new token's K and stores it and its V into the cache first.
 - MERGE: query heads [lo, hi) of one KV group, their splits merged into the attention output (one head per
   instruction where the SMs allow: a merge's partials are read on the step's critical path).
 - O: rows of W_o over the attention output, added into the residual stream in place.
@@ -137,7 +137,8 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     """The instruction lists of one decode step of ``cfg`` in weight format ``fmt`` at ``batch`` sequences of
     ``context`` cached tokens, for ``num_sms`` SMs.
 
-    ``num_splits``: key splits per KV head (default: enough that the ATTN instructions fill the SMs). SMs are
+    ``num_splits``: key splits per KV head and sequence (default: enough that the ATTN instructions of all the
+    sequences fill the SMs, so a larger batch splits each sequence's keys fewer ways). SMs are
     assigned greedily in the global order, each instruction to the SM that can finish it first under the cost model
     of ``simulate`` (``bandwidth``, ``prefetch_bytes``, ``signal_latency``)."""
     if not isinstance(batch, int) or not 1 <= batch <= 8:
@@ -155,7 +156,7 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
     except KeyError:
         raise ValueError(f"fmt must be a GGUF format or a mix such as q4_k_m, got {fmt!r}") from None
     Hkv, G, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    S = num_splits or max(1, num_sms // Hkv)
+    S = num_splits or max(1, num_sms // (Hkv * batch))
     # query heads per MERGE: the fewest (a divisor of the group) that keep the merges within the SMs
     mh = next(d for d in range(1, G + 1) if G % d == 0 and cfg.n_heads // d <= max(num_sms, Hkv))
     rb = matrix_bytes(cfg, fmt)
@@ -220,13 +221,13 @@ def build_decode_program(cfg: ModelConfig, fmt: str, *, batch: int = 1, context:
         counts = gemv("QKV", li, [("q", 0, q_rows, rb[("q", li)]), ("k", q_rows, kv_rows, rb[("k", li)]),
                                   ("v", q_rows + kv_rows, kv_rows, rb[("v", li)])], wait, target, group_range)
         for h in range(Hkv):
-            keys = batch * context * D * 2 * kv_bytes_per_elem
-            for s in range(S):
-                kv = keys * (s + 1) // S - keys * s // S
+            keys = context * D * 2 * kv_bytes_per_elem
+            for u in range(batch * S):  # sequence u // S, its key split u % S
+                kv = keys * (u % S + 1) // S - keys * (u % S) // S
                 kv_total += kv
-                add("ATTN", li, h, h + 1, qkv[h], counts[qkv[h]], part[h], part[h] + 1, kv, split=s)
+                add("ATTN", li, h, h + 1, qkv[h], counts[qkv[h]], part[h], part[h] + 1, kv, split=u)
         for q0 in range(0, cfg.n_heads, mh):
-            add("MERGE", li, q0, q0 + mh, part[q0 // G], S, attn, attn + 1, batch * mh * S * (D + 1) * 4)
+            add("MERGE", li, q0, q0 + mh, part[q0 // G], batch * S, attn, attn + 1, batch * mh * S * (D + 1) * 4)
         n_o = gemv("O", li, [("o", 0, cfg.hidden, rb[("o", li)])], attn, cfg.n_heads // mh,
                    lambda *a: (o_done, o_done + 1))
         if cfg.n_experts:
@@ -336,11 +337,12 @@ def _check_coverage(instrs: list) -> None:
 
 def _accesses(i: Instr, geo: dict) -> list:
     """[(buffer, "r" or "w", [(lo, hi), ...])] of instruction ``i``. Rows are those of the fused QKV output for
-    ``qkv``, KV heads for each layer's cache and for ``attn``, (head, split) slots for ``part``, rows of the hidden,
-    FFN or vocab dimension elsewhere; GEMV ops read their whole input vector. ATTN reads its group's q rows and its
-    head's k and v rows; the last split stores the new token's K and V into a slot no other split reads
-    (``new ...``)."""
+    ``qkv``, KV heads for each layer's cache and for ``attn``, (head, sequence, split) slots for ``part``, rows of
+    the hidden, FFN or vocab dimension elsewhere; GEMV ops read their whole input vector. ATTN reads its group's q
+    rows and its head's k and v rows; a sequence's last split stores its new token's K and V into a slot no other
+    split reads (``new ...``, per head and sequence)."""
     G, D, S, qr, kvr = geo["group"], geo["head_dim"], geo["splits"], geo["q_rows"], geo["kv_rows"]
+    U = S * geo["batch"]  # ATTN units per KV head
     whole = [(0, 1 << 40)]
     own = [(i.lo, i.hi)]
     if i.op == "EMBED":
@@ -351,10 +353,11 @@ def _accesses(i: Instr, geo: dict) -> list:
         h = i.lo
         out = [("qkv", "r", [(h * G * D, (h + 1) * G * D), (qr + h * D, qr + (h + 1) * D),
                              (qr + kvr + h * D, qr + kvr + (h + 1) * D)]),
-               (f"cache {i.layer}", "r", own), ("part", "w", [(h * S + i.split, h * S + i.split + 1)])]
-        return out + ([(f"new {i.layer}", "w", own)] if i.split == S - 1 else [])
+               (f"cache {i.layer}", "r", own), ("part", "w", [(h * U + i.split, h * U + i.split + 1)])]
+        seq = h * geo["batch"] + i.split // S
+        return out + ([(f"new {i.layer}", "w", [(seq, seq + 1)])] if i.split % S == S - 1 else [])
     if i.op == "MERGE":  # query heads [lo, hi) of KV head lo // G
-        return [("part", "r", [(i.lo // G * S, (i.lo // G + 1) * S)]), ("attn", "w", own)]
+        return [("part", "r", [(i.lo // G * U, (i.lo // G + 1) * U)]), ("attn", "w", own)]
     if i.op == "O":
         return [("attn", "r", whole), ("resid", "r", own), ("resid", "w", own)]
     if i.op == "GATEUP":

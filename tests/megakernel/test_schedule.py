@@ -28,7 +28,9 @@ def test_llama3_8b_layers_schedule_is_sound(fmt, batch):
     ops = [i.op for i in prog.instructions]
     assert ops[0] == "EMBED" and ops[-1] == "LOGITS"
     per_layer = {op: sum(1 for i in prog.instructions if i.op == op and i.layer == 1) for op in S.OPS[2:8]}
-    assert per_layer["ATTN"] == 8 * (132 // 8) and per_layer["MERGE"] == 32  # one per query head
+    # one ATTN per KV head, sequence and key split, the splits as many as keep them within the SMs
+    assert prog.geometry["splits"] == 132 // (8 * batch)
+    assert per_layer["ATTN"] == 8 * batch * (132 // (8 * batch)) and per_layer["MERGE"] == 32  # one per query head
     # the weights of the step are all streamed once
     rb = S.matrix_bytes(cfg, fmt)
     want = batch * rb[("embed", -1)] + cfg.vocab_size * rb[("logits", -1)] + sum(
