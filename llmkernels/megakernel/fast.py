@@ -383,8 +383,9 @@ def _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
 def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps, NORM: gl.constexpr,
             ACC: gl.constexpr, GLU: gl.constexpr, STAGES: gl.constexpr, B: gl.constexpr, BP: gl.constexpr,
             BMMA: gl.constexpr):
-    """Batch > 1, bf16 weights: rows [lo, hi) of the instruction's matrix for rows b < B of X (row stride xs):
-    OUT[b, rows] = y (ACC: += y; GLU: y = SiLU(gate) * up, as _gemv_any) at OUT's row stride os -> c after its
+    """Batch > 1, bf16 weights: rows [lo, hi) of the instruction's matrix for rows b < B of X (row stride xs; float32,
+    or bf16 where the producer rounded it as the staging would): OUT[b, rows] = y (ACC: += y; GLU: y = SiLU(gate)
+    * up, stored in bf16, as _gemv_any) at OUT's row stride os -> c after its
     slots. The input is staged in pieces (_stage_b: 32768 / BP columns; BMMA, _stage_m: 4096) and each piece's
     partial products added into OUT, in the order the loader streams them (XPC); GLU's K fits one piece (FastStep
     checks). The products: _subtile_b on the CUDA cores, or with BMMA _subtile_m on the tensor cores."""
@@ -419,11 +420,14 @@ def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps,
                     u, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
                     y = y / (1.0 + gl.exp(-y)) * u
             ptr = OUT + bi * os + r + ri
-            if ACC:
-                y += gl.load(ptr, mask=m, other=0.0)
-            else:  # a later piece adds to the earlier ones
-                y += gl.load(ptr, mask=m & (k0 > 0), other=0.0)
-            gl.store(ptr, y, mask=m)
+            if GLU:  # the activation in bf16, as DOWN stages it: the same rounding, half the bytes every SM reads
+                gl.store(OUT.to(gl.pointer_type(gl.bfloat16)) + bi * os + r + ri, y.to(gl.bfloat16), mask=m)
+            else:
+                if ACC:
+                    y += gl.load(ptr, mask=m, other=0.0)
+                else:  # a later piece adds to the earlier ones
+                    y += gl.load(ptr, mask=m & (k0 > 0), other=0.0)
+                gl.store(ptr, y, mask=m)
     return c
 
 
@@ -686,7 +690,11 @@ def _merge(lo, hi, PART_O, PART_L, ATTN, B: gl.constexpr, HQ: gl.constexpr, D: g
             w = gl.where(lse == float("-inf"), 0.0, gl.exp(lse - m))
             o = gl.load(PART_O + (hq * S + si[:, None]) * D + di[None, :], mask=(si < S)[:, None] & (di < D)[None, :],
                         other=0.0)
-            gl.store(ATTN + hq * D + di, gl.sum(o * w[:, None], axis=0) / gl.sum(w, axis=0))
+            y = gl.sum(o * w[:, None], axis=0) / gl.sum(w, axis=0)
+            if B > 1:  # bf16, as O stages it (_gemv_b): the same rounding, half the bytes every SM reads
+                gl.store(ATTN.to(gl.pointer_type(gl.bfloat16)) + hq * D + di, y.to(gl.bfloat16))
+            else:
+                gl.store(ATTN + hq * D + di, y)
 
 
 @gluon.jit
@@ -750,7 +758,8 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
             _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
         elif op == 5:
             if B > 1:  # bf16 products of every sequence
-                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, HQ * D, ATTN, HQ * D, ATTN, RESID, H, eps,
+                a16 = ATTN.to(gl.pointer_type(gl.bfloat16))  # _merge's bf16 rows
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, HQ * D, a16, HQ * D, a16, RESID, H, eps,
                             False, True, False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
@@ -766,7 +775,8 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                                  True, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 7:
             if B > 1:  # bf16 products of every sequence
-                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, F, ACT, F, ACT, RESID, H, eps, False, True,
+                a16 = ACT.to(gl.pointer_type(gl.bfloat16))  # GATEUP's bf16 rows
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, F, a16, F, a16, RESID, H, eps, False, True,
                             False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
