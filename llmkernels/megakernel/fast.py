@@ -333,27 +333,30 @@ def _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4: gl.constexpr, STAGES: gl
 def _stage_m(x_smem, X, xs, NW, K, k0, eps, NORM: gl.constexpr, B: gl.constexpr):
     """_stage_b for the tensor cores: columns [k0, k0 + 4096) of rows b < B of X, rounded to bf16, into the staging
     buffer seen as [64 chunks of 64 columns, 8 rows, 64] with the 128-byte swizzle (the mma's B operand, n = 8
-    sequences); rows B..7 and columns past K are zeros."""
+    sequences); rows B..7 and columns past K are zeros. NORM (K <= 4096, one piece): x * NW is staged and each
+    row's 1 / RMS, summed in the same pass, is returned ([8]) for the caller to scale the products by, so the rows
+    are read once; else the returned scales are ones."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])  # [16, 8, 64]
     SWB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     xs4 = x_smem._reinterpret(gl.bfloat16, [4, 16, 8, 64], SWB)  # groups of 16 chunks
     cc = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     bb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
     ee = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    inv = gl.full([1, 8, 1], 1.0, gl.float32, L3)
-    if NORM:
-        for b in gl.static_range(B):
-            inv = gl.where(bb == b, inv_rms(X + b * xs, K, eps), inv)
+    ss = gl.zeros([8], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     nk = gl.minimum(K - k0, 4096) // 64
     gl.thread_barrier()  # every warp is past its reads of the piece before
     for g in range(4):
         col = k0 + (g * 16 + cc) * 64 + ee
         cm = (g * 16 + cc < nk) & (ee < 64)
-        x = gl.load(X + bb * xs + col, mask=cm & (bb < B), other=0.0)
+        x = gl.load(X + bb * xs + col, mask=cm & (bb < B), other=0.0).to(gl.float32)
         if NORM:
-            x = x * inv * gl.load(NW + col, mask=cm, other=0.0)
+            ss += gl.sum(gl.sum(x * x, axis=2), axis=0)
+            x = x * gl.load(NW + col, mask=cm, other=0.0)
         xs4.index(g).store(x.to(gl.bfloat16))
     gl.thread_barrier()
+    if NORM:
+        return 1.0 / gl.sqrt(ss / K + eps)
+    return ss + 1.0
 
 
 @gluon.jit
@@ -404,15 +407,17 @@ def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps,
     m = (bi < B) & (ri < 16)
     for k0 in range(0, K, XP):
         if BMMA:
-            _stage_m(x_smem, X, xs, NW, K, k0, eps, NORM, B)
+            inv = gl.convert_layout(_stage_m(x_smem, X, xs, NW, K, k0, eps, NORM, B), gl.SliceLayout(0, LY))[None, :]
         else:
             _stage_b(x_smem, X, xs, NW, K, k0, eps, NORM, B, BP)
         nk = gl.minimum(K - k0, XP) // BK
         for r in range(lo, hi, 16):
-            if BMMA:
+            if BMMA:  # the norm's 1 / RMS per sequence scales the products (_stage_m)
                 y, c = _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES)
+                y = y * inv
                 if GLU:
                     u, c = _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES)
+                    u = u * inv
                     y = y / (1.0 + gl.exp(-y)) * u
             else:
                 y, c = _subtile_b(w_smem, x_smem, ready, empty, c, nk, L4, STAGES, BP)
@@ -964,7 +969,7 @@ class FastStep:
         if self.bmma and warps != 4:
             raise ValueError(f"batch_mma: the tensor-core products at batch {B} take 4 compute warps, got {warps}")
         piece = 4096 if self.bmma else 32768 // self.bp
-        if B > 1 and cfg.hidden > piece:  # GATEUP's SiLU(gate) * up needs its whole input staged
+        if B > 1 and cfg.hidden > piece:  # GATEUP's SiLU(gate) * up and the norm's scale need the whole input staged
             raise ValueError(f"prog: batch {B} stages {piece} columns of a bf16 input, hidden is {cfg.hidden}")
         if warps not in (4, 8, 16):
             raise ValueError(f"warps (the compute partition's) must be 4, 8 or 16, got {warps!r}")
