@@ -17,6 +17,7 @@ from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_tensors
 from llmkernels.engine.config import rope_inv_freq
 from llmkernels.megakernel import build_decode_program
 from llmkernels.megakernel.fast import FastStep
+from megakernel_fast import step_inputs, trace_summary
 
 
 def main():
@@ -44,14 +45,7 @@ def main():
     tensors = synthetic_tensors(args.fmt, cfg)
     prog = build_decode_program(cfg, args.fmt, batch=B, context=context, num_sms=sms,
                                 num_splits=args.splits or None)
-    page = 16
-    pages = -(-(context + 1) // page)
-    kc = torch.randn(cfg.n_layers, B * pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda",
-                     dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
-    ids = torch.ones(B, dtype=torch.int32, device="cuda")
-    lens = torch.full((B,), context, dtype=torch.int32, device="cuda")
+    kc, vc, table, ids, lens = step_inputs(cfg, B, context)
     inv, _ = rope_inv_freq(cfg)
     fast = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), warps=args.warps, hold=args.hold,
                                  spin_limit=1 << args.spin,
@@ -99,8 +93,6 @@ def main():
               f"the weight-bandwidth bound ({prog.weight_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s), error "
               f"{fast.error()}", flush=True)
     if args.trace:
-        from megakernel_fast import trace_summary
-
         traced = FastStep(prog, cfg, fast.stacks, fast.emb, fast.norms, fast.onorm, inv, kc, vc, warps=args.warps,
                           hold=args.hold, spin_limit=1 << args.spin, stages=args.stages or None, trace=True,
                           **(dict(batch_mma=bool(args.mma)) if B > 1 else {}))

@@ -15,6 +15,7 @@ from llmkernels.bench.suites.engine import llama3_8b_config, synthetic_tensors
 from llmkernels.engine.config import rope_inv_freq
 from llmkernels.megakernel import build_decode_program
 from llmkernels.megakernel.fast import FastStep
+from megakernel_fast import step_inputs, trace_summary
 
 
 def main():
@@ -31,13 +32,7 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tensors = synthetic_tensors("q4_k", cfg)
     prog = build_decode_program(cfg, "q4_k", batch=1, context=context, num_sms=sms)
-    page = 16
-    pages = -(-(context + 1) // page)
-    kc = torch.randn(cfg.n_layers, pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
-    ids = torch.ones(1, dtype=torch.int32, device="cuda")
-    lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    kc, vc, table, ids, lens = step_inputs(cfg, 1, context)
     inv, _ = rope_inv_freq(cfg)
     out = {}
     base = None
@@ -55,8 +50,6 @@ def main():
         print(f"{w} warps, {layers} layers, context {context}: {ms * 1e3:.1f} us per step, error {fast.error()}",
               flush=True)
         if trace:
-            from megakernel_fast import trace_summary
-
             traced = FastStep(prog, cfg, base.stacks, base.emb, base.norms, base.onorm, inv, kc.clone(), vc.clone(),
                               trace=True, **kw)
             traced(ids, lens, table)

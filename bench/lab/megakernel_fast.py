@@ -20,6 +20,18 @@ import torch
 from llmkernels.megakernel.fast import FastStep
 
 
+def step_inputs(cfg, batch: int, context: int, page: int = 16):
+    """(k_cache, v_cache, page_table, ids, seq_lens) of a step at ``batch`` sequences of ``context`` cached tokens
+    each: random bf16 caches [layers, pages, page, kv heads, head dim], each sequence's pages in order."""
+    pages = -(-(context + 1) // page)
+    kc = torch.randn(cfg.n_layers, batch * pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda",
+                     dtype=torch.bfloat16)
+    table = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+    ids = torch.ones(batch, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return kc, torch.randn_like(kc), table, ids, lens
+
+
 def trace_summary(prog, tr):
     """Where an SM's time goes in a traced step: per op, the mean over SMs of the time its instructions spent
     waiting for their counters and running (us), which add up to the step's span."""
@@ -144,14 +156,7 @@ def main():
                                         bandwidth=bw,
                                         num_splits=splits or None)
             print(describe(prog, simulate(prog, bandwidth=bw)), flush=True)
-            page = 16
-            pages = -(-(context + 1) // page)
-            kc = torch.randn(cfg.n_layers, B * pages, page, cfg.n_kv_heads, cfg.head_dim, device="cuda",
-                             dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
-            ids = torch.ones(B, dtype=torch.int32, device="cuda")
-            lens = torch.full((B,), context, dtype=torch.int32, device="cuda")
+            kc, vc, table, ids, lens = step_inputs(cfg, B, context)
             base = None
             holds = [int(x) for x in args.hold.split(",")]
             diags = [int(x) for x in args.diag.split(",")]
