@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--eager", type=int, default=3)
     ap.add_argument("--splits", type=int, default=0, help="key splits per KV head (0: the schedule's)")
+    ap.add_argument("--measured-schedule", action="store_true", help="schedule for the measured read bandwidth, as "
+                    "megakernel_fast.py does (default: build_decode_program's)")
     ap.add_argument("--trace", action="store_true", help="then a traced step: where each SM's time goes")
     ap.add_argument("--mma", type=int, default=1, help="batch > 1: FastStep's batch_mma")
     ap.add_argument("--stages", type=int, default=0, help="ring slots (0: FastStep's default)")
@@ -43,8 +45,13 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     B, context = args.batch, args.context
     tensors = synthetic_tensors(args.fmt, cfg)
+    extra = {}
+    if args.measured_schedule:
+        from llmkernels.bench.harness import measure_read_bandwidth
+
+        extra["bandwidth"] = measure_read_bandwidth() * 1e12
     prog = build_decode_program(cfg, args.fmt, batch=B, context=context, num_sms=sms,
-                                num_splits=args.splits or None)
+                                num_splits=args.splits or None, **extra)
     kc, vc, table, ids, lens = step_inputs(cfg, B, context)
     inv, _ = rope_inv_freq(cfg)
     fast = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), warps=args.warps, hold=args.hold,
