@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--measured-schedule", action="store_true", help="schedule for the measured read bandwidth, as "
                     "megakernel_fast.py does (default: build_decode_program's)")
     ap.add_argument("--trace", action="store_true", help="then a traced step: where each SM's time goes")
-    ap.add_argument("--mma", type=int, default=1, help="batch > 1: FastStep's batch_mma")
+    ap.add_argument("--mma", type=int, default=-1, help="batch > 1: FastStep's batch_mma (1 tensor cores, 0 CUDA "
+                    "cores, -1 its default)")
     ap.add_argument("--stages", type=int, default=0, help="ring slots (0: FastStep's default)")
     ap.add_argument("--dump-every", type=float, default=20.0)
     ap.add_argument("--time", action="store_true", help="then the step's time per replay and the bound's share")
@@ -54,10 +55,12 @@ def main():
                                 num_splits=args.splits or None, **extra)
     kc, vc, table, ids, lens = step_inputs(cfg, B, context)
     inv, _ = rope_inv_freq(cfg)
+    mma = dict(batch_mma=None if args.mma < 0 else bool(args.mma)) if B > 1 else {}
     fast = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), warps=args.warps, hold=args.hold,
                                  spin_limit=1 << args.spin,
-                                 stages=args.stages or None, **(dict(batch_mma=bool(args.mma)) if B > 1 else {}))
-    print(f"{args.fmt} {args.layers} layers batch {B} hold {args.hold} warps {args.warps}: "
+                                 stages=args.stages or None, **mma)
+    print(f"{args.fmt} {args.layers} layers batch {B} hold {args.hold} warps {args.warps}"
+          f"{', tensor cores' if fast.bmma else ''}: "
           f"{len(prog.counter_names)} counters, {sum(len(x) for x in prog.lists)} instructions", flush=True)
 
     def step(tag):
@@ -102,7 +105,7 @@ def main():
     if args.trace:
         traced = FastStep(prog, cfg, fast.stacks, fast.emb, fast.norms, fast.onorm, inv, kc, vc, warps=args.warps,
                           hold=args.hold, spin_limit=1 << args.spin, stages=args.stages or None, trace=True,
-                          **(dict(batch_mma=bool(args.mma)) if B > 1 else {}))
+                          **mma)
         traced(ids, lens, table)
         traced(ids, lens, table)
         torch.cuda.synchronize()

@@ -943,14 +943,16 @@ class FastStep:
     registers); ``diag``: timing-only builds that give wrong results (fast_step_kernel's DIAG); ``spin_limit``:
     polls of a counter before the step gives up (``error`` then names the instruction); ``trace``: record each
     instruction's start, end of wait and end (global ns) in ``self.trace`` [SMs, instructions, 3];
-    ``batch_mma``: at batch > 1 the products run on the tensor cores (mma.sync, 4 compute warps; hidden up to
-    4096), else on the CUDA cores (hidden up to 32768 / B rounded up to a power of two).
+    ``batch_mma``: at batch > 1 the products run on the tensor cores (True: mma.sync, 4 compute warps; hidden up
+    to 4096) or on the CUDA cores (False: hidden up to 32768 / B rounded up to a power of two); None (the default)
+    takes the CUDA cores at batch 2 and the tensor cores above it, the faster of the two at each size on the
+    Llama-3-8B shape (bench/NOTES.md).
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int | None = None, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
                  kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False,
-                 batch_mma: bool = True):
+                 batch_mma: bool | None = None):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B = prog.geometry["batch"]
@@ -963,7 +965,9 @@ class FastStep:
             raise ValueError(f"stacks: bf16 or q4_k WeightStacks expected, got "
                              f"{getattr(stacks, 'format', type(stacks).__name__)}")
         self.batch, self.bp = B, 1 << (B - 1).bit_length()
-        self.bmma = B > 1 and bool(batch_mma)
+        if batch_mma is not None and not isinstance(batch_mma, bool):
+            raise TypeError(f"batch_mma must be None, True or False, got {type(batch_mma).__name__}")
+        self.bmma = B > 1 and (B > 2 if batch_mma is None else batch_mma)
         if B > 1 and stacks.format != "bf16":
             raise ValueError(f"prog: batch {B} takes bf16 weights (q4_k runs batch 1), got {stacks.format}")
         if self.bmma and warps != 4:

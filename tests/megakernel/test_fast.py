@@ -91,10 +91,19 @@ def test_fast_step_rejects_bad_arguments(model_files):
     with pytest.raises(ValueError, match="prog: batch 2 takes bf16 weights .q4_k runs batch 1., got q4_k"):
         FastStep(prog2, cfg, q4, *args, kc, vc)
     with pytest.raises(ValueError, match="batch_mma: the tensor-core products at batch 2 take 4 compute warps"):
-        FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8)
-    FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8, batch_mma=False)
-    with pytest.raises(ValueError, match="prog: batch 2 stages 4096 columns of a bf16 input, hidden is 8192"):
-        FastStep(prog2, dataclasses.replace(cfg, hidden=8192), stacks, *args, kc, vc)
+        FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8, batch_mma=True)
+    with pytest.raises(TypeError, match="batch_mma must be None, True or False, got int"):
+        FastStep(prog2, cfg, stacks, *args, kc, vc, batch_mma=1)
+    assert not FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8).bmma  # batch 2: the CUDA cores by default
+    prog3 = build_decode_program(cfg, "bf16", batch=3, context=16, num_sms=8)
+    assert FastStep(prog3, cfg, stacks, *args, kc, vc).bmma  # batch 3 and up: the tensor cores
+    with pytest.raises(ValueError, match="batch_mma: the tensor-core products at batch 3 take 4 compute warps"):
+        FastStep(prog3, cfg, stacks, *args, kc, vc, warps=8)
+    with pytest.raises(ValueError, match="prog: batch 3 stages 4096 columns of a bf16 input, hidden is 8192"):
+        FastStep(prog3, dataclasses.replace(cfg, hidden=8192), stacks, *args, kc, vc)
+    prog5 = build_decode_program(cfg, "bf16", batch=5, context=16, num_sms=8)
+    with pytest.raises(ValueError, match="prog: batch 5 stages 4096 columns of a bf16 input, hidden is 8192"):
+        FastStep(prog5, dataclasses.replace(cfg, hidden=8192), stacks, *args, kc, vc, batch_mma=False)
     with pytest.raises(ValueError, match="stages must be an even number in 2..24, got 15"):
         FastStep(prog, cfg, q4, *args, kc, vc, warps=16, stages=15)
     fast2 = FastStep(prog2, cfg, stacks, *args, kc, vc)
