@@ -180,7 +180,7 @@ def _gate_up(W8, W16, WI8, mats, first, lo, hi, X, inv, NW, OUT, H: tl.constexpr
 
 @triton.jit
 def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, QKN, num_pages, pages_per_seq,
-                qk_scale, eps, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                qk_scale, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 S: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, NEOX: tl.constexpr,
                 QK_NORM: tl.constexpr):
     """RoPE pairs (2 i, 2 i + 1), or (i, i + D / 2) with NEOX, rotated by angle i; with QK_NORM each head of q and
@@ -195,68 +195,67 @@ def _attn_split(layer, h, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PA
     gm = gi < G
     inv = tl.load(INV_FREQ + ii)
     qn = QKN + layer * 2 * D
-    b0 = split // S  # the unit's sequence and its key split there
+    b = split // S  # the unit's sequence and its key split there
     split = split % S
-    for b in range(b0, b0 + 1):
-        n = tl.load(SEQ_LENS + b)
-        pos = n - 1
-        cos = tl.cos(pos.to(tl.float32) * inv)
-        sin = tl.sin(pos.to(tl.float32) * inv)
-        qrow = QKV + b * NQKV + (h * G + gi)[:, None] * D
-        qe = tl.load(qrow + ev[None, :], mask=gm[:, None], other=0.0)
-        qo = tl.load(qrow + od[None, :], mask=gm[:, None], other=0.0)
+    n = tl.load(SEQ_LENS + b)
+    pos = n - 1
+    cos = tl.cos(pos.to(tl.float32) * inv)
+    sin = tl.sin(pos.to(tl.float32) * inv)
+    qrow = QKV + b * NQKV + (h * G + gi)[:, None] * D
+    qe = tl.load(qrow + ev[None, :], mask=gm[:, None], other=0.0)
+    qo = tl.load(qrow + od[None, :], mask=gm[:, None], other=0.0)
+    if QK_NORM:
+        qe, qo = _rms_pair(qe, qo, qn, ev[None, :], od[None, :], eps, D)
+    q_e = (qe * cos[None, :] - qo * sin[None, :]) * qk_scale
+    q_o = (qe * sin[None, :] + qo * cos[None, :]) * qk_scale
+    cache_off = (layer.to(tl.int64) * num_pages) * PAGE * HKV * D + h * D
+    if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
+        krow = QKV + b * NQKV + HQ * D + h * D
+        ke = tl.load(krow + ev)
+        ko = tl.load(krow + od)
         if QK_NORM:
-            qe, qo = _rms_pair(qe, qo, qn, ev[None, :], od[None, :], eps, D)
-        q_e = (qe * cos[None, :] - qo * sin[None, :]) * qk_scale
-        q_o = (qe * sin[None, :] + qo * cos[None, :]) * qk_scale
-        cache_off = (layer.to(tl.int64) * num_pages) * PAGE * HKV * D + h * D
-        if split == S - 1:  # the new token: K rotated, V as is, into its cache slot
-            krow = QKV + b * NQKV + HQ * D + h * D
-            ke = tl.load(krow + ev)
-            ko = tl.load(krow + od)
-            if QK_NORM:
-                ke, ko = _rms_pair(ke, ko, qn + D, ev, od, eps, D)
-            page = tl.load(PT + b * pages_per_seq + pos // PAGE)
-            slot = cache_off + (page.to(tl.int64) * PAGE + pos % PAGE) * HKV * D
-            tl.store(KC + slot + ev, (ke * cos - ko * sin).to(KC.dtype.element_ty))
-            tl.store(KC + slot + od, (ke * sin + ko * cos).to(KC.dtype.element_ty))
-            vrow = QKV + b * NQKV + (HQ + HKV) * D + h * D
-            tl.store(VC + slot + ev, tl.load(vrow + ev).to(VC.dtype.element_ty))
-            tl.store(VC + slot + od, tl.load(vrow + od).to(VC.dtype.element_ty))
-            tl.debug_barrier()
-        lo = split * n // S
-        hi = (split + 1) * n // S
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc_e = tl.zeros([GP, D2], tl.float32)
-        acc_o = tl.zeros([GP, D2], tl.float32)
-        for k0 in range(lo, hi, BLOCK_N):
-            keys = k0 + tl.arange(0, BLOCK_N)
-            km = keys < hi
-            page = tl.load(PT + b * pages_per_seq + keys // PAGE, mask=km, other=0)
-            row = cache_off + (page.to(tl.int64) * PAGE + keys % PAGE) * HKV * D
-            kp = KC + row[:, None]
-            ke = tl.load(kp + ev[None, :], mask=km[:, None], other=0.0).to(tl.float32)
-            ko = tl.load(kp + od[None, :], mask=km[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q_e[:, None, :] * ke[None, :, :] + q_o[:, None, :] * ko[None, :, :], 2)  # [GP, BLOCK_N]
-            s = tl.where(km[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            vp = VC + row[:, None]
-            ve = tl.load(vp + ev[None, :], mask=km[:, None], other=0.0).to(tl.float32)
-            vo = tl.load(vp + od[None, :], mask=km[:, None], other=0.0).to(tl.float32)
-            acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
-            acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-        has = l_i > 0
-        den = tl.where(has, l_i, 1.0)
-        base = ((b * HQ + h * G + gi) * S + split)
-        tl.store(PART_O + base[:, None] * D + ev[None, :], acc_e / den[:, None], mask=gm[:, None])
-        tl.store(PART_O + base[:, None] * D + od[None, :], acc_o / den[:, None], mask=gm[:, None])
-        tl.store(PART_L + base, tl.where(has, m_i + tl.log(den), float("-inf")), mask=gm)
+            ke, ko = _rms_pair(ke, ko, qn + D, ev, od, eps, D)
+        page = tl.load(PT + b * pages_per_seq + pos // PAGE)
+        slot = cache_off + (page.to(tl.int64) * PAGE + pos % PAGE) * HKV * D
+        tl.store(KC + slot + ev, (ke * cos - ko * sin).to(KC.dtype.element_ty))
+        tl.store(KC + slot + od, (ke * sin + ko * cos).to(KC.dtype.element_ty))
+        vrow = QKV + b * NQKV + (HQ + HKV) * D + h * D
+        tl.store(VC + slot + ev, tl.load(vrow + ev).to(VC.dtype.element_ty))
+        tl.store(VC + slot + od, tl.load(vrow + od).to(VC.dtype.element_ty))
+        tl.debug_barrier()
+    lo = split * n // S
+    hi = (split + 1) * n // S
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_e = tl.zeros([GP, D2], tl.float32)
+    acc_o = tl.zeros([GP, D2], tl.float32)
+    for k0 in range(lo, hi, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        km = keys < hi
+        page = tl.load(PT + b * pages_per_seq + keys // PAGE, mask=km, other=0)
+        row = cache_off + (page.to(tl.int64) * PAGE + keys % PAGE) * HKV * D
+        kp = KC + row[:, None]
+        ke = tl.load(kp + ev[None, :], mask=km[:, None], other=0.0).to(tl.float32)
+        ko = tl.load(kp + od[None, :], mask=km[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q_e[:, None, :] * ke[None, :, :] + q_o[:, None, :] * ko[None, :, :], 2)  # [GP, BLOCK_N]
+        s = tl.where(km[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        vp = VC + row[:, None]
+        ve = tl.load(vp + ev[None, :], mask=km[:, None], other=0.0).to(tl.float32)
+        vo = tl.load(vp + od[None, :], mask=km[:, None], other=0.0).to(tl.float32)
+        acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
+        acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    has = l_i > 0
+    den = tl.where(has, l_i, 1.0)
+    base = ((b * HQ + h * G + gi) * S + split)
+    tl.store(PART_O + base[:, None] * D + ev[None, :], acc_e / den[:, None], mask=gm[:, None])
+    tl.store(PART_O + base[:, None] * D + od[None, :], acc_o / den[:, None], mask=gm[:, None])
+    tl.store(PART_L + base, tl.where(has, m_i + tl.log(den), float("-inf")), mask=gm)
 
 
 @triton.jit
@@ -332,7 +331,7 @@ def decode_step_kernel(PROG, n_instr, COUNTERS, ERR, IDS, SEQ_LENS, PT, KC, VC, 
                         tl.store(QKV + b * NQKV + rows, acc, mask=rm)
             elif op == 3:  # ATTN
                 _attn_split(layer, lo, split, QKV, KC, VC, PT, SEQ_LENS, INV_FREQ, PART_O, PART_L, QKN, num_pages,
-                            pages_per_seq, qk_scale, eps, B, HQ, HKV, D, S, PAGE, BLOCK_N, GP, NEOX, QK_NORM)
+                            pages_per_seq, qk_scale, eps, HQ, HKV, D, S, PAGE, BLOCK_N, GP, NEOX, QK_NORM)
             elif op == 4:  # MERGE
                 _merge(lo, hi, PART_O, PART_L, ATTN, B, HQ, D, S, SP)
             elif op == 5:  # O: the residual += W_o rows . attention
