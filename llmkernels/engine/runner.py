@@ -82,7 +82,7 @@ class ModelRunner:
         self.extend_sizes = [t for t in EXTEND_TOKENS if t <= max_extend_graph] if on else []
         self.extend_graphs = {}
         self.peers = None  # on rank 0 of a tensor-parallel group: the other ranks' processes (tp.Peers)
-        # batch-1 decode steps as one persistent kernel (megakernel.engine.attach), where the model takes it
+        # decode steps as one persistent kernel (megakernel.engine.OneKernelSteps), where the model takes it
         self.one_kernel = None
         self.greedy_ids = self.greedy_host = None
         self.decode_path = "kernel per op"
@@ -122,9 +122,11 @@ class ModelRunner:
             if ids_dev is not None:
                 self.peers.broadcast(ids_dev.to(torch.int64).contiguous())
         self.greedy_ids = self.greedy_host = None
-        if step.decode_only and self.one_kernel is not None and self.one_kernel.takes(step):
-            logits = self.one_kernel.run(step, ids_dev)
-            self.greedy_ids, self.greedy_host = self.one_kernel.fast.token, self.one_kernel.greedy_host
+        one = self.one_kernel.takes(step) if step.decode_only and self.one_kernel is not None else None
+        if one is not None:
+            logits = one.run(step, ids_dev)
+            if one.batch == 1:  # the step chose its greedy token itself
+                self.greedy_ids, self.greedy_host = one.fast.token, one.greedy_host
             return logits, True
         if step.decode_only and self.use_graphs and len(step.ids) <= self.max_graph_batch:
             bs = min(1 << (len(step.ids) - 1).bit_length(), self.max_graph_batch)
@@ -175,6 +177,8 @@ class ModelRunner:
         of time; they are otherwise captured at first use. Default: all of them."""
         if not self.use_graphs:
             return
+        if self.one_kernel is not None:
+            self.one_kernel.build(sizes)
         sizes = sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= self.max_graph_batch]
         extend_sizes = self.extend_sizes if extend_sizes is None else extend_sizes
         if self.peers is not None:  # graphs hold collectives: every rank captures them together

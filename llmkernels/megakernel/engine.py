@@ -17,6 +17,9 @@ from .weights import share_stacks
 # the kernel-per-op step by 21% at 640 cached tokens, 16% at 4096 and 7% at 8192 (its attention splits cost more
 # per token)
 AUTO_MAX_CONTEXT = 8192
+# decode batch sizes the default takes the one-kernel step at: those where it led the kernel-per-op step on the
+# Llama-3-8B shape (bench/NOTES.md); LLM(megakernel=True) takes it at every size it runs
+AUTO_BATCHES = (1, 2)
 
 
 def why_not(model, device, spec: dict) -> str | None:
@@ -56,27 +59,35 @@ def why_not(model, device, spec: dict) -> str | None:
 
 
 class OneKernelGraph(_Graph):
-    """The one-kernel step of one sequence in a CUDA graph fed through fixed buffers (the pinned uploads of
-    runner.DecodeGraph).
+    """The one-kernel step of ``fast.batch`` sequences in a CUDA graph fed through fixed buffers (the pinned
+    uploads of runner.DecodeGraph).
 
-    The step writes its greedy token and error flag straight into pinned host memory (``out_host``), and takes
-    the previous step's token from the device when it is fed back, so a look-ahead step needs no copy on the
-    stream besides the upload. Two graphs, used in turn with the two upload sets, write two host slots: a slot
-    is read before the step two later overwrites it."""
+    At batch 1 the step writes its greedy token and error flag straight into pinned host memory (``out_host``),
+    and takes the previous step's token from the device when it is fed back, so a look-ahead step needs no copy on
+    the stream besides the upload; at batch > 1 it writes the error flag there and the sampler takes the argmax.
+    Two graphs, used in turn with the two upload sets, write two host slots: a slot is read before the step two
+    later overwrites it.
+
+    Building one runs the step once outside the capture (to compile and warm it up) with every sequence at one
+    cached token in page 0; that page's K and V are kept and put back, so a graph can be built while sequences
+    hold the page."""
 
     def __init__(self, runner, fast, max_context: int | None):
         dev = runner.device
+        B = self.batch = fast.batch
         self.fast, self.max_context = fast, max_context
         P = self.P = runner.max_pages_per_seq
-        self._pinned(2 + P, 0, dev)
-        self.ids, self.lens, self.table = self.dev32[:1], self.dev32[1:2], self.dev32[2:].view(1, P)
+        self._pinned(2 * B + B * P, 0, dev)
+        self.ids, self.lens, self.table = self.dev32[:B], self.dev32[B:2 * B], self.dev32[2 * B:].view(B, P)
         self.lens.fill_(1)
         self.out_host = torch.zeros(2, 3, dtype=torch.int64).pin_memory()  # per graph: token, error flag
+        page0 = runner.kv_cache[:, :, 0].clone()
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):  # compile and warm up outside the capture; the step writes the KV of page 0
+        with torch.cuda.stream(s):
             fast.launch(self.ids, self.lens, self.table)
         torch.cuda.current_stream(dev).wait_stream(s)
+        runner.kv_cache[:, :, 0].copy_(page0)
         msg = fast.error()
         if msg:
             raise RuntimeError(msg)
@@ -89,29 +100,65 @@ class OneKernelGraph(_Graph):
         self.graph = self.graphs[0]
         self.greedy_host = None
 
-    def takes(self, step) -> bool:
-        return len(step.ids) == 1 and (self.max_context is None or step.seq_lens[0] <= self.max_context)
-
     def run(self, step, ids_dev=None) -> torch.Tensor:
-        """Launch the step; afterwards ``greedy_host`` (int64 [1], pinned) holds its greedy token once the GPU is
-        past it. A step that gave up (the spin limit) raises at a later one: read without waiting for the GPU."""
+        """Launch the step; afterwards, at batch 1, ``greedy_host`` (int64 [1], pinned) holds its greedy token once
+        the GPU is past it. A step that gave up (the spin limit) raises at a later one: read without waiting for the
+        GPU."""
         failed = self.out_host[:, 1].nonzero()
         if len(failed):
             raise RuntimeError(self.fast.error(self.out_host[int(failed[0, 0]), 1:]))
+        B = self.batch
         host32, host64 = self._host()
         h = host32.numpy()
         h[:] = 0
-        h[0], h[1] = step.ids[0], step.seq_lens[0]
-        h[2:2 + len(step.page_table[0])] = step.page_table[0]
+        h[:B], h[B:2 * B] = step.ids, step.seq_lens
+        h[2 * B:].reshape(B, self.P)[:, :len(step.page_table[0])] = step.page_table
         fed = ids_dev is not None and ids_dev.data_ptr() == self.fast.token.data_ptr()
-        if fed:  # the previous step's greedy token: the step reads it on the device (an id below 0)
+        if fed:  # batch 1, the previous step's greedy token: the step reads it on the device (an id below 0)
             h[0] = -1
         self._upload(host32, host64)
         if ids_dev is not None and not fed:  # sampled after the previous step, still on the device
-            self.ids.copy_(ids_dev.view(-1)[:1])
+            self.ids.copy_(ids_dev.view(-1)[:B])
         self.graphs[self.turn].replay()
-        self.greedy_host = self.out_host[self.turn, :1]
+        self.greedy_host = self.out_host[self.turn, :1] if B == 1 else None
         return self.fast.logits
+
+
+class OneKernelSteps:
+    """The runner's one-kernel steps: a graph per batch size in ``batches``, each built at its first step (or by
+    ``build``) over one set of weight stacks and the runner's KV cache."""
+
+    def __init__(self, runner, stacks, batches, max_context: int | None, context: int):
+        self.runner, self.stacks, self.batches, self.max_context = runner, stacks, tuple(batches), max_context
+        self.context = context
+        self.sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
+        self.graphs = {}
+
+    def program(self, batch: int):
+        return build_decode_program(self.runner.model.cfg, self.stacks.format, batch=batch, context=self.context,
+                                    num_sms=self.sms)
+
+    def graph(self, batch: int) -> OneKernelGraph:
+        g = self.graphs.get(batch)
+        if g is None:
+            from .fast import FastStep
+
+            r = self.runner
+            fast = FastStep.from_model(r.model, self.program(batch), self.stacks, r.kv_cache[:, 0], r.kv_cache[:, 1],
+                                       warps=4 if self.stacks.format == "bf16" else 8)
+            g = self.graphs[batch] = OneKernelGraph(r, fast, self.max_context)
+        return g
+
+    def build(self, sizes=None) -> None:
+        for b in sizes or self.batches:
+            if b in self.batches:
+                self.graph(b)
+
+    def takes(self, step) -> OneKernelGraph | None:
+        """The graph that runs ``step`` (a decode step), or None: the kernel-per-op step runs it."""
+        if len(step.ids) not in self.batches or (self.max_context is not None and max(step.seq_lens) > self.max_context):
+            return None
+        return self.graph(len(step.ids))
 
 
 def prepare(model, device, spec: dict):
@@ -130,18 +177,26 @@ def prepare(model, device, spec: dict):
 
 
 def attach(runner, stacks, mode) -> str:
-    """Build the runner's one-kernel step over ``stacks`` (prepare's) and its KV cache; returns what batch-1 decode
-    steps run, in a line."""
-    from .fast import FastStep
+    """Set up the runner's one-kernel steps over ``stacks`` (prepare's) and its KV cache, building the batch-1 graph
+    now; returns what decode steps run, in a line."""
+    from .fast import MAX_BATCH, batch_reason
 
-    model, cfg = runner.model, runner.model.cfg
-    fmt = stacks.format
-    sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
-    prog = build_decode_program(cfg, fmt, batch=1, context=min(runner.max_model_len, 4096), num_sms=sms)
-    fast = FastStep.from_model(model, prog, stacks, runner.kv_cache[:, 0], runner.kv_cache[:, 1],
-                               warps=4 if fmt == "bf16" else 8)
+    cfg, fmt = runner.model.cfg, stacks.format
+    want = AUTO_BATCHES if mode is None else range(1, MAX_BATCH + 1)
+    batches = [b for b in want if batch_reason(cfg, fmt, b) is None]
     limit = AUTO_MAX_CONTEXT if mode is None else None
-    runner.one_kernel = OneKernelGraph(runner, fast, limit)
+    steps = OneKernelSteps(runner, stacks, batches, limit, min(runner.max_model_len, 4096))
+    prog = steps.graph(1).fast.prog
+    runner.one_kernel = steps
     upto = f"up to {limit} cached tokens" if limit else "at every context"
-    return (f"one-kernel step ({fmt} weights, {sms} SMs, {len(prog.counter_names)} counters, "
-            f"{sum(map(len, prog.lists))} instructions) for one sequence {upto}; kernel per op otherwise")
+    seqs = "one sequence" if batches == [1] else f"{_sizes(batches)} sequences"
+    return (f"one-kernel step ({fmt} weights, {steps.sms} SMs, {len(prog.counter_names)} counters, "
+            f"{sum(map(len, prog.lists))} instructions at batch 1) for {seqs} {upto}; kernel per op otherwise")
+
+
+def _sizes(batches) -> str:
+    """1, 2, 3, 4 -> '1-4'; 1, 2 -> '1 or 2'."""
+    b = list(batches)
+    if len(b) > 2 and b == list(range(b[0], b[-1] + 1)):
+        return f"{b[0]}-{b[-1]}"
+    return ", ".join(map(str, b[:-1])) + f" or {b[-1]}"

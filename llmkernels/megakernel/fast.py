@@ -917,6 +917,20 @@ def _describe(t) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
+def _takes_mma(batch: int, batch_mma: bool | None) -> bool:
+    return batch > 1 and (batch > 2 if batch_mma is None else batch_mma)
+
+
+def batch_reason(cfg, fmt: str, batch: int, batch_mma: bool | None = None) -> str | None:
+    """Why the fast step cannot run ``batch`` sequences of ``cfg`` in weight format ``fmt`` (None: it can)."""
+    if batch > 1 and fmt != "bf16":
+        return f"batch {batch} takes bf16 weights (q4_k runs batch 1), got {fmt}"
+    piece = 4096 if _takes_mma(batch, batch_mma) else 32768 // (1 << (batch - 1).bit_length())
+    if batch > 1 and cfg.hidden > piece:  # GATEUP's SiLU(gate) * up and the norm's scale need the whole input staged
+        return f"batch {batch} stages {piece} columns of a bf16 input, hidden is {cfg.hidden}"
+    return None
+
+
 class FastStep:
     """Runs a Program (schedule.build_decode_program) over bf16 weight stacks at batch 1-8, or q4_k ones at batch 1.
 
@@ -967,14 +981,12 @@ class FastStep:
         self.batch, self.bp = B, 1 << (B - 1).bit_length()
         if batch_mma is not None and not isinstance(batch_mma, bool):
             raise TypeError(f"batch_mma must be None, True or False, got {type(batch_mma).__name__}")
-        self.bmma = B > 1 and (B > 2 if batch_mma is None else batch_mma)
-        if B > 1 and stacks.format != "bf16":
-            raise ValueError(f"prog: batch {B} takes bf16 weights (q4_k runs batch 1), got {stacks.format}")
+        self.bmma = _takes_mma(B, batch_mma)
+        bad = batch_reason(cfg, stacks.format, B, batch_mma)
+        if bad:
+            raise ValueError(f"prog: {bad}")
         if self.bmma and warps != 4:
             raise ValueError(f"batch_mma: the tensor-core products at batch {B} take 4 compute warps, got {warps}")
-        piece = 4096 if self.bmma else 32768 // self.bp
-        if B > 1 and cfg.hidden > piece:  # GATEUP's SiLU(gate) * up and the norm's scale need the whole input staged
-            raise ValueError(f"prog: batch {B} stages {piece} columns of a bf16 input, hidden is {cfg.hidden}")
         if warps not in (4, 8, 16):
             raise ValueError(f"warps (the compute partition's) must be 4, 8 or 16, got {warps!r}")
         # bf16: 18 slots, the staged input and ATTN's scratch: 227 KB (16 slots with 16 compute warps, whose

@@ -338,33 +338,60 @@ def _greedy(llm, prompt, n):
     return llm.generate([prompt], sp)[0].outputs[0]
 
 
+def _agrees_with_kernel_per_op(ref_llm, prompt, out, top=0.1, worst=0.2, mean=0.03):
+    """Each greedy token of ``out`` (with logprobs), scored by the kernel-per-op path on the same prefix
+    (LLM.logits), is that path's top choice or within ``top`` of its top log-probability (the kernel-per-op step
+    rounds activations to bf16 between kernels, the one-kernel step keeps more of them in float32, so at a near tie
+    the two may part); the chosen tokens' log-probabilities agree within ``worst``, ``mean`` on average."""
+    lp = torch.log_softmax(ref_llm.logits(prompt + out.token_ids[:-1])[len(prompt) - 1:].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(out.token_ids)[:, None].to(lp.device)).squeeze(1)
+    gap = lp.max(dim=1).values - chosen
+    assert gap.max().item() < top, f"token {gap.argmax().item()} is {gap.max().item():.3f} below the top choice"
+    d = (chosen.cpu() - torch.tensor([x[0] for x in out.logprobs])).abs()
+    assert d.max().item() < worst and d.mean().item() < mean, \
+        f"log-probabilities: max {d.max():.3f}, mean {d.mean():.3f}"
+
+
 @pytest.mark.gpu
 def test_gpu_engine_takes_the_one_kernel_step(model_files):
-    """LLM(megakernel=True) decodes one sequence through the one-kernel step (CUDA graph replays). Each of its 256
-    greedy tokens, scored by the kernel-per-op path on the same prefix (LLM.logits), is that path's top choice or
-    within 0.1 of its top log-probability (the kernel-per-op step rounds activations to bf16 between kernels, the
-    one-kernel step keeps float32, so at a near tie the two may part); the log-probabilities of the chosen tokens agree within 0.2, 0.03 on average. A
-    batch of two still takes the kernel-per-op graphs, and the default (megakernel=None) takes the one-kernel
+    """LLM(megakernel=True) decodes one sequence through the one-kernel step (CUDA graph replays), 256 greedy
+    tokens that agree with the kernel-per-op path's scores; the default (megakernel=None) takes the one-kernel
     step for bf16."""
     path, _, cfg = _tiny(model_files, "bf16")
     prompt = torch.randint(1, cfg.vocab_size, (9,)).tolist()
     ref_llm = LLM(path, progress=False, megakernel=False)
     llm = LLM(path, progress=False, megakernel=True)
-    assert "one-kernel step (bf16 weights" in llm.describe()
+    assert "one-kernel step (bf16 weights" in llm.describe() and "for 1-8 sequences at every context" in llm.describe()
     replays = llm.stats.graph_steps
     out = _greedy(llm, prompt, 256)
     assert llm.stats.graph_steps - replays >= 255
-    lp = torch.log_softmax(ref_llm.logits(prompt + out.token_ids[:-1])[len(prompt) - 1:].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(out.token_ids)[:, None].to(lp.device)).squeeze(1)
-    gap = lp.max(dim=1).values - chosen
-    assert gap.max().item() < 0.1, f"token {gap.argmax().item()} is {gap.max().item():.3f} below the top choice"
-    d = (chosen.cpu() - torch.tensor([x[0] for x in out.logprobs])).abs()
-    assert d.max().item() < 0.2 and d.mean().item() < 0.03, f"log-probabilities: max {d.max():.3f}, mean {d.mean():.3f}"
-    # two sequences at once: the kernel-per-op graphs, and the same tokens as there
-    two = llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    want = ref_llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    assert [o.token_ids for o in two] == [o.token_ids for o in want]
+    _agrees_with_kernel_per_op(ref_llm, prompt, out)
     assert "one-kernel step (bf16 weights" in LLM(path, progress=False).describe()
+
+
+@pytest.mark.gpu
+def test_gpu_engine_one_kernel_batches(model_files):
+    """Three sequences of different lengths decoded together (then two, then one, as they finish) through the
+    one-kernel step at batch 3, 2 and 1: every sequence's greedy tokens agree with the kernel-per-op path's
+    scores (the graphs of batch 3 and 2 are built while the sequences hold their pages, page 0 among them); the
+    graphs of those sizes were built, capture_graphs builds others ahead of time, and eight at once agree too."""
+    path, _, cfg = _tiny(model_files, "bf16")
+    prompts = [torch.randint(1, cfg.vocab_size, (n,)).tolist() for n in (9, 30, 4)]
+    ref_llm = LLM(path, progress=False, megakernel=False)
+    llm = LLM(path, progress=False, megakernel=True)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+                                  for n in (40, 24, 12)])
+    assert sorted(llm.runner.one_kernel.graphs) == [1, 2, 3]
+    for p, o in zip(prompts, outs):
+        _agrees_with_kernel_per_op(ref_llm, p, o.outputs[0])
+    llm.capture_graphs([4, 8])
+    assert sorted(llm.runner.one_kernel.graphs) == [1, 2, 3, 4, 8]
+    eight = [torch.randint(1, cfg.vocab_size, (5 + 3 * i,)).tolist() for i in range(8)]
+    steps = llm.stats.graph_steps
+    outs = llm.generate(eight, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0))
+    assert llm.stats.graph_steps - steps >= 9
+    for p, o in zip(eight, outs):
+        _agrees_with_kernel_per_op(ref_llm, p, o.outputs[0])
 
 
 @pytest.mark.gpu
@@ -380,7 +407,7 @@ def test_gpu_engine_one_kernel_look_ahead(model_files):
     got = llm.generate([prompt], sp)[0].outputs[0].token_ids
     assert llm.stats.ahead_steps - ahead >= 40
     assert got == _greedy(llm, prompt, 48).token_ids
-    llm.runner.one_kernel.out_host[1, 1] = 1  # as a step whose wait ran past the spin limit leaves it
+    llm.runner.one_kernel.graphs[1].out_host[1, 1] = 1  # as a step whose wait ran past the spin limit leaves it
     with pytest.raises(RuntimeError, match="one-kernel decode step: SM 0 gave up"):
         llm.generate([prompt], sp)
 
