@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="round activations to int8 at batch 1 for the q4_0/q8_0/q4_k/q5_k/q6_k projections (faster "
                         "decode, slightly different logits)")
     g.add_argument("--megakernel", default="auto", choices=("auto", "on", "off"),
-                   help="decode one sequence with one persistent kernel per step (sm_90; auto: where it is faster)")
+                   help="decode up to 8 sequences with one persistent kernel per step (sm_90; auto: where it is faster)")
     g.add_argument("--stats", action="store_true",
                    help="print tokens/s, step counts and the decode path at the end (stderr)")
     _serve_parser(sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API",
@@ -110,7 +110,7 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--act-int8", action="store_true",
                    help="int8 activations at batch 1 for q4_0/q8_0/q4_k/q5_k/q6_k projections (faster decode)")
     s.add_argument("--megakernel", default="auto", choices=("auto", "on", "off"),
-                   help="decode one sequence with one persistent kernel per step (sm_90; auto: where it is faster)")
+                   help="decode up to 8 sequences with one persistent kernel per step (sm_90; auto: where it is faster)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory the KV cache may take, after the weights")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),

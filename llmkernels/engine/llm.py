@@ -91,11 +91,12 @@ class LLM:
             and use integer dot products (gemv's act_int8, as llama.cpp does): faster decode, slightly different
             logits. For q4_k the RMSNorm kernel writes the rounded activations. Other formats and batches compute
             exactly.
-        megakernel: run decode steps of one sequence as one persistent kernel over all layers (megakernel.engine,
-            sm_90 GPUs, llama-family layers with every matrix in one format, bf16 activations and cache). None
-            (default): where that is measured faster than the kernel-per-op step (bf16 weights, up to 8192 cached
-            tokens); True: at every batch-1 decode step, or ValueError saying why it cannot (q4_k needs
-            act_int8=True: its products take int8 activations); False: never. ``describe()`` says which runs.
+        megakernel: run decode steps of up to 8 sequences as one persistent kernel over all layers
+            (megakernel.engine, sm_90 GPUs, llama-family layers with every matrix in one format, bf16 activations
+            and cache). None (default): where that is measured faster than the kernel-per-op step (bf16 weights, the
+            batch sizes of megakernel.engine.AUTO_BATCHES, up to 8192 cached tokens); True: at every decode step of
+            1-8 sequences (q4_k: one), or ValueError saying why it cannot (q4_k needs act_int8=True: its products
+            take int8 activations); False: never. ``describe()`` says which runs.
 
     >>> llm = LLM("model.gguf")
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
@@ -250,7 +251,7 @@ class LLM:
             f"{self.backend} backend, {self.dtype} activations",
             f"KV cache: {self.num_pages} pages of {self.page_size} tokens, {self.kv_dtype}, max_model_len "
             f"{self.max_model_len}",
-            f"decode steps of one sequence: {self.runner.decode_path}",
+            f"decode steps: {self.runner.decode_path}",
             f"other steps: kernel per op{', CUDA graphs' if self.use_graphs else ', eager'}"])
 
     def capture_graphs(self, sizes=None, extend_sizes=None) -> None:

@@ -19,7 +19,7 @@ from .weights import share_stacks
 AUTO_MAX_CONTEXT = 8192
 # decode batch sizes the default takes the one-kernel step at: those where it led the kernel-per-op step on the
 # Llama-3-8B shape (bench/NOTES.md); LLM(megakernel=True) takes it at every size it runs
-AUTO_BATCHES = (1, 2)
+AUTO_BATCHES = tuple(range(1, 8))
 
 
 def why_not(model, device, spec: dict) -> str | None:
@@ -197,6 +197,8 @@ def attach(runner, stacks, mode) -> str:
 def _sizes(batches) -> str:
     """1, 2, 3, 4 -> '1-4'; 1, 2 -> '1 or 2'."""
     b = list(batches)
+    if len(b) == 1:
+        return str(b[0])
     if len(b) > 2 and b == list(range(b[0], b[-1] + 1)):
         return f"{b[0]}-{b[-1]}"
     return ", ".join(map(str, b[:-1])) + f" or {b[-1]}"

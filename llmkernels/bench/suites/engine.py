@@ -222,6 +222,35 @@ def _kv_cache_case(ctx, fmt: str = "q4_k_m", batch: int = 64, context: int = 819
     return run
 
 
+def _small_batch_case(ctx, fmt: str = "bf16", batches=(2, 3, 4, 5, 6, 7, 8)):
+    """Decode at 2-8 sequences through the one-kernel step (LLM(megakernel=True), which takes every size it runs)
+    beside the same engine's kernel-per-op step; no rows where the one-kernel step cannot run (not sm_90)."""
+    def run():
+        from ...megakernel.engine import why_not
+
+        model = synthetic_model(fmt, llama3_8b_config())
+        spec = dict(megakernel=True, cuda_graphs=True)
+        if why_not(model, torch.device("cuda"), spec) is not None:
+            return []
+        llm = LLM.from_model(model, max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, megakernel=True)
+        one, rows = llm.runner.one_kernel, []
+        for batch in batches:
+            rates = {}
+            for path, steps in (("kernel per op", None), ("one-kernel step", one)):
+                llm.runner.one_kernel = steps
+                _decode_rate(llm, batch)  # warm-up: graphs built and captured (see _format_case)
+                rates[path] = _decode_rate(llm, batch)
+            rate, wall, n = rates["one-kernel step"]
+            row = Row("engine", f"llama3-8b {fmt} batch{batch} decode, one-kernel step (prompt {PROMPT}, {GEN} new)",
+                      "tokens/s", rate, None, {"kernel per op": rates["kernel per op"][0]})
+            row.note = (f"{1e3 * batch / rate:.2f} ms/step one-kernel, {1e3 * batch / rates['kernel per op'][0]:.2f} "
+                        f"kernel per op; {n} decode steps")
+            rows.append(row)
+        del llm, model
+        return rows
+    return run
+
+
 def cases(ctx):
     fmts = ["q4_k", "q8_0", "bf16", "q4_k_m", "q5_k_m"] if not ctx.quick else ["q4_k"]
     out = [(f"engine {f}", _format_case(ctx, f)) for f in fmts]
@@ -231,4 +260,5 @@ def cases(ctx):
         for f in ("q4_k", "q8_0", "q4_k_m", "q5_k_m"):
             out.append((f"engine {f} act_int8", _format_case(ctx, f, True)))
         out.append(("engine q4_k_m kv cache fp8", _kv_cache_case(ctx)))
+        out.append(("engine bf16 one-kernel batches", _small_batch_case(ctx)))
     return out
