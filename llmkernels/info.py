@@ -32,11 +32,11 @@ def kernel_paths(capability, gluon: bool) -> list[str]:
         state = (f"off: this Triton's Gluon API is not the one they are written against (Triton "
                  f"{GLUON_RANGE[0][0]}.{GLUON_RANGE[0][1]}); the portable Triton kernels run instead")
     lines.append(f"  Gluon warp-specialized prefill and persistent paged decode (sm_90): {state}")
-    from .megakernel.engine import AUTO_BATCHES, AUTO_MAX_CONTEXT, _sizes
+    from .megakernel.engine import AUTO_BATCH_MAX_KEYS, AUTO_BATCHES, AUTO_MAX_CONTEXT, _sizes
 
-    one = (f"enabled by default for {_sizes(AUTO_BATCHES)} sequences up to {AUTO_MAX_CONTEXT} cached tokens on "
-           f"llama-family models with every matrix in bf16 (LLM(megakernel=True): 1-8 sequences at every context, "
-           f"and one with q4_k and act_int8)"
+    one = (f"enabled by default for {_sizes(AUTO_BATCHES)} sequences up to {AUTO_MAX_CONTEXT} cached tokens "
+           f"({AUTO_BATCH_MAX_KEYS} in all at batch > 1) on llama-family models with every matrix in bf16 "
+           f"(LLM(megakernel=True): 1-8 sequences at every context, and one with q4_k and act_int8)"
            if sm90 and gluon else state.split(":")[0])
     lines.append(f"  one-kernel decode step (Gluon, sm_90): {one}")
     lines.append(f"  TMA loads (prefill K/V tiles, GEMV activations from 17 rows): "

@@ -1,12 +1,15 @@
-"""The one-kernel decode step inside the engine: which models and steps take it, and its CUDA graph.
+"""The one-kernel decode step inside the engine: which models and steps take it, and its CUDA graphs.
 
 ``prepare(model, device, spec)`` decides once per engine (``LLM(megakernel=...)``), before the KV cache takes the
 free memory: None (the default) takes the step where it applies and is measured faster than the kernel-per-op step
-(bf16 weights, batch 1, contexts up to ``AUTO_MAX_CONTEXT``); True takes it at every batch-1 decode step and raises
-ValueError naming what stands in the way when it cannot; False never. ``attach`` then builds it over the runner's
-KV cache, and the runner sends every decode step of one sequence within the context limit to
-``OneKernelGraph.run``; every other step keeps the kernel-per-op path.
+(bf16 weights, the batch sizes of ``AUTO_BATCHES``, contexts up to ``AUTO_MAX_CONTEXT``); True takes it at every
+decode step of the sizes it runs (1-8 sequences; q4_k: one) and raises ValueError naming what stands in the way when
+it cannot; False never. ``attach`` then sets up ``OneKernelSteps`` over the runner's KV cache, and the runner sends
+every decode step it takes to that batch size's ``OneKernelGraph.run``; every other step keeps the kernel-per-op
+path.
 """
+import warnings
+
 import torch
 
 from ..engine.runner import _Graph
@@ -18,8 +21,11 @@ from .weights import share_stacks
 # per token)
 AUTO_MAX_CONTEXT = 8192
 # decode batch sizes the default takes the one-kernel step at: those where it led the kernel-per-op step on the
-# Llama-3-8B shape (bench/NOTES.md); LLM(megakernel=True) takes it at every size it runs
+# Llama-3-8B shape (H100, bench/NOTES.md); LLM(megakernel=True) takes it at every size it runs
 AUTO_BATCHES = tuple(range(1, 8))
+# at batch > 1 the default also keeps the step's cached tokens (all sequences together) within this: its attention
+# costs more per key than the kernel-per-op step's, and it led where the runs averaged 1152-4032 keys a step
+AUTO_BATCH_MAX_KEYS = 4096
 
 
 def why_not(model, device, spec: dict) -> str | None:
@@ -126,39 +132,53 @@ class OneKernelGraph(_Graph):
 
 class OneKernelSteps:
     """The runner's one-kernel steps: a graph per batch size in ``batches``, each built at its first step (or by
-    ``build``) over one set of weight stacks and the runner's KV cache."""
+    ``build``) over one set of weight stacks and the runner's KV cache, for programs scheduled for ``context``
+    cached tokens on ``sms`` SMs. A batch size whose graph fails to build goes to the kernel-per-op step from then
+    on, with a RuntimeWarning, unless ``strict`` (LLM(megakernel=True)): then the error is raised."""
 
-    def __init__(self, runner, stacks, batches, max_context: int | None, context: int):
+    def __init__(self, runner, stacks, batches, max_context: int | None, context: int, sms: int, strict: bool = False,
+                 max_batch_keys: int | None = None):
         self.runner, self.stacks, self.batches, self.max_context = runner, stacks, tuple(batches), max_context
-        self.context = context
-        self.sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
+        self.context, self.sms, self.strict, self.max_batch_keys = context, sms, strict, max_batch_keys
         self.graphs = {}
 
     def program(self, batch: int):
         return build_decode_program(self.runner.model.cfg, self.stacks.format, batch=batch, context=self.context,
                                     num_sms=self.sms)
 
-    def graph(self, batch: int) -> OneKernelGraph:
-        g = self.graphs.get(batch)
-        if g is None:
-            from .fast import FastStep
+    def _build(self, batch: int) -> OneKernelGraph:
+        from .fast import FastStep
 
-            r = self.runner
-            fast = FastStep.from_model(r.model, self.program(batch), self.stacks, r.kv_cache[:, 0], r.kv_cache[:, 1],
-                                       warps=4 if self.stacks.format == "bf16" else 8)
-            g = self.graphs[batch] = OneKernelGraph(r, fast, self.max_context)
+        r = self.runner
+        fast = FastStep.from_model(r.model, self.program(batch), self.stacks, r.kv_cache[:, 0], r.kv_cache[:, 1],
+                                   warps=4 if self.stacks.format == "bf16" else 8)
+        return OneKernelGraph(r, fast, self.max_context)
+
+    def graph(self, batch: int) -> OneKernelGraph | None:
+        g = self.graphs.get(batch)
+        if g is None and batch in self.batches:
+            try:
+                g = self.graphs[batch] = self._build(batch)
+            except Exception as e:  # noqa: BLE001  (by default the step is an option: that size runs kernel per op)
+                if self.strict:
+                    raise
+                self.batches = tuple(b for b in self.batches if b != batch)
+                warnings.warn(f"llmkernels: the one-kernel step at batch {batch} did not start ({type(e).__name__}: "
+                              f"{e}); decode steps of {batch} sequences run kernel per op", RuntimeWarning,
+                              stacklevel=2)
         return g
 
     def build(self, sizes=None) -> None:
         for b in sizes or self.batches:
-            if b in self.batches:
-                self.graph(b)
+            self.graph(b)
 
     def takes(self, step) -> OneKernelGraph | None:
         """The graph that runs ``step`` (a decode step), or None: the kernel-per-op step runs it."""
-        if len(step.ids) not in self.batches or (self.max_context is not None and max(step.seq_lens) > self.max_context):
+        n, lens = len(step.ids), step.seq_lens
+        if (n not in self.batches or (self.max_context is not None and max(lens) > self.max_context)
+                or (n > 1 and self.max_batch_keys is not None and sum(lens) > self.max_batch_keys)):
             return None
-        return self.graph(len(step.ids))
+        return self.graph(n)
 
 
 def prepare(model, device, spec: dict):
@@ -185,10 +205,15 @@ def attach(runner, stacks, mode) -> str:
     want = AUTO_BATCHES if mode is None else range(1, MAX_BATCH + 1)
     batches = [b for b in want if batch_reason(cfg, fmt, b) is None]
     limit = AUTO_MAX_CONTEXT if mode is None else None
-    steps = OneKernelSteps(runner, stacks, batches, limit, min(runner.max_model_len, 4096))
-    prog = steps.graph(1).fast.prog
+    sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
+    steps = OneKernelSteps(runner, stacks, batches, limit, min(runner.max_model_len, 4096), sms, strict=mode is True,
+                           max_batch_keys=AUTO_BATCH_MAX_KEYS if mode is None else None)
+    steps.graphs[1] = steps._build(1)  # now: a failure here leaves the whole engine on the kernel-per-op step
+    prog = steps.graphs[1].fast.prog
     runner.one_kernel = steps
     upto = f"up to {limit} cached tokens" if limit else "at every context"
+    if mode is None and batches != [1]:
+        upto += f" ({AUTO_BATCH_MAX_KEYS} in all at batch > 1)"
     seqs = "one sequence" if batches == [1] else f"{_sizes(batches)} sequences"
     return (f"one-kernel step ({fmt} weights, {steps.sms} SMs, {len(prog.counter_names)} counters, "
             f"{sum(map(len, prog.lists))} instructions at batch 1) for {seqs} {upto}; kernel per op otherwise")

@@ -158,6 +158,43 @@ def test_engine_describes_its_decode_path_on_the_cpu(model_files):
     assert "kernel per op (megakernel=False)" in LLM(path, progress=False, megakernel=False).describe()
 
 
+def test_one_kernel_steps_choose_and_fall_back():
+    """Which decode steps OneKernelSteps sends to a one-kernel graph (batch sizes, the per-sequence context limit,
+    the default's key budget at batch > 1), graphs built once per size, and a size whose build fails: the default
+    warns and sends that size to the kernel-per-op step from then on; strict (megakernel=True) raises."""
+    from types import SimpleNamespace
+
+    from llmkernels.megakernel.engine import OneKernelSteps
+
+    def step(*lens):
+        return SimpleNamespace(ids=[1] * len(lens), seq_lens=list(lens))
+
+    built = []
+
+    def build(b):
+        built.append(b)
+        if b == 3:
+            raise RuntimeError("no room")
+        return f"graph {b}"
+
+    steps = OneKernelSteps(None, None, (1, 2, 3, 4), 8192, 4096, 132, max_batch_keys=4096)
+    steps._build = build
+    assert steps.takes(step(8192)) == "graph 1" and steps.takes(step(8193)) is None
+    assert steps.takes(step(2000, 2000)) == "graph 2" and steps.takes(step(2000, 2097)) is None
+    assert steps.takes(step(5, 5, 5, 5, 5)) is None  # batch 5 is not one of the sizes
+    with pytest.warns(RuntimeWarning, match=r"one-kernel step at batch 3 did not start \(RuntimeError: no room\); "
+                                            r"decode steps of 3 sequences run kernel per op"):
+        assert steps.takes(step(9, 9, 9)) is None
+    assert steps.batches == (1, 2, 4) and steps.takes(step(9, 9, 9)) is None
+    steps.build([1, 2, 4, 16])
+    assert built == [1, 2, 3, 4] and sorted(steps.graphs) == [1, 2, 4]
+    strict = OneKernelSteps(None, None, (1, 2, 3), None, 4096, 132, strict=True)
+    strict._build = build
+    assert strict.takes(step(100000, 100000, 100000, 100000)) is None  # batch 4: not a size
+    with pytest.raises(RuntimeError, match="no room"):
+        strict.takes(step(9, 9, 9))
+
+
 # --- on the GPU -------------------------------------------------------------------------------------------------
 
 def _poisoned_caches(cfg, shape, engine_layout):
@@ -414,11 +451,12 @@ def test_gpu_engine_one_kernel_look_ahead(model_files):
 
 def test_info_says_when_the_engine_takes_the_one_kernel_step():
     from llmkernels.info import kernel_paths
-    from llmkernels.megakernel.engine import AUTO_BATCHES, AUTO_MAX_CONTEXT, _sizes
+    from llmkernels.megakernel.engine import AUTO_BATCH_MAX_KEYS, AUTO_BATCHES, AUTO_MAX_CONTEXT, _sizes
 
     on = [line for line in kernel_paths((9, 0), True) if "one-kernel decode step" in line]
     assert on == [f"  one-kernel decode step (Gluon, sm_90): enabled by default for {_sizes(AUTO_BATCHES)} sequences "
-                  f"up to {AUTO_MAX_CONTEXT} cached tokens on llama-family models with every matrix in bf16 "
+                  f"up to {AUTO_MAX_CONTEXT} cached tokens ({AUTO_BATCH_MAX_KEYS} in all at batch > 1) on "
+                  f"llama-family models with every matrix in bf16 "
                   f"(LLM(megakernel=True): 1-8 sequences at every context, and one with q4_k and act_int8)"]
     assert _sizes([1, 2]) == "1 or 2" and _sizes(range(1, 9)) == "1-8" and _sizes([1, 2, 4]) == "1, 2 or 4"
     assert _sizes([1]) == "1"
