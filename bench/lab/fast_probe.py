@@ -37,6 +37,10 @@ def main():
     ap.add_argument("--mma", type=int, default=-1, help="batch > 1: FastStep's batch_mma (1 tensor cores, 0 CUDA "
                     "cores, -1 its default)")
     ap.add_argument("--stages", type=int, default=0, help="ring slots (0: FastStep's default)")
+    ap.add_argument("--kv-ring", type=int, default=-1, help="FastStep kv_ring: ATTN's cp.async ring in blocks of 32 "
+                    "keys (-1: the default)")
+    ap.add_argument("--diag", type=int, default=0, help="FastStep diag (timing only, wrong results): 4 no cached key "
+                    "read, 5 no block computed either")
     ap.add_argument("--dump-every", type=float, default=20.0)
     ap.add_argument("--time", action="store_true", help="then the step's time per replay and the bound's share")
     ap.add_argument("--engine", action="store_true", help="then the engine's kernel-per-op rate at this batch")
@@ -58,7 +62,8 @@ def main():
     mma = dict(batch_mma=None if args.mma < 0 else bool(args.mma)) if B > 1 else {}
     fast = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), warps=args.warps, hold=args.hold,
                                  spin_limit=1 << args.spin,
-                                 stages=args.stages or None, **mma)
+                                 stages=args.stages or None, diag=args.diag,
+                                 kv_ring=None if args.kv_ring < 0 else args.kv_ring, **mma)
     print(f"{args.fmt} {args.layers} layers batch {B} hold {args.hold} warps {args.warps}"
           f"{', tensor cores' if fast.bmma else ''}: "
           f"{len(prog.counter_names)} counters, {sum(len(x) for x in prog.lists)} instructions", flush=True)
