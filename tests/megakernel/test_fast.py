@@ -421,6 +421,11 @@ def test_gpu_engine_one_kernel_batches(model_files):
     assert sorted(llm.runner.one_kernel.graphs) == [1, 2, 3]
     for p, o in zip(prompts, outs):
         _agrees_with_kernel_per_op(ref_llm, p, o.outputs[0], mean=0.05)
+    # without logprobs the steps run one ahead, fed the sampled ids on the device: the same tokens
+    ahead = llm.stats.ahead_steps
+    again = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 24, 12)])
+    assert llm.stats.ahead_steps - ahead >= 30
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     llm.capture_graphs([4, 8])
     assert sorted(llm.runner.one_kernel.graphs) == [1, 2, 3, 4, 8]
     eight = [torch.randint(1, cfg.vocab_size, (5 + 3 * i,)).tolist() for i in range(8)]
