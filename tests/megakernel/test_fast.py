@@ -413,7 +413,8 @@ def test_gpu_engine_one_kernel_batches(model_files):
     scores (the graphs of batch 3 and 2 are built while the sequences hold their pages, page 0 among them); the
     graphs of those sizes were built, capture_graphs builds others ahead of time, and eight at once agree too."""
     path, _, cfg = _tiny(model_files, "bf16")
-    prompts = [torch.randint(1, cfg.vocab_size, (n,)).tolist() for n in (9, 14, 4)]  # under a page: no prefix-cache hit when run again
+    # under a page each: no prefix-cache hit when they run again
+    prompts = [torch.randint(1, cfg.vocab_size, (n,)).tolist() for n in (9, 14, 4)]
     ref_llm = LLM(path, progress=False, megakernel=False)
     llm = LLM(path, progress=False, megakernel=True)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -423,7 +424,8 @@ def test_gpu_engine_one_kernel_batches(model_files):
         _agrees_with_kernel_per_op(ref_llm, p, o.outputs[0], mean=0.05)
     # without logprobs the steps run one ahead, fed the sampled ids on the device: the same tokens
     ahead = llm.stats.ahead_steps
-    again = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 24, 12)])
+    again = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                   for n in (40, 24, 12)])
     assert llm.stats.ahead_steps - ahead >= 30
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     llm.capture_graphs([4, 8])
