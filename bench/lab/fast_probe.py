@@ -41,6 +41,8 @@ def main():
                     "keys (-1: the default)")
     ap.add_argument("--diag", type=int, default=0, help="FastStep diag (timing only, wrong results): 4 no cached key "
                     "read, 5 no block computed either")
+    ap.add_argument("--resid16", action="store_true", help="batch > 1: FastStep(resid16=True), the normed products "
+                    "staged from the residual's bf16 copy")
     ap.add_argument("--dump-every", type=float, default=20.0)
     ap.add_argument("--time", action="store_true", help="then the step's time per replay and the bound's share")
     ap.add_argument("--engine", action="store_true", help="then the engine's kernel-per-op rate at this batch")
@@ -59,7 +61,7 @@ def main():
                                 num_splits=args.splits or None, **extra)
     kc, vc, table, ids, lens = step_inputs(cfg, B, context)
     inv, _ = rope_inv_freq(cfg)
-    mma = dict(batch_mma=None if args.mma < 0 else bool(args.mma)) if B > 1 else {}
+    mma = dict(batch_mma=None if args.mma < 0 else bool(args.mma), resid16=args.resid16) if B > 1 else {}
     fast = FastStep.from_tensors(prog, cfg, tensors, kc, vc, inv.cuda(), warps=args.warps, hold=args.hold,
                                  spin_limit=1 << args.spin,
                                  stages=args.stages or None, diag=args.diag,

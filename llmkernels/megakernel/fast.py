@@ -300,7 +300,7 @@ def _stage_b(x_smem, X, xs, NW, K, k0, eps, NORM: gl.constexpr, B: gl.constexpr,
         for g in range(0, nk, 16):
             offs = k0 + (g + r)[:, None] * BK + k[None, :]
             m = (g + r < nk)[:, None] & (k < BK)[None, :]
-            x = gl.load(X + b * xs + offs, mask=m, other=0.0)
+            x = gl.load(X + b * xs + offs, mask=m, other=0.0).to(gl.float32)
             if NORM:
                 x = x * inv * gl.load(NW + offs, mask=m, other=0.0)
             xs4.index(g // 16).slice(b, 1, dim=1).store(x.to(gl.bfloat16)[:, None, :])
@@ -385,13 +385,14 @@ def _subtile_m(w_smem, x_smem, ready, empty, c, nk, STAGES: gl.constexpr):
 @gluon.jit
 def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps, NORM: gl.constexpr,
             ACC: gl.constexpr, GLU: gl.constexpr, STAGES: gl.constexpr, B: gl.constexpr, BP: gl.constexpr,
-            BMMA: gl.constexpr):
+            BMMA: gl.constexpr, OUT16=None, W16: gl.constexpr = False):
     """Batch > 1, bf16 weights: rows [lo, hi) of the instruction's matrix for rows b < B of X (row stride xs; float32,
     or bf16 where the producer rounded it as the staging would): OUT[b, rows] = y (ACC: += y; GLU: y = SiLU(gate)
     * up, stored in bf16, as _gemv_any) at OUT's row stride os -> c after its
     slots. The input is staged in pieces (_stage_b: 32768 / BP columns; BMMA, _stage_m: 4096) and each piece's
     partial products added into OUT, in the order the loader streams them (XPC); GLU's K fits one piece (FastStep
-    checks). The products: _subtile_b on the CUDA cores, or with BMMA _subtile_m on the tensor cores."""
+    checks). The products: _subtile_b on the CUDA cores, or with BMMA _subtile_m on the tensor cores. W16: the
+    rows' final values (after the last piece) also go to OUT16 in bf16, at OUT's offsets."""
     if BMMA:
         MMA: gl.constexpr = NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
         LY: gl.constexpr = gl.SliceLayout(0, MMA)  # [16 rows, 8 sequences]
@@ -433,6 +434,8 @@ def _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, K, X, xs, NW, OUT, os, eps,
                 else:  # a later piece adds to the earlier ones
                     y += gl.load(ptr, mask=m & (k0 > 0), other=0.0)
                 gl.store(ptr, y, mask=m)
+                if W16:
+                    gl.store(OUT16 + bi * os + r + ri, y.to(gl.bfloat16), mask=m & (k0 + XP >= K))
     return c
 
 
@@ -447,9 +450,9 @@ def _argmax_key(y, rows):
 
 
 @gluon.jit
-def _embed(EMB, IDS, AUX, RESID, H: gl.constexpr, B: gl.constexpr):
+def _embed(EMB, IDS, AUX, RESID, H: gl.constexpr, B: gl.constexpr, R16: gl.constexpr = False):
     """The embedding rows of IDS; an id below 0 stands for the previous step's greedy token (AUX[3]), so a
-    caller feeding it back needs no copy."""
+    caller feeding it back needs no copy. R16: also their bf16 copy after RESID's B rows (_compute's R16)."""
     LE: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     k = gl.arange(0, 1024, layout=LE)
     for b in gl.static_range(B):
@@ -458,7 +461,10 @@ def _embed(EMB, IDS, AUX, RESID, H: gl.constexpr, B: gl.constexpr):
         row = EMB + tok * H
         for k0 in range(0, H, 1024):
             m = k0 + k < H
-            gl.store(RESID + b * H + k0 + k, gl.load(row + k0 + k, mask=m, other=0.0).to(gl.float32), mask=m)
+            x = gl.load(row + k0 + k, mask=m, other=0.0).to(gl.float32)
+            gl.store(RESID + b * H + k0 + k, x, mask=m)
+            if R16:
+                gl.store(RESID.to(gl.pointer_type(gl.bfloat16)) + 2 * B * H + b * H + k0 + k, x.to(gl.bfloat16), mask=m)
 
 
 @gluon.jit
@@ -709,14 +715,22 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
              B: gl.constexpr, H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
              F: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, PAGE: gl.constexpr, GP: gl.constexpr,
              STAGES: gl.constexpr, FMT: gl.constexpr, TRACE: gl.constexpr, QSTEP: gl.constexpr, QDOT: gl.constexpr,
-             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr, BP: gl.constexpr, BMMA: gl.constexpr):
-    """AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
+             DIAG: gl.constexpr, HOLD: gl.constexpr, KVRING: gl.constexpr, BP: gl.constexpr, BMMA: gl.constexpr,
+             R16: gl.constexpr = False):
+    """R16 (batch > 1): the residual rows also kept in bf16 after RESID's B float32 rows (EMBED, O and DOWN write
+    them as each row is final), and the normed products (QKV, GATEUP, LOGITS) stage those: half the bytes every SM
+    reads from L2 for them, the kernel-per-op step's rounding of the residual.
+    AUX (int64): [0] the largest _argmax_key of the logits so far, [1] LOGITS instructions done, [2] programs
     done, [3] the step's greedy token (batch 1; B > 1 leaves the choice to the caller). The last LOGITS
     instruction to finish writes the token, the last program to finish zeroes the counters for the next step (each
     resets the words it used) and copies the token and ERR into OUT (int64 [3]; pinned host memory, so that a host
     reads them without a copy on the stream)."""
     ok = 1
     c = 0
+    R16P = RESID.to(gl.pointer_type(gl.bfloat16)) + 2 * B * H  # R16's rows
+    XR = RESID
+    if R16:
+        XR = R16P
     for j in range(n_instr):
         p = PROG + j * NF
         if TRACE:  # (start, waited, done) of every instruction, global nanoseconds
@@ -739,10 +753,10 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
                     mbarrier.arrive(gate, count=1)
         # the slots of every GEMV are consumed even after a failed wait, so the loader never blocks
         if op == 1:
-            _embed(EMB, IDS, AUX, RESID, H, B)
+            _embed(EMB, IDS, AUX, RESID, H, B, R16)
         elif op == 2:
             if B > 1:  # bf16 products of every sequence
-                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, NORMS + layer * 2 * H, QKV,
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, XR, H, NORMS + layer * 2 * H, QKV,
                             (HQ + 2 * HKV) * D, eps, True, False, False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H, H, eps, True, FMT, H)
@@ -765,14 +779,14 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
             if B > 1:  # bf16 products of every sequence
                 a16 = ATTN.to(gl.pointer_type(gl.bfloat16))  # _merge's bf16 rows
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, HQ * D, a16, HQ * D, a16, RESID, H, eps,
-                            False, True, False, STAGES, B, BP, BMMA)
+                            False, True, False, STAGES, B, BP, BMMA, R16P, R16)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, ATTN, ATTN, HQ * D, eps, False, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, HQ * D, RESID,
                                  True, False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 6:
             if B > 1:  # bf16 products of every sequence
-                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, NORMS + layer * 2 * H + H, ACT,
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, XR, H, NORMS + layer * 2 * H + H, ACT,
                             F, eps, True, False, True, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, NORMS + layer * 2 * H + H, H, eps, True, FMT, H)
@@ -782,14 +796,14 @@ def _compute(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, gate, PROG,
             if B > 1:  # bf16 products of every sequence
                 a16 = ACT.to(gl.pointer_type(gl.bfloat16))  # GATEUP's bf16 rows
                 c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, F, a16, F, a16, RESID, H, eps, False, True,
-                            False, STAGES, B, BP, BMMA)
+                            False, STAGES, B, BP, BMMA, R16P, R16)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, ACT, ACT, F, eps, False, FMT, H)
                 c, _ = _gemv_any(w_smem, h_smem, x_smem, xq_smem, xd_smem, ready, empty, c, lo, hi, F, RESID, True,
                                  False, STAGES, FMT, QSTEP, QDOT, DIAG)
         elif op == 8:
             if B > 1:  # bf16 products of every sequence
-                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, RESID, H, ONORM, LOGITS, n_vocab, eps, True,
+                c = _gemv_b(w_smem, x_smem, ready, empty, c, lo, hi, H, XR, H, ONORM, LOGITS, n_vocab, eps, True,
                             False, False, STAGES, B, BP, BMMA)
             else:
                 _stage_any(x_smem, xq_smem, xd_smem, RESID, ONORM, H, eps, True, FMT, H)
@@ -838,7 +852,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                      STAGES: gl.constexpr, FMT: gl.constexpr, CW: gl.constexpr = 4, TRACE: gl.constexpr = False,
                      QSTEP: gl.constexpr = 2, QDOT: gl.constexpr = 1, DIAG: gl.constexpr = 0, HOLD: gl.constexpr = 0,
                      KVRING: gl.constexpr = 0, BP: gl.constexpr = 1, XPC: gl.constexpr = 65536,
-                     BMMA: gl.constexpr = False):
+                     BMMA: gl.constexpr = False, R16: gl.constexpr = False):
     """FMT 0: bf16 weights (desc_*: [16, 256] boxes; hdesc_* unused); 1: q4_k blocks as stored (desc_*: code
     bytes, hdesc_*: headers, q4k.q4k_descriptors) with int8 activations. CW: the compute partition's warps.
     DIAG (timing only, wrong results): 1 the loader fills no slot (the step without weight reads), 2 the bf16
@@ -846,8 +860,8 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
     them. HOLD: _loader's. KVRING: _attn's NBUF (bf16: its ring lives in the staging buffer). B > 1 (bf16): B
     sequences (page table rows pt_stride apart, logits rows n_vocab apart), the products by _gemv_b with BP the
     power of two from B, XPC = 128 / BP slots per staged piece; BMMA (4 compute warps): on the tensor cores, desc_*
-    with [16, 64] boxes, XPC = 16. The counters must be zero at the first launch; each step leaves them so
-    (_compute)."""
+    with [16, 64] boxes, XPC = 16; R16: _compute's (RESID then holds B float32 rows and B bf16 ones). The counters
+    must be zero at the first launch; each step leaves them so (_compute)."""
     sm = gl.program_id(0)
     PROG_SM = PROG + sm * n_instr * NF
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -874,7 +888,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                         ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
                         PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
                         spin_limit, TR, pt_stride, n_vocab, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE,
-                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP, BMMA)),
+                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP, BMMA, R16)),
             (_loader, (desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, w_smem, h_smem, ready, empty, gate,
                        PROG_SM, n_instr, MT, n_layers, H, HQ * D, F, STAGES, FMT, DIAG, HOLD, FMT, XPC, BMMA)),
         ], [1], [40])
@@ -886,7 +900,7 @@ def fast_step_kernel(desc_a, desc_o, desc_d, hdesc_a, hdesc_o, hdesc_d, PROG, n_
                         ERR, IDS, SEQ_LENS, PT, KC, VC, INV_FREQ, EMB, NORMS, ONORM, n_layers, RESID, QKV, PART_O,
                         PART_L, ATTN, ACT, LOGITS, AUX, OUT, n_counters, n_logits, layer_stride, eps, qk_scale,
                         spin_limit, TR, pt_stride, n_vocab, B, H, HQ, HKV, D, F, S, SP, PAGE, GP, STAGES, FMT, TRACE,
-                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP, BMMA)),
+                        QSTEP, QDOT, DIAG, HOLD, KVRING, BP, BMMA, R16)),
         ], [CW], [232 if CW == 4 else 192])
 
 
@@ -960,13 +974,15 @@ class FastStep:
     ``batch_mma``: at batch > 1 the products run on the tensor cores (True: mma.sync, 4 compute warps; hidden up
     to 4096) or on the CUDA cores (False: hidden up to 32768 / B rounded up to a power of two); None (the default)
     takes the CUDA cores at batch 2 and the tensor cores above it, the faster of the two at each size on the
-    Llama-3-8B shape (bench/NOTES.md).
+    Llama-3-8B shape (bench/NOTES.md). ``resid16`` (batch > 1): keep a bf16 copy of the residual rows and stage
+    the normed products' inputs from it (half the bytes each SM reads per QKV, GATEUP and LOGITS instruction; the
+    residual is then rounded to bf16 before each norm, as the kernel-per-op step rounds it).
     """
 
     def __init__(self, prog, cfg, stacks: WeightStacks, embed, norms, output_norm, inv_freq, k_cache, v_cache, *,
                  stages: int | None = None, warps: int = 4, qstep: int = 2, qdot: int = 1, hold: int = 1,
                  kv_ring: int | None = None, diag: int = 0, spin_limit: int = 1 << 22, trace: bool = False,
-                 batch_mma: bool | None = None):
+                 batch_mma: bool | None = None, resid16: bool = False):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B = prog.geometry["batch"]
@@ -982,6 +998,9 @@ class FastStep:
         if batch_mma is not None and not isinstance(batch_mma, bool):
             raise TypeError(f"batch_mma must be None, True or False, got {type(batch_mma).__name__}")
         self.bmma = _takes_mma(B, batch_mma)
+        if not isinstance(resid16, bool) or (resid16 and B == 1):
+            raise ValueError(f"resid16 (batch > 1) must be True or False, got {resid16!r} at batch {B}")
+        self.r16 = resid16
         bad = batch_reason(cfg, stacks.format, B, batch_mma)
         if bad:
             raise ValueError(f"prog: {bad}")
@@ -1030,7 +1049,8 @@ class FastStep:
         self.out = torch.zeros(3, dtype=torch.int64, device=dev)  # launch's out
         S = prog.geometry["splits"]
         f32 = dict(dtype=torch.float32, device=dev)
-        self.resid = torch.empty(B, H, **f32)
+        # with resid16 the residual's bf16 copy follows its float32 rows in the same buffer (_compute's R16)
+        self.resid = torch.empty(B * H * 3 // 2 if resid16 else B * H, **f32)[:B * H].view(B, H)
         self.qkv = torch.empty(B, (cfg.n_heads + 2 * Hkv) * D, **f32)
         self.part_o = torch.empty(B, cfg.n_heads, S, D, **f32)
         self.part_l = torch.empty(B, cfg.n_heads, S, **f32)
@@ -1121,7 +1141,7 @@ class FastStep:
             PAGE=self.kc.shape[2], GP=triton.next_power_of_2(cfg.n_heads // cfg.n_kv_heads), STAGES=self.stages,
             FMT=int(self.fmt == "q4_k"), CW=self.warps, TRACE=self.trace is not None, QSTEP=self.qstep,
             QDOT=self.qdot, DIAG=self.diag, HOLD=self.hold, KVRING=self.kv_ring, BP=self.bp,
-            XPC=16 if self.bmma else 128 // self.bp if self.batch > 1 else 65536, BMMA=self.bmma,
+            XPC=16 if self.bmma else 128 // self.bp if self.batch > 1 else 65536, BMMA=self.bmma, R16=self.r16,
             num_warps=16 if self.warps == 16 else 4)
 
     def error(self, flag=None) -> str | None:
@@ -1149,7 +1169,7 @@ class FastStep:
 def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int = 1, diag: int = 0, hidden: int = 4096,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, ffn: int = 14336, splits: int = 16,
                  page: int = 16, trace: bool = False, kv_ring: int | None = None, batch: int = 1,
-                 batch_mma: bool = True):
+                 batch_mma: bool = True, resid16: bool = False):
     """fast_step_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels), for
     the Llama-3-8B shape by default: for the tests and for reading the code the compiler makes."""
     import triton
@@ -1175,7 +1195,7 @@ def compile_sm90(fmt: str = "bf16", warps: int = 4, stages: int = 16, hold: int 
                   D=head_dim, F=ffn, S=splits, SP=triton.next_power_of_2(splits), PAGE=page,
                   GP=triton.next_power_of_2(heads // kv_heads),
                   STAGES=stages, FMT=int(fmt == "q4_k"), CW=warps, TRACE=trace, QSTEP=2, QDOT=1, DIAG=diag,
-                  HOLD=hold,
+                  HOLD=hold, R16=resid16,
                   KVRING=(min(2, 512 // head_dim) if fmt == "bf16" and head_dim >= 64 else 0) if kv_ring is None
                   else kv_ring)
     sig = dict(zip(names[:6], descs))

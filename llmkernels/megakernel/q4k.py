@@ -39,7 +39,7 @@ def int8_input_smem():
 
 @gluon.jit
 def inv_rms(X, K, eps):
-    """1 / sqrt(mean(X[:K]^2) + eps) of a float32 row, read in pieces of 4096."""
+    """1 / sqrt(mean(X[:K]^2) + eps) of a float32 (or bf16) row, read in pieces of 4096."""
     LP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, LP))
     k = gl.arange(0, 256, layout=gl.SliceLayout(0, LP))
@@ -47,7 +47,7 @@ def inv_rms(X, K, eps):
     acc = gl.zeros([16, 256], gl.float32, LP)
     for p in range(0, nk, 16):
         offs = (p + r)[:, None] * 256 + k[None, :]
-        x = gl.load(X + offs, mask=(p + r < nk)[:, None] & (k < 256)[None, :], other=0.0)
+        x = gl.load(X + offs, mask=(p + r < nk)[:, None] & (k < 256)[None, :], other=0.0).to(gl.float32)
         acc += x * x
     return 1.0 / gl.sqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / K + eps)
 

@@ -94,6 +94,12 @@ def test_fast_step_rejects_bad_arguments(model_files):
         FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8, batch_mma=True)
     with pytest.raises(TypeError, match="batch_mma must be None, True or False, got int"):
         FastStep(prog2, cfg, stacks, *args, kc, vc, batch_mma=1)
+    with pytest.raises(ValueError, match=r"resid16 \(batch > 1\) must be True or False, got True at batch 1"):
+        FastStep(prog, cfg, stacks, *args, kc, vc, resid16=True)
+    with pytest.raises(ValueError, match=r"resid16 \(batch > 1\) must be True or False, got 1 at batch 2"):
+        FastStep(prog2, cfg, stacks, *args, kc, vc, resid16=1)
+    r16 = FastStep(prog2, cfg, stacks, *args, kc, vc, resid16=True)
+    assert r16.r16 and r16.resid.shape == (2, cfg.hidden) and r16.resid.untyped_storage().nbytes() == 2 * cfg.hidden * 6
     assert not FastStep(prog2, cfg, stacks, *args, kc, vc, warps=8).bmma  # batch 2: the CUDA cores by default
     prog3 = build_decode_program(cfg, "bf16", batch=3, context=16, num_sms=8)
     assert FastStep(prog3, cfg, stacks, *args, kc, vc).bmma  # batch 3 and up: the tensor cores
@@ -120,7 +126,8 @@ def test_fast_step_rejects_bad_arguments(model_files):
 
 def test_fast_step_compiles_for_sm90_without_a_gpu():
     """Both formats compile for sm_90 (ptxas from the Triton wheel) within the shared memory of an SM (bf16 with 4
-    compute warps, at batch 3 with 8 on the CUDA cores and at batch 8 on the tensor cores; q4_k with 8, and with
+    compute warps, at batch 3 with 8 on the CUDA cores with the residual's bf16 copy and at batch 8 on the tensor
+    cores; q4_k with 8, and with
     16 as the default partition beside a one-warp loader), the loader's hold
     (on by default) is one barrier wait that hold=0 leaves out, a timing-only build with no weight reads issues no
     TMA copy."""
@@ -128,7 +135,7 @@ def test_fast_step_compiles_for_sm90_without_a_gpu():
     code = ("import sys, json; from llmkernels.megakernel.fast import compile_sm90; "
             "ks = [compile_sm90('bf16', 4), compile_sm90('q4_k', 8, hold=2), compile_sm90('bf16', 4, diag=3), "
             "compile_sm90('bf16', 4, hold=0), compile_sm90('q4_k', 16), compile_sm90('bf16', 8, batch=3, "
-            "batch_mma=False), compile_sm90('bf16', 4, batch=8)]; "
+            "batch_mma=False, resid16=True), compile_sm90('bf16', 4, batch=8)]; "
             "sys.stdout.write(json.dumps([[k.metadata.shared, len(k.asm['cubin']) > 0, "
             "k.asm['ptx'].count('mbarrier.try_wait'), 'cp.async.bulk.tensor' in k.asm['ptx']] for k in ks]))")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -292,17 +299,19 @@ def test_gpu_fast_step_long_splits(model_files, fmt, splits, engine_layout, warp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, warps, mma, splits, engine_layout, context",
-                         [(2, 4, True, 2, True, 40), (3, 4, True, 3, False, 600), (8, 4, True, 2, True, 70),
-                          (2, 4, False, 2, False, 40), (8, 4, False, 3, True, 70), (4, 8, False, 3, True, 40),
-                          (5, 8, False, 2, False, 300)])
+@pytest.mark.parametrize("batch, warps, mma, splits, engine_layout, context, resid16",
+                         [(2, 4, True, 2, True, 40, False), (3, 4, True, 3, False, 600, False),
+                          (8, 4, True, 2, True, 70, False), (2, 4, False, 2, False, 40, False),
+                          (8, 4, False, 3, True, 70, False), (4, 8, False, 3, True, 40, False),
+                          (5, 8, False, 2, False, 300, False), (8, 4, True, 2, True, 70, True),
+                          (3, 8, False, 3, False, 40, True)])
 def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, warps, mma, splits, engine_layout,
-                                                            context):
+                                                            context, resid16):
     """Batch 2-8 (bf16 weights; the products take their inputs rounded to bf16, the reference float32 ones), on
-    the tensor cores and on the CUDA cores: each sequence of its own length (context - 7 b cached keys before the
-    step, in scattered pages of one shared pool, NaN past them) against the reference executor on the same
-    Program at four consecutive positions, within 2e-2 of the largest logit; batches the products pad (3, 5)
-    included."""
+    the tensor cores and on the CUDA cores, with and without the residual's bf16 copy: each sequence of its own
+    length (context - 7 b cached keys before the step, in scattered pages of one shared pool, NaN past them)
+    against the reference executor on the same Program at four consecutive positions, within 2e-2 of the largest
+    logit; batches the products pad (3, 5) included."""
     from llmkernels.megakernel.fast import FastStep
     from llmkernels.megakernel.kernel import DecodeStep
 
@@ -319,7 +328,7 @@ def test_gpu_fast_step_batches_match_the_reference_executor(model_files, batch, 
         _fill_keys((ref_k, ref_v), (kc, vc), table[b], n)
     inv, _ = rope_inv_freq(cfg)
     ref = DecodeStep(prog, cfg, f, ref_k, ref_v, inv.cuda(), batch=batch)
-    fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), warps=warps, batch_mma=mma)
+    fast = FastStep.from_tensors(prog, cfg, f, kc, vc, inv.cuda(), warps=warps, batch_mma=mma, resid16=resid16)
     for t in range(4):
         ids = torch.randint(1, cfg.vocab_size, (batch,), dtype=torch.int32, device="cuda")
         seq_lens = torch.tensor([n + 1 + t for n in lens], dtype=torch.int32, device="cuda")
