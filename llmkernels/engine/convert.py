@@ -201,8 +201,9 @@ def mix_format(fmt: str, gname: str, n_layers: int) -> str:
 
 
 def _pick_format(fmt: str, K: int) -> str:
-    """``fmt`` if K is a multiple of its block size, else q8_0, else f16 (as llama.cpp falls back)."""
-    for f in (fmt, "q8_0", "f16"):
+    """``fmt`` if K is a multiple of its block size, else q8_0 (iq4_xs: iq4_nl, its codebook in blocks of 32), else
+    f16 (as llama.cpp falls back)."""
+    for f in (fmt, "iq4_nl" if fmt == "iq4_xs" else "q8_0", "q8_0", "f16"):
         if K % GGUF_FORMATS[f].block_size == 0:
             return f
     return "f32"
@@ -212,7 +213,8 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
                        progress: bool = True) -> str:
     """Convert a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) to GGUF.
 
-    format: GGUF format of the 2-D weights (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k ... q6_k), or the mix
+    format: GGUF format of the 2-D weights (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k ... q6_k iq4_nl iq4_xs
+    mxfp4), or the mix
     q4_k_m or q5_k_m (llama.cpp's Q4_K_M / Q5_K_M: q6_k for the output matrix and for attn_v and ffn_down in about
     half of the layers, q4_k / q5_k elsewhere; mix_format); a matrix whose row length is not a multiple of the
     format's block falls back to q8_0, then f16. output_format: the format of the output (lm head) matrix, default

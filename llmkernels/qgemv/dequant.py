@@ -8,8 +8,36 @@ fp16 (GGUF block sizes are even, so every fp16 field sits at an even byte offset
 import triton
 import triton.language as tl
 
+from ..quant.formats import IQ4_VALUES, MXFP4_VALUES
+
 # format ids (FMT constexpr), shared with the host through ``FORMAT_IDS``
-F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MLX = range(14)
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MLX, IQ4_NL, IQ4_XS, MXFP4 = range(17)
+
+
+def _words(levels):
+    """16 int8 levels as 4 int32 words, level 4 j + i in byte i of word j (signed, as Triton takes constants)."""
+    ws = [sum((levels[4 * j + i] & 0xFF) << (8 * i) for i in range(4)) for j in range(4)]
+    return [tl.constexpr(w - (1 << 32) if w >= 1 << 31 else w) for w in ws]
+
+
+IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3 = _words(IQ4_VALUES)
+MX_W0, MX_W1, MX_W2, MX_W3 = _words(MXFP4_VALUES)
+
+
+@triton.jit
+def lookup16(q, W0, W1, W2, W3):
+    """Level q (int32 codes 0..15) of a 16-level int8 codebook packed in words W0-W3, as float32: a lookup in
+    registers (selects and a shift), no table in memory."""
+    w = tl.where(q < 8, tl.where(q < 4, W0, W1), tl.where(q < 12, W2, W3))
+    b = (w >> ((q & 3) * 8)) & 0xFF
+    return ((b ^ 0x80) - 0x80).to(tl.float32)
+
+
+@triton.jit
+def e8m0_half(e):
+    """E8M0 exponent bytes (int32) -> float32 2^(e - 128), subnormal below e = 2 (llama.cpp's decoding)."""
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -119,6 +147,20 @@ def dequant_tile(W8, W16, WI8, WS, WB, row_bytes, rows, blk, row_ok, blk_ok, sca
         ql = (_u8(W8, base + half * 64 + (quarter % 2) * 32 + l, ok_e) >> ((quarter // 2) * 4)) & 0xF
         qh = (_u8(W8, base + 128 + half * 32 + l, ok_e) >> (quarter * 2)) & 3
         return (d * sc) * ((ql | (qh << 4)) - 32).to(tl.float32)
+    elif FMT == 14 or FMT == 16:  # iq4_nl: d, 16 bytes / mxfp4: e, 16 bytes; nibbles as q4_0, codebook levels
+        if FMT == 14:
+            d = tl.load(W16 + base // 2, mask=ok, other=0.0).to(tl.float32)
+            q = (_u8(W8, base + 2 + e % 16, ok_e) >> ((e // 16) * 4)) & 0xF
+            return d * lookup16(q, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3)
+        d = e8m0_half(_u8(W8, base, ok))
+        q = (_u8(W8, base + 1 + e % 16, ok_e) >> ((e // 16) * 4)) & 0xF
+        return d * lookup16(q, MX_W0, MX_W1, MX_W2, MX_W3)
+    elif FMT == 15:  # iq4_xs: d, scales_h (uint16), scales_l[4], qs[128]; 8 sub-blocks of 32
+        d = tl.load(W16 + base // 2, mask=ok, other=0.0).to(tl.float32)
+        lo = (_u8(W8, base + 4 + s // 2, ok_s) >> ((s % 2) * 4)) & 0xF
+        hi = ((_u8(W8, base + 2 + s // 4, ok_s) >> ((s % 4) * 2)) & 3) << 4
+        q = (_u8(W8, base + 8 + s * 16 + i % 16, ok_e) >> ((i // 16) * 4)) & 0xF
+        return (d * ((lo | hi) - 32).to(tl.float32)) * lookup16(q, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3)
     else:  # MLX affine: LSB-first bit stream of BITS-bit values in uint32 words; one group per block
         k = b * SUB + i  # weight index along the row (NSUB == 1)
         bit = k * BITS

@@ -99,3 +99,25 @@ def embedding_kernel(IDS, W8, W16, WI8, WS, WB, OUT, n_ids, K, num_rows, row_byt
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(OUT + idx.to(tl.int64)[:, None] * stride_out + kk[None, :], w.to(OUT.dtype.element_ty),
              mask=idx_ok[:, None] & (kk[None, :] < K))
+
+
+def compile_sm90(fmt: str, m_pad: int = 1, dual: bool = False, block_n: int = 32, nb: int = 0, warps: int = 4):
+    """gemv_kernel compiled for sm_90 without a GPU (TRITON_INTERPRET=0 set before importing llmkernels) for a GGUF
+    format at M_PAD ``m_pad`` (1: the CUDA-core sums; more: tl.dot), ``dual`` the fused gate/up build: for the tests
+    and for reading the code the compiler makes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import route
+    from .ops import FORMAT_IDS
+
+    nsub, sub, block_bytes, _, family = route.layout(fmt, 4096, None)
+    sig = {"X": "*fp16", "X2": "*fp16", "W16": "*fp16", "V16": "*fp16", "Y": "*fp16", "PART": "*fp32", "COUNT": "*i32"}
+    sig.update({n: "*u8" for n in ("W8", "WI8", "WS", "WB", "V8", "VI8", "VS", "VB")})
+    sig.update({n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_x2m", "stride_ys", "stride_ym", "row_bytes",
+                                   "scale_stride", "nblocks", "blocks_per_split", "split")})
+    consts = dict(FMT=FORMAT_IDS[fmt], NB=nb or (1 if family == "kquant" else 4), NSUB=nsub, SUB=sub,
+                  BLOCK_BYTES=block_bytes, BITS=0, BLOCK_N=block_n, M_PAD=m_pad, SILU_X=False, DUAL=dual, FIXUP=True)
+    sig.update({n: "constexpr" for n in consts})
+    return triton.compile(ASTSource(gemv_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": 2})

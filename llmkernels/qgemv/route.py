@@ -230,7 +230,7 @@ def layout(fmt: str, K: int, group_size: int | None):
         return 1, 32, 0, -(-K // 32), "dense"
     if f.family == "legacy":
         return 1, 32, f.block_bytes, K // 32, "legacy"
-    nsub, sub = (8, 32) if fmt in ("q4_k", "q5_k") else (16, 16)
+    nsub, sub = (8, 32) if fmt in ("q4_k", "q5_k", "iq4_xs") else (16, 16)
     return nsub, sub, f.block_bytes, K // 256, "kquant"
 
 

@@ -13,7 +13,7 @@ class Field:
     name: str
     offset: int  # byte offset inside the block
     nbytes: int
-    kind: str  # how to read it: "f16", "bf16", "f32", "u8", "i8", "u4x2", "u2x4", "bits", "scales6"
+    kind: str  # how to read it: "f16", "bf16", "f32", "u8", "i8", "u4x2", "u2x4", "bits", "scales6", "e8m0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,21 @@ GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in [
     GGUFFormat("q6_k", 14, 256, 210, (_f("ql", 0, 128, "u4x2"), _f("qh", 128, 64, "u2x4"), _f("scales", 192, 16, "i8"),
                                       _f("d", 208, 2, "f16")), "kquant",
                "16 sub-blocks of 16: w = d*sc*(q - 32), int8 sc, 6-bit q = low 4 bits (ql) | 2 high bits (qh)"),
+    GGUFFormat("iq4_nl", 20, 32, 18, (_f("d", 0, 2, "f16"), _f("qs", 2, 16, "u4x2")), "legacy",
+               "w = d * IQ4_VALUES[q]: a non-linear 16-value codebook; nibbles as q4_0"),
+    GGUFFormat("iq4_xs", 23, 256, 136, (_f("d", 0, 2, "f16"), _f("scales_h", 2, 2, "bits"),
+                                        _f("scales_l", 4, 4, "u4x2"), _f("qs", 8, 128, "u4x2")), "kquant",
+               "8 sub-blocks of 32: w = d*(ls-32)*IQ4_VALUES[q], 6-bit ls = nibble j of scales_l | bits 2j, 2j+1 "
+               "of the uint16 scales_h << 4; sub-block j's 16 bytes of qs as q4_0's"),
+    GGUFFormat("mxfp4", 39, 32, 17, (_f("e", 0, 1, "e8m0"), _f("qs", 1, 16, "u4x2")), "legacy",
+               "OCP MX fp4: w = 2^(e-127) * E2M1[q] (e2m1: sign bit 3, magnitudes 0 .5 1 1.5 2 3 4 6); nibbles as "
+               "q4_0"),
 ]}
+
+# The codebooks, as llama.cpp's ggml-common.h holds them: IQ4_NL / IQ4_XS values (int8), and MXFP4's E2M1 values
+# doubled (so they are integers; the block scale is then halved, 2^(e-128))
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 GGML_TYPE_TO_FORMAT = {f.ggml_type: f.name for f in GGUF_FORMATS.values()}
 

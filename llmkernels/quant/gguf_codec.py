@@ -1,4 +1,5 @@
-"""GGUF block formats in pure torch: dequantizers for every type and quantizers for the dense and legacy types.
+"""GGUF block formats in pure torch: dequantizers for every type and quantizers for the dense and legacy types
+(kquants.py and iquants.py encode the others).
 
 Each function takes blocks as uint8 [n_blocks, block_bytes] (or floats [n_blocks, block_size]) on any device.
 The float32 arithmetic follows llama.cpp's reference order (d * q + m, not fused), so results equal the ``gguf``
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import iquants
 from .formats import GGUF_FORMATS
 from .kquants import KQUANT_ENCODERS
 from .scales import signed_absmax, unpack_scales6, unpack_scales_q3k
@@ -131,7 +133,7 @@ def _deq_q6_k(b):
 DEQUANTIZERS = {
     "f32": _deq_f32, "f16": _deq_f16, "bf16": _deq_bf16, "q4_0": _deq_q4_0, "q4_1": _deq_q4_1, "q5_0": _deq_q5_0,
     "q5_1": _deq_q5_1, "q8_0": _deq_q8_0, "q2_k": _deq_q2_k, "q3_k": _deq_q3_k, "q4_k": _deq_q4_k,
-    "q5_k": _deq_q5_k, "q6_k": _deq_q6_k,
+    "q5_k": _deq_q5_k, "q6_k": _deq_q6_k, **iquants.DEQUANTIZERS,
 }
 
 
@@ -228,6 +230,6 @@ def quantize_blocks(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt in QUANTIZERS:
         out = QUANTIZERS[fmt](x)
     else:
-        out = KQUANT_ENCODERS[fmt](x)
+        out = {**KQUANT_ENCODERS, **iquants.ENCODERS}[fmt](x)
     assert out.shape[1] == GGUF_FORMATS[fmt].block_bytes, (fmt, out.shape)
     return out

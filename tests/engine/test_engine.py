@@ -31,7 +31,7 @@ def hf_greedy(model, ids, n):
 # as the distance of transformers-on-dequantized-weights from transformers-on-original-weights.
 ACT_TOL = {torch.float16: 2e-2, torch.bfloat16: 6e-2}
 CPU_CASES = [("llama", "f32"), ("llama", "q4_k"), ("qwen2", "f16"), ("qwen3", "q8_0"), ("phi3", "q8_0"),
-             ("gemma2", "f32"), ("gemma3", "q4_k")]
+             ("gemma2", "f32"), ("gemma3", "q4_k"), ("llama", "iq4_xs"), ("qwen2", "mxfp4")]
 
 
 def check_logits(llm, d, path, hf, ids):
@@ -566,6 +566,9 @@ def test_convert_reports_fallbacks(tmp_path, capsys):
     assert "fell back" in err and "blk.0.ffn_down.weight [128, 320]: q4_k -> q8_0" in err
     assert "blk.0.attn_q.weight" in err  # K = 128 too
     assert read_gguf(out)["blk.0.ffn_down.weight"].format == "q8_0"
+    out = convert_hf_to_gguf(str(tmp_path), str(tmp_path / "m2.gguf"), "iq4_xs", progress=False)
+    assert "blk.0.ffn_down.weight [128, 320]: iq4_xs -> iq4_nl" in capsys.readouterr().err
+    assert read_gguf(out)["blk.0.ffn_down.weight"].format == "iq4_nl"
 
 
 def test_backend_choice(model_files):

@@ -8,7 +8,7 @@ from llmkernels.qgemv.moe import group_pairs, moe_combine, moe_ffn, moe_gate_up_
 from llmkernels.testing import assert_close, moe_gate_up_silu_ref, moe_gemv_ref
 
 FORMATS = [("f16", {}), ("bf16", {}), ("q8_0", {}), ("q4_0", {}), ("q5_1", {}), ("q4_k", {}), ("q6_k", {}),
-           ("q5_k", {}), ("q3_k", {}), ("mlx", dict(bits=4, group_size=64))]
+           ("q5_k", {}), ("q3_k", {}), ("iq4_xs", {}), ("mxfp4", {}), ("mlx", dict(bits=4, group_size=64))]
 ids = [f if not kw else "mlx4g64" for f, kw in FORMATS]
 
 

@@ -14,7 +14,7 @@ from ..harness import Row, copies_for, time_graph_ms
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 FORMATS = [("q4_0", {}), ("q4_k", {}), ("q5_k", {}), ("q6_k", {}), ("q8_0", {}), ("mlx", dict(bits=4, group_size=64)),
-           ("f16", {}),
+           ("f16", {}), ("iq4_xs", {}), ("mxfp4", {}),  # the codebook formats: the generic kernel
            # gemv(act_int8=True): activations rounded to int8 per block of 32, integer dot products (qgemv/int8.py;
            # M = 1 only, see route.I8_MAX_M: larger M computes exactly)
            ("q4_0", dict(act_int8=True)), ("q8_0", dict(act_int8=True)), ("q4_k", dict(act_int8=True)),
