@@ -25,7 +25,12 @@ ARCHITECTURES = {
     # every second layer (gemma2) or on 5 of every 6 (gemma3, which has QK-norm and its own RoPE base there)
     "gemma2": dict(rope="neox", qkv_bias=False, qk_norm=False, gemma=True, swa_pattern=2, swa_default=4096),
     "gemma3": dict(rope="neox", qkv_bias=False, qk_norm=True, gemma=True, swa_pattern=6, swa_default=0),
+    # biases on Q/K/V, O, the router and every expert; a learned sink logit per head; a 128-token window on even
+    # layers; experts' clamped SwiGLU (swiglu_oai); the FFN's norm stored as post_attention_norm
+    "gpt-oss": dict(rope="neox", qkv_bias=True, qk_norm=False, oss=True, swa_pattern=2, swa_default=128),
 }
+# gpt-oss's expert activation: gate clamped above at LIMIT, up to [-LIMIT, LIMIT], (up + 1) * gate * sigmoid(ALPHA gate)
+OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
 # llama.cpp's attention scale for the 27B Gemma models (hidden / heads, not the head dim): their layer counts
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -60,6 +65,7 @@ class ModelConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_attn_factor: float = 1.0
+    yarn_truncate: bool = True  # the ramp's ends rounded to whole dims (llama.cpp; gpt-oss's reference does not)
     bos_id: int | None = None
     eos_ids: tuple = ()
     add_bos: bool = True
@@ -67,7 +73,7 @@ class ModelConfig:
     fused: bool = False  # attn_qkv and a gate/up ffn_up (phi3)
     post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual add (gemma)
     embed_scale: float = 1.0  # embeddings multiplied by this (gemma: sqrt(hidden), rounded to the activation dtype)
-    act: str = "silu"  # the gated FFN's activation: "silu" | "gelu_tanh"
+    act: str = "silu"  # the gated FFN's activation: "silu" | "gelu_tanh" | "swiglu_oai" (gpt-oss's experts)
     attn_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # scores s -> cap * tanh(s / cap) when > 0
     final_softcap: float = 0.0  # the same on the logits
@@ -78,6 +84,9 @@ class ModelConfig:
     n_experts_used: int = 0  # experts per token (top-k)
     expert_ffn: int = 0  # one expert's FFN width
     expert_norm: bool = True  # the top-k router weights renormalized to sum to 1
+    attn_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
+    o_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    moe_bias: bool = False  # biases on the router and on each expert's gate, up and down rows (gpt-oss)
 
     def window(self, layer: int) -> int:
         """paged_attention's left window edge for ``layer`` (-1: unbounded)."""
@@ -137,6 +146,7 @@ class ModelConfig:
             yarn_beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
             yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
             yarn_attn_factor=float(get("rope.scaling.attn_factor", 1.0, required=False) or 1.0),
+            yarn_truncate=bool(get("rope.scaling.yarn_truncate", True, required=False)),
             bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=eos_ids,
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", arch in ("llama", "mistral"))),
             name=str(meta.get("general.name", "")),
@@ -160,11 +170,7 @@ class ModelConfig:
                                    f"Phi-3 models) is not supported yet")
         if spec.get("fused"):
             cfg.fused = True
-        if spec.get("gemma"):
-            cfg.post_norms, cfg.act = True, "gelu_tanh"
-            cfg.embed_scale = math.sqrt(cfg.hidden)
-            cfg.attn_softcap = float(get("attn_logit_softcapping", 0.0, required=False) or 0.0)
-            cfg.final_softcap = float(get("final_logit_softcapping", 0.0, required=False) or 0.0)
+        if "swa_pattern" in spec:
             cfg.sliding_window = int(get("attention.sliding_window", spec["swa_default"], required=False) or 0)
             pattern = get("attention.sliding_window_pattern", spec["swa_pattern"], required=False)
             if isinstance(pattern, (list, tuple)):
@@ -174,6 +180,16 @@ class ModelConfig:
             if len(cfg.swa_layers) != cfg.n_layers:
                 raise ModelConfigError(f"{arch}: attention.sliding_window_pattern has {len(cfg.swa_layers)} "
                                        f"entries for {cfg.n_layers} layers")
+        if spec.get("oss"):
+            if not cfg.n_experts:
+                raise ModelConfigError(f"{arch}: GGUF metadata lacks '{arch}.expert_count'")
+            cfg.attn_sinks = cfg.o_bias = cfg.moe_bias = True
+            cfg.act = "swiglu_oai"
+        if spec.get("gemma"):
+            cfg.post_norms, cfg.act = True, "gelu_tanh"
+            cfg.embed_scale = math.sqrt(cfg.hidden)
+            cfg.attn_softcap = float(get("attn_logit_softcapping", 0.0, required=False) or 0.0)
+            cfg.final_softcap = float(get("final_logit_softcapping", 0.0, required=False) or 0.0)
             cfg.rope_theta_swa = float(get("rope.freq_base_swa", 0.0, required=False) or 0.0)
             scale = get("attention.scale", None, required=False)
             if scale:
@@ -214,8 +230,10 @@ def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> t
         def dim_for(turns):
             return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
-        lo = max(math.floor(dim_for(cfg.yarn_beta_fast)), 0)
-        hi = min(math.ceil(dim_for(cfg.yarn_beta_slow)), d - 1)
+        lo, hi = dim_for(cfg.yarn_beta_fast), dim_for(cfg.yarn_beta_slow)
+        if cfg.yarn_truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
         if lo == hi:
             hi += 0.001
         ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)

@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoints to GGUF, and GGUF back to a Hugging Face state dict.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE, gpt-oss) to GGUF, and
+GGUF back to a Hugging Face state dict.
 
 The GGUF side follows llama.cpp's conventions: tensor names ``token_embd``, ``blk.N.attn_q`` ..., dims stored
 reversed, the rows of Q and K of llama-architecture models permuted so that RoPE rotates adjacent pairs, norms and
@@ -22,7 +23,8 @@ from .tokenizer import (LLAMA3_PATTERN, QWEN2_PATTERN, TOKEN_BYTE, TOKEN_CONTROL
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                    "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
+                    "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe",
+                    "GptOssForCausalLM": "gpt-oss"}
 LAYER_NAMES = {  # Hugging Face suffix -> GGUF suffix, under model.layers.N. / blk.N.
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -40,7 +42,14 @@ ARCH_LAYER_NAMES = {
     "phi3": {**LAYER_NAMES, "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
     "gemma2": {**LAYER_NAMES, **_GEMMA_NAMES},
     "gemma3": {**LAYER_NAMES, **_GEMMA_NAMES},
+    "gpt-oss": {**LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "self_attn.o_proj.bias": "attn_output.bias", "self_attn.sinks": "attn_sinks.weight",
+                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias"},
 }
+# gpt-oss keeps each layer's experts fused: gate and up interleaved by column in gate_up_proj [E, H, 2F] (gate at even
+# columns), down_proj [E, F, H], each with a bias; GGUF stores them apart as [E, N, K] stacks and [E, N] biases
+OSS_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
+               "mlp.experts.down_proj_bias")
 # mixture-of-experts FFNs: the router, and each expert's matrices (stacked into GGUF's [n_expert, N, K] tensors)
 ROUTER_NAMES = {"mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
 EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
@@ -64,6 +73,22 @@ def hf_to_gguf_name(name: str, arch: str = "llama") -> str | None:
         if parts[3] in ROUTER_NAMES:
             return f"blk.{parts[2]}.{ROUTER_NAMES[parts[3]]}"
     return None
+
+
+def _oss_experts(name: str, w: torch.Tensor) -> list:
+    """[(GGUF name, tensor)] of one of gpt-oss's fused expert tensors (OSS_EXPERTS), or [] for any other name."""
+    parts = name.split(".", 3)
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in OSS_EXPERTS:
+        return []
+    p = f"blk.{parts[2]}."
+    if parts[3].endswith("gate_up_proj"):
+        return [(p + "ffn_gate_exps.weight", w[..., 0::2].transpose(1, 2)),
+                (p + "ffn_up_exps.weight", w[..., 1::2].transpose(1, 2))]
+    if parts[3].endswith("gate_up_proj_bias"):
+        return [(p + "ffn_gate_exps.bias", w[:, 0::2]), (p + "ffn_up_exps.bias", w[:, 1::2])]
+    if parts[3].endswith("down_proj"):
+        return [(p + "ffn_down_exps.weight", w.transpose(1, 2))]
+    return [(p + "ffn_down_exps.bias", w)]
 
 
 def _expert_part(name: str):
@@ -285,6 +310,10 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
                      f"{arch}.expert_weights_norm": bool(config.get("norm_topk_prob", True))})
         if arch == "qwen3moe":
             meta[f"{arch}.expert_feed_forward_length"] = int(config["moe_intermediate_size"])
+    if arch == "gpt-oss":
+        meta.update(_oss_metadata(config, n_experts))
+        if scaling.get("truncate") is False:  # the reference's YaRN ramp without rounded ends
+            meta[f"{arch}.rope.scaling.yarn_truncate"] = False
     meta.update(tokenizer_metadata(model_dir, vocab_size, config))
     names = list(_iter_safetensors(model_dir, tensors=False))
     bar = None
@@ -294,10 +323,32 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
         bar = tqdm(total=len(names), desc="converting", unit="tensor")
     tensors = dict(extra)
     fallbacks = []  # matrices whose row length the asked format's block does not divide
+
+    def store(gname, w):
+        if w.dim() == 1 or gname.endswith((".bias", "ffn_gate_inp.weight")):  # norms, biases and routers stay f32
+            tensors[gname] = w.contiguous()
+            return
+        fmt = mix_format(output_format if gname == "output.weight" else format, gname,
+                         int(config["num_hidden_layers"]))
+        used = _pick_format(fmt, w.shape[-1])
+        if used != fmt:
+            fallbacks.append(f"{gname} [{w.shape[0]}, {w.shape[-1]}]: {fmt} -> {used} (row length "
+                             f"{w.shape[-1]} is not a multiple of {fmt}'s block of {GGUF_FORMATS[fmt].block_size})")
+        tensors[gname] = quantize(w.contiguous(), used)
+
     experts = {}  # (layer, stack name) -> {expert: float32 matrix}, stacked once all experts are read
     for name, w in _iter_safetensors(model_dir):
         if bar is not None:
             bar.update(1)
+        if name.endswith(("_blocks", "_scales")) and arch == "gpt-oss":
+            raise ModelConfigError(f"{name!r}: the checkpoint's experts are stored as MXFP4 blocks, which the "
+                                   f"converter does not read yet; save the model dequantized first (transformers: "
+                                   f"Mxfp4Config(dequantize=True))")
+        oss = _oss_experts(name, w) if arch == "gpt-oss" else []
+        for gname, part in oss:
+            store(gname, part.float())
+        if oss:
+            continue
         gname = hf_to_gguf_name(name, arch)
         part = _expert_part(name) if gname is None else None
         if part is not None:
@@ -319,16 +370,7 @@ def convert_hf_to_gguf(model_dir, out_path, format: str = "f16", *, output_forma
             w = permute_rows(w, n_kv)
         if arch in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             w = w + 1.0
-        if w.dim() == 1 or gname.endswith("ffn_gate_inp.weight"):  # norms, biases and routers stay f32
-            tensors[gname] = w.contiguous()
-        else:
-            fmt = output_format if gname == "output.weight" else format
-            fmt = mix_format(fmt, gname, int(config["num_hidden_layers"]))
-            used = _pick_format(fmt, w.shape[-1])
-            if used != fmt:
-                fallbacks.append(f"{gname} [{w.shape[0]}, {w.shape[-1]}]: {fmt} -> {used} (row length "
-                                 f"{w.shape[-1]} is not a multiple of {fmt}'s block of {GGUF_FORMATS[fmt].block_size})")
-            tensors[gname] = quantize(w.contiguous(), used)
+        store(gname, w)
     if bar is not None:
         bar.close()
     if fallbacks:
@@ -373,6 +415,17 @@ def _gemma_metadata(arch: str, config: dict, head_dim: int) -> dict:
     return meta
 
 
+def _oss_metadata(config: dict, n_experts: int) -> dict:
+    """gpt-oss keys under llama.cpp's names: the experts' width, the sliding window and which layers use it."""
+    meta = {"gpt-oss.expert_feed_forward_length": int(config["intermediate_size"])}
+    if config.get("sliding_window"):
+        meta["gpt-oss.attention.sliding_window"] = int(config["sliding_window"])
+    types = config.get("layer_types")
+    if types:
+        meta["gpt-oss.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+    return meta
+
+
 def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
     """The tensors of a GGUF model as a Hugging Face state dict (dequantized, Q/K rows un-permuted for llama)."""
     f = read_gguf(path_or_file) if isinstance(path_or_file, (str, os.PathLike)) else path_or_file
@@ -387,7 +440,10 @@ def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
             name = inv_top[gname]
         elif gname.startswith("blk."):
             _, i, rest = gname.split(".", 2)
-            if rest == "ffn_gate_inp.weight":
+            if arch == "gpt-oss" and "_exps." in rest:
+                _oss_to_hf(out, f, i, rest, dtype)
+                continue
+            if rest == "ffn_gate_inp.weight" and arch != "gpt-oss":
                 name = f"model.layers.{i}.{'mlp' if arch == 'qwen3moe' else 'block_sparse_moe'}.gate.weight"
             elif rest.endswith("_exps.weight") and arch in HF_EXPERT:
                 pattern, hf = HF_EXPERT[arch]
@@ -413,6 +469,24 @@ def gguf_to_hf_state_dict(path_or_file, dtype=torch.float32) -> dict:
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+def _oss_to_hf(out: dict, f, i: str, rest: str, dtype) -> None:
+    """gpt-oss's fused expert tensors of layer ``i`` in ``out``, filled from GGUF stack ``rest`` (the inverse of
+    _oss_experts: gate and up interleaved by column)."""
+    w = f[f"blk.{i}.{rest}"]
+    w = dequantize(w, torch.float32) if isinstance(w, QuantizedTensor) else w.float()
+    p = f"model.layers.{i}.mlp.experts."
+    if rest.startswith("ffn_down_exps"):
+        out[p + ("down_proj" if rest.endswith("weight") else "down_proj_bias")] = (
+            w.transpose(1, 2) if rest.endswith("weight") else w).contiguous().to(dtype)
+        return
+    key = p + ("gate_up_proj" if rest.endswith("weight") else "gate_up_proj_bias")
+    part = w.transpose(1, 2) if rest.endswith("weight") else w  # [E, H, F] / [E, F]
+    if key not in out:
+        out[key] = torch.zeros(*part.shape[:-1], 2 * part.shape[-1], dtype=dtype)
+    first = 0 if rest.startswith("ffn_gate") else 1
+    out[key][..., first::2] = part.to(dtype)
 
 
 def rest_is(gname: str, base: str) -> bool:

@@ -15,6 +15,7 @@ from ..kv_cache import FP8_DTYPES
 from ..qgemv.int8 import i8_lane_base, quantize_blocks
 from ..qgemv.m1 import lane_pos, lanes_width
 from .allreduce import FUSED_SPIN_LIMIT, peer_sum
+from .config import OSS_ALPHA, OSS_LIMIT
 
 
 @triton.jit
@@ -278,3 +279,40 @@ def silu_mul(gate_up: torch.Tensor, lanes: bool = False, act: str = "silu", out:
                                                       **pdl_options(pdl))
     y = y[:, :F] if W > F else y
     return (y, yl) if lanes else y
+
+
+@triton.jit
+def _swiglu_oai_kernel(G, U, EX, BG, BU, Y, F, stride_g, stride_u, stride_y, alpha, limit, BLOCK: tl.constexpr):
+    """Row p (a token-expert pair): e = EX[p]; g = min(G[p] + BG[e], limit), u = clamp(U[p] + BU[e], +-limit);
+    Y[p] = (u + 1) * g * sigmoid(alpha * g), in float32, rounded to Y's dtype."""
+    p = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    e = tl.load(EX + p).to(tl.int64)
+    g = tl.load(G + p * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + p * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.minimum(g + tl.load(BG + e * F + cols, mask=mask, other=0.0), limit)
+    u = tl.minimum(tl.maximum(u + tl.load(BU + e * F + cols, mask=mask, other=0.0), -limit), limit)
+    y = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    tl.store(Y + p * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor, gate_bias: torch.Tensor,
+               up_bias: torch.Tensor, alpha: float = OSS_ALPHA, limit: float = OSS_LIMIT) -> torch.Tensor:
+    """gpt-oss's expert activation for P token-expert pairs: g, u [P, F] the pairs' gate and up products (last dim
+    contiguous), ``experts`` int [P] each pair's expert, gate_bias / up_bias float32 [E, F] -> [P, F] in g's dtype:
+    (clamp(u + bu, -limit, limit) + 1) * gc * sigmoid(alpha * gc) with gc = min(g + bg, limit)."""
+    P, F = g.shape
+    if u.shape != g.shape or g.stride(1) != 1 or u.stride(1) != 1:
+        raise ValueError(f"swiglu_oai: g and u must be [P, F] with contiguous rows, got {tuple(g.shape)} and "
+                         f"{tuple(u.shape)}")
+    if gate_bias.shape != up_bias.shape or gate_bias.dim() != 2 or gate_bias.shape[1] != F:
+        raise ValueError(f"swiglu_oai: the biases must be [E, {F}], got {tuple(gate_bias.shape)} and "
+                         f"{tuple(up_bias.shape)}")
+    y = torch.empty(P, F, dtype=g.dtype, device=g.device)
+    if P:
+        BLOCK = 1024
+        _swiglu_oai_kernel[(P, triton.cdiv(F, BLOCK))](g, u, experts.contiguous(), gate_bias.float().contiguous(),
+                                                        up_bias.float().contiguous(), y, F, g.stride(0), u.stride(0),
+                                                        y.stride(0), alpha, limit, BLOCK=BLOCK)
+    return y

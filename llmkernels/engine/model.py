@@ -1,4 +1,5 @@
-"""A Llama-family decoder (llama, mistral, qwen2, qwen3) running on llmkernels' kernels.
+"""The decoder of every family the engine runs (llama, mistral, qwen2/3, phi3, gemma2/3, MoE, gpt-oss) on
+llmkernels' kernels.
 
 Weights stay in their stored formats (GGUF blocks or MLX words) and are read by the quantized GEMV kernels; Q/K/V
 rows are stacked into one matrix, and gate/up into another, when they share a format, so each layer makes one pass
@@ -15,12 +16,12 @@ import torch
 
 from .._runtime import empty
 from ..attention.paged import paged_attention
-from ..qgemv.moe import moe_combine, moe_ffn, moe_route
+from ..qgemv.moe import moe_combine, moe_ffn, moe_pairs, moe_route
 from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k, pad_rows
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
-from .kernels import add_rmsnorm, rope_store, silu_mul
+from .kernels import add_rmsnorm, rope_store, silu_mul, swiglu_oai
 from .tp import local_pairs
 
 
@@ -56,6 +57,9 @@ class Layer:
     post_attn_norm: torch.Tensor | None = None  # gemma: RMSNorm of the attention output before the residual add
     post_ffn_norm: torch.Tensor | None = None  # gemma: the same for the FFN output
     moe: tuple | None = None  # (router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F]) in place of gate_up/down
+    moe_bias: tuple | None = None  # gpt-oss: float32 (router [E], gate [E, F], up [E, F], down [E, H]) biases
+    o_bias: torch.Tensor | None = None  # gpt-oss: the attention output projection's bias
+    sinks: torch.Tensor | None = None  # gpt-oss: float32 [heads], each head's sink logit
     window: int = -1  # left edge of the sliding window (-1: the whole context)
     rope: int = 0  # which RoPE table: 0 the model's, 1 the sliding-window layers' (gemma3)
 
@@ -85,6 +89,11 @@ def _vector(qt, device) -> torch.Tensor:
     return qt.to(device=device, dtype=torch.float32).reshape(-1)
 
 
+def ffn_norm_name(cfg: ModelConfig) -> str:
+    """The FFN's RMSNorm weight under blk.N. (gpt-oss files name it post_attention_norm, as llama.cpp does)."""
+    return "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"
+
+
 def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None, experts: int | None = None) -> None:
     """ModelConfigError naming the first tensor ``cfg`` needs that ``tensors`` lacks or holds in another shape;
     ``vocab_rows``: the rows of the embedding and output matrices, ``experts``: the experts of each MoE stack, when
@@ -96,12 +105,19 @@ def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None, expe
         want["output.weight"] = (V, H)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        want.update({p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
+        want.update({p + "attn_norm.weight": (H,), p + ffn_norm_name(cfg): (H,),
                      p + "attn_output.weight": (H, cfg.n_heads * D)})
         if cfg.n_experts:
             E, F = experts or cfg.n_experts, cfg.expert_ffn
             want.update({p + "ffn_gate_inp.weight": (cfg.n_experts, H), p + "ffn_gate_exps.weight": (E, F, H),
                          p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)})
+            if cfg.moe_bias:
+                want.update({p + "ffn_gate_inp.bias": (cfg.n_experts,), p + "ffn_gate_exps.bias": (E, F),
+                             p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
+        if cfg.o_bias:
+            want[p + "attn_output.bias"] = (H,)
+        if cfg.attn_sinks:
+            want[p + "attn_sinks.weight"] = (cfg.n_heads,)
         else:
             want[p + "ffn_down.weight"] = (H, cfg.ffn)
         if cfg.fused:
@@ -175,7 +191,7 @@ class Model:
             else:
                 down = mat(p + "ffn_down.weight")
             layer = Layer(attn_norm=_vector(tensors[p + "attn_norm.weight"], self.device),
-                          ffn_norm=_vector(tensors[p + "ffn_norm.weight"], self.device), qkv=qkv,
+                          ffn_norm=_vector(tensors[p + ffn_norm_name(cfg)], self.device), qkv=qkv,
                           wo=mat(p + "attn_output.weight"), gate_up=gate_up, down=down, moe=moe,
                           window=cfg.window(i), rope=int(bool(cfg.rope_theta_swa and cfg.window(i) >= 0)))
             if cfg.post_norms:
@@ -187,6 +203,16 @@ class Model:
             if cfg.qk_norm:
                 layer.q_norm = _vector(tensors[p + "attn_q_norm.weight"], self.device)
                 layer.k_norm = _vector(tensors[p + "attn_k_norm.weight"], self.device)
+            if cfg.o_bias:
+                layer.o_bias = _vector(tensors[p + "attn_output.bias"], self.device)
+            if cfg.attn_sinks:
+                layer.sinks = _vector(tensors[p + "attn_sinks.weight"], self.device)
+            if cfg.moe_bias:
+                E = self.local_experts
+                layer.moe_bias = tuple(_vector(tensors[p + n + ".bias"], self.device).reshape(r, -1) for n, r in
+                                       (("ffn_gate_inp", 1), ("ffn_gate_exps", E), ("ffn_up_exps", E),
+                                        ("ffn_down_exps", E)))
+                layer.moe_bias = (layer.moe_bias[0].reshape(-1),) + layer.moe_bias[1:]
             self.layers.append(layer)
         freqs = tensors.get("rope_freqs.weight")
         if isinstance(freqs, QuantizedTensor):
@@ -372,12 +398,30 @@ class Model:
         """The mixture-of-experts FFN: route (softmax, top-k, renormalize), then qgemv.moe_ffn. On one rank with
         ``combine`` off, the pairs' products and weights (_Pairs) for the next add_rmsnorm to sum."""
         router, gate, up, down = layer.moe
-        w, e = moe_route(self._gemv(x, None, router, False), self.cfg.n_experts_used, self.cfg.expert_norm)
+        logits = self._gemv(x, None, router, False)
+        if layer.moe_bias is not None:
+            logits = logits + layer.moe_bias[0].to(logits.dtype)
+        w, e = moe_route(logits, self.cfg.n_experts_used, self.cfg.expert_norm)
         if self.tp is not None:  # this rank's experts: the others' pairs weigh 0 here (tp.local_pairs)
             w, e = local_pairs(w, e, *self.tp.experts)
+        if layer.moe_bias is not None:
+            y = self._moe_oss(x, e, layer)
+            return _Pairs(y, w.float().contiguous()) if self.tp is None and not combine else moe_combine(y, w)
         if self.tp is not None or combine:
             return moe_ffn(x, w, e, gate, up, down, self.local_experts)
         return _Pairs(*moe_ffn(x, w, e, gate, up, down, self.local_experts, combine=False))
+
+    def _moe_oss(self, x, e, layer):
+        """gpt-oss's experts for the pairs of ``e`` [T, top_k]: gate and up products plus their biases, the clamped
+        SwiGLU (kernels.swiglu_oai), the down product plus its bias -> [T * top_k, H] in x's dtype."""
+        _, gate, up, down = layer.moe
+        _, bg, bu, bd = layer.moe_bias
+        E = self.local_experts
+        ex = e.reshape(-1).contiguous()  # token t's experts are pairs t * top_k ..
+        g = moe_pairs(x, gate, E, ex, e.shape[1])
+        u = moe_pairs(x, up, E, ex, e.shape[1])
+        a = swiglu_oai(g, u, ex, bg, bu)
+        return moe_pairs(a, down, E, ex) + bd.index_select(0, ex.long()).to(x.dtype)
 
     def _mlp(self, x, layer, xl, i8: bool):
         if layer.moe is not None:  # on one rank the weighted sum is left to the next add_rmsnorm (a launch fewer)
@@ -437,9 +481,11 @@ class Model:
             fp8 = k_caches[li].dtype != self.dtype
             o = paged_attention(q, k_caches[li], v_caches[li], inp.page_table, inp.seq_lens, inp.cu_seqlens_q,
                                 inp.max_q, causal=True, plan=plan, validate=False, softmax_scale=cfg.attn_scale or None,
-                                window_size=(layer.window, -1), softcap=cfg.attn_softcap,
+                                window_size=(layer.window, -1), softcap=cfg.attn_softcap, sinks=layer.sinks,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
             delta = reduce(self._gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, i8))
+            if layer.o_bias is not None:
+                delta = delta + layer.o_bias.to(delta.dtype)
             x, xl = self._norm(T, i8, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps,
                                residual=h, pre_weight=layer.post_attn_norm, peers=fused)
             delta = reduce(self._mlp(x, layer, xl, i8))

@@ -17,6 +17,7 @@ from ..kv_cache import FP8_DTYPES
 from ..qgemv.moe import moe_route
 from ..quant.tensor import dequantize
 from ..testing.attention import paged_attention_ref
+from .config import OSS_ALPHA, OSS_LIMIT
 from .model import Model, StepInputs
 from .tp import local_pairs
 
@@ -73,16 +74,27 @@ class TorchModel(Model):
         """The mixture-of-experts FFN with the kernel path's roundings: silu(g) * u and each expert's output in
         the activation dtype, products and the weighted sum in float64."""
         router, gate, up, down = layer.moe
-        w, e = moe_route(self._linear(x, [router]), self.cfg.n_experts_used, self.cfg.expert_norm)
+        logits = self._linear(x, [router])
+        if layer.moe_bias is not None:
+            logits = (logits.double() + layer.moe_bias[0].double()).to(self.dtype)
+        w, e = moe_route(logits, self.cfg.n_experts_used, self.cfg.expert_norm)
         if self.tp is not None:  # this rank's experts (tp.local_pairs); the sum over ranks before the rounding
             w, e = local_pairs(w, e, *self.tp.experts)
         G, U, D = (self._w(m).reshape(self.local_experts, -1, m.shape[-1]) for m in (gate, up, down))
         xf, out = x.double(), torch.zeros(x.shape[0], D.shape[1], dtype=torch.float64, device=x.device)
+        bias = layer.moe_bias
         for ex in e.unique().tolist():
             t, j = (e == ex).nonzero(as_tuple=True)
-            g = xf[t] @ G[ex].T
-            a = (torch.nn.functional.silu(g) * (xf[t] @ U[ex].T)).to(self.dtype).double()
-            out.index_add_(0, t, (a @ D[ex].T).to(self.dtype).double() * w[t, j, None].double())
+            g, u = xf[t] @ G[ex].T, xf[t] @ U[ex].T
+            if bias is None:
+                a = (torch.nn.functional.silu(g) * u).to(self.dtype).double()
+                y = (a @ D[ex].T).to(self.dtype).double()
+            else:  # gpt-oss: biases and the clamped SwiGLU (kernels.swiglu_oai)
+                g = (g.to(self.dtype).double() + bias[1][ex].double()).clamp(max=OSS_LIMIT)
+                u = (u.to(self.dtype).double() + bias[2][ex].double()).clamp(-OSS_LIMIT, OSS_LIMIT)
+                a = ((u + 1) * g * torch.sigmoid(OSS_ALPHA * g)).to(self.dtype).double()
+                y = ((a @ D[ex].T).to(self.dtype).double() + bias[3][ex].double()).to(self.dtype).double()
+            out.index_add_(0, t, y * w[t, j, None].double())
         return self._reduce(out).to(self.dtype)
 
     def _store(self, cache: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, scale: float) -> None:
@@ -122,10 +134,12 @@ class TorchModel(Model):
             fp8 = k_caches[li].dtype in FP8_DTYPES
             o, _ = paged_attention_ref(q.to(self.dtype), k_caches[li], v_caches[li], inp.page_table, inp.seq_lens,
                                        inp.cu_seqlens_q, softmax_scale=cfg.attn_scale or None,
-                                       window_size=(layer.window, -1), softcap=cfg.attn_softcap,
+                                       window_size=(layer.window, -1), softcap=cfg.attn_softcap, sinks=layer.sinks,
                                        k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None,
                                        dtype=torch.float64)
             delta = self._linear(o.to(self.dtype).reshape(T, Hq * D), [layer.wo], reduce=True)
+            if layer.o_bias is not None:
+                delta = (delta.double() + layer.o_bias.double()).to(self.dtype)
             if layer.post_attn_norm is not None:
                 delta = self._rmsnorm(delta, layer.post_attn_norm)
             h = (h + delta).to(self.dtype)

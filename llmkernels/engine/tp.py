@@ -64,6 +64,9 @@ def plan_shards(cfg: ModelConfig, world: int, tensors=None) -> list:
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
     E = cfg.n_experts
+    if world > 1 and (cfg.attn_sinks or cfg.o_bias or cfg.moe_bias):
+        raise ModelConfigError(f"tensor_parallel_size={world}: {cfg.arch} (attention sinks, O and expert biases) "
+                               f"runs on one GPU only for now")
     if E and E % world:
         raise ModelConfigError(f"tensor_parallel_size={world} does not divide the {E} experts (each rank holds whole "
                                f"experts)")

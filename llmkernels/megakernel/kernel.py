@@ -425,7 +425,8 @@ def unsupported(cfg) -> list:
               (cfg.post_norms, "post-norms"), (cfg.embed_scale != 1.0, "scaled embeddings"),
               (cfg.act != "silu", f"the {cfg.act} activation"), (cfg.attn_softcap > 0, "attention soft-capping"),
               (cfg.final_softcap > 0, "logit soft-capping"), (bool(cfg.sliding_window), "sliding windows"),
-              (cfg.rope_scaling == "yarn", "YaRN RoPE scaling"))
+              (cfg.rope_scaling == "yarn", "YaRN RoPE scaling"), (cfg.attn_sinks, "attention sinks"),
+              (cfg.o_bias or cfg.moe_bias, "O, router and expert biases"))
     for bad, what in checks:
         if bad:
             out.append(what)

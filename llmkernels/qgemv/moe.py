@@ -431,6 +431,14 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
     return _launch(x, qt, None, N, num_experts, expert_ids, token_ids)
 
 
+def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids: torch.Tensor,
+              top_k: int = 1) -> torch.Tensor:
+    """moe_gemv for ids that moe_route made, without its host-side range checks (no synchronisation, so it runs
+    inside CUDA graphs): pair p reads row p // top_k of x. Returns [P, N] in x's dtype."""
+    return _launch(x, qt, None, _check_stack("qt", qt, num_experts), num_experts, expert_ids.contiguous(), None,
+                   top_k)
+
+
 def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTensor, num_experts: int,
                      expert_ids: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x[t] @ G_e^T) * (x[t] @ U_e^T) for every pair (t, e) = (token_ids[p], expert_ids[p]): both stacked

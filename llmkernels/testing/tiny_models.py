@@ -49,8 +49,8 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
                     seed: int = 0, tie: bool = False, rope_scaling: dict | None = None, tokenizer_style=None,
                     experts: int = 5, top_k: int = 2):
     """Write a random ``arch`` model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, and the mixture-of-experts
-    qwen3moe and mixtral, with ``experts`` experts of width ``ffn``, ``top_k`` per token) with its tokenizer into
-    directory ``path``. The Gemma models get an 8-token sliding window and small soft caps, so that both act on test
+    qwen3moe, mixtral and gpt_oss, with ``experts`` experts of width ``ffn``, ``top_k`` per token) with its tokenizer
+    into directory ``path``. The Gemma models get an 8-token sliding window and small soft caps, so that both act on test
     prompts; gemma3's second layer is global.
 
     Returns the transformers model (float32, eval mode). ``std`` sets the embedding and output init: larger than
@@ -71,7 +71,7 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "mixtral": ("MixtralConfig", "MixtralForCausalLM")}[arch]
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}[arch]
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
               max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=tie,
@@ -81,11 +81,13 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
     if arch == "qwen3moe":
         kw.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn, norm_topk_prob=True,
                   decoder_sparse_step=1, mlp_only_layers=[])
-    if arch == "mixtral":
+    if arch in ("mixtral", "gpt_oss"):
         kw.update(num_local_experts=experts, num_experts_per_tok=top_k)
+    if arch == "gpt_oss":  # its YaRN (factor 32, unrounded ramp), sinks and biases; an 8-token window on even layers
+        kw.update(sliding_window=8, attention_bias=True)
     if arch == "qwen2":
         kw["use_sliding_window"] = False
-    if arch != "gemma3":  # gemma3 keeps its two bases: 1e6 on global layers, 1e4 on sliding ones
+    if arch not in ("gemma3", "gpt_oss"):  # gemma3 keeps its two bases (1e6 global, 1e4 sliding), gpt-oss 150000
         kw["rope_theta"] = 10000.0
     if arch == "phi3":
         kw["pad_token_id"] = eos

@@ -261,3 +261,38 @@ def test_sentencepiece_style_tokenizer_from_metadata():
     ids = tok.encode("hello é", add_bos=False)  # é is not in the vocab: its UTF-8 bytes 0xC3 0xA9
     assert ids == [tokens.index("\u2581hello"), tokens.index("\u2581"), 3 + 0xC3, 3 + 0xA9]
     assert tok.decode(ids) == "hello é"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("P,F", [(7, 100), (1, 1030)])
+def test_swiglu_oai(P, F, dtype, device):
+    """gpt-oss's expert activation: biases by expert, both clamps active (products up to +-12), against float64."""
+    from llmkernels.engine.config import OSS_ALPHA, OSS_LIMIT
+    from llmkernels.engine.kernels import swiglu_oai
+
+    E = 4
+    g = (torch.randn(P, F, device=device) * 6).to(dtype)
+    u = (torch.randn(P, F, device=device) * 6).to(dtype)
+    ex = torch.randint(0, E, (P,), dtype=torch.int32, device=device)
+    bg, bu = torch.randn(E, F, device=device), torch.randn(E, F, device=device)
+    y = swiglu_oai(g, u, ex, bg, bu)
+    gc = (g.double() + bg.double()[ex.long()]).clamp(max=OSS_LIMIT)
+    uc = (u.double() + bu.double()[ex.long()]).clamp(-OSS_LIMIT, OSS_LIMIT)
+    assert ((gc > OSS_LIMIT - 1e-9).any() and (uc.abs() > OSS_LIMIT - 1e-9).any())
+    want = (uc + 1) * gc * torch.sigmoid(OSS_ALPHA * gc)
+    assert y.shape == (P, F) and y.dtype == dtype and torch.isfinite(y).all()
+    assert_close(y, want, dtype)
+    with pytest.raises(ValueError, match="biases must be"):
+        swiglu_oai(g, u, ex, bg[:, :-1], bu)
+
+
+def test_moe_pairs_equals_moe_gemv(device):
+    """The unchecked pair products (ids from moe_route) are moe_gemv's, pair p reading row p // top_k."""
+    import llmkernels as lk
+    from llmkernels.qgemv.moe import moe_gemv, moe_pairs
+
+    qt = lk.quantize(torch.randn(5 * 24, 64, device=device) * 0.1, "mxfp4")
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    e = torch.tensor([4, 0, 1, 1, 0, 3], dtype=torch.int32, device=device)
+    tok = torch.arange(3, device=device).repeat_interleave(2)
+    assert torch.equal(moe_pairs(x, qt, 5, e, 2), moe_gemv(x, qt, 5, e, tok))

@@ -7,7 +7,7 @@ from llmkernels.engine import LLM, ModelConfigError, SamplingParams, gguf_to_hf_
 from llmkernels.engine.config import ModelConfig
 from llmkernels.testing.tiny_models import hf_model_from_state_dict
 
-from .test_engine import ACT_TOL, PROMPTS, hf_logits, rel_err
+from .test_engine import ACT_TOL, LONG_PROMPT, PROMPTS, hf_logits, rel_err
 
 # 5 experts of width 128 (so q4_k's down projection, K = 128, falls back to q8_0), 2 per token
 MOE = dict(layers=2, hidden=256, ffn=128, heads=4, kv_heads=2, head_dim=64)
@@ -106,3 +106,63 @@ def test_q6_k_experts_padded_rows(model_files):
         assert rel_err(llm.logits(ids).cpu(), want_logits) < ACT_TOL[llm.dtype]
     with route.override(exclude={"moe_tc"}):
         assert rel_err(llm.logits(ids).cpu(), want_logits) < ACT_TOL[llm.dtype]
+
+
+# gpt-oss: 5 experts of width 256, top 2, biases everywhere, a sink logit per head, an 8-token window on layer 0,
+# its YaRN (factor 32, ramp ends not rounded)
+OSS = dict(layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
+OSS_CASES = [("f32", "torch"), ("q8_0", "triton"), ("mxfp4", "triton"), ("iq4_xs", "torch")]
+
+
+@pytest.mark.parametrize("fmt,backend", OSS_CASES, ids=["-".join(c) for c in OSS_CASES])
+def test_gpt_oss_matches_transformers(model_files, fmt, backend):
+    """Logits against transformers on the same (dequantized) weights, over the prompt's rows before its first
+    near-tied router choice (a tie within rounding flips either way and changes that row by far more than any
+    tolerance); greedy tokens of the two backends agree."""
+    d, path, _ = model_files("gpt_oss", fmt, **OSS)
+    llm = LLM(path, progress=False, backend=backend, max_num_batched_tokens=64)
+    cfg = llm.cfg
+    assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn, cfg.sliding_window) == (5, 2, 256, 8)
+    assert cfg.attn_sinks and cfg.o_bias and cfg.moe_bias and cfg.act == "swiglu_oai"
+    assert cfg.swa_layers == (True, False) and cfg.rope_scaling == "yarn" and not cfg.yarn_truncate
+    same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
+    # of a few prompts, the one whose rows route clearly the longest (each format's weights tie elsewhere)
+    prompts = [PROMPTS[1] + " " + PROMPTS[0], LONG_PROMPT, PROMPTS[0] + " " + PROMPTS[2], PROMPTS[2] + PROMPTS[1]]
+    n, ids = max((rows_before_near_tie(same, i, 2, 0.01), i) for i in map(llm.tokenizer.encode, prompts))
+    assert n >= 8, n
+    assert rel_err(llm.logits(ids).cpu()[:n], hf_logits(same, ids)[:n]) < ACT_TOL[llm.dtype]
+    if backend == "triton":
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        ref = LLM(path, progress=False, backend="torch", max_num_batched_tokens=64)
+        want = ref.generate([ids[:n]], params)[0].token_ids
+        assert llm.generate([PROMPTS[0], ids[:n]], params)[1].token_ids == want
+
+
+def test_gpt_oss_refusals(model_files):
+    """What the engine does not run of gpt-oss yet fails at load, naming it."""
+    _, path, _ = model_files("gpt_oss", "f32", **OSS)
+    with pytest.raises(ModelConfigError, match="gpt-oss .*one GPU only"):
+        LLM(path, progress=False, backend="torch", tensor_parallel_size=2)
+    from llmkernels.megakernel.kernel import unsupported
+
+    assert {"attention sinks", "O, router and expert biases"} <= set(unsupported(LLM(path, progress=False,
+                                                                                     backend="torch").cfg))
+
+
+def test_gpt_oss_converter_refuses_mxfp4_blocks(tmp_path):
+    """A checkpoint whose experts are stored as MXFP4 blocks (the released gpt-oss weights) is refused naming the
+    tensor and what to do, not converted wrongly."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from llmkernels.engine import convert_hf_to_gguf
+    from llmkernels.testing.tiny_models import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "gpt_oss", **OSS)
+    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(5, 512, 8, 16, dtype=torch.uint8)},
+              str(tmp_path / "zz-blocks.safetensors"))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == ["GptOssForCausalLM"]
+    with pytest.raises(ModelConfigError, match="MXFP4 blocks.*dequantize"):
+        convert_hf_to_gguf(str(tmp_path), str(tmp_path / "m.gguf"), "q8_0", progress=False)
