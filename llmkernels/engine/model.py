@@ -114,12 +114,12 @@ def expect_shapes(cfg: ModelConfig, tensors, vocab_rows: int | None = None, expe
             if cfg.moe_bias:
                 want.update({p + "ffn_gate_inp.bias": (cfg.n_experts,), p + "ffn_gate_exps.bias": (E, F),
                              p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
+        else:
+            want[p + "ffn_down.weight"] = (H, cfg.ffn)
         if cfg.o_bias:
             want[p + "attn_output.bias"] = (H,)
         if cfg.attn_sinks:
             want[p + "attn_sinks.weight"] = (cfg.n_heads,)
-        else:
-            want[p + "ffn_down.weight"] = (H, cfg.ffn)
         if cfg.fused:
             want.update({p + "attn_qkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * D, H),
                          p + "ffn_up.weight": (2 * cfg.ffn, H)})

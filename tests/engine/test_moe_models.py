@@ -166,3 +166,25 @@ def test_gpt_oss_converter_refuses_mxfp4_blocks(tmp_path):
         assert json.load(f)["architectures"] == ["GptOssForCausalLM"]
     with pytest.raises(ModelConfigError, match="MXFP4 blocks.*dequantize"):
         convert_hf_to_gguf(str(tmp_path), str(tmp_path / "m.gguf"), "q8_0", progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "iq4_xs"])
+def test_gpu_gpt_oss(model_files, fmt):
+    """Compiled kernels (sinks in the paged kernel, the codebook formats, swiglu_oai), CUDA graphs for decode: logits
+    near transformers' in fp16 up to the first near-tied router choice, and in both dtypes the eager engine's
+    tokens."""
+    d, path, _ = model_files("gpt_oss", fmt, **dict(OSS, hidden=512, ffn=512))
+    same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
+    for dtype in (torch.float16, torch.bfloat16):
+        eager = LLM(path, progress=False, cuda_graphs=False, max_num_batched_tokens=64, dtype=dtype)
+        ids = eager.tokenizer.encode(PROMPTS[1] * 4)
+        if dtype == torch.float16:
+            clear = rows_before_near_tie(same, ids, 2, 0.01)
+            assert clear >= 8, f"only {clear} positions route clearly: the check would mean little"
+            assert rel_err(eager.logits(ids).cpu()[:clear], hf_logits(same, ids)[:clear]) < ACT_TOL[dtype]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        want = [o.token_ids for o in eager.generate([ids, PROMPTS[0]], params)]
+        graphs = LLM(path, progress=False, max_num_batched_tokens=64, dtype=dtype)
+        assert [o.token_ids for o in graphs.generate([ids, PROMPTS[0]], params)] == want
+        assert graphs.stats.graph_steps > 0
