@@ -258,15 +258,9 @@ def test_codebook_formats_compile_for_sm90():
     """The generic kernel's codebook branches (iq4_nl, iq4_xs, mxfp4: levels looked up in registers, E8M0 scales)
     compile to sm_90 code on a machine without a GPU, at M = 1 with fused gate/up and on the tensor-core path; the
     interpreter runs the same source, so the tests above cover the arithmetic."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.compiled import run_compiled
 
     code = ("from llmkernels.qgemv.kernels import compile_sm90; "
             "print(all(len(compile_sm90(f, m, m == 1).asm['cubin']) > 0 "
             "for f in ('iq4_nl', 'iq4_xs', 'mxfp4') for m in (1, 16)))")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-3000:]
+    assert run_compiled(code) == "True"
