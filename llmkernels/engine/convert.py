@@ -18,8 +18,8 @@ from ..quant.formats import GGUF_FORMATS
 from ..quant.gguf_io import GGUFMetadata, read_gguf, write_gguf
 from ..quant.tensor import QuantizedTensor, dequantize, quantize
 from .config import ModelConfigError, llama3_rope_factors
-from .tokenizer import (LLAMA3_PATTERN, QWEN2_PATTERN, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
-                        TOKEN_USER_DEFINED)
+from .tokenizer import (GPT4O_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL,
+                        TOKEN_UNUSED, TOKEN_USER_DEFINED)
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
@@ -165,6 +165,8 @@ def tokenizer_metadata(model_dir: str, vocab_size: int, config: dict) -> dict:
             meta["tokenizer.ggml.pre"] = "llama-bpe"
         elif json.dumps(QWEN2_PATTERN)[1:-1] in pre:
             meta["tokenizer.ggml.pre"] = "qwen2"
+        elif json.dumps(GPT4O_PATTERN)[1:-1] in pre:
+            meta["tokenizer.ggml.pre"] = "gpt-4o"
         elif '"use_regex": true' in pre and '"Split"' not in pre:
             meta["tokenizer.ggml.pre"] = "gpt-2"
         else:

@@ -1,7 +1,7 @@
 """A tokenizer built from GGUF metadata with the ``tokenizers`` library.
 
 ``tokenizer.ggml.model == "gpt2"``: byte-level BPE from ``tokens`` and ``merges``, split first by the pattern that
-``tokenizer.ggml.pre`` names (Llama 3, Qwen2, GPT-2). ``"llama"``: SentencePiece-style BPE with byte fallback, merges
+``tokenizer.ggml.pre`` names (Llama 3, Qwen2, GPT-4o, GPT-2). ``"llama"``: SentencePiece-style BPE with byte fallback, merges
 from the token scores when the file has none. Control and user-defined tokens (token types 3 and 4) match whole.
 """
 from __future__ import annotations
@@ -11,8 +11,14 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (GPT-4o, gpt-oss): letters split at case changes, contractions attached, "/" kept after punctuation
+GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_PATTERNS = {"llama-bpe": LLAMA3_PATTERN, "llama3": LLAMA3_PATTERN, "smaug-bpe": LLAMA3_PATTERN,
-                "qwen2": QWEN2_PATTERN, "deepseek-r1-qwen": QWEN2_PATTERN}
+                "qwen2": QWEN2_PATTERN, "deepseek-r1-qwen": QWEN2_PATTERN, "gpt-4o": GPT4O_PATTERN}
 GPT2_PRE = ("gpt-2", "gpt2", "default", "")
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6

@@ -24,16 +24,17 @@ PATTERNS = {"llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
 
 
 def train_tokenizer(style: str = "llama3", vocab_size: int = 384, specials=("<|bos|>", "<|eos|>")):
-    """A byte-level BPE tokenizer trained on CORPUS, split like Llama 3 ("llama3"), Qwen2 or GPT-2."""
+    """A byte-level BPE tokenizer trained on CORPUS, split like Llama 3 ("llama3"), Qwen2, GPT-4o ("gpt4o") or
+    GPT-2."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from ..engine.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN
+    from ..engine.tokenizer import GPT4O_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN
 
     tok = Tokenizer(models.BPE())
     if style == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        pat = LLAMA3_PATTERN if style == "llama3" else QWEN2_PATTERN
+        pat = {"llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "gpt4o": GPT4O_PATTERN}[style]
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -60,7 +61,7 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
     import transformers
 
     os.makedirs(path, exist_ok=True)
-    style = tokenizer_style or ("qwen2" if arch.startswith("qwen") else "llama3")
+    style = tokenizer_style or ("qwen2" if arch.startswith("qwen") else "gpt4o" if arch == "gpt_oss" else "llama3")
     tok = train_tokenizer(style, vocab_size=min(vocab - 16, 384))
     tok.save(os.path.join(path, "tokenizer.json"))
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")

@@ -125,6 +125,10 @@ def test_gpt_oss_matches_transformers(model_files, fmt, backend):
     assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn, cfg.sliding_window) == (5, 2, 256, 8)
     assert cfg.attn_sinks and cfg.o_bias and cfg.moe_bias and cfg.act == "swiglu_oai"
     assert cfg.swa_layers == (True, False) and cfg.rope_scaling == "yarn" and not cfg.yarn_truncate
+    from tokenizers import Tokenizer  # the o200k split (tokenizer.ggml.pre "gpt-4o") as the checkpoint's own
+
+    text = "Hello World's HTTPServer don't 12345 ok/// \n\n  x東京 " + PROMPTS[1]
+    assert llm.tokenizer.encode(text) == Tokenizer.from_file(f"{d}/tokenizer.json").encode(text).ids
     same = hf_model_from_state_dict(d, gguf_to_hf_state_dict(path))
     # of a few prompts, the one whose rows route clearly the longest (each format's weights tie elsewhere)
     prompts = [PROMPTS[1] + " " + PROMPTS[0], LONG_PROMPT, PROMPTS[0] + " " + PROMPTS[2], PROMPTS[2] + PROMPTS[1]]
