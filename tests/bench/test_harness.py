@@ -174,7 +174,7 @@ def test_tp_sizes_env(monkeypatch):
         _sizes()
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gemma2-9b"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gemma2-9b", "gpt-oss-20b"])
 def test_family_gguf_loads(tmp_path, monkeypatch, name):
     """The families suite's synthetic GGUF, shrunk: our loader reads the family it names, in the Q4_K_M mix (q6_k
     for the more-bits layers' down projections, experts included, and for a tied embedding), and the engine runs it."""
@@ -185,7 +185,7 @@ def test_family_gguf_loads(tmp_path, monkeypatch, name):
     from llmkernels.quant import read_gguf
 
     spec = dict(families.FAMILIES[name], layers=2, hidden=256, ffn=512, vocab=300, heads=2, kv_heads=1)
-    if spec["arch"] == "qwen3moe":
+    if spec["arch"] in ("qwen3moe", "gpt-oss"):
         spec["meta"] = dict(spec["meta"], expert_count=5, expert_used_count=2, expert_feed_forward_length=256)
     monkeypatch.setitem(families.FAMILIES, name, spec)
     path = str(tmp_path / "m.gguf")
@@ -194,11 +194,15 @@ def test_family_gguf_loads(tmp_path, monkeypatch, name):
     cfg = ModelConfig.from_gguf(f.metadata, f.keys())
     assert (cfg.arch, cfg.n_layers, cfg.head_dim, cfg.vocab_size) == (spec["arch"], 2, spec["head_dim"], 300)
     down = "blk.1.ffn_down_exps.weight" if cfg.n_experts else "blk.1.ffn_down.weight"
-    assert f[down].format == "q6_k"
-    if cfg.n_experts:
+    if cfg.arch == "gpt-oss":
+        assert f[down].format == "mxfp4" and f["blk.1.attn_q.weight"].format == "q8_0"
+        assert cfg.attn_sinks and cfg.moe_bias and cfg.swa_layers == (True, False) and cfg.sliding_window == 128
+    elif cfg.n_experts:
+        assert f[down].format == "q6_k"
         assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn) == (5, 2, 256)
         assert f["blk.0.ffn_gate_inp.weight"].format == "f32" and f["output.weight"].format == "q6_k"
     else:
+        assert f[down].format == "q6_k"
         assert cfg.attn_softcap == 50.0 and cfg.final_softcap == 30.0 and cfg.sliding_window == 4096
         assert "output.weight" not in f.keys() and f["token_embd.weight"].format == "q6_k"
     # bf16 as on the GPU: random block scales make activations that overflow fp16

@@ -1,13 +1,16 @@
 """Suite ``families``: decode of the other model families' shapes, llama.cpp beside on the same GGUF file.
 
-Two synthetic models (random weights in llama.cpp's Q4_K_M mix, written as GGUF files llama.cpp loads, then loaded
-back from them by our engine):
+Synthetic models (random weights in llama.cpp's Q4_K_M mix unless said, written as GGUF files llama.cpp loads, then
+loaded back from them by our engine):
 
 - Qwen3-30B-A3B (``qwen3moe``): 48 layers, hidden 2048, 32 query and 4 KV heads of 128, 128 experts of FFN width
   768 with 8 chosen per token, a 151936-token vocabulary;
 - Gemma-2-9B (``gemma2``): 42 layers, hidden 3584, FFN 14336, 16 query and 8 KV heads of 256, soft caps 50 / 30, a
   4096-token window on every second layer, a 256000-token vocabulary tied to the output (q6_k, as llama.cpp
-  stores a tied embedding in Q4_K_M).
+  stores a tied embedding in Q4_K_M);
+- gpt-oss-20b (``gpt-oss``): 24 layers, hidden 2880, 64 query and 8 KV heads of 64, 32 experts of width 2880 with 4
+  chosen per token, a 128-token window on every second layer, a 201088-token vocabulary; mxfp4 experts and q8_0
+  elsewhere, as the released GGUF.
 
 Rows: decode tokens/s at 1, 16 and 64 sequences (512-token prompts, 128 new tokens). Batch 1's bound is the read
 bandwidth over the bytes one token reads (``Model.decode_bytes_per_token``: every matrix once, only the chosen
@@ -36,6 +39,13 @@ FAMILIES = {
         arch="gemma2", layers=42, hidden=3584, ffn=14336, heads=16, kv_heads=8, head_dim=256, vocab=256000,
         meta={"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-6, "context_length": 8192,
               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096}),
+    # as the released GGUF stores it: mxfp4 experts, q8_0 elsewhere (hidden 2880 is no multiple of 256)
+    "gpt-oss-20b": dict(
+        arch="gpt-oss", layers=24, hidden=2880, ffn=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+        format="mxfp4", meta={"rope.freq_base": 150000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                              "context_length": 131072, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+                              "rope.scaling.original_context_length": 4096, "attention.sliding_window": 128,
+                              "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 2880}),
 }
 
 
@@ -51,8 +61,12 @@ def family_tensors(spec: dict, fmt: str = FORMAT, device=None) -> dict:
     tied = spec["arch"] == "gemma2"
     ones = torch.ones(H, device=device)
 
+    oss = spec["arch"] == "gpt-oss"
+
     def rand(name, *shape):
         f = "q6_k" if tied and name == "token_embd.weight" else mix_format(fmt, name, L)
+        if oss:
+            f = "mxfp4" if "_exps." in name else "q8_0"
         if name.endswith("ffn_gate_inp.weight"):
             f = "f32"  # llama.cpp keeps the router in f32
         qt = random_qtensor(f, shape[0] * (shape[1] if len(shape) == 3 else 1), shape[-1], device, scale=0.02)
@@ -74,6 +88,14 @@ def family_tensors(spec: dict, fmt: str = FORMAT, device=None) -> dict:
         for name, shape in shapes.items():
             t[p + name + ".weight"] = rand(p + name + ".weight", *shape)
         norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if tied else [])
+        if oss:  # the FFN's norm under llama.cpp's gpt-oss name; sinks and biases, small and random
+            norms = ["attn_norm", "post_attention_norm"]
+            small = lambda *sh: 0.02 * torch.randn(*sh, device=device)  # noqa: E731
+            t[p + "attn_sinks.weight"] = small(spec["heads"])
+            for name, shape in shapes.items():
+                if name != "ffn_down_exps":
+                    t[p + name + ".bias"] = small(*shape[:-1])
+            t[p + "ffn_down_exps.bias"] = small(E, H)
         t.update({p + n + ".weight": ones for n in norms})
         if spec["arch"] == "qwen3moe":
             t[p + "attn_q_norm.weight"] = torch.ones(D, device=device)
@@ -105,8 +127,9 @@ def write_family_gguf(path: str, name: str, fmt: str = FORMAT, spec: dict | None
     write_gguf(path, tensors, GGUFMetadata(meta, types=types))
 
 
-def family_gguf(folder: str, name: str, fmt: str = FORMAT) -> str:
+def family_gguf(folder: str, name: str, fmt: str | None = None) -> str:
     """Path of ``write_family_gguf``'s file in ``folder``, or reused from ``$LLMK_BENCH_CACHE``."""
+    fmt = fmt or FAMILIES[name].get("format", FORMAT)
     return cached_file(folder, f"synthetic-{name}-{fmt}.gguf", lambda p: write_family_gguf(p, name, fmt))
 
 
@@ -160,7 +183,7 @@ def _family_case(ctx, name: str, bin_dir: str | None):
                     a["llama.cpp tg128"] = tg
                 return a
 
-            rows = _decode_rows(llm, f"{name} {FORMAT}", bound, anchors_of)
+            rows = _decode_rows(llm, f"{name} {FAMILIES[name].get('format', FORMAT)}", bound, anchors_of)
             if error:
                 for r in rows:
                     r.note += "; " + error
