@@ -368,6 +368,7 @@ def main():
         knew = torch.randn(3, 2, 128, device=dev, dtype=torch.bfloat16)
         lk.store_kv(knew, knew, kc, vc, torch.tensor([0, -1, kc.shape[0] * ps - 1], device=dev), **scales)
     for fmt, kw in (("q4_0", {}), ("q5_1", {}), ("q3_k", {}), ("q5_k", {}), ("q6_k", {}), ("bf16", {}),
+                    ("iq4_nl", {}), ("iq4_xs", {}), ("mxfp4", {}),
                     ("mlx", dict(bits=3, group_size=32)), ("mlx", dict(bits=6, group_size=128))):
         qt = lk.quantize(torch.randn(37, 512, device=dev), fmt, **kw)
         for M in (1, 7, 70):
@@ -431,11 +432,17 @@ def main():
 
 
 def engine_kernel_cases(dev="cuda"):
-    """The engine's kernels: add + RMSNorm on an odd width (with a post-norm, lanes), SiLU / GeGLU, RoPE + KV store
-    with bias, QK-norm, skipped slots, fp8, V apart."""
-    from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul
+    """The engine's kernels: add + RMSNorm on an odd width (with a post-norm, lanes), SiLU / GeGLU, gpt-oss's
+    clamped SwiGLU and pair products, RoPE + KV store with bias, QK-norm, skipped slots, fp8, V apart."""
+    from llmkernels.engine.kernels import add_rmsnorm, rope_store, silu_mul, swiglu_oai
+    from llmkernels.qgemv.moe import moe_pairs
 
     silu_mul(torch.randn(3, 2 * 1100, device=dev, dtype=torch.bfloat16))
+    g = torch.randn(5, 1100, device=dev, dtype=torch.bfloat16)  # gpt-oss's experts: 5 pairs over 3 experts
+    ex = torch.tensor([2, 0, 1, 2, 0], dtype=torch.int32, device=dev)
+    swiglu_oai(g, torch.randn_like(g), ex, torch.randn(3, 1100, device=dev), torch.randn(3, 1100, device=dev))
+    moe_pairs(torch.randn(3, 512, device=dev, dtype=torch.bfloat16),
+              lk.quantize(torch.randn(3 * 37, 512, device=dev), "mxfp4"), 3, ex[:3].repeat_interleave(2)[:6], 2)
     silu_mul(torch.randn(1, 2 * 1100, device=dev, dtype=torch.bfloat16), lanes=True, act="gelu_tanh")
 
     x = torch.randn(7, 1000, device=dev, dtype=torch.bfloat16)
