@@ -12,6 +12,8 @@ from ..quant.formats import IQ4_VALUES, MXFP4_VALUES
 
 # format ids (FMT constexpr), shared with the host through ``FORMAT_IDS``
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MLX, IQ4_NL, IQ4_XS, MXFP4 = range(17)
+FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q8_0": 7, "q2_k": 8,
+              "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "mlx": 13, "iq4_nl": 14, "iq4_xs": 15, "mxfp4": 16}
 
 
 def _words(levels):

@@ -109,7 +109,7 @@ def compile_sm90(fmt: str, m_pad: int = 1, dual: bool = False, block_n: int = 32
     from triton.compiler import ASTSource
 
     from . import route
-    from .ops import FORMAT_IDS
+    from .dequant import FORMAT_IDS
 
     nsub, sub, block_bytes, _, family = route.layout(fmt, 4096, None)
     sig = {"X": "*fp16", "X2": "*fp16", "W16": "*fp16", "V16": "*fp16", "Y": "*fp16", "PART": "*fp32", "COUNT": "*i32"}

@@ -10,9 +10,8 @@ from .._runtime import empty, gpu_name, has_tma, num_sms
 from ..quant.tensor import QuantizedTensor
 from . import route
 from .common import _finish, _views, split_k, split_outputs  # noqa: F401  (split_k: part of ops' interface)
+from .dequant import FORMAT_IDS  # noqa: F401  (the kernels' FMT of each format, imported from here)
 
-FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q8_0": 7, "q2_k": 8,
-              "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "mlx": 13, "iq4_nl": 14, "iq4_xs": 15, "mxfp4": 16}
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
