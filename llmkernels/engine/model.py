@@ -209,10 +209,9 @@ class Model:
                 layer.sinks = _vector(tensors[p + "attn_sinks.weight"], self.device)
             if cfg.moe_bias:
                 E = self.local_experts
-                layer.moe_bias = tuple(_vector(tensors[p + n + ".bias"], self.device).reshape(r, -1) for n, r in
-                                       (("ffn_gate_inp", 1), ("ffn_gate_exps", E), ("ffn_up_exps", E),
-                                        ("ffn_down_exps", E)))
-                layer.moe_bias = (layer.moe_bias[0].reshape(-1),) + layer.moe_bias[1:]
+                stacks = [_vector(tensors[p + n + ".bias"], self.device).reshape(E, -1)
+                          for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+                layer.moe_bias = (_vector(tensors[p + "ffn_gate_inp.bias"], self.device), *stacks)
             self.layers.append(layer)
         freqs = tensors.get("rope_freqs.weight")
         if isinstance(freqs, QuantizedTensor):

@@ -90,3 +90,15 @@ def test_e8m0_half_matches_gguf_for_every_byte():
     e = torch.arange(256, dtype=torch.uint8)
     ref = gguf.quants.MXFP4.e8m0_to_fp32_half(e.numpy().astype(np.uint8))
     assert np.array_equal(iquants.e8m0_half(e).numpy().view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt,K,match", [("iq4_xs", 288, "multiple of iq4_xs's block size 256"),
+                                         ("iq4_nl", 100, "multiple of iq4_nl's block size 32"),
+                                         ("mxfp4", 100, "multiple of mxfp4's block size 32")])
+def test_bad_shapes_and_values_refused(fmt, K, match):
+    with pytest.raises(ValueError, match=match):
+        lk.quantize(torch.randn(4, K), fmt)
+    with pytest.raises(ValueError, match="NaN"):
+        lk.quantize(torch.full((4, 256), float("nan")), fmt)
+    with pytest.raises(ValueError, match="needs"):
+        lk.QuantizedTensor.from_raw(torch.zeros(10, dtype=torch.uint8), fmt, (4, 256))
