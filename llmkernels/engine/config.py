@@ -39,6 +39,17 @@ GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ENGINE_HEAD_DIMS = tuple(d for d in PAGED_HEAD_DIMS if d in PREFILL_HEAD_DIMS)
 
 
+def _harmony_eos(meta: dict, eos_ids: tuple) -> tuple:
+    """A harmony vocabulary (gpt-oss) ends a reply at ``<|return|>`` or a tool ``<|call|>``; its ``<|end|>`` closes one
+    message of several (the reasoning), so it is no end of generation even where a file marks it as one."""
+    tokens = meta.get("tokenizer.ggml.tokens") or ()
+    if "<|channel|>" not in tokens or "<|message|>" not in tokens:
+        return eos_ids
+    marks = {t: tokens.index(t) for t in ("<|end|>", "<|return|>", "<|call|>") if t in tokens}
+    out = tuple(e for e in eos_ids if e != marks.get("<|end|>"))
+    return out + tuple(i for t, i in marks.items() if t != "<|end|>" and i not in out)
+
+
 class ModelConfigError(ValueError):
     """GGUF metadata that does not describe a model the engine can run."""
 
@@ -133,6 +144,7 @@ class ModelConfig:
         eot = meta.get("tokenizer.ggml.eot_token_id")
         if eot is not None and int(eot) not in eos_ids:
             eos_ids += (int(eot),)
+        eos_ids = _harmony_eos(meta, eos_ids)
         cfg = cls(
             arch=arch, n_layers=int(get("block_count")), hidden=hidden, ffn=int(get("feed_forward_length")),
             n_heads=n_heads, n_kv_heads=int(n_kv), head_dim=head_dim, vocab_size=int(vocab),

@@ -16,6 +16,7 @@ from .._checks import interpreter_mode
 from ..quant.gguf_io import read_gguf
 from .chat import ChatTemplate
 from .config import ModelConfig
+from .harmony import HarmonyStream, harmony_ids
 from .model import Model
 from .build import build_runner, load_model
 from .outputs import CompletionOutput, RequestOutput, StopScanner, TextStream, completion_text
@@ -204,6 +205,7 @@ class LLM:
         self._ahead: _InFlight | None = None
         self._tokens_host = None
         self._chat = None
+        self._harmony = False  # not looked up yet
         self._chat_source = chat_template
 
     def close(self) -> None:
@@ -563,6 +565,25 @@ class LLM:
 
     def chat(self, messages, params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list:
         """Generate replies: ``messages`` is one conversation (a list of {"role", "content"} dicts) or a list of
-        them; each is rendered with the chat template. Returns one RequestOutput per conversation."""
+        them; each is rendered with the chat template. Returns one RequestOutput per conversation. A harmony model's
+        reply (gpt-oss) is split: ``text`` is its reply (final and commentary channels), ``reasoning_content`` its
+        analysis channel."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.chat_prompt(c) for c in convs], params, use_tqdm=use_tqdm)
+        params = params or SamplingParams()
+        outs = self.generate([self.chat_prompt(c) for c in convs], params, use_tqdm=use_tqdm)
+        marks = self.harmony
+        if marks is not None:  # a harmony reply: its analysis channel apart from the text
+            for out, p in zip(outs, params if isinstance(params, list) else [params] * len(outs)):
+                for c in out.outputs:
+                    split = HarmonyStream(self.tokenizer, marks, p.stop)
+                    split.update(c.token_ids, finished=True)
+                    c.text, c.reasoning_content = split.text, split.reasoning
+                out.text, out.reasoning_content = out.outputs[0].text, out.outputs[0].reasoning_content
+        return outs
+
+    @property
+    def harmony(self) -> dict | None:
+        """The harmony format's marker ids when the tokenizer has them (gpt-oss), else None."""
+        if self._harmony is False:
+            self._harmony = harmony_ids(self.tokenizer) if self.tokenizer is not None else None
+        return self._harmony

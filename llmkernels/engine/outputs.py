@@ -22,6 +22,7 @@ class CompletionOutput:
     token_ids: list
     finish_reason: str | None  # "stop" (EOS, a stop id or a stop string) | "length" (max_tokens or the model's limit)
     logprobs: list | None = None
+    reasoning_content: str | None = None  # LLM.chat on a harmony model (gpt-oss): its analysis channel; text the reply
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class RequestOutput:
     num_preemptions: int = 0
     outputs: list = dataclasses.field(default_factory=list)  # CompletionOutput, one per completion (n)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    reasoning_content: str | None = None  # the first completion's (CompletionOutput.reasoning_content)
 
 
 class Detokenizer:

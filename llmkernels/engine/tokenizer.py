@@ -99,6 +99,7 @@ class Tokenizer:
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
         self.chat_template = meta.get("tokenizer.chat_template")
         self._tokens = tokens
+        self._special_text = None
 
     def encode(self, text: str, add_bos: bool | None = None) -> list:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -111,6 +112,12 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the control token spelled ``text`` (such as ``<|end|>``), or None."""
+        if self._special_text is None:
+            self._special_text = {self._tokens[i]: i for i in sorted(self._special_ids, reverse=True)}
+        return self._special_text.get(text)
 
     def token_text(self, i: int) -> str:
         """The vocabulary entry of id ``i`` as stored (special tokens such as ``<|eos|>`` read as themselves)."""

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.chat import ChatTemplateError
+from ..engine.harmony import HarmonyStream
 from ..engine.outputs import TextStream
 from .engine_loop import EngineDead, EngineLoop, QueueFull
 from .metrics import Metrics
@@ -54,6 +55,7 @@ class Server:
     def __init__(self, llm, *, model_name: str, api_key: str | None = None, max_queue: int = 256):
         self.llm = llm
         self.tok = llm.tokenizer
+        self.harmony = llm.harmony  # gpt-oss: chat replies split into reasoning_content and content
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = Metrics(llm)
@@ -185,7 +187,9 @@ class Server:
                 h = self._submit(ids, p)
                 handles.append(h)
                 for j in range(p.n):
-                    states.append(_Choice(len(states), h, j, TextStream(self.tok, ids, p.stop), chat))
+                    text = HarmonyStream(self.tok, self.harmony, p.stop) if chat and self.harmony else \
+                        TextStream(self.tok, ids, p.stop)
+                    states.append(_Choice(len(states), h, j, text, chat))
         except APIError:
             for h in handles:
                 self.engine.abort(h)
@@ -210,8 +214,10 @@ class Server:
             if s.logprobs is not None:
                 lp = {"content": s.logprobs} if chat else s.logprobs
             if chat:
-                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
-                                "logprobs": lp, "finish_reason": s.finish_reason})
+                msg = {"role": "assistant", "content": s.text}
+                if s.harmony:
+                    msg["reasoning_content"] = s.stream.reasoning
+                choices.append({"index": s.index, "message": msg, "logprobs": lp, "finish_reason": s.finish_reason})
             else:
                 choices.append({"index": s.index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason})
         usage = self._usage(sum(len(h.prompt_ids) for h in handles), sum(len(s.token_ids) for s in states),
@@ -237,11 +243,14 @@ class Server:
                 out = []
                 for d in deltas:
                     s = by_key[(id(handles[pi]), d.index)]
-                    piece, lp = s.add(d, self)
-                    if not piece and lp is None and s.finish_reason is None:
+                    piece, lp, thought = s.add(d, self)
+                    if not piece and not thought and lp is None and s.finish_reason is None:
                         continue
                     if chat:
-                        out.append({"index": s.index, "delta": {"content": piece} if piece else {},
+                        delta = {"reasoning_content": thought} if thought else {}
+                        if piece:
+                            delta["content"] = piece
+                        out.append({"index": s.index, "delta": delta,
                                     "logprobs": {"content": lp} if lp is not None else None,
                                     "finish_reason": s.finish_reason})
                     else:
@@ -366,8 +375,9 @@ class _APIKey:
 class _Choice:
     """One choice of a response being built: its text stream, tokens and log-probabilities."""
 
-    def __init__(self, index: int, handle, sub: int, text: TextStream, chat: bool):
+    def __init__(self, index: int, handle, sub: int, text, chat: bool):
         self.index, self.handle, self.sub, self.stream, self.chat = index, handle, sub, text, chat
+        self.harmony = isinstance(text, HarmonyStream)  # its pieces come as (reasoning, reply)
         self.token_ids: list = []
         self.logprobs = None  # chat: [{token, logprob, bytes, top_logprobs}]; completions: {tokens, ...}
         self.finish_reason = None
@@ -377,8 +387,13 @@ class _Choice:
         return self.stream.text
 
     def add(self, d, server: Server):
-        """Take a Delta; returns (new text piece, this delta's log-probabilities in the response's shape or None)."""
-        piece = self.stream.update(d.token_ids, d.finish_reason is not None, d.stop_at)
+        """Take a Delta; returns (new text piece, this delta's log-probabilities in the response's shape or None,
+        new reasoning piece)."""
+        thought = ""
+        if self.harmony:
+            thought, piece = self.stream.update(d.token_ids, d.finish_reason is not None)
+        else:
+            piece = self.stream.update(d.token_ids, d.finish_reason is not None, d.stop_at)
         offset = len(self.stream.text) - len(piece)
         self.token_ids += d.token_ids
         if d.finish_reason is not None:
@@ -394,4 +409,4 @@ class _Choice:
                     self.logprobs = {k: [] for k in lp}
                 for k, v in lp.items():
                     self.logprobs[k] += v
-        return piece, lp
+        return piece, lp, thought

@@ -20,6 +20,12 @@ Hello, world! How are you today? I'm fine, thanks. We'll see; they've gone, it's
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] + eos_token }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}")
 
+# gpt-oss's harmony format: role headers, channels, <|end|> after each message, <|return|> after the reply
+HARMONY_SPECIALS = ("<|bos|>", "<|eos|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                    "<|call|>", "<|constrain|>")
+HARMONY_TEMPLATE = ("{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
+
 PATTERNS = {"llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
 
 
@@ -62,12 +68,14 @@ def make_checkpoint(path, arch: str = "llama", *, layers: int = 2, hidden: int =
 
     os.makedirs(path, exist_ok=True)
     style = tokenizer_style or ("qwen2" if arch.startswith("qwen") else "gpt4o" if arch == "gpt_oss" else "llama3")
-    tok = train_tokenizer(style, vocab_size=min(vocab - 16, 384))
+    harmony = arch == "gpt_oss"
+    tok = train_tokenizer(style, vocab_size=min(vocab - 16, 384), **(dict(specials=HARMONY_SPECIALS) if harmony else {}))
     tok.save(os.path.join(path, "tokenizer.json"))
-    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
+    eos_text = "<|return|>" if harmony else "<|eos|>"
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id(eos_text)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": arch in ("llama", "mistral"),
-                   "chat_template": CHAT_TEMPLATE}, f)
+        json.dump({"bos_token": "<|bos|>", "eos_token": eos_text, "add_bos_token": arch in ("llama", "mistral"),
+                   "chat_template": HARMONY_TEMPLATE if harmony else CHAT_TEMPLATE}, f)
     cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),

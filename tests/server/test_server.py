@@ -377,3 +377,40 @@ def test_server_over_tensor_parallel_engine(model_files):
         r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                  extra_body={"ignore_eos": True})
         assert r.choices[0].text == want
+
+
+def test_harmony_chat_reasoning_apart(model_files, monkeypatch):
+    """A gpt-oss (harmony) chat reply: message.content is the final channel and message.reasoning_content the
+    analysis, streamed as deltas of each that join to LLM.chat's; completions keep the raw text. The sampler is
+    scripted (a random model writes no harmony), one request at a time."""
+    from llmkernels.engine import llm as llm_module
+
+    _, path, _ = model_files("gpt_oss", "f32", layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
+    llm = new_llm(path, max_num_seqs=2)
+    tok = llm.tokenizer
+    ids = []
+    for p in ["<|channel|>", "analysis", "<|message|>", "Let me think.", "<|end|>", "<|start|>", "assistant",
+              "<|channel|>", "final", "<|message|>", "Hello, world!", "<|return|>"]:
+        ids += [tok.special_id(p)] if p.startswith("<|") else tok.encode(p, add_bos=False)
+    made = []
+
+    def scripted(logits, params, generators, greedy=None):
+        made.append(ids[len(made) % len(ids)])
+        return torch.tensor([made[-1]] * logits.shape[0])
+
+    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    msgs = [{"role": "user", "content": "Hi"}]
+    with live_server(llm) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50)
+        m = r.choices[0].message
+        assert (m.content, m.model_extra["reasoning_content"]) == ("Hello, world!", "Let me think.")
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(ids)
+        made.clear()
+        chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join(d.content or "" for d in deltas) == "Hello, world!"
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Let me think."
+        made.clear()
+        raw = c.completions.create(model=MODEL, prompt=llm.chat_prompt(msgs), max_tokens=50)
+        assert "Let me think." in raw.choices[0].text and "Hello, world!" in raw.choices[0].text

@@ -1,0 +1,110 @@
+"""gpt-oss's harmony replies split into reasoning and text: the parser on token ids, LLM.chat, and the end-of-reply
+tokens (CPU, the tiny gpt-oss model's tokenizer)."""
+import pytest
+import torch
+
+from llmkernels.engine import LLM, SamplingParams
+from llmkernels.engine import llm as llm_module
+from llmkernels.engine.harmony import HarmonyStream, harmony_ids
+
+OSS = dict(layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def oss(model_files):
+    _, path, _ = model_files("gpt_oss", "f32", **OSS)
+    return LLM(path, progress=False, backend="torch", max_model_len=256)
+
+
+def reply(tok, parts):
+    """Token ids of a harmony reply: strings are encoded, marker names ("<|end|>") become their ids."""
+    ids = []
+    for p in parts:
+        ids += [tok.special_id(p)] if p.startswith("<|") and p.endswith("|>") else tok.encode(p, add_bos=False)
+    return ids
+
+
+THINK = ["<|channel|>", "analysis", "<|message|>", "Let me think: 12345.", "<|end|>"]
+FINAL = ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hello, world! How are you?", "<|return|>"]
+
+
+def split(tok, ids, stops=(), step=None):
+    """(reasoning, text, streamed reasoning, streamed text) of ids fed ``step`` tokens at a time (all at once if
+    None)."""
+    s = HarmonyStream(tok, harmony_ids(tok), stops)
+    pieces = [[], []]
+    step = step or len(ids) or 1
+    for i in range(0, max(len(ids), 1), step):
+        r, t = s.update(ids[i:i + step], finished=i + step >= len(ids))
+        pieces[0].append(r)
+        pieces[1].append(t)
+    return s.reasoning, s.text, "".join(pieces[0]), "".join(pieces[1])
+
+
+@pytest.mark.parametrize("step", [None, 1, 3])
+def test_split_reasoning_and_text(oss, step):
+    tok = oss.tokenizer
+    ids = reply(tok, THINK + FINAL)
+    assert split(tok, ids, step=step) == ("Let me think: 12345.", "Hello, world! How are you?") * 2
+    # a preamble on the commentary channel is text; two analysis messages join
+    more = reply(tok, THINK + ["<|start|>", "assistant", "<|channel|>", "commentary", "<|message|>", "Checking. ",
+                               "<|end|>", "<|start|>", "assistant", "<|channel|>", "analysis", "<|message|>", " Done.",
+                               "<|end|>"] + FINAL)
+    assert split(tok, more, step=step)[:2] == ("Let me think: 12345. Done.", "Checking. Hello, world! How are you?")
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_split_edge_cases(oss, step):
+    tok = oss.tokenizer
+    # no harmony markers at all: everything is text
+    assert split(tok, tok.encode("Hello, world!", add_bos=False), step=step)[:2] == ("", "Hello, world!")
+    # cut off inside the reasoning (max_tokens): what came so far, no text
+    ids = reply(tok, THINK[:4])
+    assert split(tok, ids, step=step)[:2] == ("Let me think: 12345.", "")
+    # cut off inside the final message's header: the header is not text
+    ids = reply(tok, THINK + FINAL[:4])
+    assert split(tok, ids, step=step)[:2] == ("Let me think: 12345.", "")
+    # a stop string cuts the message it is in (streamed: held back until it is known not to be one)
+    ids = reply(tok, THINK + FINAL)
+    r, t, rs, ts = split(tok, ids, stops=["How are"], step=step)
+    assert (r, t, rs, ts) == ("Let me think: 12345.", "Hello, world! ", "Let me think: 12345.", "Hello, world! ")
+    # ... and a stop in the reasoning drops everything after it
+    r, t, _, ts = split(tok, ids, stops=["think"], step=step)
+    assert (r, t, ts) == ("Let me ", "", "")
+    # a message without its <|end|> before the next <|start|>, and an empty reply
+    ids = reply(tok, THINK[:4] + FINAL)
+    assert split(tok, ids, step=step)[:2] == ("Let me think: 12345.", "Hello, world! How are you?")
+    assert split(tok, [], step=step)[:2] == ("", "")
+
+
+def test_reply_ends_at_return_or_call_not_end(oss):
+    tok = oss.tokenizer
+    eos = set(oss.cfg.eos_ids)
+    assert {tok.special_id("<|return|>"), tok.special_id("<|call|>")} <= eos
+    assert tok.special_id("<|end|>") not in eos
+    assert harmony_ids(tok) is not None
+
+
+def test_chat_splits_the_reply(oss, monkeypatch):
+    """LLM.chat on a harmony model: text is the final channel, reasoning_content the analysis; generation runs past
+    <|end|> and stops at <|return|>. The sampler is scripted (a random model writes no harmony)."""
+    tok = oss.tokenizer
+    script = reply(tok, THINK + FINAL)
+    made = []
+
+    def scripted(logits, params, generators, greedy=None):
+        made.append(script[len(made)])
+        return torch.tensor([made[-1]] * logits.shape[0])
+
+    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert tok.decode(oss.chat_prompt(msgs), skip_special_tokens=False) == "<|start|>user<|message|>Hello<|end|>" \
+                                                                          "<|start|>assistant"
+    out = oss.chat(msgs, SamplingParams(temperature=0, max_tokens=100))[0]
+    assert out.outputs[0].token_ids == script and out.finish_reason == "stop"
+    assert (out.reasoning_content, out.text) == ("Let me think: 12345.", "Hello, world! How are you?")
+    assert out.outputs[0].reasoning_content == out.reasoning_content
+    # generate() on the same tokens keeps the raw text (markers dropped), and no reasoning_content
+    made.clear()
+    raw = oss.generate([oss.chat_prompt(msgs)], SamplingParams(temperature=0, max_tokens=100))[0]
+    assert raw.reasoning_content is None and "Let me think" in raw.text and "Hello, world!" in raw.text
