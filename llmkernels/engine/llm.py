@@ -575,7 +575,7 @@ class LLM:
         if marks is not None:  # a harmony reply: its analysis channel apart from the text
             for out, p in zip(outs, params if isinstance(params, list) else [params] * len(outs)):
                 for c in out.outputs:
-                    split = HarmonyStream(self.tokenizer, marks, p.stop)
+                    split = HarmonyStream(self.tokenizer, marks, p.stop, out.prompt_token_ids)
                     split.update(c.token_ids, finished=True)
                     c.text, c.reasoning_content = split.text, split.reasoning
                 out.text, out.reasoning_content = out.outputs[0].text, out.outputs[0].reasoning_content

@@ -187,7 +187,7 @@ class Server:
                 h = self._submit(ids, p)
                 handles.append(h)
                 for j in range(p.n):
-                    text = HarmonyStream(self.tok, self.harmony, p.stop) if chat and self.harmony else \
+                    text = HarmonyStream(self.tok, self.harmony, p.stop, ids) if chat and self.harmony else \
                         TextStream(self.tok, ids, p.stop)
                     states.append(_Choice(len(states), h, j, text, chat))
         except APIError:

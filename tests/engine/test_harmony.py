@@ -28,10 +28,10 @@ THINK = ["<|channel|>", "analysis", "<|message|>", "Let me think: 12345.", "<|en
 FINAL = ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hello, world! How are you?", "<|return|>"]
 
 
-def split(tok, ids, stops=(), step=None):
+def split(tok, ids, stops=(), step=None, prompt=()):
     """(reasoning, text, streamed reasoning, streamed text) of ids fed ``step`` tokens at a time (all at once if
-    None)."""
-    s = HarmonyStream(tok, harmony_ids(tok), stops)
+    None) after ``prompt`` (ids)."""
+    s = HarmonyStream(tok, harmony_ids(tok), stops, prompt)
     pieces = [[], []]
     step = step or len(ids) or 1
     for i in range(0, max(len(ids), 1), step):
@@ -108,3 +108,22 @@ def test_chat_splits_the_reply(oss, monkeypatch):
     made.clear()
     raw = oss.generate([oss.chat_prompt(msgs)], SamplingParams(temperature=0, max_tokens=100))[0]
     assert raw.reasoning_content is None and "Let me think" in raw.text and "Hello, world!" in raw.text
+
+
+def test_split_resumes_where_the_prompt_ends(oss):
+    """The prompt's last header decides where a completion begins: a generation prompt that opens the final channel
+    makes the first tokens text (streamed at once), one that opens a header ("assistant") keeps that word out of
+    the text of a model that writes no channel."""
+    tok = oss.tokenizer
+    head = reply(tok, ["<|start|>", "user", "<|message|>", "Hi", "<|end|>", "<|start|>", "assistant"])
+    body = head + reply(tok, ["<|channel|>", "final", "<|message|>"])
+    ids = reply(tok, ["Hello, world!", "<|return|>"])
+    s = HarmonyStream(tok, harmony_ids(tok), (), body)
+    assert s.update(ids[:-2], finished=False)[1] != ""  # streamed before the reply ends
+    assert split(tok, ids, prompt=body)[:2] == ("", "Hello, world!")
+    assert split(tok, ids, prompt=body, step=1)[2:] == ("", "Hello, world!")
+    assert split(tok, ids, prompt=head)[:2] == ("", "Hello, world!")
+    think = head + reply(tok, ["<|channel|>", "analysis", "<|message|>"])
+    assert split(tok, ids, prompt=think)[:2] == ("Hello, world!", "")
+    # a prompt whose last message is closed: the completion starts between messages
+    assert split(tok, reply(tok, FINAL), prompt=head[:5])[:2] == ("", "Hello, world! How are you?")
