@@ -14,6 +14,7 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now")
 
 
 class ChatTemplateError(ValueError):
@@ -76,12 +77,19 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from e
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages, add_generation_prompt: bool = True) -> str:
+    def render(self, messages, add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        """``variables``: more names for the template (``reasoning_effort`` for gpt-oss's, ``enable_thinking`` for
+        Qwen3's), as Hugging Face's ``apply_chat_template(**kwargs)`` passes them."""
         import jinja2
 
         msgs = normalize_messages(messages)
+        variables = dict(variables or {})
+        for name in variables:
+            if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
+                raise ChatTemplateError(f"chat template variable names must be identifiers other than "
+                                        f"{', '.join(RESERVED)}, got {name!r}")
         try:
-            return self._tpl.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+            return self._tpl.render(**variables, messages=msgs, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
         except ChatTemplateError:
             raise

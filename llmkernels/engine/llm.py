@@ -555,22 +555,26 @@ class LLM:
             self._chat = ChatTemplate(src, bos, eos)
         return self._chat
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list:
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) \
+            -> list:
         """The token ids of ``messages`` rendered by the chat template (special tokens in the text match whole; no
-        BOS is added: templates write their own)."""
+        BOS is added: templates write their own). ``chat_template_kwargs``: more variables for the template, such as
+        ``{"reasoning_effort": "high"}`` (gpt-oss) or ``{"enable_thinking": False}`` (Qwen3)."""
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: chat needs one")
-        text = self.chat_template.render(messages, add_generation_prompt)
+        text = self.chat_template.render(messages, add_generation_prompt, chat_template_kwargs)
         return self.tokenizer.encode(text, add_bos=False)
 
-    def chat(self, messages, params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list:
+    def chat(self, messages, params: SamplingParams | None = None, *, use_tqdm: bool = False,
+             chat_template_kwargs: dict | None = None) -> list:
         """Generate replies: ``messages`` is one conversation (a list of {"role", "content"} dicts) or a list of
         them; each is rendered with the chat template. Returns one RequestOutput per conversation. A harmony model's
         reply (gpt-oss) is split: ``text`` is its reply (final and commentary channels), ``reasoning_content`` its
         analysis channel."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = params or SamplingParams()
-        outs = self.generate([self.chat_prompt(c) for c in convs], params, use_tqdm=use_tqdm)
+        outs = self.generate([self.chat_prompt(c, True, chat_template_kwargs) for c in convs], params,
+                             use_tqdm=use_tqdm)
         marks = self.harmony
         if marks is not None:  # a harmony reply: its analysis channel apart from the text
             for out, p in zip(outs, params if isinstance(params, list) else [params] * len(outs)):

@@ -341,7 +341,7 @@ class Server:
             body.check_unsupported()
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
             try:
-                ids = server.llm.chat_prompt(msgs, body.add_generation_prompt)
+                ids = server.llm.chat_prompt(msgs, body.add_generation_prompt, body.template_variables())
             except ChatTemplateError as e:
                 raise APIError(400, str(e), param="messages") from e
             ids = server._prompt_ids(ids, "messages")

@@ -124,6 +124,14 @@ class ChatCompletionRequest(_Common):
     tool_choice: object = None
     response_format: dict | None = None
     add_generation_prompt: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # gpt-oss's template reads it
+    chat_template_kwargs: dict | None = None  # more template variables (vLLM's extra), e.g. enable_thinking
+
+    def template_variables(self) -> dict:
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

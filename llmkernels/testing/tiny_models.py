@@ -23,7 +23,8 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|
 # gpt-oss's harmony format: role headers, channels, <|end|> after each message, <|return|> after the reply
 HARMONY_SPECIALS = ("<|bos|>", "<|eos|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
                     "<|call|>", "<|constrain|>")
-HARMONY_TEMPLATE = ("{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+HARMONY_TEMPLATE = ("{% if reasoning_effort is defined %}{{ '<|start|>system<|message|>Reasoning: ' + reasoning_effort"
+                    " + '<|end|>' }}{% endif %}{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
                     "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
 
 PATTERNS = {"llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}

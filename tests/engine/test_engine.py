@@ -721,6 +721,13 @@ def test_chat(model_files):
     refusing = "{{ raise_exception('only user turns') }}"
     with pytest.raises(ChatTemplateError, match="only user turns"):
         LLM(path, progress=False, chat_template=refusing).chat_prompt(msgs)
+    # template variables (apply_chat_template's kwargs); they cannot replace the messages
+    effort = LLM(path, progress=False, chat_template="{{ reasoning_effort | default('medium') }}|{{ messages[0].role }}")
+    assert effort.tokenizer.decode(effort.chat_prompt(msgs, True, {"reasoning_effort": "high"})) == "high|user"
+    assert effort.tokenizer.decode(effort.chat_prompt(msgs)) == "medium|user"
+    for bad in ({"messages": []}, {"not an identifier": 1}):
+        with pytest.raises(ChatTemplateError, match="variable names"):
+            effort.chat_prompt(msgs, True, bad)
 
 
 def test_fp8_kv_cache_error(model_files):

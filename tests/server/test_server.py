@@ -414,3 +414,19 @@ def test_harmony_chat_reasoning_apart(model_files, monkeypatch):
         made.clear()
         raw = c.completions.create(model=MODEL, prompt=llm.chat_prompt(msgs), max_tokens=50)
         assert "Let me think." in raw.choices[0].text and "Hello, world!" in raw.choices[0].text
+        # OpenAI's reasoning_effort and vLLM's chat_template_kwargs reach the template
+        made.clear()
+        high = llm.chat_prompt(msgs, True, {"reasoning_effort": "high"})
+        assert "Reasoning: high" in tok.decode(high) and len(high) > len(llm.chat_prompt(msgs))
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50, reasoning_effort="high")
+        assert r.usage.prompt_tokens == len(high)
+        made.clear()
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50,
+                                      extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+        assert r.usage.prompt_tokens == len(high)
+        bad = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs,
+                                                             "reasoning_effort": "extreme"})
+        assert bad.status_code == 400 and "reasoning_effort" in bad.json()["error"]["message"]
+        bad = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs,
+                                                             "chat_template_kwargs": {"messages": 1}})
+        assert bad.status_code == 400 and "variable names" in bad.json()["error"]["message"]
