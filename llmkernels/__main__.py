@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune_parser(sub.add_parser("tune", help="tune the kernels for this GPU into the user tuning folder",
                                formatter_class=_Formatter))
-    g = sub.add_parser("generate", help="generate text with a GGUF model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3)",
+    g = sub.add_parser("generate", help="generate text with a GGUF model (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, "
+                                        "qwen3moe, mixtral, gpt-oss)",
                        formatter_class=_Formatter)
     g.add_argument("model", help="path to a .gguf file")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat the flag for a batch)")
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message rendered with the model's chat template; a harmony model's "
+                        "(gpt-oss) reasoning goes to stderr, its reply to stdout")
+    g.add_argument("--reasoning-effort", default=None, choices=("low", "medium", "high"),
+                   help="with --chat: the chat template's reasoning_effort (gpt-oss)")
     g.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="where to run (default: cuda when a GPU is visible, else cpu through Triton's interpreter)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
@@ -66,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print tokens/s, step counts and the decode path at the end (stderr)")
     _serve_parser(sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API",
                                  formatter_class=_Formatter))
-    c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 checkpoint to GGUF",
+    c = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3/Qwen3-MoE/"
+                                       "Mixtral/gpt-oss checkpoint to GGUF",
                        formatter_class=_Formatter)
     c.add_argument("model_dir", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     c.add_argument("out", help="path of the .gguf file to write")
@@ -191,13 +198,23 @@ def _generate(args) -> int:
         raise FileNotFoundError(f"model {args.model!r} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
+    if args.reasoning_effort and not args.chat:
+        raise ValueError("--reasoning-effort is a chat template variable: it needs --chat")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
               max_num_seqs=max(1, len(args.prompt)), act_int8=args.act_int8, backend=args.backend,
               megakernel=_MEGAKERNEL[args.megakernel])
     t0 = time.perf_counter()
-    if len(args.prompt) == 1:
+    if args.chat:
+        effort = {"reasoning_effort": args.reasoning_effort} if args.reasoning_effort else None
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, chat_template_kwargs=effort)
+        for i, out in enumerate(outs):
+            tag = f"[{i}] " if len(outs) > 1 else ""
+            if out.reasoning_content:
+                print(f"{tag}(reasoning) {out.reasoning_content}", file=sys.stderr)
+            print(f"{tag}{out.text}")
+    elif len(args.prompt) == 1:
         print(args.prompt[0], end="", flush=True)
         for piece in llm.stream(args.prompt[0], params):
             print(piece, end="", flush=True)

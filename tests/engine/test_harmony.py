@@ -127,3 +127,36 @@ def test_split_resumes_where_the_prompt_ends(oss):
     assert split(tok, ids, prompt=think)[:2] == ("Hello, world!", "")
     # a prompt whose last message is closed: the completion starts between messages
     assert split(tok, reply(tok, FINAL), prompt=head[:5])[:2] == ("", "Hello, world! How are you?")
+
+
+def test_cli_generate_chat(oss, model_files, capsys, monkeypatch):
+    """``generate --chat``: the prompt goes through the chat template (with --reasoning-effort as its variable); a
+    harmony reply's text on stdout, its reasoning on stderr; --reasoning-effort without --chat is refused."""
+    from llmkernels.__main__ import main
+
+    _, path, _ = model_files("gpt_oss", "f32", **OSS)
+    tok = oss.tokenizer
+    script = reply(tok, THINK + FINAL)
+    made = []
+
+    def scripted(logits, params, generators, greedy=None):
+        made.append(script[len(made)])
+        return torch.tensor([made[-1]] * logits.shape[0])
+
+    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    real_generate = LLM.generate
+    prompts = []
+
+    def recording(self, ps, *a, **kw):
+        prompts.extend(ps)
+        return real_generate(self, ps, *a, **kw)
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    assert main(["generate", path, "--prompt", "Hello", "--chat", "--reasoning-effort", "high", "--device", "cpu",
+                 "--backend", "torch"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "Hello, world! How are you?\n" and out.err.strip().splitlines()[-1] == "(reasoning) Let me think: 12345."
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert prompts == [oss.chat_prompt(msgs, True, {"reasoning_effort": "high"})]
+    assert main(["generate", path, "--prompt", "Hello", "--reasoning-effort", "high"]) == 2
+    assert "needs --chat" in capsys.readouterr().err
