@@ -58,6 +58,7 @@ class Layer:
     post_ffn_norm: torch.Tensor | None = None  # gemma: the same for the FFN output
     moe: tuple | None = None  # (router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F]) in place of gate_up/down
     moe_bias: tuple | None = None  # gpt-oss: float32 (router [E], gate [E, F], up [E, F], down [E, H]) biases
+    moe_bias_act: tuple | None = None  # gpt-oss: the router and down biases in the activation dtype (no cast per step)
     o_bias: torch.Tensor | None = None  # gpt-oss: the attention output projection's bias
     sinks: torch.Tensor | None = None  # gpt-oss: float32 [heads], each head's sink logit
     window: int = -1  # left edge of the sliding window (-1: the whole context)
@@ -212,6 +213,7 @@ class Model:
                 stacks = [_vector(tensors[p + n + ".bias"], self.device).reshape(E, -1)
                           for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
                 layer.moe_bias = (_vector(tensors[p + "ffn_gate_inp.bias"], self.device), *stacks)
+                layer.moe_bias_act = (layer.moe_bias[0].to(self.dtype), stacks[2].to(self.dtype))
             self.layers.append(layer)
         freqs = tensors.get("rope_freqs.weight")
         if isinstance(freqs, QuantizedTensor):
@@ -399,7 +401,7 @@ class Model:
         router, gate, up, down = layer.moe
         logits = self._gemv(x, None, router, False)
         if layer.moe_bias is not None:
-            logits = logits + layer.moe_bias[0].to(logits.dtype)
+            logits = logits + layer.moe_bias_act[0]
         w, e = moe_route(logits, self.cfg.n_experts_used, self.cfg.expert_norm)
         if self.tp is not None:  # this rank's experts: the others' pairs weigh 0 here (tp.local_pairs)
             w, e = local_pairs(w, e, *self.tp.experts)
@@ -414,13 +416,14 @@ class Model:
         """gpt-oss's experts for the pairs of ``e`` [T, top_k]: gate and up products plus their biases, the clamped
         SwiGLU (kernels.swiglu_oai), the down product plus its bias -> [T * top_k, H] in x's dtype."""
         _, gate, up, down = layer.moe
-        _, bg, bu, bd = layer.moe_bias
+        _, bg, bu, _ = layer.moe_bias
+        bd = layer.moe_bias_act[1]
         E = self.local_experts
         ex = e.reshape(-1).contiguous()  # token t's experts are pairs t * top_k ..
         g = moe_pairs(x, gate, E, ex, e.shape[1])
         u = moe_pairs(x, up, E, ex, e.shape[1])
         a = swiglu_oai(g, u, ex, bg, bu)
-        return moe_pairs(a, down, E, ex) + bd.index_select(0, ex.long()).to(x.dtype)
+        return moe_pairs(a, down, E, ex) + bd.index_select(0, ex)
 
     def _mlp(self, x, layer, xl, i8: bool):
         if layer.moe is not None:  # on one rank the weighted sum is left to the next add_rmsnorm (a launch fewer)
