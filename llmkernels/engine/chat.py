@@ -50,7 +50,31 @@ def normalize_messages(messages) -> list:
         elif not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts, got "
                                     f"{type(content).__name__}")
-        out.append({**m, "role": m["role"], "content": content})
+        msg = {**m, "role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls, i: int) -> list:
+    """An assistant message's tool calls with their JSON-string arguments (as OpenAI's API carries them) parsed
+    into objects, which is what templates render (a string would be encoded twice)."""
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"messages[{i}].tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatTemplateError(f"messages[{i}].tool_calls[{j}] must be {{'function': {{'name', 'arguments'}}}}, "
+                                    f"got {c!r:.80}")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise ChatTemplateError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}") from e
+        out.append({**c, "function": {**fn, "arguments": args}})
     return out
 
 

@@ -566,15 +566,16 @@ class LLM:
         return self.tokenizer.encode(text, add_bos=False)
 
     def chat(self, messages, params: SamplingParams | None = None, *, use_tqdm: bool = False,
-             chat_template_kwargs: dict | None = None) -> list:
+             chat_template_kwargs: dict | None = None, tools: list | None = None) -> list:
         """Generate replies: ``messages`` is one conversation (a list of {"role", "content"} dicts) or a list of
         them; each is rendered with the chat template. Returns one RequestOutput per conversation. A harmony model's
         reply (gpt-oss) is split: ``text`` is its reply (final and commentary channels), ``reasoning_content`` its
-        analysis channel."""
+        analysis channel, ``tool_calls`` the functions it called ([{"name", "arguments"}], arguments as the
+        model wrote them). ``tools``: OpenAI-style function definitions for the template (its ``tools``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = params or SamplingParams()
-        outs = self.generate([self.chat_prompt(c, True, chat_template_kwargs) for c in convs], params,
-                             use_tqdm=use_tqdm)
+        variables = dict(chat_template_kwargs or {}, **({"tools": tools} if tools else {}))
+        outs = self.generate([self.chat_prompt(c, True, variables) for c in convs], params, use_tqdm=use_tqdm)
         marks = self.harmony
         if marks is not None:  # a harmony reply: its analysis channel apart from the text
             for out, p in zip(outs, params if isinstance(params, list) else [params] * len(outs)):
@@ -582,7 +583,9 @@ class LLM:
                     split = HarmonyStream(self.tokenizer, marks, p.stop, out.prompt_token_ids)
                     split.update(c.token_ids, finished=True)
                     c.text, c.reasoning_content = split.text, split.reasoning
-                out.text, out.reasoning_content = out.outputs[0].text, out.outputs[0].reasoning_content
+                    c.tool_calls = [{"name": n, "arguments": a} for n, a in split.tool_calls] or None
+                first = out.outputs[0]
+                out.text, out.reasoning_content, out.tool_calls = first.text, first.reasoning_content, first.tool_calls
         return outs
 
     @property

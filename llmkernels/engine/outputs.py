@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, a stop id or a stop string) | "length" (max_tokens or the model's limit)
     logprobs: list | None = None
     reasoning_content: str | None = None  # LLM.chat on a harmony model (gpt-oss): its analysis channel; text the reply
+    tool_calls: list | None = None  # LLM.chat on a harmony model: [{"name", "arguments"}] of the calls it made
 
 
 @dataclasses.dataclass
@@ -37,6 +38,7 @@ class RequestOutput:
     outputs: list = dataclasses.field(default_factory=list)  # CompletionOutput, one per completion (n)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     reasoning_content: str | None = None  # the first completion's (CompletionOutput.reasoning_content)
+    tool_calls: list | None = None  # the first completion's (CompletionOutput.tool_calls)
 
 
 class Detokenizer:

@@ -205,6 +205,7 @@ class Server:
             for d in deltas:
                 s = by_key[(id(handles[pi]), d.index)]
                 s.add(d, self)
+                s.call_deltas()  # gives each tool call its id
         if any(not h.finished for h in handles):  # the client went away
             return Response(status_code=499)
         self._record(handles, states)
@@ -217,6 +218,10 @@ class Server:
                 msg = {"role": "assistant", "content": s.text}
                 if s.harmony:
                     msg["reasoning_content"] = s.stream.reasoning
+                    if s.stream.tool_calls:
+                        msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
+                                             for cid, (n, a) in zip(s.call_ids, s.stream.tool_calls)]
+                        msg["content"] = s.text or None
                 choices.append({"index": s.index, "message": msg, "logprobs": lp, "finish_reason": s.finish_reason})
             else:
                 choices.append({"index": s.index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason})
@@ -244,12 +249,15 @@ class Server:
                 for d in deltas:
                     s = by_key[(id(handles[pi]), d.index)]
                     piece, lp, thought = s.add(d, self)
-                    if not piece and not thought and lp is None and s.finish_reason is None:
+                    calls = s.call_deltas()
+                    if not piece and not thought and not calls and lp is None and s.finish_reason is None:
                         continue
                     if chat:
                         delta = {"reasoning_content": thought} if thought else {}
                         if piece:
                             delta["content"] = piece
+                        if calls:
+                            delta["tool_calls"] = calls
                         out.append({"index": s.index, "delta": delta,
                                     "logprobs": {"content": lp} if lp is not None else None,
                                     "finish_reason": s.finish_reason})
@@ -338,7 +346,7 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request):
             server._check_model(body.model)
-            body.check_unsupported()
+            body.check_unsupported(tools_ok=server.harmony is not None)
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
             try:
                 ids = server.llm.chat_prompt(msgs, body.add_generation_prompt, body.template_variables())
@@ -378,6 +386,7 @@ class _Choice:
     def __init__(self, index: int, handle, sub: int, text, chat: bool):
         self.index, self.handle, self.sub, self.stream, self.chat = index, handle, sub, text, chat
         self.harmony = isinstance(text, HarmonyStream)  # its pieces come as (reasoning, reply)
+        self.call_ids: list = []  # the tool calls' ids, one per call as it starts
         self.token_ids: list = []
         self.logprobs = None  # chat: [{token, logprob, bytes, top_logprobs}]; completions: {tokens, ...}
         self.finish_reason = None
@@ -398,6 +407,8 @@ class _Choice:
         self.token_ids += d.token_ids
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason if d.finish_reason != "abort" else None
+            if self.harmony and self.finish_reason == "stop" and self.stream.tool_calls:
+                self.finish_reason = "tool_calls"
         lp = None
         if d.logprobs is not None:
             if self.chat:
@@ -410,3 +421,17 @@ class _Choice:
                 for k, v in lp.items():
                     self.logprobs[k] += v
         return piece, lp, thought
+
+    def call_deltas(self) -> list:
+        """The stream's tool-call deltas since the last call (OpenAI's shape: id, type and name with the first)."""
+        if not self.harmony:
+            return []
+        out = []
+        for i, name, args in self.stream.call_pieces():
+            if name is not None:
+                self.call_ids.append("call_" + uuid.uuid4().hex[:24])
+                out.append({"index": i, "id": self.call_ids[i], "type": "function",
+                            "function": {"name": name, "arguments": args}})
+            else:
+                out.append({"index": i, "function": {"arguments": args}})
+        return out

@@ -131,12 +131,25 @@ class ChatCompletionRequest(_Common):
         out = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             out["reasoning_effort"] = self.reasoning_effort
+        if self.tools and self.tool_choice != "none":
+            out["tools"] = self.tools
         return out
 
-    def check_unsupported(self) -> None:
+    def check_unsupported(self, tools_ok: bool = False) -> None:
+        """``tools_ok``: the model writes tool calls the server can read (harmony, gpt-oss)."""
         super().check_unsupported()
-        if self.tools:
-            raise APIError(400, "tools are not supported by this server", param="tools")
+        if self.tools and not tools_ok:
+            raise APIError(400, "tools are supported for harmony models (gpt-oss) only; this model's tool calls "
+                                "would come back as text", param="tools")
+        for i, t in enumerate(self.tools or ()):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or \
+                    not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                    f"'description': ..., 'parameters': ...}}}}, got {t!r:.100}", param="tools")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, f"tool_choice may be 'auto' or 'none' (got {self.tool_choice!r:.60}); forcing a "
+                                f"call is not supported", param="tool_choice")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format other than text is not supported by this server",
                            param="response_format")

@@ -24,8 +24,14 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|
 HARMONY_SPECIALS = ("<|bos|>", "<|eos|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
                     "<|call|>", "<|constrain|>")
 HARMONY_TEMPLATE = ("{% if reasoning_effort is defined %}{{ '<|start|>system<|message|>Reasoning: ' + reasoning_effort"
-                    " + '<|end|>' }}{% endif %}{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
-                    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
+                    " + '<|end|>' }}{% endif %}{% if tools %}{{ '<|start|>developer<|message|>Tools: ' + (tools | "
+                    "map(attribute='function') | map(attribute='name') | join(',')) + '<|end|>' }}{% endif %}"
+                    "{% for m in messages %}{% if m.tool_calls %}{{ '<|start|>assistant to=functions.' + "
+                    "m.tool_calls[0].function.name + '<|channel|>commentary json<|message|>' + "
+                    "(m.tool_calls[0].function.arguments | tojson) + '<|call|>' }}{% elif m.role == 'tool' %}"
+                    "{{ '<|start|>functions.' + m.name + ' to=assistant<|channel|>commentary<|message|>' + m.content"
+                    " + '<|end|>' }}{% else %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+                    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
 
 PATTERNS = {"llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
 

@@ -160,3 +160,64 @@ def test_cli_generate_chat(oss, model_files, capsys, monkeypatch):
     assert prompts == [oss.chat_prompt(msgs, True, {"reasoning_effort": "high"})]
     assert main(["generate", path, "--prompt", "Hello", "--reasoning-effort", "high"]) == 2
     assert "needs --chat" in capsys.readouterr().err
+
+
+CALL = ["<|start|>", "assistant", " to=functions.get_weather", "<|channel|>", "commentary json", "<|message|>",
+        '{"city": "Paris"}', "<|call|>"]
+
+
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_split_tool_calls(oss, step):
+    """A message with a recipient is a tool call: its name from the header, its body the arguments, streamed in
+    pieces that join to them; stop strings do not cut arguments; <|call|> ends the reply."""
+    tok = oss.tokenizer
+    assert {tok.special_id("<|call|>")} <= set(oss.cfg.eos_ids)
+    ids = reply(tok, THINK + CALL)
+    s = HarmonyStream(tok, harmony_ids(tok), ("Paris",))
+    args, names = {}, []
+    for i in range(0, len(ids), step or len(ids)):
+        s.update(ids[i:i + (step or len(ids))], finished=i + (step or len(ids)) >= len(ids))
+        for k, name, piece in s.call_pieces():
+            if name is not None:
+                names.append(name)
+            args[k] = args.get(k, "") + piece
+    assert s.tool_calls == [("get_weather", '{"city": "Paris"}')] and names == ["get_weather"]
+    assert args == {0: '{"city": "Paris"}'} and (s.reasoning, s.text) == ("Let me think: 12345.", "")
+    # a preamble and two calls, the recipient after the channel as well
+    two = reply(tok, ["<|channel|>", "commentary", "<|message|>", "Checking.", "<|end|>"] + CALL[:-1] + ["<|end|>"] +
+                ["<|start|>", "assistant", "<|channel|>", "commentary to=functions.f", "<|message|>", "{}",
+                 "<|call|>"])
+    s = HarmonyStream(tok, harmony_ids(tok))
+    s.update(two, finished=True)
+    assert s.tool_calls == [("get_weather", '{"city": "Paris"}'), ("f", "{}")] and s.text == "Checking."
+
+
+def test_chat_tool_calls(oss, monkeypatch):
+    """LLM.chat(tools=...): the tools reach the template, the call comes back in tool_calls; an assistant message
+    with tool calls whose arguments are a JSON string (as OpenAI's API sends them) renders them once, not
+    re-encoded."""
+    tok = oss.tokenizer
+    script = reply(tok, THINK + CALL)
+    made = []
+
+    def scripted(logits, params, generators, greedy=None):
+        made.append(script[len(made)])
+        return torch.tensor([made[-1]] * logits.shape[0])
+
+    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Weather?"}]
+    out = oss.chat(msgs, SamplingParams(temperature=0, max_tokens=100), tools=tools)[0]
+    assert out.tool_calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}] and out.text == ""
+    assert out.finish_reason == "stop" and out.outputs[0].token_ids[-1] == tok.special_id("<|call|>")
+    assert "Tools: get_weather" in tok.decode(oss.chat_prompt(msgs, True, {"tools": tools}))
+    turn = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "name": "get_weather", "content": "sunny"}]
+    text = tok.decode(oss.chat_prompt(turn), skip_special_tokens=False)
+    assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in text
+    from llmkernels.engine.chat import ChatTemplateError
+
+    bad = [dict(turn[1], tool_calls=[{"function": {"name": "f", "arguments": "{not json"}}])]
+    with pytest.raises(ChatTemplateError, match="arguments is not JSON"):
+        oss.chat_prompt(msgs + bad)

@@ -430,3 +430,69 @@ def test_harmony_chat_reasoning_apart(model_files, monkeypatch):
         bad = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs,
                                                              "chat_template_kwargs": {"messages": 1}})
         assert bad.status_code == 400 and "variable names" in bad.json()["error"]["message"]
+
+
+def test_harmony_tool_calls(model_files, monkeypatch):
+    """Tools on a harmony model: the call comes back as message.tool_calls (finish_reason "tool_calls"), streamed as
+    tool-call deltas that join to the same; tools on a model without harmony, a forced tool_choice and a malformed
+    tool are refused with 400. The sampler is scripted."""
+    from llmkernels.engine import llm as llm_module
+
+    _, path, _ = model_files("gpt_oss", "f32", layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
+    llm = new_llm(path, max_num_seqs=2, max_model_len=512)
+    tok = llm.tokenizer
+    ids = []
+    for p in ["<|channel|>", "analysis", "<|message|>", "Call it.", "<|end|>", "<|start|>", "assistant",
+              " to=functions.get_weather", "<|channel|>", "commentary json", "<|message|>", '{"city": "Paris"}',
+              "<|call|>"]:
+        ids += [tok.special_id(p)] if p.startswith("<|") else tok.encode(p, add_bos=False)
+    made = []
+
+    def scripted(logits, params, generators, greedy=None):
+        made.append(ids[len(made) % len(ids)])
+        return torch.tensor([made[-1]] * logits.shape[0])
+
+    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    with live_server(llm) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=msgs, tools=tools)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        call = ch.message.tool_calls[0]
+        assert (call.type, call.function.name, call.function.arguments) == ("function", "get_weather",
+                                                                             '{"city": "Paris"}')
+        assert call.id.startswith("call_") and ch.message.model_extra["reasoning_content"] == "Call it."
+        assert r.usage.prompt_tokens == len(llm.chat_prompt(msgs, True, {"tools": tools}))
+        made.clear()
+        chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, tools=tools,
+                                                stream=True))
+        parts = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert parts[0].id.startswith("call_") and parts[0].function.name == "get_weather"
+        assert "".join(p.function.arguments or "" for p in parts) == '{"city": "Paris"}'
+        assert {p.index for p in parts} == {0}
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        # the call answered: the follow-up turn renders (arguments parsed, not encoded twice)
+        made.clear()
+        turn = msgs + [ch.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "sunny"}]
+        r = c.chat.completions.create(model=MODEL, messages=turn, tools=tools)
+        want = llm.chat_prompt(turn, True, {"tools": tools})
+        assert r.usage.prompt_tokens == len(want)
+        assert '<|message|>{"city": "Paris"}<|call|>' in tok.decode(want, skip_special_tokens=False)
+        for body, word in [({"tool_choice": "required"}, "tool_choice"),
+                           ({"tools": [{"type": "function", "function": {}}]}, "tools[0]")]:
+            bad = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": tools,
+                                                                 **body})
+            assert bad.status_code == 400 and word in bad.json()["error"]["message"]
+
+
+def test_tools_refused_without_harmony(served):
+    url = served[0]
+    bad = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                           "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert bad.status_code == 400 and "harmony" in bad.json()["error"]["message"]
