@@ -319,6 +319,20 @@ def moe_cases(dev="cuda"):
                         moe_ffn(xt, w, ex, g, g, d, E)
 
 
+def gemv_cases(dev="cuda"):
+    """Every weight format through gemv (M = 1, 7, 70), silu_mul_gemv, gate_up_silu and embedding on 37 x 512."""
+    for fmt, kw in (("q4_0", {}), ("q5_1", {}), ("q3_k", {}), ("q5_k", {}), ("q6_k", {}), ("bf16", {}),
+                    ("iq4_nl", {}), ("iq4_xs", {}), ("mxfp4", {}),
+                    ("mlx", dict(bits=3, group_size=32)), ("mlx", dict(bits=6, group_size=128))):
+        qt = lk.quantize(torch.randn(37, 512, device=dev), fmt, **kw)
+        for M in (1, 7, 70):
+            lk.gemv(torch.randn(M, 512, device=dev, dtype=torch.bfloat16), qt)
+        lk.silu_mul_gemv(torch.randn(2, 512, device=dev, dtype=torch.float16),
+                         torch.randn(2, 512, device=dev, dtype=torch.float16), qt)
+        lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
+        lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
+
+
 def main():
     dev = "cuda"
     torch.manual_seed(0)
@@ -367,16 +381,7 @@ def main():
         lk.paged_attention(q, kc, vc, pt, sl, cu, 9, custom_mask=mask, sinks=torch.randn(14, device=dev), **scales)
         knew = torch.randn(3, 2, 128, device=dev, dtype=torch.bfloat16)
         lk.store_kv(knew, knew, kc, vc, torch.tensor([0, -1, kc.shape[0] * ps - 1], device=dev), **scales)
-    for fmt, kw in (("q4_0", {}), ("q5_1", {}), ("q3_k", {}), ("q5_k", {}), ("q6_k", {}), ("bf16", {}),
-                    ("iq4_nl", {}), ("iq4_xs", {}), ("mxfp4", {}),
-                    ("mlx", dict(bits=3, group_size=32)), ("mlx", dict(bits=6, group_size=128))):
-        qt = lk.quantize(torch.randn(37, 512, device=dev), fmt, **kw)
-        for M in (1, 7, 70):
-            lk.gemv(torch.randn(M, 512, device=dev, dtype=torch.bfloat16), qt)
-        lk.silu_mul_gemv(torch.randn(2, 512, device=dev, dtype=torch.float16),
-                         torch.randn(2, 512, device=dev, dtype=torch.float16), qt)
-        lk.gate_up_silu(torch.randn(3, 512, device=dev, dtype=torch.float16), qt, qt)
-        lk.embedding(torch.tensor([36, 0, 5], device=dev), qt)
+    gemv_cases(dev)
     m1_cases(dev)
     moe_cases(dev)
     # q4_k with activations in lane order: a partial last group (K = 2304, 4352), split-K or not, the public copy path
@@ -533,12 +538,13 @@ if __name__ == "__main__":
     import sys
 
     # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "prefill_persist" / "prefill_rowsum" /
-    # "decode_ws" / "engine" / "megakernel": those kernels alone; no argument: every single-GPU kernel
+    # "decode_ws" / "engine" / "megakernel" / "gemv": those kernels alone; no argument: every single-GPU kernel
     parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases,
              "prefill_persist": lambda: ws_cases(persist_only=True), "prefill_rowsum": lambda: ws_cases(rowsum=True),
-             "decode_ws": ws_decode_cases, "engine": engine_kernel_cases, "megakernel": megakernel_cases}
+             "decode_ws": ws_decode_cases, "engine": engine_kernel_cases, "megakernel": megakernel_cases,
+             "gemv": gemv_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
         sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | prefill_persist | prefill_rowsum | "
-                 f"decode_ws | engine | megakernel], got {' '.join(sys.argv[1:])!r}")
+                 f"decode_ws | engine | megakernel | gemv], got {' '.join(sys.argv[1:])!r}")
     parts[part]()
