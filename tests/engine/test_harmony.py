@@ -1,27 +1,17 @@
 """gpt-oss's harmony replies split into reasoning and text: the parser on token ids, LLM.chat, and the end-of-reply
 tokens (CPU, the tiny gpt-oss model's tokenizer)."""
 import pytest
-import torch
 
 from llmkernels.engine import LLM, SamplingParams
-from llmkernels.engine import llm as llm_module
 from llmkernels.engine.harmony import HarmonyStream, harmony_ids
+from tests.harmony_script import OSS, reply, script_sampler
 
-OSS = dict(layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
 
 
 @pytest.fixture(scope="module")
 def oss(model_files):
     _, path, _ = model_files("gpt_oss", "f32", **OSS)
     return LLM(path, progress=False, backend="torch", max_model_len=256)
-
-
-def reply(tok, parts):
-    """Token ids of a harmony reply: strings are encoded, marker names ("<|end|>") become their ids."""
-    ids = []
-    for p in parts:
-        ids += [tok.special_id(p)] if p.startswith("<|") and p.endswith("|>") else tok.encode(p, add_bos=False)
-    return ids
 
 
 THINK = ["<|channel|>", "analysis", "<|message|>", "Let me think: 12345.", "<|end|>"]
@@ -90,13 +80,7 @@ def test_chat_splits_the_reply(oss, monkeypatch):
     <|end|> and stops at <|return|>. The sampler is scripted (a random model writes no harmony)."""
     tok = oss.tokenizer
     script = reply(tok, THINK + FINAL)
-    made = []
-
-    def scripted(logits, params, generators, greedy=None):
-        made.append(script[len(made)])
-        return torch.tensor([made[-1]] * logits.shape[0])
-
-    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    made = script_sampler(monkeypatch, script)
     msgs = [{"role": "user", "content": "Hello"}]
     assert tok.decode(oss.chat_prompt(msgs), skip_special_tokens=False) == "<|start|>user<|message|>Hello<|end|>" \
                                                                           "<|start|>assistant"
@@ -137,13 +121,7 @@ def test_cli_generate_chat(oss, model_files, capsys, monkeypatch):
     _, path, _ = model_files("gpt_oss", "f32", **OSS)
     tok = oss.tokenizer
     script = reply(tok, THINK + FINAL)
-    made = []
-
-    def scripted(logits, params, generators, greedy=None):
-        made.append(script[len(made)])
-        return torch.tensor([made[-1]] * logits.shape[0])
-
-    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    script_sampler(monkeypatch, script)
     real_generate = LLM.generate
     prompts = []
 
@@ -198,13 +176,7 @@ def test_chat_tool_calls(oss, monkeypatch):
     re-encoded."""
     tok = oss.tokenizer
     script = reply(tok, THINK + CALL)
-    made = []
-
-    def scripted(logits, params, generators, greedy=None):
-        made.append(script[len(made)])
-        return torch.tensor([made[-1]] * logits.shape[0])
-
-    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    script_sampler(monkeypatch, script)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = [{"role": "user", "content": "Weather?"}]
     out = oss.chat(msgs, SamplingParams(temperature=0, max_tokens=100), tools=tools)[0]

@@ -383,22 +383,14 @@ def test_harmony_chat_reasoning_apart(model_files, monkeypatch):
     """A gpt-oss (harmony) chat reply: message.content is the final channel and message.reasoning_content the
     analysis, streamed as deltas of each that join to LLM.chat's; completions keep the raw text. The sampler is
     scripted (a random model writes no harmony), one request at a time."""
-    from llmkernels.engine import llm as llm_module
+    from tests.harmony_script import OSS, reply, script_sampler
 
-    _, path, _ = model_files("gpt_oss", "f32", layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
+    _, path, _ = model_files("gpt_oss", "f32", **OSS)
     llm = new_llm(path, max_num_seqs=2)
     tok = llm.tokenizer
-    ids = []
-    for p in ["<|channel|>", "analysis", "<|message|>", "Let me think.", "<|end|>", "<|start|>", "assistant",
-              "<|channel|>", "final", "<|message|>", "Hello, world!", "<|return|>"]:
-        ids += [tok.special_id(p)] if p.startswith("<|") else tok.encode(p, add_bos=False)
-    made = []
-
-    def scripted(logits, params, generators, greedy=None):
-        made.append(ids[len(made) % len(ids)])
-        return torch.tensor([made[-1]] * logits.shape[0])
-
-    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    ids = reply(tok, ["<|channel|>", "analysis", "<|message|>", "Let me think.", "<|end|>", "<|start|>", "assistant",
+                      "<|channel|>", "final", "<|message|>", "Hello, world!", "<|return|>"])
+    made = script_sampler(monkeypatch, ids)
     msgs = [{"role": "user", "content": "Hi"}]
     with live_server(llm) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -436,23 +428,15 @@ def test_harmony_tool_calls(model_files, monkeypatch):
     """Tools on a harmony model: the call comes back as message.tool_calls (finish_reason "tool_calls"), streamed as
     tool-call deltas that join to the same; tools on a model without harmony, a forced tool_choice and a malformed
     tool are refused with 400. The sampler is scripted."""
-    from llmkernels.engine import llm as llm_module
+    from tests.harmony_script import OSS, reply, script_sampler
 
-    _, path, _ = model_files("gpt_oss", "f32", layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64)
+    _, path, _ = model_files("gpt_oss", "f32", **OSS)
     llm = new_llm(path, max_num_seqs=2, max_model_len=512)
     tok = llm.tokenizer
-    ids = []
-    for p in ["<|channel|>", "analysis", "<|message|>", "Call it.", "<|end|>", "<|start|>", "assistant",
-              " to=functions.get_weather", "<|channel|>", "commentary json", "<|message|>", '{"city": "Paris"}',
-              "<|call|>"]:
-        ids += [tok.special_id(p)] if p.startswith("<|") else tok.encode(p, add_bos=False)
-    made = []
-
-    def scripted(logits, params, generators, greedy=None):
-        made.append(ids[len(made) % len(ids)])
-        return torch.tensor([made[-1]] * logits.shape[0])
-
-    monkeypatch.setattr(llm_module, "sample_tokens", scripted)
+    ids = reply(tok, ["<|channel|>", "analysis", "<|message|>", "Call it.", "<|end|>", "<|start|>", "assistant",
+                      " to=functions.get_weather", "<|channel|>", "commentary json", "<|message|>",
+                      '{"city": "Paris"}', "<|call|>"])
+    made = script_sampler(monkeypatch, ids)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                                "parameters": {"type": "object",
