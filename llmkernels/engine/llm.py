@@ -17,6 +17,7 @@ from ..quant.gguf_io import read_gguf
 from .chat import ChatTemplate
 from .config import ModelConfig
 from .harmony import HarmonyStream, harmony_ids
+from .reasoning import ThinkSplit, opens_thinking, thinks
 from .model import Model
 from .build import build_runner, load_model
 from .outputs import CompletionOutput, RequestOutput, StopScanner, TextStream, completion_text
@@ -571,7 +572,9 @@ class LLM:
         them; each is rendered with the chat template. Returns one RequestOutput per conversation. A harmony model's
         reply (gpt-oss) is split: ``text`` is its reply (final and commentary channels), ``reasoning_content`` its
         analysis channel, ``tool_calls`` the functions it called ([{"name", "arguments"}], arguments as the
-        model wrote them). ``tools``: OpenAI-style function definitions for the template (its ``tools``)."""
+        model wrote them). A model whose template writes ``<think>`` blocks (Qwen3, DeepSeek-R1) gets the same
+        split: the block's text in ``reasoning_content``, the rest in ``text``. ``tools``: OpenAI-style function
+        definitions for the template (its ``tools``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = params or SamplingParams()
         variables = dict(chat_template_kwargs or {}, **({"tools": tools} if tools else {}))
@@ -586,7 +589,19 @@ class LLM:
                     c.tool_calls = [{"name": n, "arguments": a} for n, a in split.tool_calls] or None
                 first = out.outputs[0]
                 out.text, out.reasoning_content, out.tool_calls = first.text, first.reasoning_content, first.tool_calls
+        elif self.thinking:  # a <think> block: the reasoning apart from the text
+            for out in outs:
+                for c in out.outputs:
+                    split = ThinkSplit(opens_thinking(self.tokenizer, out.prompt_token_ids))
+                    split.feed(c.text, True)
+                    c.text, c.reasoning_content = split.text, split.reasoning
+                out.text, out.reasoning_content = out.outputs[0].text, out.outputs[0].reasoning_content
         return outs
+
+    @property
+    def thinking(self) -> bool:
+        """Whether chat replies open with a ``<think>`` block (the template is of such a model; not harmony)."""
+        return self.tokenizer is not None and self.harmony is None and thinks(self.chat_template.source)
 
     @property
     def harmony(self) -> dict | None:

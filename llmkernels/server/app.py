@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.chat import ChatTemplateError
 from ..engine.harmony import HarmonyStream
+from ..engine.reasoning import ThinkStream
 from ..engine.outputs import TextStream
 from .engine_loop import EngineDead, EngineLoop, QueueFull
 from .metrics import Metrics
@@ -56,6 +57,7 @@ class Server:
         self.llm = llm
         self.tok = llm.tokenizer
         self.harmony = llm.harmony  # gpt-oss: chat replies split into reasoning_content and content
+        self.thinking = llm.thinking  # <think> blocks (Qwen3, DeepSeek-R1): the same split
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = Metrics(llm)
@@ -187,8 +189,10 @@ class Server:
                 h = self._submit(ids, p)
                 handles.append(h)
                 for j in range(p.n):
-                    text = HarmonyStream(self.tok, self.harmony, p.stop, ids) if chat and self.harmony else \
-                        TextStream(self.tok, ids, p.stop)
+                    if chat and self.harmony:
+                        text = HarmonyStream(self.tok, self.harmony, p.stop, ids)
+                    else:
+                        text = (ThinkStream if chat and self.thinking else TextStream)(self.tok, ids, p.stop)
                     states.append(_Choice(len(states), h, j, text, chat))
         except APIError:
             for h in handles:
@@ -216,9 +220,9 @@ class Server:
                 lp = {"content": s.logprobs} if chat else s.logprobs
             if chat:
                 msg = {"role": "assistant", "content": s.text}
-                if s.harmony:
+                if s.split:
                     msg["reasoning_content"] = s.stream.reasoning
-                    if s.stream.tool_calls:
+                    if s.harmony and s.stream.tool_calls:
                         msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
                                              for cid, (n, a) in zip(s.call_ids, s.stream.tool_calls)]
                         msg["content"] = s.text or None
@@ -385,7 +389,8 @@ class _Choice:
 
     def __init__(self, index: int, handle, sub: int, text, chat: bool):
         self.index, self.handle, self.sub, self.stream, self.chat = index, handle, sub, text, chat
-        self.harmony = isinstance(text, HarmonyStream)  # its pieces come as (reasoning, reply)
+        self.harmony = isinstance(text, HarmonyStream)
+        self.split = self.harmony or isinstance(text, ThinkStream)  # its pieces come as (reasoning, reply)
         self.call_ids: list = []  # the tool calls' ids, one per call as it starts
         self.token_ids: list = []
         self.logprobs = None  # chat: [{token, logprob, bytes, top_logprobs}]; completions: {tokens, ...}
@@ -401,6 +406,8 @@ class _Choice:
         thought = ""
         if self.harmony:
             thought, piece = self.stream.update(d.token_ids, d.finish_reason is not None)
+        elif self.split:
+            thought, piece = self.stream.update(d.token_ids, d.finish_reason is not None, d.stop_at)
         else:
             piece = self.stream.update(d.token_ids, d.finish_reason is not None, d.stop_at)
         offset = len(self.stream.text) - len(piece)
