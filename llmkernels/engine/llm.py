@@ -17,7 +17,7 @@ from ..quant.gguf_io import read_gguf
 from .chat import ChatTemplate
 from .config import ModelConfig
 from .harmony import HarmonyStream, harmony_ids
-from .reasoning import ThinkSplit, opens_thinking, thinks
+from .reasoning import CallSplit, ThinkSplit, opens_thinking, thinks, writes_tool_calls
 from .model import Model
 from .build import build_runner, load_model
 from .outputs import CompletionOutput, RequestOutput, StopScanner, TextStream, completion_text
@@ -585,23 +585,36 @@ class LLM:
                 for c in out.outputs:
                     split = HarmonyStream(self.tokenizer, marks, p.stop, out.prompt_token_ids)
                     split.update(c.token_ids, finished=True)
-                    c.text, c.reasoning_content = split.text, split.reasoning
+                    c.text, c.reasoning_content = split.text, split.reasoning or None
                     c.tool_calls = [{"name": n, "arguments": a} for n, a in split.tool_calls] or None
                 first = out.outputs[0]
                 out.text, out.reasoning_content, out.tool_calls = first.text, first.reasoning_content, first.tool_calls
-        elif self.thinking:  # a <think> block: the reasoning apart from the text
+        elif self.thinking or self.tool_calls_as:  # a <think> block and <tool_call> blocks apart from the text
             for out in outs:
                 for c in out.outputs:
                     split = ThinkSplit(opens_thinking(self.tokenizer, out.prompt_token_ids))
-                    split.feed(c.text, True)
-                    c.text, c.reasoning_content = split.text, split.reasoning
-                out.text, out.reasoning_content = out.outputs[0].text, out.outputs[0].reasoning_content
+                    _, text = split.feed(c.text, True)
+                    calls = CallSplit()
+                    c.text, c.reasoning_content = calls.feed(text, True), split.reasoning or None
+                    c.tool_calls = [{"name": n, "arguments": a} for n, a in calls.tool_calls] or None
+                first = out.outputs[0]
+                out.text, out.reasoning_content, out.tool_calls = first.text, first.reasoning_content, first.tool_calls
         return outs
 
     @property
     def thinking(self) -> bool:
         """Whether chat replies open with a ``<think>`` block (the template is of such a model; not harmony)."""
         return self.tokenizer is not None and self.harmony is None and thinks(self.chat_template.source)
+
+    @property
+    def tool_calls_as(self) -> str | None:
+        """How the model writes tool calls that chat replies read back: "harmony" (gpt-oss), "tags"
+        (``<tool_call>`` JSON blocks, Qwen and Hermes templates) or None (tools are not offered)."""
+        if self.harmony is not None:
+            return "harmony"
+        if self.tokenizer is not None and writes_tool_calls(self.chat_template.source):
+            return "tags"
+        return None
 
     @property
     def harmony(self) -> dict | None:

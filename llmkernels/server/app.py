@@ -58,6 +58,7 @@ class Server:
         self.tok = llm.tokenizer
         self.harmony = llm.harmony  # gpt-oss: chat replies split into reasoning_content and content
         self.thinking = llm.thinking  # <think> blocks (Qwen3, DeepSeek-R1): the same split
+        self.tool_calls_as = llm.tool_calls_as  # "harmony", "tags" (<tool_call> blocks) or None: tools refused
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = Metrics(llm)
@@ -191,8 +192,10 @@ class Server:
                 for j in range(p.n):
                     if chat and self.harmony:
                         text = HarmonyStream(self.tok, self.harmony, p.stop, ids)
+                    elif chat and (self.thinking or self.tool_calls_as):
+                        text = ThinkStream(self.tok, ids, p.stop, calls=self.tool_calls_as == "tags")
                     else:
-                        text = (ThinkStream if chat and self.thinking else TextStream)(self.tok, ids, p.stop)
+                        text = TextStream(self.tok, ids, p.stop)
                     states.append(_Choice(len(states), h, j, text, chat))
         except APIError:
             for h in handles:
@@ -221,8 +224,8 @@ class Server:
             if chat:
                 msg = {"role": "assistant", "content": s.text}
                 if s.split:
-                    msg["reasoning_content"] = s.stream.reasoning
-                    if s.harmony and s.stream.tool_calls:
+                    msg["reasoning_content"] = s.stream.reasoning or None
+                    if s.stream.tool_calls:
                         msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
                                              for cid, (n, a) in zip(s.call_ids, s.stream.tool_calls)]
                         msg["content"] = s.text or None
@@ -350,7 +353,7 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request):
             server._check_model(body.model)
-            body.check_unsupported(tools_ok=server.harmony is not None)
+            body.check_unsupported(tools_ok=server.tool_calls_as is not None)
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
             try:
                 ids = server.llm.chat_prompt(msgs, body.add_generation_prompt, body.template_variables())
@@ -414,7 +417,7 @@ class _Choice:
         self.token_ids += d.token_ids
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason if d.finish_reason != "abort" else None
-            if self.harmony and self.finish_reason == "stop" and self.stream.tool_calls:
+            if self.split and self.finish_reason == "stop" and self.stream.tool_calls:
                 self.finish_reason = "tool_calls"
         lp = None
         if d.logprobs is not None:
@@ -431,7 +434,7 @@ class _Choice:
 
     def call_deltas(self) -> list:
         """The stream's tool-call deltas since the last call (OpenAI's shape: id, type and name with the first)."""
-        if not self.harmony:
+        if not self.split:
             return []
         out = []
         for i, name, args in self.stream.call_pieces():

@@ -136,11 +136,12 @@ class ChatCompletionRequest(_Common):
         return out
 
     def check_unsupported(self, tools_ok: bool = False) -> None:
-        """``tools_ok``: the model writes tool calls the server can read (harmony, gpt-oss)."""
+        """``tools_ok``: the model writes tool calls the server can read (harmony, ``<tool_call>`` blocks)."""
         super().check_unsupported()
         if self.tools and not tools_ok:
-            raise APIError(400, "tools are supported for harmony models (gpt-oss) only; this model's tool calls "
-                                "would come back as text", param="tools")
+            raise APIError(400, "tools are supported for models whose chat template writes tool calls the server "
+                                "reads (harmony: gpt-oss; <tool_call> blocks: Qwen, Hermes); this model's would "
+                                "come back as text", param="tools")
         for i, t in enumerate(self.tools or ()):
             fn = t.get("function") if isinstance(t, dict) else None
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or \
