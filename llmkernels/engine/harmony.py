@@ -145,7 +145,8 @@ class HarmonyStream:
             out[kind] += text
         return out
 
-    def update(self, new_ids, finished: bool) -> tuple:
+    def update(self, new_ids, finished: bool, stop_at: int | None = None) -> tuple:
+        """``stop_at`` (where the engine cut the raw text) is not needed: stop strings are found per message."""
         if not self.stopped:
             for t in new_ids:
                 self._push(int(t))

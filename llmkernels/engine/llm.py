@@ -17,7 +17,7 @@ from ..quant.gguf_io import read_gguf
 from .chat import ChatTemplate
 from .config import ModelConfig
 from .harmony import HarmonyStream, harmony_ids
-from .reasoning import CallSplit, ThinkSplit, opens_thinking, thinks, writes_tool_calls
+from .reasoning import CallSplit, ThinkSplit, ThinkStream, opens_thinking, thinks, writes_tool_calls
 from .model import Model
 from .build import build_runner, load_model
 from .outputs import CompletionOutput, RequestOutput, StopScanner, TextStream, completion_text
@@ -577,6 +577,8 @@ class LLM:
         definitions for the template (its ``tools``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = params or SamplingParams()
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise TypeError(f"tools must be a list of OpenAI-style function dicts, got {tools!r:.80}")
         variables = dict(chat_template_kwargs or {}, **({"tools": tools} if tools else {}))
         outs = self.generate([self.chat_prompt(c, True, variables) for c in convs], params, use_tqdm=use_tqdm)
         marks = self.harmony
@@ -600,6 +602,15 @@ class LLM:
                 first = out.outputs[0]
                 out.text, out.reasoning_content, out.tool_calls = first.text, first.reasoning_content, first.tool_calls
         return outs
+
+    def reply_stream(self, prompt_ids, stops=()):
+        """The chat reply splitter for this model (harmony.HarmonyStream or reasoning.ThinkStream: ``update`` gives
+        (reasoning, text) pieces, with ``tool_calls``), or None where replies are plain text."""
+        if self.harmony is not None:
+            return HarmonyStream(self.tokenizer, self.harmony, stops, prompt_ids)
+        if self.thinking or self.tool_calls_as:
+            return ThinkStream(self.tokenizer, prompt_ids, stops, calls=self.tool_calls_as == "tags")
+        return None
 
     @property
     def thinking(self) -> bool:

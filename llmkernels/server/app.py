@@ -56,8 +56,6 @@ class Server:
     def __init__(self, llm, *, model_name: str, api_key: str | None = None, max_queue: int = 256):
         self.llm = llm
         self.tok = llm.tokenizer
-        self.harmony = llm.harmony  # gpt-oss: chat replies split into reasoning_content and content
-        self.thinking = llm.thinking  # <think> blocks (Qwen3, DeepSeek-R1): the same split
         self.tool_calls_as = llm.tool_calls_as  # "harmony", "tags" (<tool_call> blocks) or None: tools refused
         self.model_name = model_name
         self.api_key = api_key
@@ -190,12 +188,7 @@ class Server:
                 h = self._submit(ids, p)
                 handles.append(h)
                 for j in range(p.n):
-                    if chat and self.harmony:
-                        text = HarmonyStream(self.tok, self.harmony, p.stop, ids)
-                    elif chat and (self.thinking or self.tool_calls_as):
-                        text = ThinkStream(self.tok, ids, p.stop, calls=self.tool_calls_as == "tags")
-                    else:
-                        text = TextStream(self.tok, ids, p.stop)
+                    text = (self.llm.reply_stream(ids, p.stop) if chat else None) or TextStream(self.tok, ids, p.stop)
                     states.append(_Choice(len(states), h, j, text, chat))
         except APIError:
             for h in handles:
@@ -392,8 +385,7 @@ class _Choice:
 
     def __init__(self, index: int, handle, sub: int, text, chat: bool):
         self.index, self.handle, self.sub, self.stream, self.chat = index, handle, sub, text, chat
-        self.harmony = isinstance(text, HarmonyStream)
-        self.split = self.harmony or isinstance(text, ThinkStream)  # its pieces come as (reasoning, reply)
+        self.split = isinstance(text, (HarmonyStream, ThinkStream))  # its pieces come as (reasoning, reply)
         self.call_ids: list = []  # the tool calls' ids, one per call as it starts
         self.token_ids: list = []
         self.logprobs = None  # chat: [{token, logprob, bytes, top_logprobs}]; completions: {tokens, ...}
@@ -407,9 +399,7 @@ class _Choice:
         """Take a Delta; returns (new text piece, this delta's log-probabilities in the response's shape or None,
         new reasoning piece)."""
         thought = ""
-        if self.harmony:
-            thought, piece = self.stream.update(d.token_ids, d.finish_reason is not None)
-        elif self.split:
+        if self.split:
             thought, piece = self.stream.update(d.token_ids, d.finish_reason is not None, d.stop_at)
         else:
             piece = self.stream.update(d.token_ids, d.finish_reason is not None, d.stop_at)

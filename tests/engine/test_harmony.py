@@ -193,3 +193,5 @@ def test_chat_tool_calls(oss, monkeypatch):
     bad = [dict(turn[1], tool_calls=[{"function": {"name": "f", "arguments": "{not json"}}])]
     with pytest.raises(ChatTemplateError, match="arguments is not JSON"):
         oss.chat_prompt(msgs + bad)
+    with pytest.raises(TypeError, match="tools must be a list"):
+        oss.chat(msgs, tools="get_weather")
