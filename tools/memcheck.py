@@ -268,6 +268,32 @@ def tc_cases(dev="cuda"):
         lk.gemv(torch.randn(33, K, device=dev, dtype=torch.float16), qt)
 
 
+def codebook_cases(dev="cuda"):
+    """iq4_nl and mxfp4 on the tensor cores: K = 352 and 2880 (a partial last step) and 512 on rows padded to 16 bytes,
+    77 rows, uneven splits, both dtypes; the last row's last vectors end at its padded stride. Then their expert
+    stacks at one token (each expert a block of its own) and at 11 tokens, padded as the engine pads them."""
+    from llmkernels.qgemv.moe import moe_pairs, moe_route
+    from llmkernels.qgemv.ops import _finish
+    from llmkernels.qgemv.tc import launch_tc
+    from llmkernels.quant.tensor import pad_rows
+
+    for fmt in ("iq4_nl", "mxfp4"):
+        for K in (352, 512, 2880):
+            qt = pad_rows(lk.quantize(torch.randn(77, K, device=dev), fmt))
+            for dt in (torch.float16, torch.bfloat16):
+                for M, config, sms in ((1, (64, 4, 1, 4), 132), (5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7),
+                                       (40, (64, 4, 1, 4), 7), (3, (64, 4, 2, 2), 5)):
+                    _finish(launch_tc(torch.randn(M, K, device=dev, dtype=dt), qt.data, 77, K, config, sms, 2,
+                                      fmt=fmt), dt)
+                lk.gemv(torch.randn(2, K, device=dev, dtype=dt), qt)
+        E = 5
+        g = pad_rows(lk.quantize(torch.randn(E, 37, 352, device=dev), fmt))
+        for T in (1, 11):
+            x = torch.randn(T, 352, device=dev, dtype=torch.bfloat16)
+            _, ex = moe_route(torch.randn(T, E, device=dev), top_k=2)
+            moe_pairs(x, g, E, ex.flatten(), 2)
+
+
 def tp_cases():
     """Tensor parallelism on 2 GPUs, both all-reduces, decode graphs and a prompt chunk: a small q4_k_m llama split
     in two (run ``compute-sanitizer --target-processes all python tools/memcheck.py tp``)."""
@@ -432,6 +458,7 @@ def main():
                                                                                "q4_k"), act_int8=True)
     i8_lanes_cases(dev)
     tc_cases(dev)
+    codebook_cases(dev)
     engine_kernel_cases(dev)
     megakernel_cases(dev)
 
@@ -538,13 +565,14 @@ if __name__ == "__main__":
     import sys
 
     # "tp": tensor parallelism alone (2 GPUs); "moe" / "prefill_ws" / "prefill_persist" / "prefill_rowsum" /
-    # "decode_ws" / "engine" / "megakernel" / "gemv": those kernels alone; no argument: every single-GPU kernel
+    # "decode_ws" / "engine" / "megakernel" / "gemv" / "codebook": those kernels alone; no argument: every
+    # single-GPU kernel
     parts = {"": main, "tp": tp_cases, "moe": moe_cases, "prefill_ws": ws_cases,
              "prefill_persist": lambda: ws_cases(persist_only=True), "prefill_rowsum": lambda: ws_cases(rowsum=True),
              "decode_ws": ws_decode_cases, "engine": engine_kernel_cases, "megakernel": megakernel_cases,
-             "gemv": gemv_cases}
+             "gemv": gemv_cases, "codebook": codebook_cases}
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part not in parts or len(sys.argv) > 2:
         sys.exit(f"usage: python tools/memcheck.py [tp | moe | prefill_ws | prefill_persist | prefill_rowsum | "
-                 f"decode_ws | engine | megakernel | gemv], got {' '.join(sys.argv[1:])!r}")
+                 f"decode_ws | engine | megakernel | gemv | codebook], got {' '.join(sys.argv[1:])!r}")
     parts[part]()

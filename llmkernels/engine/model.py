@@ -18,6 +18,7 @@ from .._runtime import empty
 from ..attention.paged import paged_attention
 from ..qgemv.moe import moe_combine, moe_ffn, moe_pairs, moe_route
 from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
+from ..qgemv.tc import ROW_STRIDE_FORMATS
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k, pad_rows
 from .allreduce import AllReduce
 from .config import ModelConfig, ModelConfigError, rope_inv_freq
@@ -273,9 +274,10 @@ class Model:
         for L in self.layers:
             L.qkv, L.gate_up = [pad(m) for m in L.qkv], [pad(m) for m in L.gate_up]
             L.wo, L.down = pad(L.wo), pad(L.down)
-            if L.moe is not None:  # q6_k expert stacks (Qwen3-MoE's downs, K = 768): rows padded to 16 bytes for
-                # the tensor cores (1.6% more there); the MoE kernels read rows by their stride
-                L.moe = L.moe[:1] + tuple(pad_rows(m) if m.format == "q6_k" else m for m in L.moe[1:])
+            if L.moe is not None:  # q6_k, iq4_nl and mxfp4 expert stacks (Qwen3-MoE's q6_k downs, K = 768;
+                # gpt-oss's mxfp4, K = 2880): rows padded to 16 bytes for the tensor cores (1.6% and 0.4% more
+                # there); the MoE kernels read rows by their stride
+                L.moe = L.moe[:1] + tuple(pad_rows(m) if m.format in ROW_STRIDE_FORMATS else m for m in L.moe[1:])
         return padded
 
     def bind_routes(self):

@@ -33,7 +33,7 @@ from ..quant.tensor import QuantizedTensor
 from .common import _views
 from .dequant import dequant_tile
 from .m1 import launch_m1, m1_supports
-from .tc import launch_tc_moe, tc_supports
+from .tc import TAIL_FORMATS, launch_tc_moe, tc_supports
 from . import route
 from .ops import FORMAT_IDS, X_DTYPES, target
 
@@ -313,8 +313,9 @@ def _stack_views(qt) -> tuple:
 
 
 def _tc_reads(x, qt) -> bool:
-    """Whether the tensor-core kernel reads this stack with x's dtype (tc.tc_supports; K whole 256-weight steps)."""
-    return qt.shape[-1] % 256 == 0 and tc_supports(x, qt.data, qt.format, qt.bits or 0, qt.group_size or 0,
+    """Whether the tensor-core kernel reads this stack with x's dtype (tc.tc_supports; K whole 256-weight steps but for
+    the formats it masks the last step of)."""
+    return (qt.shape[-1] % 256 == 0 or qt.format in TAIL_FORMATS) and tc_supports(x, qt.data, qt.format, qt.bits or 0, qt.group_size or 0,
                                                    qt.shape[-1], qt.scales, qt.biases)
 
 
@@ -349,13 +350,15 @@ def _silu_mul(gu, N: int):
 def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
     """The pairs' products; ``token_ids`` None: pair p reads row p // top_k of x."""
     P = expert_ids.shape[0]
-    if P and route.moe_tc(P, num_experts) and _tc_reads(x, qt) and (qt_up is None or _tc_reads(x, qt_up)):
+    per_pair_m1 = route.moe_m1(qt.format, qt_up is not None, x.dtype)
+    if (P and route.moe_tc(P, num_experts, per_pair_m1) and _tc_reads(x, qt)
+            and (qt_up is None or _tc_reads(x, qt_up))):
         y = _tc_products(x, qt, qt_up, N, num_experts, _groups(expert_ids, num_experts), P, token_ids, top_k)
         return y if qt_up is None else _silu_mul(y, N)
     if P and route.moe_grouped(P, num_experts):
         return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids,
                                empty(P, N, dtype=x.dtype, device=x.device), top_k)
-    if P and token_ids is None and route.moe_m1(qt.format, qt_up is not None, x.dtype) and m1_supports(
+    if P and token_ids is None and per_pair_m1 and m1_supports(
             x, qt.data, qt.format) and (qt_up is None or qt_up.data.data_ptr() % 16 == 0):
         config = route.moe_m1_config(target(x.device), qt.format, N, qt.shape[-1], qt_up is not None)
         return launch_m1(x, qt.data, qt.format, N, qt.shape[-1], config, 0, 1 if interpreter_mode() else 2,
@@ -470,7 +473,8 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate:
     F = _check_stack("gate", gate, num_experts)
     H = _check_stack("down", down, num_experts)
     P = e.shape[0]
-    if (P and route.moe_tc(P, num_experts) and _tc_reads(x, gate) and _tc_reads(x, up)
+    if (P and route.moe_tc(P, num_experts, route.moe_m1(gate.format, True, x.dtype)) and _tc_reads(x, gate)
+            and _tc_reads(x, up)
             and (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size)):
         # the pairs grouped once for both products; silu(gate) * up formed as the down product loads it
         groups = _groups(e, num_experts)

@@ -30,7 +30,8 @@ def operands(op: str, x, x2, data, data2, scales, biases, fmt: str, bits: int, K
         up_aligned=data2 is None or data2.data_ptr() % 16 == 0,
         m1_x=m1_x_ok(x, x2 if op == "silu_mul" else None, fmt, bits),
         tc_scales=scales is None or (scales.stride(-1) == 1 and biases.stride(-1) == 1
-                                     and scales.stride(0) == biases.stride(0)))
+                                     and scales.stride(0) == biases.stride(0)),
+        rows16=data.shape[-1] * data.element_size() % 16 == 0)
 
 
 def _launch_i8_lanes(xq, ds, data, N, K, out_dtype, fmt="q4_k", config=None):

@@ -53,7 +53,7 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # The tensor-core kernel: gemv takes it from TC_FIRST_M rows up to MID_M, from TC_FIRST_M_LARGE on long or wide
 # matrices (K >= TC_LONG_K or N >= TC_WIDE_N); silu_mul_gemv from TC_FIRST_M, past M1_MAX_M for TC_SILU_M1
-TC_FIRST_M = {"q4_0": 1, "q8_0": 1, "q6_k": 1, "q4_k": 2, "mlx4": 2, "q5_k": 3}
+TC_FIRST_M = {"q4_0": 1, "q8_0": 1, "q6_k": 1, "q4_k": 2, "mlx4": 2, "q5_k": 3, "iq4_nl": 1, "mxfp4": 1}
 TC_FIRST_M_LARGE = {"mlx4": 1, "q5_k": 2}
 TC_LONG_K = 8192
 TC_WIDE_N = 32768
@@ -109,13 +109,14 @@ class Operands:
     """What a route needs of the tensors beyond their shapes (ops.operands computes it): weight data 16-byte aligned
     and contiguous; f16/bf16 weights whose rows are K elements of x's dtype; gate_up's up weights 16-byte aligned;
     x (and silu_mul's x2) laid out as the m1 kernel loads them; MLX scales and biases as the tensor-core kernel
-    reads them."""
+    reads them; rows (the data's last dim) a multiple of 16 bytes."""
     aligned: bool = True
     contiguous: bool = True
     dense_rows: bool = True
     up_aligned: bool = True
     m1_x: bool = True
     tc_scales: bool = True
+    rows16: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,12 @@ def tc_first_m(name: str, N: int, K: int, silu: bool = False):
 def tc_reads(fmt: str, bits: int, group_size: int, K: int, dtype) -> bool:
     """Whether the tensor-core kernel reads the format at this K with activations of ``dtype``: q4_k, q5_k, q6_k (K
     a multiple of 2048: 16-byte aligned rows of 210-byte blocks), q4_0 and q8_0 (K a multiple of 256), MLX 4-bit
-    (group 32/64/128, K a multiple of 256); fp16/bf16 activations."""
+    (group 32/64/128, K a multiple of 256), iq4_nl and mxfp4 (any K; rows 16-byte aligned: Operands.rows16); fp16/bf16
+    activations."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
+    if fmt in ("iq4_nl", "mxfp4"):
+        return True
     if fmt in ("q4_k", "q5_k"):
         return True
     if fmt == "q6_k":
@@ -358,16 +362,19 @@ def moe_grouped(pairs: int, num_experts: int) -> bool:
     return pairs > num_experts
 
 
-def moe_tc(pairs: int, num_experts: int) -> bool:
+def moe_tc(pairs: int, num_experts: int, per_pair_m1: bool = True) -> bool:
     """Whether MoE products of ``pairs`` pairs run on the tensor-core kernel, pairs grouped by expert (where it
     reads the format): each chosen expert's weights read once per block of up to 32 of its pairs, where a GEMV per
     pair reads them once per pair. Taken once pairs would share experts MOE_TC_MIN_REUSE times on average if drawn
-    at random."""
+    at random, and at any count where the per-pair GEMV would not be the m1 kernel (``per_pair_m1`` false: the
+    generic kernel, which moved 0.26 TB/s over gpt-oss's mxfp4 experts, bench/NOTES.md)."""
     excluded = _excluded()
-    if "moe_tc" in excluded or pairs < 2:
+    if "moe_tc" in excluded or pairs < 1:
         return False
-    if {"moe_gemv", "moe_grouped"} <= excluded:
+    if {"moe_gemv", "moe_grouped"} <= excluded or not per_pair_m1:
         return True
+    if pairs < 2:
+        return False
     distinct = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** pairs)
     return pairs >= MOE_TC_MIN_REUSE * distinct
 
@@ -493,7 +500,7 @@ def _choose(q: Query, o: Operands, t: Target, excluded: frozenset) -> Route:
     name = tc_name(fmt, bits)
     first = tc_first_m(name, N, K, op == "silu_mul") if op in ("gemv", "silu_mul") else None
     if (ok("tc") and first is not None and first <= M <= MID_M and tc_reads(fmt, bits, gs, K, dtype) and o.aligned
-            and (fmt != "mlx" or o.tc_scales)):
+            and (fmt != "mlx" or o.tc_scales) and (fmt not in ("iq4_nl", "mxfp4") or o.rows16)):
         name = fmt if fmt != "mlx" else "mlx4"
         rows = tc_rows(M)
         xt = (op == "gemv" and M >= TC_XT_MIN_M and K % 256 == 0 and not (rows == 64 and name in TC_XT_NOT_64)

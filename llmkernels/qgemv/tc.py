@@ -50,6 +50,7 @@ from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from .common import split_k, split_outputs, store_tile
 from .m1 import _q4k_scales, _silu_mul, _split_words
 from .words import _funnel
+from ..quant.formats import IQ4_VALUES, MXFP4_VALUES
 
 
 def _nibbles(bf16: bool, finish, mag=("m", "m", "m", "m"), offset: int = 0) -> str:
@@ -106,22 +107,58 @@ def _asm_words(fmt: str, bf16: bool) -> str:
         body = _nibbles(bf16, lambda i: f"fma.rn.{t} a, a, sd, zd; mov.b32 {{{outs[i]}}}, a; ")
     else:
         w, s, z = "$4", "$5", "$6"
-        if bf16:
-            body = ("prmt.b32 u0, $4, 0, 0x9988; prmt.b32 u1, $4, 0, 0xBBAA; mov.b32 m, 0x43004300; "
-                    "and.b32 u0, u0, zd; and.b32 u1, u1, zd; "
-                    "lop3.b32 a, t0, 0x007F007F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, u0; "
-                    "mov.b32 {$0, $1}, a; "
-                    "lop3.b32 a, t1, 0x007F007F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, u1; "
-                    "mov.b32 {$2, $3}, a; ")
-        else:
-            body = ("mov.b32 m, 0x64006400; mov.b32 k, 0x64806480; "
-                    "lop3.b32 a, t0, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 a, a, sd; "
-                    "mov.b32 {$0, $1}, a; "
-                    "lop3.b32 a, t1, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 a, a, sd; "
-                    "mov.b32 {$2, $3}, a; ")
+        body = _int8_pairs(bf16, "$0, $1", "$2, $3")
     return ("{ .reg .b32 t0, t1, u0, u1, m, h, k, a, sd, zd; "
             f"mov.b32 sd, {{{s}, {s}}}; mov.b32 zd, {{{z}, {z}}}; "
             f"prmt.b32 t0, {w}, 0, 0x4140; prmt.b32 t1, {w}, 0, 0x4342; " + body + "}")
+
+
+def _int8_pairs(bf16: bool, out0: str, out1: str, word: str = "$4") -> str:
+    """PTX: the 4 int8 values of ``word``, already spread by prmt into t0 (bytes 0, 1) and t1 (bytes 2, 3), times
+    sd -> out0 (bytes 0, 1) and out1 (bytes 2, 3). fp16 masks (q ^ 128) into the mantissa of 1024.0, subtracts
+    1152 (exact) and multiplies by d; bf16 (8 significant bits, too few for 1024 + 255) masks the low 7 bits into
+    128.0, and the sign bits, replicated by prmt into a mask, select zd = -128 d as the fma's addend."""
+    if bf16:
+        return (f"prmt.b32 u0, {word}, 0, 0x9988; prmt.b32 u1, {word}, 0, 0xBBAA; mov.b32 m, 0x43004300; "
+                "and.b32 u0, u0, zd; and.b32 u1, u1, zd; "
+                "lop3.b32 a, t0, 0x007F007F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, u0; "
+                f"mov.b32 {{{out0}}}, a; "
+                "lop3.b32 a, t1, 0x007F007F, m, 0xEA; sub.rn.bf16x2 a, a, m; fma.rn.bf16x2 a, a, sd, u1; "
+                f"mov.b32 {{{out1}}}, a; ")
+    return ("mov.b32 m, 0x64006400; mov.b32 k, 0x64806480; "
+            "lop3.b32 a, t0, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 a, a, sd; "
+            f"mov.b32 {{{out0}}}, a; "
+            "lop3.b32 a, t1, 0x00800080, m, 0xBE; sub.f16x2 a, a, k; mul.rn.f16x2 a, a, sd; "
+            f"mov.b32 {{{out1}}}, a; ")
+
+
+def codebook_words(levels) -> tuple:
+    """The 16 int8 levels of a codebook as 4 little-endian int32 words (signed; the byte-permute lookup table)."""
+    b = [v & 0xFF for v in levels]
+    u = [b[4 * i] | b[4 * i + 1] << 8 | b[4 * i + 2] << 16 | b[4 * i + 3] << 24 for i in range(4)]
+    return tuple(x - (1 << 32) if x >= 1 << 31 else x for x in u)
+
+
+def _asm_codebook(levels, bf16: bool) -> str:
+    """PTX for a word of codebook nibbles (iq4_nl, mxfp4: nibbles as q4_0's) -> its 8 weights level[q] * d as
+    16-bit outputs in _asm_words' q4 order; inputs $8 the word, $9 d, $10 -128 d (bf16's sign addend). Each nibble
+    looks its int8 level up by byte permutes: its low 3 bits select a byte of levels 0-7 and of levels 8-15, its
+    bit 3 (moved to bit 2 of a selector) picks between the two; the 4 levels of a half word then take q8_0's
+    int8 path (_int8_pairs). 11 instructions of lookup per 8 weights."""
+    w = codebook_words(levels)
+    look = ("and.b32 q, $8, 0x77777777; shr.b32 c, $8, 1; and.b32 c, c, 0x44444444; or.b32 c, c, 0x32103210; "
+            + "".join(f"mov.b32 l{i}, {w[i] & 0xFFFFFFFF:#010x}; " for i in range(4)))
+    for half, sel in ((0, "q"), (1, "q")):
+        if half:
+            look += "shr.b32 q, q, 16; shr.b32 c, c, 16; "
+        look += (f"prmt.b32 lo, l0, l1, {sel}; prmt.b32 hi, l2, l3, {sel}; prmt.b32 r{half}, lo, hi, c; ")
+    body = ""
+    for half in range(2):
+        body += (f"prmt.b32 t0, r{half}, 0, 0x4140; prmt.b32 t1, r{half}, 0, 0x4342; "
+                 + _int8_pairs(bf16, f"${4 * half}, ${4 * half + 1}", f"${4 * half + 2}, ${4 * half + 3}",
+                               f"r{half}"))
+    return ("{ .reg .b32 t0, t1, u0, u1, m, k, a, sd, zd, q, c, l0, l1, l2, l3, lo, hi, r0, r1; "
+            "mov.b32 sd, {$9, $9}; mov.b32 zd, {$10, $10}; " + look + body + "}")
 
 
 def _qh_bits(bits: int, bf16: bool, codes: str, qh: str, shift: str) -> str:
@@ -176,6 +213,13 @@ _ASM_W4_F16 = tl.constexpr(_asm_words("q4", False))
 _ASM_W4_BF16 = tl.constexpr(_asm_words("q4", True))
 _ASM_W8_F16 = tl.constexpr(_asm_words("q8", False))
 _ASM_W8_BF16 = tl.constexpr(_asm_words("q8", True))
+_IQ4_WORDS = codebook_words(IQ4_VALUES)
+_MX_WORDS = codebook_words(MXFP4_VALUES)
+_ASM_IQ4_F16 = tl.constexpr(_asm_codebook(IQ4_VALUES, False))
+_ASM_IQ4_BF16 = tl.constexpr(_asm_codebook(IQ4_VALUES, True))
+_ASM_MX_F16 = tl.constexpr(_asm_codebook(MXFP4_VALUES, False))
+_ASM_MX_BF16 = tl.constexpr(_asm_codebook(MXFP4_VALUES, True))
+_CB_WORDS = tl.constexpr(_IQ4_WORDS + _MX_WORDS)  # codebook 1's 4 words, then codebook 2's
 _ASM_Q4_F16 = tl.constexpr(_asm_q4(False))
 _ASM_Q4_BF16 = tl.constexpr(_asm_q4(True))
 _ASM_Q5_F16 = tl.constexpr(_asm_q5(False))
@@ -219,6 +263,41 @@ def _deq_q4(units, s_lo, nz_lo, s_hi, nz_hi, DT: tl.constexpr, UNPACK: tl.conste
         lo = (v & 15).to(tl.float32) * s_lo.to(tl.float32) + nz_lo.to(tl.float32)
         hi = (v >> 4).to(tl.float32) * s_hi.to(tl.float32) + nz_hi.to(tl.float32)
         return lo.to(DT), hi.to(DT)
+
+
+@triton.jit
+def _level(q, CB: tl.constexpr):
+    """The int8 level of nibbles q (int32, 0..15) in codebook CB (1: iq4_nl, 2: mxfp4), from its table words."""
+    off: tl.constexpr = 4 * (CB - 1)
+    w = tl.where(q < 8, tl.where(q < 4, _CB_WORDS[off], _CB_WORDS[off + 1]),
+                 tl.where(q < 12, _CB_WORDS[off + 2], _CB_WORDS[off + 3]))
+    return ((w >> (8 * (q & 3))) << 24) >> 24
+
+
+@triton.jit
+def _deq_codebook(cw, s, nz, CB: tl.constexpr, DT: tl.constexpr, UNPACK: tl.constexpr):
+    """Codebook (CB 1: iq4_nl, 2: mxfp4) code words ``cw`` (int32, nibbles as q4_0's), the blocks' scales d and nz =
+    -128 d (DT) -> the weights level[q] * d in DT, [..., 4 bytes, 2 nibbles] as _deq_words' q4_0 (_asm_codebook)."""
+    if UNPACK == 2:
+        if CB == 1 and DT == tl.float16:
+            o = tl.inline_asm_elementwise(_ASM_IQ4_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+                                          dtype=(tl.float16, ) * 8, is_pure=True, pack=1)
+        elif CB == 1:
+            o = tl.inline_asm_elementwise(_ASM_IQ4_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+                                          dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+        elif DT == tl.float16:
+            o = tl.inline_asm_elementwise(_ASM_MX_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+                                          dtype=(tl.float16, ) * 8, is_pure=True, pack=1)
+        else:
+            o = tl.inline_asm_elementwise(_ASM_MX_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [cw, s, nz],
+                                          dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+    else:
+        o = ()
+        for j in tl.static_range(4):
+            byte = (cw >> (8 * j)) & 255
+            o = o + ((_level(byte & 15, CB).to(tl.float32) * s.to(tl.float32)).to(DT),
+                     (_level(byte >> 4, CB).to(tl.float32) * s.to(tl.float32)).to(DT))
+    return _stack(o, 3)
 
 
 @triton.jit
@@ -315,6 +394,59 @@ def _lane_blocks(vecs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
+def _prmt(a, b, sel, UNPACK: tl.constexpr):
+    """Bytes of the pair (a, b) (a's bytes 0-3, b's 4-7) picked by the selector nibbles of ``sel`` (each 0..7): here
+    only the 4 consecutive bytes from byte o, sel = 0x3210 + 0x1111 o."""
+    if UNPACK == 2:
+        return tl.inline_asm_elementwise(_ASM_PRMT, "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        o = sel & 7
+        lo = tl.where(o == 0, a, (a >> (8 * o)) & ((1 << (32 - 8 * o)) - 1))
+        return tl.where(o == 4, b, lo | tl.where(o == 0, 0, b << (32 - 8 * o)))
+
+
+@triton.jit
+def _mx_lane_blocks(vecs, s, UNPACK: tl.constexpr):
+    """mxfp4: lane t's two 17-byte blocks (2t, 2t + 1 of the step: e, 16 code bytes each) from three 16-byte vectors
+    (_lane_load) holding them from byte s (even, 0..14: 17-byte blocks keep only 2-byte alignment). Returns (the
+    exponent bytes as int32 [4, 8, A, 2, 2 blocks], the code words [4, 8, A, 2, 2 blocks, 4]). The word shift is
+    two levels of per-thread selects, the byte shifts one byte permute per word."""
+    L = ()
+    for v in tl.static_range(3):
+        L = L + _words4(vecs[v])
+    ws = s // 4
+    a = ()
+    for i in tl.static_range(10):
+        a = a + (tl.where(ws >= 2, L[i + 2], L[i]), )
+    b = ()
+    for i in tl.static_range(9):
+        b = b + (tl.where((ws & 1) != 0, a[i + 1], a[i]), )
+    hb = s & 2  # the blocks start at byte hb of b[0]: codes at hb + 1 (word 0) and hb + 18 (word 4)
+    sel0 = 0x4321 + hb * 0x1111
+    sel1 = 0x5432 + hb * 0x1111
+    codes = ()
+    for k in tl.static_range(4):
+        codes = codes + (_prmt(b[k], b[k + 1], sel0, UNPACK), )
+    for k in tl.static_range(4):
+        codes = codes + (_prmt(b[4 + k], b[5 + k], sel1, UNPACK), )
+    e0 = (b[0] >> (8 * hb)) & 255
+    e1 = (b[4] >> (8 * hb + 8)) & 255
+    c = _stack(codes, 3)
+    return tl.join(e0, e1), tl.reshape(c, (c.shape[0], c.shape[1], c.shape[2], c.shape[3], 2, 4))
+
+
+@triton.jit
+def _e8m0_half(e, DT: tl.constexpr):
+    """E8M0 exponent bytes (int32) -> 2^(e - 128) as float32 (subnormal below e = 2), the scale of mxfp4's doubled
+    levels; for fp16 weights capped at fp16's largest finite value, so that a zero level stays zero."""
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+    v = bits.to(tl.float32, bitcast=True)
+    if DT == tl.float16:
+        v = tl.minimum(v, 65504.0)
+    return v
+
+
+@triton.jit
 def _shift_words(vecs, s, odd, UNPACK: tl.constexpr):
     """q6_k: the 8 words at byte 4 s + 2 odd of three 16-byte vectors (int32 [4, 8, A, 2, 4] each, _lane_load), as a
     tuple of [4, 8, A, 2] tiles. s (0..3) and odd are the same for the whole program (the block's start modulo 16),
@@ -396,10 +528,13 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     DT: tl.constexpr = X.dtype.element_ty
     A: tl.constexpr = BLOCK_N // 16
     # bytes of one row per step
-    STEP: tl.constexpr = 144 if (FMT == 10 or FMT == 3) else (
-        272 if FMT == 7 else (176 if FMT == 11 else (210 if FMT == 12 else 128)))
-    NV: tl.constexpr = 3 if FMT == 3 else 5  # q4_0 / q8_0: 16-byte vectors per lane and row
-    NW: tl.constexpr = 4 if FMT == 3 else 8  # q4_0 / q8_0: code words per block
+    STEP: tl.constexpr = 144 if (FMT == 10 or FMT == 3 or FMT == 14) else (
+        272 if FMT == 7 else (176 if FMT == 11 else (210 if FMT == 12 else (136 if FMT == 16 else 128))))
+    NV: tl.constexpr = 5 if FMT == 7 else 3  # q4_0 / q8_0 / codebooks: 16-byte vectors per lane and row
+    NW: tl.constexpr = 8 if FMT == 7 else 4  # q4_0 / q8_0 / codebooks: code words per block
+    # iq4_nl / mxfp4: K any whole number of 32-weight blocks, the last step's missing blocks masked
+    TAIL: tl.constexpr = FMT == 14 or FMT == 16
+    nb32 = K // 32
     t_ = tl.arange(0, 4)[:, None, None, None, None, None]
     g_ = tl.arange(0, 8)[None, :, None, None, None, None]
     a_ = tl.arange(0, A)[None, None, :, None, None, None]
@@ -446,12 +581,19 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
         c6 = t_ % 2
         s_ptrs = W8.to(tl.pointer_type(tl.int16), bitcast=True) + (row * row_bytes) // 2 + 96 + 2 * t_ - c6
         sh = tl.reshape(2 * c6, (4, 1, 1, 1, 1, 1)).to(tl.int32)
-    elif FMT == 3 or FMT == 7:  # [4 t, 8 g, A, 2 h, 4 words] from byte 32 t (q4_0) or 64 t (q8_0) of the step
+    elif FMT == 3 or FMT == 7 or FMT == 14:  # [4 t, 8 g, A, 2 h, 4 words] from byte 32 t (q4_0, iq4_nl) or 64 t
+        # (q8_0) of the step (row_bytes and STEP are multiples of 16, so every vector starts 16-byte aligned)
         t4 = tl.reshape(t_, (4, 1, 1, 1))
-        # (row_bytes and STEP are multiples of 16, so every vector starts 16-byte aligned)
+        t5 = tl.reshape(t_, (4, 1, 1, 1, 1))
         v_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True)
                   + tl.multiple_of(tl.reshape(base, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
-                  + tl.reshape(t_, (4, 1, 1, 1, 1)) * (2 * NW) + tl.arange(0, 4)[None, None, None, None, :])
+                  + t5 * (2 * NW) + tl.arange(0, 4)[None, None, None, None, :])
+    elif FMT == 16:  # mxfp4: lane t's blocks start at byte 136 kb + 34 t of the (16-byte aligned) row
+        t4 = tl.reshape(t_, (4, 1, 1, 1))
+        t5 = tl.reshape(t_, (4, 1, 1, 1, 1))
+        v_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True)
+                  + tl.multiple_of(tl.reshape(row * row_bytes, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
+                  + tl.arange(0, 4)[None, None, None, None, :])
     else:  # the group of each 32-weight half chunk: (256 kb + 64 t + 32 half) // GS
         w_ptrs = W8 + base + t_ * 32 + half_ * 16 + b_
         s_off = row * scale_stride + kb_start * (256 // GS) + (64 * t_ + 32 * half_) // GS
@@ -494,23 +636,44 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
                         UNPACK)  # [t, g, a, h, half, word, byte, nibble]
             w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p as q4_k's
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
-        elif FMT == 3 or FMT == 7:
-            if PREFETCH:
+        elif FMT == 3 or FMT == 7 or TAIL:
+            if FMT == 16:
+                # three aligned vectors from the 16-byte boundary at or before the lane's blocks; a vector that
+                # starts before the row's end ends within its 16-byte aligned stride
+                start = kb * 136 + 34 * t5
+                vecs = ()
+                for v in tl.static_range(3):
+                    vecs = vecs + (tl.load(v_ptrs + start // 16 * 4 + 4 * v, mask=start // 16 * 16 + 16 * v < nb32 * 17,
+                                           other=0), )
+                e, cw = _mx_lane_blocks(vecs, tl.reshape(start % 16, (4, 1, 1, 1)), UNPACK)
+                d = _e8m0_half(e, DT)
+            elif FMT == 14:
+                vecs = ()
+                for v in tl.static_range(3):
+                    vecs = vecs + (tl.load(v_ptrs + 4 * v, mask=kb * 144 + 32 * t5 + 16 * v < nb32 * 18, other=0), )
+                d, cw = _lane_blocks(vecs, t4, NV, NW, UNPACK)
+            elif PREFETCH:
                 vecs = nxt
                 nxt = _lane_load(v_ptrs + STEP // 4, kb + 1 < kb_end, NV)
+                d, cw = _lane_blocks(vecs, t4, NV, NW, UNPACK)
             else:
-                vecs = _lane_load(v_ptrs, True, NV)
-            d, cw = _lane_blocks(vecs, t4, NV, NW, UNPACK)
-            d = tl.reshape(d, (4, 8, A, 2, 2, 1))
-            # q4_0: byte b = 4 k + j of the block (word k), weight b + 16 p, b = 2 lhl + ll;
-            # q8_0: weight b = 4 bj + 2 p + ll (bj = word k, j = 2 p + ll)
-            w = _deq_words(cw, d.to(DT), ((-8.0 if FMT == 3 else -128.0) * d).to(DT), FMT == 7, DT, UNPACK)
+                d, cw = _lane_blocks(_lane_load(v_ptrs, True, NV), t4, NV, NW, UNPACK)
+            if TAIL:  # blocks past the row's end (the last step's) weigh zero
+                d = tl.where(kb * 8 + 2 * t5 + tl.arange(0, 2)[None, None, None, None, :] < nb32, d, 0.0)
+                d = tl.reshape(d, (4, 8, A, 2, 2, 1))
+                w = _deq_codebook(cw, d.to(DT), (-128.0 * d).to(DT), 1 if FMT == 14 else 2, DT, UNPACK)
+            else:
+                d = tl.reshape(d, (4, 8, A, 2, 2, 1))
+                # q4_0: byte b = 4 k + j of the block (word k), weight b + 16 p, b = 2 lhl + ll;
+                # q8_0: weight b = 4 bj + 2 p + ll (bj = word k, j = 2 p + ll)
+                w = _deq_words(cw, d.to(DT), ((-8.0 if FMT == 3 else -128.0) * d).to(DT), FMT == 7, DT, UNPACK)
             w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))
-            if FMT == 3:  # t, g, a, h, blk, lhl, ll, p -> [a h g] x [blk lhl p t ll]
+            if FMT != 7:  # t, g, a, h, blk, lhl, ll, p -> [a h g] x [blk lhl p t ll]
                 w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
             else:  # t, g, a, h, blk, bj, p, ll -> [a h g] x [blk bj p t ll]
                 w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 6, 0, 7)), (BLOCK_N, 256))
-            v_ptrs += STEP // 4
+            if FMT != 16:
+                v_ptrs += STEP // 4
         else:
             if FMT == 10 or FMT == 11:
                 h0, h1, h2, h3 = _words4(tl.load(h_ptrs))
@@ -539,9 +702,13 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             xt = XD.load([pid_m * M_PAD, kb * 256]).T
         else:
             # the natural tile permuted to the k order (TC_PERMS holds the same permutations for tc_order)
-            xn = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if TAIL:
+                x_in = x_ok & (kb * 256 + tl.arange(0, 256)[:, None] < K)
+            else:
+                x_in = x_ok
+            xn = tl.load(x_ptrs, mask=x_in, other=0.0)
             if SILU:
-                xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_ok, other=0.0).to(tl.float32), DT,
+                xn = _silu_mul(xn.to(tl.float32), tl.load(x2_ptrs, mask=x_in, other=0.0).to(tl.float32), DT,
                                SILU).to(DT)
                 x2_ptrs += 256
             if FMT == 10 or FMT == 11:
@@ -550,7 +717,7 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             elif FMT == 12:  # chunk t = 2 h6 + c, byte 16 half + 2 lhl + ll, nibble p: weight 128 h6 + 64 p + 32 c
                 xt = tl.reshape(tl.permute(tl.reshape(xn, (2, 2, 2, 2, 8, 2, M_PAD)), (3, 4, 1, 0, 2, 5, 6)),
                                 (256, M_PAD))
-            elif FMT == 3:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
+            elif FMT == 3 or TAIL:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
                 xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (1, 3, 2, 0, 4, 5)), (256, M_PAD))
             elif FMT == 7:  # byte 4 bj + 2 p + ll of block 2t + blk: weight 64 t + 32 blk + 4 bj + 2 p + ll
                 xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 3, 0, 4, 5)), (256, M_PAD))
@@ -566,16 +733,16 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
 
 
 def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 0, scales=None, biases=None) -> bool:
-    """Whether gemv_tc_kernel reads these weights: q4_k, q4_0 and q8_0 (K a multiple of 256 for the last two) or
-    MLX 4-bit (K a multiple of 256, scales and biases with a contiguous last dim), fp16/bf16 x, and weight data
-    16-byte aligned (16-byte code loads)."""
+    """Whether gemv_tc_kernel reads these weights: q4_k, q5_k, q4_0 and q8_0 (K a multiple of 256 for the last two),
+    q6_k, iq4_nl and mxfp4 (rows 16-byte aligned) or MLX 4-bit (K a multiple of 256, scales and biases with a
+    contiguous last dim), fp16/bf16 x, and weight data 16-byte aligned (16-byte code loads)."""
     import torch
 
     if x.dtype not in (torch.float16, torch.bfloat16) or data.data_ptr() % 16:
         return False
     if fmt in ("q4_k", "q5_k"):
         return True
-    if fmt == "q6_k":  # 210-byte blocks: rows 16-byte aligned when K is a multiple of 8 blocks (or pad_rows)
+    if fmt in ROW_STRIDE_FORMATS:  # rows 16-byte aligned (K a multiple of 8 q6_k / 16 mxfp4 blocks, or pad_rows)
         return data.shape[-1] * data.element_size() % 16 == 0
     if fmt in ("q4_0", "q8_0"):
         return K % 256 == 0
@@ -583,7 +750,16 @@ def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
             and scales.stride(-1) == 1 and biases.stride(-1) == 1 and scales.stride(0) == biases.stride(0))
 
 
-TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 13}  # format -> the kernel's FMT
+TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 13, "iq4_nl": 14,
+              "mxfp4": 16}  # format -> the kernel's FMT
+# formats the kernel reads at any K (whole 32-weight blocks; the last step masked) from 16-byte aligned row strides
+TAIL_FORMATS = ("iq4_nl", "mxfp4")
+ROW_STRIDE_FORMATS = ("q6_k", ) + TAIL_FORMATS
+
+
+def tc_steps(fmt: str, K: int) -> int:
+    """The kernel's 256-weight steps per row for K (the tail formats' last one may be partial)."""
+    return -(-K // 256) if fmt in TAIL_FORMATS else K // 256
 
 
 def _perm(shape, order):
@@ -597,6 +773,7 @@ def _perm(shape, order):
 TC_PERMS = {10: _perm((4, 2, 2, 8, 2), (2, 3, 1, 0, 4)), 11: _perm((4, 2, 2, 8, 2), (2, 3, 1, 0, 4)),
             12: _perm((2, 2, 2, 2, 8, 2), (3, 4, 1, 0, 2, 5)), 3: _perm((4, 2, 2, 8, 2), (1, 3, 2, 0, 4)),
             7: _perm((4, 2, 8, 2, 2), (1, 2, 3, 0, 4)), 13: _perm((4, 2, 8, 2, 2), (1, 2, 4, 0, 3))}
+TC_PERMS[14] = TC_PERMS[16] = TC_PERMS[3]  # nibbles as q4_0's
 
 
 @triton.jit
@@ -670,7 +847,7 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
     # the activation rows are the dot's N: 16, 32 or 64 of them per program, so up to M = 64 each weight is read once
     m_pad = tc_rows(M)
     row_bytes = data.shape[-1] * data.element_size()
-    nblocks = K // 256
+    nblocks = tc_steps("mlx" if scales is not None else fmt, K)
     programs_n = triton.cdiv(N, block_n)
     grid_m = triton.cdiv(M, m_pad)
     split, per_split = split_k(programs_n * grid_m, nblocks, 1, sms, waves, fit=xt is not None)
@@ -720,7 +897,7 @@ def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, 
     mlx = scales is not None
     pdl = pdl_supported(x.device) if pdl is None else pdl
     tiles = triton.cdiv(N, block_n) * (2 if up is not None else 1)
-    nblocks = K // 256
+    nblocks = tc_steps("mlx" if mlx else fmt, K)
     gemv_tc_kernel[(tiles, 1, block_expert.shape[0])](
         x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, y, y, y.shape[0], N, K,
         x.stride(0), x2.stride(0) if x2 is not None else 0, 0, y.stride(0), data.shape[-1] * data.element_size(),
@@ -731,3 +908,28 @@ def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, 
         n_experts=n_experts, TOKEN=token_ids, TOPK=top_k, num_warps=warps, num_stages=stages, **maxnreg,
         **pdl_options(pdl))
     return y
+
+
+def compile_sm90(fmt: str, config: tuple = (64, 4, 1, 4), m_pad: int = 16, top_k: int = 0, dtype: str = "bf16",
+                 silu: bool = False):
+    """gemv_tc_kernel compiled for sm_90 without a GPU (set TRITON_INTERPRET=0 before importing llmkernels) for a
+    GGUF format (a key of TC_FORMATS but mlx): ``config`` as launch_tc takes it, ``top_k`` > 0 the
+    mixture-of-experts build, ``silu`` silu_mul_gemv's. For tests and for reading the code the compiler makes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    block_n, warps, stages = config[:3]
+    sig = {"X": f"*{dtype}", "X2": f"*{dtype}", "W8": "*u8", "WS": "*u8", "WB": "*u8", "Y": f"*{dtype}",
+           "PART": "*fp32", "COUNT": "*i32"}
+    sig.update({name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_x2m", "stride_ys", "stride_ym",
+                                          "row_bytes", "scale_stride", "nblocks", "blocks_per_split")})
+    consts = dict(FMT=TC_FORMATS[fmt], GS=256, BLOCK_N=block_n, M_PAD=m_pad, UNPACK=2,
+                  PREFETCH=bool(config[4]) if len(config) > 4 else False, SILU=2 if silu else 0, FIXUP=not top_k,
+                  PDL=False, XD=None, XT=False, WU=None, TOKEN=None, TOPK=top_k)
+    if top_k:
+        sig.update(PAIRS="*i32", BLOCK_EXPERT="*i32", n_experts="i32")
+    else:
+        consts.update(PAIRS=None, BLOCK_EXPERT=None, n_experts=1)
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(ASTSource(gemv_tc_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})

@@ -8,7 +8,8 @@ from llmkernels.qgemv.moe import group_pairs, moe_combine, moe_ffn, moe_gate_up_
 from llmkernels.testing import assert_close, moe_gate_up_silu_ref, moe_gemv_ref
 
 FORMATS = [("f16", {}), ("bf16", {}), ("q8_0", {}), ("q4_0", {}), ("q5_1", {}), ("q4_k", {}), ("q6_k", {}),
-           ("q5_k", {}), ("q3_k", {}), ("iq4_xs", {}), ("mxfp4", {}), ("mlx", dict(bits=4, group_size=64))]
+           ("q5_k", {}), ("q3_k", {}), ("iq4_xs", {}), ("iq4_nl", {}), ("mxfp4", {}),
+           ("mlx", dict(bits=4, group_size=64))]
 ids = [f if not kw else "mlx4g64" for f, kw in FORMATS]
 
 
@@ -271,3 +272,54 @@ def test_pad_rows(device):
     for bad in (0, -16, 2.5, True):
         with pytest.raises(ValueError, match=f"multiple must be a positive int .bytes., got {bad!r}"):
             pad_rows(q6, bad)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "iq4_nl"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_codebook_experts_take_tc_at_decode(fmt, dtype, device, monkeypatch):
+    """Codebook expert stacks (gpt-oss's mxfp4) have no m1 kernel, so even one token's pairs run on the tensor
+    cores, each expert a block of its own; with K = 352 (11 blocks, 187- or 198-byte rows) only once the rows are
+    padded to 16 bytes as the engine pads them (pad_rows), the generic kernel otherwise. Against the unpadded
+    stack's float64 per-pair products, gate, up and down as gpt-oss's engine runs them (moe_pairs)."""
+    import llmkernels.qgemv.moe as moe
+    from llmkernels.qgemv.moe import moe_pairs
+    from llmkernels.quant.tensor import pad_rows
+
+    calls = []
+    real = moe.launch_tc_moe
+    monkeypatch.setattr(moe, "launch_tc_moe", lambda *a, **kw: calls.append(a[1].shape[-1]) or real(*a, **kw))
+    E, F, H, k = 8, 40, 352, 4
+    gate, down = stacked(fmt, {}, E, F, H, device), stacked(fmt, {}, E, H, F * 8 + 32, device)
+    for T in (1, 3):
+        x = torch.randn(T, H, dtype=dtype, device=device)
+        _, e = moe_route(torch.randn(T, E, device=device), top_k=k)
+        ex = e.flatten()
+        tok = torch.arange(T, device=device).repeat_interleave(k)
+        ref = moe_gemv_ref(x, gate, E, ex, tok)
+        rel_close(moe_pairs(x, gate, E, ex, k), ref, dtype)  # 187 / 198-byte rows: the generic kernel
+        assert calls == []
+        rel_close(moe_pairs(x, pad_rows(gate), E, ex, k), ref, dtype)
+        h = torch.randn(T * k, F * 8 + 32, dtype=dtype, device=device)
+        rel_close(moe_pairs(h, pad_rows(down), E, ex), moe_gemv_ref(h, down, E, ex), dtype)
+        assert calls == [pad_rows(gate).data.shape[-1], pad_rows(down).data.shape[-1]]
+        calls.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_moe_gpt_oss_shapes(tokens, dtype):
+    """gpt-oss-20b's expert shapes (32 experts of [2880, 2880], top 4; mxfp4, rows padded as the engine pads them)
+    on the tensor cores, compiled, against float64 per-pair products of the unpadded stacks."""
+    from llmkernels.qgemv.moe import moe_pairs
+    from llmkernels.quant.tensor import pad_rows
+
+    E, F, H, k = 32, 2880, 2880, 4
+    gate, down = stacked("mxfp4", {}, E, F, H, "cuda"), stacked("mxfp4", {}, E, H, F, "cuda")
+    x = torch.randn(tokens, H, dtype=dtype, device="cuda")
+    _, e = moe_route(torch.randn(tokens, E, device="cuda"), top_k=k)
+    ex = e.flatten()
+    tok = torch.arange(tokens, device="cuda").repeat_interleave(k)
+    rel_close(moe_pairs(x, pad_rows(gate), E, ex, k), moe_gemv_ref(x, gate, E, ex, tok), dtype)
+    h = torch.randn(tokens * k, F, dtype=dtype, device="cuda")
+    rel_close(moe_pairs(h, pad_rows(down), E, ex), moe_gemv_ref(h, down, E, ex), dtype)
