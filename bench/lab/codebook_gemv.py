@@ -4,7 +4,7 @@ bandwidth measured in the same run (rows of K = 2880 padded to 16 bytes, as the 
 the format's rows are not); and gpt-oss-20b's expert products (32 experts of [2880, 2880], top 4) through
 ``moe_pairs`` at 1 and 8 tokens, mxfp4 with padded rows, unpadded (the generic kernel) and q8_0.
 
-    PYTHONPATH=. python bench/lab/codebook_gemv.py
+    PYTHONPATH=. python bench/lab/codebook_gemv.py [--sweep | --moe]   (tensor-core config sweeps)
 """
 import torch
 
@@ -78,7 +78,30 @@ def sweep():
             del qts, first
 
 
-if __name__ == "__main__" and "--sweep" in __import__("sys").argv:
+
+def moe_sweep():
+    """Tensor-core configs for gpt-oss's mxfp4 expert products (moe_pairs, padded rows) at 1 and 4 tokens: at one
+    token each chosen expert is a block of its own and the grid is N / BLOCK_N tiles per expert, no K split."""
+    from llmkernels.tuning import OVERRIDES
+
+    E, F, H, k = 32, 2880, 2880, 4
+    gate = [pad_rows(random_qtensor("mxfp4", E * F, H, "cuda")) for _ in range(4)]
+    for T in (1, 4):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        experts = torch.randperm(E, device="cuda")[:T * k].to(torch.int32) if T * k <= E else torch.randint(
+            0, E, (T * k,), device="cuda", dtype=torch.int32)
+        res = []
+        for c in [(64, 4, 1, 4), (32, 2, 1, 4), (16, 1, 1, 4), (32, 1, 1, 4), (64, 2, 1, 4), (16, 4, 1, 4),
+                  (128, 8, 1, 4), (32, 4, 1, 4)]:
+            OVERRIDES[("gemv", "moe_tc/mxfp4")] = list(c)
+            res.append((time_graph_ms([lambda g=g: moe_pairs(x, g, E, experts, k) for g in gate]) * 1e3, c))
+        OVERRIDES.pop(("gemv", "moe_tc/mxfp4"))
+        print(f"moe sweep mxfp4 {T} token(s): " + ", ".join(f"{c}: {t:.1f}" for t, c in sorted(res)))
+
+
+if __name__ == "__main__" and "--moe" in __import__("sys").argv:
+    moe_sweep()
+elif __name__ == "__main__" and "--sweep" in __import__("sys").argv:
     sweep()
 elif __name__ == "__main__":
     main()
