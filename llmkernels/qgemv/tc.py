@@ -1,6 +1,6 @@
-"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0, q8_0 and q6_k here from M = 1, q4_k and MLX 4-bit from
-M = 2, q5_k from M = 3, MLX 4-bit and q5_k one M earlier on long or wide matrices: route.TC_FIRST_M): weights
-dequantized to fp16/bf16 in registers and fed to tl.dot.
+"""GEMV on the tensor cores for M <= 64 (gemv routes q4_0, q8_0, q6_k, iq4_nl and mxfp4 here from M = 1, q4_k and
+MLX 4-bit from M = 2, q5_k from M = 3, MLX 4-bit and q5_k one M earlier on long or wide matrices:
+route.TC_FIRST_M): weights dequantized to fp16/bf16 in registers and fed to tl.dot.
 
 Each weight is turned into x's dtype with inline PTX that handles a pair of values per instruction (Marlin's trick:
 the nibble is masked into the mantissa of a magic float, the magic subtracted exactly, then one fma applies the
@@ -35,6 +35,11 @@ once per word (_qh_bits). q6_k (210-byte blocks: 128 bytes of low nibbles, 64 of
 chunk t = 2 h6 + c as 32 low-nibble bytes at the q4_k codes' offsets (low nibble weight 128 h6 + 32 c + b, high
 + 64) with qh bytes 128 + 32 h6 + b (bits 2c, 2c + 1 and 4 + 2c, 5 + 2c); its blocks start 2 (kb % 8) bytes past a
 16-byte boundary, so the lane loads aligned vectors and shifts them into place (_shift_words).
+iq4_nl (q4_0's block layout, 16 int8 levels times d) and mxfp4 (17-byte blocks: an E8M0 exponent, then q4_0's
+nibbles of E2M1 levels) look each nibble's level up by byte permutes (_asm_codebook), then take q8_0's int8 path.
+mxfp4's lane blocks start at an even offset 0..14 past a 16-byte boundary, so each lane loads three aligned vectors
+and shifts them per lane (_mx_lane_blocks). Both read any K: the last step's missing blocks weigh zero and x is
+masked past K; their rows must be 16-byte aligned (quant.tensor.pad_rows, as the engine pads expert stacks).
 From 17 activation rows on (route.TC_XT_MIN_M) gemv hands x over already in this k order (tc_order, one small launch)
 and the kernel (XT) reads each step's [M_PAD, 256] x tile through a TMA descriptor straight into shared memory: every
 program re-reads x every step, and from 32 rows that traffic, loaded and permuted in registers, outweighed the
