@@ -271,7 +271,8 @@ def tc_cases(dev="cuda"):
 def codebook_cases(dev="cuda"):
     """iq4_nl and mxfp4 on the tensor cores: K = 352 and 2880 (a partial last step) and 512 on rows padded to 16 bytes,
     77 rows, uneven splits, both dtypes; the last row's last vectors end at its padded stride. Then their expert
-    stacks at one token (each expert a block of its own) and at 11 tokens, padded as the engine pads them."""
+    stacks at one token (each expert a block of its own, K split) and at 11 tokens, padded as the engine pads them,
+    gate and up in one launch too."""
     from llmkernels.qgemv.moe import moe_pairs, moe_route
     from llmkernels.qgemv.ops import _finish
     from llmkernels.qgemv.tc import launch_tc
@@ -287,11 +288,13 @@ def codebook_cases(dev="cuda"):
                                       fmt=fmt), dt)
                 lk.gemv(torch.randn(2, K, device=dev, dtype=dt), qt)
         E = 5
-        g = pad_rows(lk.quantize(torch.randn(E, 37, 352, device=dev), fmt))
-        for T in (1, 11):
-            x = torch.randn(T, 352, device=dev, dtype=torch.bfloat16)
-            _, ex = moe_route(torch.randn(T, E, device=dev), top_k=2)
-            moe_pairs(x, g, E, ex.flatten(), 2)
+        for K in (352, 2880):  # 2880: one token's small grid splits K (route.moe_tc_split)
+            g = pad_rows(lk.quantize(torch.randn(E, 37, K, device=dev), fmt))
+            for T in (1, 11):
+                x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+                _, ex = moe_route(torch.randn(T, E, device=dev), top_k=2)
+                moe_pairs(x, g, E, ex.flatten(), 2)
+                moe_pairs(x, g, E, ex.flatten(), 2, up=g)
 
 
 def tp_cases():

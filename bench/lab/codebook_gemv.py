@@ -10,6 +10,7 @@ import torch
 
 from llmkernels.bench.harness import copies_for, measure_read_bandwidth, time_graph_ms
 from llmkernels.qgemv import gemv
+from llmkernels.qgemv import route
 from llmkernels.qgemv.moe import moe_pairs
 from llmkernels.qgemv.ops import operands
 from llmkernels.qgemv.route import choose
@@ -50,6 +51,13 @@ def main():
             t = time_graph_ms([lambda g=g: moe_pairs(x, g, E, experts, k) for g in gate])
             used = len(set(experts.tolist()))
             nbytes = gate[0].nbytes * used // E
+            if pad:  # gate and up in one launch; the same product without the K split of small grids
+                t2 = time_graph_ms([lambda g=g, u=u: moe_pairs(x, g, E, experts, k, up=u)
+                                    for g, u in zip(gate, gate[1:] + gate[:1])])
+                real, route.moe_tc_split = route.moe_tc_split, lambda *a: 1
+                t1 = time_graph_ms([lambda g=g: moe_pairs(x, g, E, experts, k) for g in gate])
+                route.moe_tc_split = real
+                print(f"  gate and up in one launch {t2 * 1e3:.1f} us; without the K split {t1 * 1e3:.1f} us")
             print(f"moe_pairs {fmt}{' padded' if pad else ''} [{E} x {F}, {H}] {T} token(s) x top {k} ({used} experts): {t * 1e3:.1f} us, "
                   f"{nbytes / (t * 1e-3) / 1e12:.2f} TB/s of the experts read")
 
@@ -58,8 +66,6 @@ def sweep():
     """Tensor-core configs (BLOCK_N, warps, stages, waves) for the codebook formats at M = 1 and 8 (gemv's default
     is q4_0's)."""
     import dataclasses
-
-    from llmkernels.qgemv import route
 
     configs = [(64, 4, 1, 4), (64, 4, 1, 2), (64, 4, 1, 8), (128, 8, 1, 2), (128, 4, 1, 2), (32, 2, 1, 8),
                (128, 8, 1, 4)]

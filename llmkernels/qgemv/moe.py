@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from .._checks import check_device, check_positive_int, check_tensor, interpreter_mode
-from .._runtime import empty
+from .._runtime import empty, num_sms
 from ..quant.tensor import QuantizedTensor
-from .common import _views
+from .common import _finish, _views
 from .dequant import dequant_tile
 from .m1 import launch_m1, m1_supports
 from .tc import TAIL_FORMATS, launch_tc_moe, tc_supports
@@ -324,13 +324,18 @@ def _tc_products(x, qt, qt_up, N, num_experts, groups, P, token_ids, top_k, x2=N
     (``groups``: (pairs, block_expert, block_m) from group_pairs)."""
     pairs, block_expert, block_m = groups
     K = qt.shape[-1]
-    config = route.moe_tc_config(target(x.device), route.tc_name(qt.format, qt.bits or 0), block_m, x2 is not None, N)
+    t = target(x.device)
+    config = route.moe_tc_config(t, route.tc_name(qt.format, qt.bits or 0), block_m, x2 is not None, N)
     unpack = 1 if interpreter_mode() else 2
     mlx = qt.format == "mlx"
     kw = dict(fmt=qt.format, token_ids=token_ids, x2=x2, group_size=qt.group_size or 0)
     if qt_up is None or not mlx:  # one launch for both stacks (GGUF: the blocks carry their scales)
-        return launch_tc_moe(x, qt.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack,
-                             up=qt_up.data if qt_up is not None else None, scales=qt.scales, biases=qt.biases, **kw)
+        tiles = triton.cdiv(N, config[0]) * (2 if qt_up is not None else 1)
+        split = route.moe_tc_split(tiles * min(P, num_experts), -(-K // 256), num_sms(x.device), t.interpreter)
+        y = launch_tc_moe(x, qt.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack,
+                          up=qt_up.data if qt_up is not None else None, scales=qt.scales, biases=qt.biases,
+                          split=split, **kw)
+        return _finish(y, x.dtype) if split > 1 else y
     y = empty(P, 2 * N, dtype=x.dtype, device=x.device)
     for half, q in ((y[:, :N], qt), (y[:, N:], qt_up)):
         launch_tc_moe(x, q.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack, y=half,
@@ -435,11 +440,24 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
 
 
 def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids: torch.Tensor,
-              top_k: int = 1) -> torch.Tensor:
+              top_k: int = 1, up: QuantizedTensor | None = None) -> torch.Tensor:
     """moe_gemv for ids that moe_route made, without its host-side range checks (no synchronisation, so it runs
-    inside CUDA graphs): pair p reads row p // top_k of x. Returns [P, N] in x's dtype."""
-    return _launch(x, qt, None, _check_stack("qt", qt, num_experts), num_experts, expert_ids.contiguous(), None,
-                   top_k)
+    inside CUDA graphs): pair p reads row p // top_k of x. Returns [P, N] in x's dtype; with ``up`` (a stack of
+    qt's shape and format) [P, 2N], the up products in columns N .. 2N - 1, both stacks read in one launch where
+    the tensor-core kernel reads them (an activation of the caller's own in between, as gpt-oss's clamped SwiGLU)."""
+    N = _check_stack("qt", qt, num_experts)
+    e = expert_ids.contiguous()
+    if up is None:
+        return _launch(x, qt, None, N, num_experts, e, None, top_k)
+    if _check_stack("up", up, num_experts) != N or up.shape != qt.shape or (up.format, up.bits, up.group_size) != (
+            qt.format, qt.bits, qt.group_size):
+        raise ValueError(f"up must have qt's shape {tuple(qt.shape)} and format {qt.format}, got {tuple(up.shape)} "
+                         f"{up.format}")
+    P = e.shape[0]
+    if (P and route.moe_tc(P, num_experts, route.moe_m1(qt.format, True, x.dtype)) and _tc_reads(x, qt)
+            and _tc_reads(x, up)):
+        return _tc_products(x, qt, up, N, num_experts, _groups(e, num_experts), P, None, top_k)
+    return torch.cat([_launch(x, q, None, N, num_experts, e, None, top_k) for q in (qt, up)], 1)
 
 
 def moe_gate_up_silu(x: torch.Tensor, qt_gate: QuantizedTensor, qt_up: QuantizedTensor, num_experts: int,

@@ -42,6 +42,11 @@ MOE_TC_MIN_REUSE = 1.25
 # the down product's config (N = hidden, K = the expert FFN, 768 in Qwen3-30B-A3B: few steps per program) without a
 # table entry: wider tiles, 8 warps (bench/lab/moe_lab.py sweep: 4-21% faster than the dense entries there)
 MOE_TC_DOWN = {"q4_k": (128, 8, 1, 1, 0, 128), "q6_k": (128, 8, 1, 1, 0, 128)}
+# small MoE grids (few pairs) split K: up to this many ways, until MOE_TC_WAVES busy programs per SM, each split
+# at least MOE_TC_MIN_STEPS 256-weight steps (moe_tc_split)
+MOE_TC_MAX_SPLIT = 4
+MOE_TC_WAVES = 2
+MOE_TC_MIN_STEPS = 3
 
 SMALL_M = 16  # one launch covers M <= 16 with each weight tile reused for every row
 MID_M = 64  # up to here: M-blocks of 16 in the grid; beyond: dequantize once + cuBLAS
@@ -390,6 +395,16 @@ def moe_tc_config(t: Target, name: str, block_m: int, silu: bool, N: int = 0) ->
     if silu and not t.interpreter and name in MOE_TC_DOWN:
         return MOE_TC_DOWN[name]
     return tc_config(t, name, block_m, silu, N=N)
+
+
+def moe_tc_split(programs: int, steps: int, sms: int, interpreter: bool = False) -> int:
+    """K splits of the tensor-core MoE products whose grid has about ``programs`` busy programs (output tiles x
+    experts with pairs) for ``steps`` 256-weight steps per row: up to MOE_TC_MAX_SPLIT, until the busy programs
+    reach MOE_TC_WAVES per SM (a one-token product reads only top_k experts: gpt-oss's down, 45 tiles x 4 experts,
+    leaves most of 132 SMs a single program), each split keeping MOE_TC_MIN_STEPS steps. 1 under the interpreter."""
+    if interpreter or programs <= 0 or programs >= MOE_TC_WAVES * sms:
+        return 1
+    return max(1, min(MOE_TC_MAX_SPLIT, -(-MOE_TC_WAVES * sms // programs), steps // MOE_TC_MIN_STEPS))
 
 
 def moe_tc_rows(pairs: int, num_experts: int) -> int:

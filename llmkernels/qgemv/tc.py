@@ -36,7 +36,7 @@ chunk t = 2 h6 + c as 32 low-nibble bytes at the q4_k codes' offsets (low nibble
 + 64) with qh bytes 128 + 32 h6 + b (bits 2c, 2c + 1 and 4 + 2c, 5 + 2c); its blocks start 2 (kb % 8) bytes past a
 16-byte boundary, so the lane loads aligned vectors and shifts them into place (_shift_words).
 iq4_nl (q4_0's block layout, 16 int8 levels times d) and mxfp4 (17-byte blocks: an E8M0 exponent, then q4_0's
-nibbles of E2M1 levels) look each nibble's level up by byte permutes (_asm_codebook), then take q8_0's int8 path.
+nibbles of E2M1 levels) look up the two bytes of each nibble's fp16 / bf16 level by byte permutes (_asm_codebook).
 mxfp4's lane blocks start at an even offset 0..14 past a 16-byte boundary, so each lane loads three aligned vectors
 and shifts them per lane (_mx_lane_blocks). Both read any K: the last step's missing blocks weigh zero and x is
 masked past K; their rows must be 16-byte aligned (quant.tensor.pad_rows, as the engine pads expert stacks).
@@ -144,26 +144,46 @@ def codebook_words(levels) -> tuple:
     return tuple(x - (1 << 32) if x >= 1 << 31 else x for x in u)
 
 
+def _half_bytes(levels, bf16: bool) -> tuple:
+    """The fp16 (bf16) bit patterns of 16 levels split into a table of low bytes and one of high bytes, each as 4
+    int32 words (codebook_words)."""
+    import struct
+
+    def bits(v):
+        if bf16:
+            return struct.unpack("<I", struct.pack("<f", float(v)))[0] >> 16  # levels are exact in bf16
+        return struct.unpack("<H", struct.pack("<e", float(v)))[0]
+
+    h = [bits(v) for v in levels]
+    to8 = lambda b: b - 256 if b >= 128 else b  # noqa: E731
+    return codebook_words([to8(b & 0xFF) for b in h]), codebook_words([to8(b >> 8) for b in h])
+
+
 def _asm_codebook(levels, bf16: bool) -> str:
     """PTX for a word of codebook nibbles (iq4_nl, mxfp4: nibbles as q4_0's) -> its 8 weights level[q] * d as
-    16-bit outputs in _asm_words' q4 order; inputs $8 the word, $9 d, $10 -128 d (bf16's sign addend). Each nibble
-    looks its int8 level up by byte permutes: its low 3 bits select a byte of levels 0-7 and of levels 8-15, its
-    bit 3 (moved to bit 2 of a selector) picks between the two; the 4 levels of a half word then take q8_0's
-    int8 path (_int8_pairs). 11 instructions of lookup per 8 weights."""
-    w = codebook_words(levels)
-    look = ("and.b32 q, $8, 0x77777777; shr.b32 c, $8, 1; and.b32 c, c, 0x44444444; or.b32 c, c, 0x32103210; "
-            + "".join(f"mov.b32 l{i}, {w[i] & 0xFFFFFFFF:#010x}; " for i in range(4)))
-    for half, sel in ((0, "q"), (1, "q")):
-        if half:
-            look += "shr.b32 q, q, 16; shr.b32 c, c, 16; "
-        look += (f"prmt.b32 lo, l0, l1, {sel}; prmt.b32 hi, l2, l3, {sel}; prmt.b32 r{half}, lo, hi, c; ")
-    body = ""
+    16-bit outputs in _asm_words' q4 order; inputs $8 the word, $9 d ($10 unused). Each nibble looks up the low and
+    the high byte of its level's fp16 (bf16) pattern by byte permutes: its low 3 bits select a byte of entries 0-7
+    and of 8-15, its bit 3 (moved to bit 2 of a selector) picks between the two; one more permute interleaves a
+    pair's bytes into two 16-bit values, one multiply applies d. 26 instructions per 8 weights; mxfp4's fp16
+    levels have zero low bytes, so that table is skipped (20)."""
+    lo_w, hi_w = _half_bytes(levels, bf16)
+    tables = (("h", hi_w),) if not any(lo_w) else (("l", lo_w), ("h", hi_w))
+    consts = "".join(f"mov.b32 {n}{i}, {w[i] & 0xFFFFFFFF:#010x}; " for n, w in tables for i in range(4))
+    code = ("and.b32 q, $8, 0x77777777; shr.b32 c, $8, 1; and.b32 c, c, 0x44444444; or.b32 c, c, 0x32103210; "
+            + consts + ("" if len(tables) == 2 else "mov.b32 l, 0; "))
+    mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
     for half in range(2):
-        body += (f"prmt.b32 t0, r{half}, 0, 0x4140; prmt.b32 t1, r{half}, 0, 0x4342; "
-                 + _int8_pairs(bf16, f"${4 * half}, ${4 * half + 1}", f"${4 * half + 2}, ${4 * half + 3}",
-                               f"r{half}"))
-    return ("{ .reg .b32 t0, t1, u0, u1, m, k, a, sd, zd, q, c, l0, l1, l2, l3, lo, hi, r0, r1; "
-            "mov.b32 sd, {$9, $9}; mov.b32 zd, {$10, $10}; " + look + body + "}")
+        if half:
+            code += "shr.b32 q, q, 16; shr.b32 c, c, 16; "
+        for n, _ in tables:  # a, b: entries 0-7 and 8-15 of the 4 nibbles; n: the 4 looked-up bytes
+            code += f"prmt.b32 a, {n}0, {n}1, q; prmt.b32 b, {n}2, {n}3, q; prmt.b32 {n}, a, b, c; "
+        # nibble p of bytes 2 half and 2 half + 1 (nibbles p and 2 + p of this half) in one register, as the
+        # dot's operand pairs them (_asm_words' q4 pairs): each value's (low, high) byte
+        for p, sel in enumerate(("0x6240", "0x7351")):
+            o = 4 * half + p
+            code += f"prmt.b32 a, l, h, {sel}; {mul} a, a, sd; mov.b32 {{${o}, ${o + 2}}}, a; "
+    regs = "q, c, a, b, l, h, sd, " + ", ".join(f"{n}{i}" for n, _ in tables for i in range(4))
+    return f"{{ .reg .b32 {regs}; mov.b32 sd, {{$9, $9}}; " + code + "}"
 
 
 def _qh_bits(bits: int, bf16: bool, codes: str, qh: str, shift: str) -> str:
@@ -883,12 +903,13 @@ def launch_tc(x, data, N: int, K: int, config, sms: int, unpack: int, scales=Non
 
 def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, block_m: int, top_k: int,
                   n_experts: int, unpack: int, fmt: str = "q4_k", token_ids=None, y=None, up=None, x2=None,
-                  scales=None, biases=None, group_size: int = 0, pdl=None):
+                  scales=None, biases=None, group_size: int = 0, pdl=None, split: int = 1):
     """The pairs' products on the tensor cores, pairs grouped by expert (moe.group_pairs: ``pairs`` [blocks *
     block_m], ``block_expert`` [blocks]) for P pairs: y[p] = x[t] . W_e, t = token_ids[p] (default p // top_k),
     with e the expert of p's block and W_e rows e * N .. (e + 1) * N of the stack ``data``. ``y`` [P, N] (or
     [P, 2N] with ``up``, whose products fill columns N .. 2N - 1) may be given, e.g. a strided view. With ``x2``
-    the activations are silu(x) * x2 (rows as x's). ``config`` as launch_tc's (its waves unused: no K split)."""
+    the activations are silu(x) * x2 (rows as x's). ``config`` as launch_tc's (its waves unused). ``split`` > 1
+    (without ``y``): K split that many ways, float32 partials [split, P, N] returned for ops._finish to sum."""
     import torch
 
     from .._runtime import empty
@@ -896,17 +917,25 @@ def launch_tc_moe(x, data, N: int, K: int, config, P: int, pairs, block_expert, 
     block_n, warps, stages = config[:3]
     maxnreg = {"maxnreg": int(config[5])} if len(config) > 5 and config[5] else {}
     prefetch = bool(config[4]) if len(config) > 4 else False
-    if y is None:
-        y = empty(P, N * (2 if up is not None else 1), dtype=x.dtype, device=x.device)
+    nblocks = tc_steps("mlx" if scales is not None else fmt, K)
+    per_split = -(-nblocks // max(1, split))
+    split = -(-nblocks // per_split)
+    cols = N * (2 if up is not None else 1)
+    if split > 1:
+        if y is not None:
+            raise ValueError("launch_tc_moe: split > 1 returns its own partials; y must be None")
+        y = empty(split, P, cols, dtype=torch.float32, device=x.device)
+    elif y is None:
+        y = empty(P, cols, dtype=x.dtype, device=x.device)
     w8 = data.view(torch.uint8)
     mlx = scales is not None
     pdl = pdl_supported(x.device) if pdl is None else pdl
     tiles = triton.cdiv(N, block_n) * (2 if up is not None else 1)
-    nblocks = tc_steps("mlx" if mlx else fmt, K)
-    gemv_tc_kernel[(tiles, 1, block_expert.shape[0])](
-        x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, y, y, y.shape[0], N, K,
-        x.stride(0), x2.stride(0) if x2 is not None else 0, 0, y.stride(0), data.shape[-1] * data.element_size(),
-        scales.stride(-2) if mlx else 0, nblocks, nblocks, FMT=TC_FORMATS["mlx" if mlx else fmt],
+    gemv_tc_kernel[(tiles, split, block_expert.shape[0])](
+        x, x2 if x2 is not None else x, w8, scales if mlx else w8, biases if mlx else w8, y, y, y, P, N, K,
+        x.stride(0), x2.stride(0) if x2 is not None else 0, y.stride(0) if split > 1 else 0, y.stride(-2),
+        data.shape[-1] * data.element_size(), scales.stride(-2) if mlx else 0, nblocks, per_split,
+        FMT=TC_FORMATS["mlx" if mlx else fmt],
         GS=group_size if mlx else 256, BLOCK_N=block_n, M_PAD=block_m, UNPACK=unpack, PREFETCH=prefetch,
         SILU=0 if x2 is None else (1 if unpack == 1 else 2), FIXUP=False, PDL=pdl, XD=None, XT=False,
         PAIRS=pairs, BLOCK_EXPERT=block_expert, WU=up.view(torch.uint8) if up is not None else None,

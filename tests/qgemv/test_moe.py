@@ -324,3 +324,35 @@ def test_gpu_moe_gpt_oss_shapes(tokens, dtype):
     rel_close(moe_pairs(x, pad_rows(gate), E, ex, k), moe_gemv_ref(x, gate, E, ex, tok), dtype)
     h = torch.randn(tokens * k, F, dtype=dtype, device="cuda")
     rel_close(moe_pairs(h, pad_rows(down), E, ex), moe_gemv_ref(h, down, E, ex), dtype)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_moe_pairs_gate_and_up_in_one_launch(split, device, monkeypatch):
+    """moe_pairs(..., up=) returns [P, 2N], the up products after the gate's: one tensor-core launch for mxfp4 stacks
+    (padded rows), K split ``split`` ways (forced; on a GPU route.moe_tc_split splits small grids) with the
+    partials summed after; two per-pair launches where the tensor cores do not read the stacks (q4_1). Bad
+    ``up`` stacks are refused."""
+    import llmkernels.qgemv.moe as moe
+    from llmkernels.qgemv.moe import moe_pairs
+    from llmkernels.quant.tensor import pad_rows
+
+    calls = []
+    real = moe.launch_tc_moe
+    monkeypatch.setattr(moe, "launch_tc_moe", lambda *a, **kw: calls.append(kw["split"]) or real(*a, **kw))
+    monkeypatch.setattr(route, "moe_tc_split", lambda *a: split)
+    E, F, H, k = 6, 24, 352, 3
+    x = torch.randn(2, H, dtype=torch.float16, device=device)
+    _, e = moe_route(torch.randn(2, E, device=device), top_k=k)
+    ex, tok = e.flatten(), torch.arange(2, device=device).repeat_interleave(k)
+    for fmt in ("mxfp4", "q4_1"):
+        gate, up = stacked(fmt, {}, E, F, H, device), stacked(fmt, {}, E, F, H, device)
+        pad = pad_rows if fmt == "mxfp4" else (lambda q: q)
+        gu = moe_pairs(x, pad(gate), E, ex, k, up=pad(up))
+        assert gu.shape == (2 * k, 2 * F)
+        rel_close(gu[:, :F], moe_gemv_ref(x, gate, E, ex, tok), torch.float16)
+        rel_close(gu[:, F:], moe_gemv_ref(x, up, E, ex, tok), torch.float16)
+    assert calls == [split]
+    with pytest.raises(ValueError, match="up must have qt's shape"):
+        moe_pairs(x, gate, E, ex, k, up=stacked("q4_1", {}, E, F + 1, H, device))
+    with pytest.raises(ValueError, match="up must have qt's shape"):
+        moe_pairs(x, gate, E, ex, k, up=stacked("q8_0", {}, E, F, H, device))
