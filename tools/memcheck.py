@@ -270,7 +270,8 @@ def tc_cases(dev="cuda"):
 
 def codebook_cases(dev="cuda"):
     """iq4_nl and mxfp4 on the tensor cores: K = 352 and 2880 (a partial last step) and 512 on rows padded to 16 bytes,
-    77 rows, uneven splits, both dtypes; the last row's last vectors end at its padded stride. Then their expert
+    iq4_xs at K = 768 (padded) and 1024; 77 rows, uneven splits, both dtypes; the last row's last vectors end at its
+    padded stride. Then their expert
     stacks at one token (each expert a block of its own, K split) and at 11 tokens, padded as the engine pads them,
     gate and up in one launch too."""
     from llmkernels.qgemv.moe import moe_pairs, moe_route
@@ -278,8 +279,8 @@ def codebook_cases(dev="cuda"):
     from llmkernels.qgemv.tc import launch_tc
     from llmkernels.quant.tensor import pad_rows
 
-    for fmt in ("iq4_nl", "mxfp4"):
-        for K in (352, 512, 2880):
+    for fmt in ("iq4_nl", "mxfp4", "iq4_xs"):
+        for K in ((352, 512, 2880) if fmt != "iq4_xs" else (768, 1024)):
             qt = pad_rows(lk.quantize(torch.randn(77, K, device=dev), fmt))
             for dt in (torch.float16, torch.bfloat16):
                 for M, config, sms in ((1, (64, 4, 1, 4), 132), (5, (128, 4, 1, 2), 132), (16, (64, 4, 1, 4), 7),
@@ -288,7 +289,7 @@ def codebook_cases(dev="cuda"):
                                       fmt=fmt), dt)
                 lk.gemv(torch.randn(2, K, device=dev, dtype=dt), qt)
         E = 5
-        for K in (352, 2880):  # 2880: one token's small grid splits K (route.moe_tc_split)
+        for K in ((352, 2880) if fmt != "iq4_xs" else (768, 2816)):  # one token's small grid splits K at 2880 / 2816
             g = pad_rows(lk.quantize(torch.randn(E, 37, K, device=dev), fmt))
             for T in (1, 11):
                 x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)

@@ -28,7 +28,7 @@ def main():
         for fmt in FORMATS:
             if fmt in ("q4_k", "iq4_xs") and K % 256:
                 continue
-            make = (lambda: pad_rows(random_qtensor(fmt, N, K, "cuda"))) if fmt in ("iq4_nl", "mxfp4") else (
+            make = (lambda: pad_rows(random_qtensor(fmt, N, K, "cuda"))) if fmt in ("iq4_nl", "iq4_xs", "mxfp4") else (
                 lambda: random_qtensor(fmt, N, K, "cuda"))
             first = make()
             qts = [first] + [make() for _ in range(copies_for(first.nbytes) - 1)]

@@ -58,7 +58,7 @@ DENSE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 M1_MAX_M = {"q4_k": 4, "q5_k": 8, "q6_k": 4, "mlx": 2}
 # The tensor-core kernel: gemv takes it from TC_FIRST_M rows up to MID_M, from TC_FIRST_M_LARGE on long or wide
 # matrices (K >= TC_LONG_K or N >= TC_WIDE_N); silu_mul_gemv from TC_FIRST_M, past M1_MAX_M for TC_SILU_M1
-TC_FIRST_M = {"q4_0": 1, "q8_0": 1, "q6_k": 1, "q4_k": 2, "mlx4": 2, "q5_k": 3, "iq4_nl": 1, "mxfp4": 1}
+TC_FIRST_M = {"q4_0": 1, "q8_0": 1, "q6_k": 1, "q4_k": 2, "mlx4": 2, "q5_k": 3, "iq4_nl": 1, "iq4_xs": 1, "mxfp4": 1}
 TC_FIRST_M_LARGE = {"mlx4": 1, "q5_k": 2}
 TC_LONG_K = 8192
 TC_WIDE_N = 32768
@@ -190,12 +190,14 @@ def tc_first_m(name: str, N: int, K: int, silu: bool = False):
 def tc_reads(fmt: str, bits: int, group_size: int, K: int, dtype) -> bool:
     """Whether the tensor-core kernel reads the format at this K with activations of ``dtype``: q4_k, q5_k, q6_k (K
     a multiple of 2048: 16-byte aligned rows of 210-byte blocks), q4_0 and q8_0 (K a multiple of 256), MLX 4-bit
-    (group 32/64/128, K a multiple of 256), iq4_nl and mxfp4 (any K; rows 16-byte aligned: Operands.rows16); fp16/bf16
-    activations."""
+    (group 32/64/128, K a multiple of 256), iq4_nl and mxfp4 (any K) and iq4_xs (K a multiple of 256), the last
+    three on 16-byte aligned rows (Operands.rows16); fp16/bf16 activations."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     if fmt in ("iq4_nl", "mxfp4"):
         return True
+    if fmt == "iq4_xs":
+        return K % 256 == 0
     if fmt in ("q4_k", "q5_k"):
         return True
     if fmt == "q6_k":
@@ -515,7 +517,7 @@ def _choose(q: Query, o: Operands, t: Target, excluded: frozenset) -> Route:
     name = tc_name(fmt, bits)
     first = tc_first_m(name, N, K, op == "silu_mul") if op in ("gemv", "silu_mul") else None
     if (ok("tc") and first is not None and first <= M <= MID_M and tc_reads(fmt, bits, gs, K, dtype) and o.aligned
-            and (fmt != "mlx" or o.tc_scales) and (fmt not in ("iq4_nl", "mxfp4") or o.rows16)):
+            and (fmt != "mlx" or o.tc_scales) and (fmt not in ("iq4_nl", "iq4_xs", "mxfp4") or o.rows16)):
         name = fmt if fmt != "mlx" else "mlx4"
         rows = tc_rows(M)
         xt = (op == "gemv" and M >= TC_XT_MIN_M and K % 256 == 0 and not (rows == 64 and name in TC_XT_NOT_64)

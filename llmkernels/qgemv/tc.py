@@ -554,7 +554,8 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
     A: tl.constexpr = BLOCK_N // 16
     # bytes of one row per step
     STEP: tl.constexpr = 144 if (FMT == 10 or FMT == 3 or FMT == 14) else (
-        272 if FMT == 7 else (176 if FMT == 11 else (210 if FMT == 12 else (136 if FMT == 16 else 128))))
+        272 if FMT == 7 else (176 if FMT == 11 else (210 if FMT == 12 else (136 if (FMT == 16 or FMT == 15)
+                                                                          else 128))))
     NV: tl.constexpr = 5 if FMT == 7 else 3  # q4_0 / q8_0 / codebooks: 16-byte vectors per lane and row
     NW: tl.constexpr = 8 if FMT == 7 else 4  # q4_0 / q8_0 / codebooks: code words per block
     # iq4_nl / mxfp4: K any whole number of 32-weight blocks, the last step's missing blocks masked
@@ -613,6 +614,17 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
         v_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True)
                   + tl.multiple_of(tl.reshape(base, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
                   + t5 * (2 * NW) + tl.arange(0, 4)[None, None, None, None, :])
+    elif FMT == 15:  # iq4_xs: 136-byte super-blocks (d, scales_h, scales_l[4], 128 code bytes) on 16-byte aligned
+        # rows, so 8-byte aligned: lane t's sub-blocks 2t, 2t + 1 are the 32 code bytes from 8 + 32 t
+        t5 = tl.reshape(t_, (4, 1, 1, 1, 1))
+        t4 = tl.reshape(t_, (4, 1, 1, 1))
+        row_w = tl.multiple_of(tl.reshape(row * row_bytes, (1, 8, A, 2, 1)) // 4, [4, 4, 4, 4, 4])
+        # words [4 t, 8 g, A, 2 h, 4] of sub-block 2t's codes (sub-block 2t + 1's 4 words on) and of the header
+        # (the 8 bytes, each lane its row's)
+        xs_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True) + row_w + kb_start * 34 + 2 + 8 * t5
+                   + tl.arange(0, 4)[None, None, None, None, :])
+        xh_ptrs = (W8.to(tl.pointer_type(tl.int32), bitcast=True) + row_w + kb_start * 34 + 0 * t5
+                   + tl.arange(0, 2)[None, None, None, None, :])
     elif FMT == 16:  # mxfp4: lane t's blocks start at byte 136 kb + 34 t of the (16-byte aligned) row
         t4 = tl.reshape(t_, (4, 1, 1, 1))
         t5 = tl.reshape(t_, (4, 1, 1, 1, 1))
@@ -661,6 +673,19 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
                         UNPACK)  # [t, g, a, h, half, word, byte, nibble]
             w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, half, lhl, ll, p as q4_k's
             w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
+        elif FMT == 15:
+            c = _stack(_words4(tl.load(xs_ptrs)) + _words4(tl.load(xs_ptrs + 4)), 3)
+            cw = tl.reshape(c, (4, 8, A, 2, 2, 4))
+            h0, h1 = tl.split(tl.load(xh_ptrs))
+            d = _split_words(h0, tl.float16)[0]  # d in the low half of word 0, scales_h in its high half
+            ls0 = ((h1 >> (8 * t4)) & 15) | (((h0 >> (16 + 4 * t4)) & 3) << 4)  # sub-block 2t
+            ls1 = ((h1 >> (8 * t4 + 4)) & 15) | (((h0 >> (18 + 4 * t4)) & 3) << 4)  # sub-block 2t + 1
+            d = tl.reshape(tl.join(d * (ls0 - 32).to(tl.float32), d * (ls1 - 32).to(tl.float32)), (4, 8, A, 2, 2, 1))
+            w = _deq_codebook(cw, d.to(DT), (-128.0 * d).to(DT), 1, DT, UNPACK)
+            w = tl.reshape(w, (4, 8, A, 2, 2, 8, 2, 2))  # t, g, a, h, blk, lhl, ll, p as q4_0's
+            w = tl.reshape(tl.permute(w, (2, 3, 1, 4, 5, 7, 0, 6)), (BLOCK_N, 256))
+            xs_ptrs += 34
+            xh_ptrs += 34
         elif FMT == 3 or FMT == 7 or TAIL:
             if FMT == 16:
                 # three aligned vectors from the 16-byte boundary at or before the lane's blocks; a vector that
@@ -742,7 +767,7 @@ def gemv_tc_kernel(X, X2, W8, WS, WB, Y, PART, COUNT, M, N, K, stride_xm, stride
             elif FMT == 12:  # chunk t = 2 h6 + c, byte 16 half + 2 lhl + ll, nibble p: weight 128 h6 + 64 p + 32 c
                 xt = tl.reshape(tl.permute(tl.reshape(xn, (2, 2, 2, 2, 8, 2, M_PAD)), (3, 4, 1, 0, 2, 5, 6)),
                                 (256, M_PAD))
-            elif FMT == 3 or TAIL:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
+            elif FMT == 3 or FMT == 15 or TAIL:  # byte 2 lhl + ll of block 2t + blk, nibble p: weight 64 t + 32 blk + 16 p + 2 lhl + ll
                 xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 2, 8, 2, M_PAD)), (1, 3, 2, 0, 4, 5)), (256, M_PAD))
             elif FMT == 7:  # byte 4 bj + 2 p + ll of block 2t + blk: weight 64 t + 32 blk + 4 bj + 2 p + ll
                 xt = tl.reshape(tl.permute(tl.reshape(xn, (4, 2, 8, 2, 2, M_PAD)), (1, 2, 3, 0, 4, 5)), (256, M_PAD))
@@ -768,18 +793,18 @@ def tc_supports(x, data, fmt: str, bits: int = 0, group_size: int = 0, K: int = 
     if fmt in ("q4_k", "q5_k"):
         return True
     if fmt in ROW_STRIDE_FORMATS:  # rows 16-byte aligned (K a multiple of 8 q6_k / 16 mxfp4 blocks, or pad_rows)
-        return data.shape[-1] * data.element_size() % 16 == 0
+        return data.shape[-1] * data.element_size() % 16 == 0 and (fmt != "iq4_xs" or K % 256 == 0)
     if fmt in ("q4_0", "q8_0"):
         return K % 256 == 0
     return (fmt == "mlx" and bits == 4 and group_size in (32, 64, 128) and K % 256 == 0
             and scales.stride(-1) == 1 and biases.stride(-1) == 1 and scales.stride(0) == biases.stride(0))
 
 
-TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 13, "iq4_nl": 14,
+TC_FORMATS = {"q4_k": 10, "q5_k": 11, "q6_k": 12, "q4_0": 3, "q8_0": 7, "mlx": 13, "iq4_nl": 14, "iq4_xs": 15,
               "mxfp4": 16}  # format -> the kernel's FMT
 # formats the kernel reads at any K (whole 32-weight blocks; the last step masked) from 16-byte aligned row strides
 TAIL_FORMATS = ("iq4_nl", "mxfp4")
-ROW_STRIDE_FORMATS = ("q6_k", ) + TAIL_FORMATS
+ROW_STRIDE_FORMATS = ("q6_k", "iq4_xs") + TAIL_FORMATS
 
 
 def tc_steps(fmt: str, K: int) -> int:
@@ -798,7 +823,7 @@ def _perm(shape, order):
 TC_PERMS = {10: _perm((4, 2, 2, 8, 2), (2, 3, 1, 0, 4)), 11: _perm((4, 2, 2, 8, 2), (2, 3, 1, 0, 4)),
             12: _perm((2, 2, 2, 2, 8, 2), (3, 4, 1, 0, 2, 5)), 3: _perm((4, 2, 2, 8, 2), (1, 3, 2, 0, 4)),
             7: _perm((4, 2, 8, 2, 2), (1, 2, 3, 0, 4)), 13: _perm((4, 2, 8, 2, 2), (1, 2, 4, 0, 3))}
-TC_PERMS[14] = TC_PERMS[16] = TC_PERMS[3]  # nibbles as q4_0's
+TC_PERMS[14] = TC_PERMS[15] = TC_PERMS[16] = TC_PERMS[3]  # nibbles as q4_0's
 
 
 @triton.jit
@@ -965,5 +990,8 @@ def compile_sm90(fmt: str, config: tuple = (64, 4, 1, 4), m_pad: int = 16, top_k
     else:
         consts.update(PAIRS=None, BLOCK_EXPERT=None, n_experts=1)
     sig.update({name: "constexpr" for name in consts})
-    return triton.compile(ASTSource(gemv_tc_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+    # as a launch specializes them: buffers 16-byte aligned, rows a multiple of 16 bytes (what lets loads vectorize)
+    aligned = [n for n, v in sig.items() if v.startswith("*")] + ["K", "row_bytes", "stride_xm", "stride_x2m"]
+    attrs = {(gemv_tc_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(gemv_tc_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})

@@ -393,20 +393,24 @@ def _codebook_weights(fmt, N, K, device):
     return lk.quantize(w, fmt)
 
 
-@pytest.mark.parametrize("fmt", ["iq4_nl", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["iq4_nl", "mxfp4", "iq4_xs"])
 @pytest.mark.parametrize("N,K,M,config,sms", [
     (37, 512, 5, (16, 4, 1, 2), 4),     # whole steps; mxfp4's blocks at every even offset mod 16 (two steps)
+    (19, 768, 3, (16, 4, 1, 2), 2),     # iq4_xs: 408-byte rows padded to 416, super-blocks at both alignments
     (19, 352, 3, (16, 4, 1, 2), 2),     # 11 blocks: a whole step and a last step of 3 blocks (masked), split
     (21, 96, 1, (16, 4, 1, 2), 1),      # 3 blocks: one partial step
     (40, 2880, 17, (32, 4, 1, 2), 3),   # gpt-oss's K (90 blocks), 32 activation rows per program
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tc_kernel_codebook(fmt, N, K, M, config, sms, dtype, device):
-    """iq4_nl (18-byte blocks, q4_0's) and mxfp4 (17-byte blocks: 2-byte aligned, shifted into place per lane): the
-    levels looked up by byte permutes, rows padded to 16 bytes (pad_rows) where K does not give that, the last
-    step's missing blocks masked; against the unpadded matrix's float64 products."""
+    """iq4_nl (18-byte blocks, q4_0's), mxfp4 (17-byte blocks: 2-byte aligned, shifted into place per lane) and
+    iq4_xs (136-byte super-blocks, 6-bit sub-block scales; K a multiple of 256): the levels looked up by byte
+    permutes, rows padded to 16 bytes (pad_rows) where K does not give that, the last step's missing blocks masked;
+    against the unpadded matrix's float64 products."""
     from llmkernels.quant.tensor import pad_rows
 
+    if fmt == "iq4_xs" and K % 256:
+        pytest.skip("iq4_xs rows are whole 256-weight super-blocks")
     qt = _codebook_weights(fmt, N, K, device)
     padded = pad_rows(qt)
     assert padded.data.shape[-1] % 16 == 0
@@ -417,35 +421,37 @@ def test_tc_kernel_codebook(fmt, N, K, M, config, sms, dtype, device):
 
 def test_gemv_takes_tc_for_codebooks(device, monkeypatch):
     """gemv runs iq4_nl and mxfp4 on the tensor-core kernel from M = 1 where their rows are 16-byte aligned (K a
-    multiple of 256 / 512), silu_mul_gemv too; other rows (mxfp4 K = 256: 136 bytes) take the generic kernel."""
+    multiple of 256 / 512), and iq4_xs where K is a multiple of 512 (272-byte rows), silu_mul_gemv too; other rows
+    (mxfp4 and iq4_xs at K = 256: 136 bytes) take the generic kernel."""
     from llmkernels.qgemv import tc
 
     calls = []
     real = tc.launch_tc
     monkeypatch.setattr(tc, "launch_tc", lambda *a, **k: calls.append((k["fmt"], a[0].shape[0])) or real(*a, **k))
-    for fmt, K, M in (("iq4_nl", 256, 1), ("mxfp4", 512, 2), ("mxfp4", 256, 1), ("iq4_nl", 352, 3)):
+    for fmt, K, M in (("iq4_nl", 256, 1), ("mxfp4", 512, 2), ("mxfp4", 256, 1), ("iq4_nl", 352, 3), ("iq4_xs", 512, 1),
+                      ("iq4_xs", 256, 2)):
         qt = _codebook_weights(fmt, 24, K, device)
         x = torch.randn(M, K, dtype=torch.float16, device=device)
         _check(lk.gemv(x, qt), x, qt, torch.float16)
     g, u = (torch.randn(2, 512, dtype=torch.float16, device=device) for _ in range(2))
     qt = _codebook_weights("mxfp4", 24, 512, device)
     _check_silu(lk.silu_mul_gemv(g, u, qt), g, u, qt)
-    assert calls == [("iq4_nl", 1), ("mxfp4", 2), ("mxfp4", 2)]
+    assert calls == [("iq4_nl", 1), ("mxfp4", 2), ("iq4_xs", 1), ("mxfp4", 2)]
 
 
 def test_codebook_tc_compiles_for_sm90():
-    """The tensor-core kernel's iq4_nl and mxfp4 builds (inline PTX: byte-permute lookups, per-lane shifts) compile to
+    """The tensor-core kernel's iq4_nl, mxfp4 and iq4_xs builds (inline PTX: byte-permute lookups, per-lane shifts) compile to
     sm_90 code without a GPU, fp16 and bf16, the MoE build too; the interpreter covers their arithmetic above."""
     from tests.compiled import run_compiled
 
     code = ("from llmkernels.qgemv.tc import compile_sm90; "
             "print(all(len(compile_sm90(f, dtype=d, top_k=k).asm['cubin']) > 0 "
-            "for f in ('iq4_nl', 'mxfp4') for d in ('fp16', 'bf16') for k in (0, 4)))")
+            "for f in ('iq4_nl', 'mxfp4', 'iq4_xs') for d in ('fp16', 'bf16') for k in (0, 4)))")
     assert run_compiled(code) == "True"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["iq4_nl", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["iq4_nl", "mxfp4", "iq4_xs"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tc_kernel_codebook_gpu(fmt, dtype, device):
     """iq4_nl and mxfp4 at model shapes (gpt-oss's 2880 with padded rows among them), directly and, where the rows
@@ -456,6 +462,8 @@ def test_tc_kernel_codebook_gpu(fmt, dtype, device):
     for N, K, M, config in [(4096, 4096, 1, (64, 4, 1, 4)), (5760, 2880, 1, (64, 4, 1, 4)),
                             (2880, 2880, 8, (128, 8, 1, 2)), (1001, 14336, 16, (64, 4, 1, 4)),
                             (77, 1024, 33, (64, 4, 1, 2)), (300, 2880, 64, (64, 4, 1, 4))]:
+        if fmt == "iq4_xs" and K % 256:
+            continue
         qt = _codebook_weights(fmt, N, K, device)
         x = torch.randn(M, K, dtype=dtype, device=device)
         _check(_finish(launch_tc(x, pad_rows(qt).data, N, K, config, sms, 2, fmt=fmt), dtype), x, qt, dtype)
