@@ -16,9 +16,11 @@ once per pair. There the pairs are grouped by expert instead (``group_pairs``: p
 expert, in one launch on the device, without a host sync) and each program multiplies one block's gathered
 activation rows with a tile of its expert on the tensor cores, so each expert's weights are read once per block:
 - ``route.moe_tc``: the tensor-core GEMV kernel (qgemv/tc.py, its MoE mode) for the formats it reads (q4_k, q5_k,
-  q6_k with 16-byte aligned rows, q4_0, q8_0, MLX 4-bit), taken once pairs would share experts 1.25 times on
-  average. In moe_ffn, gate and up run in one grid (the gate stack in the first half, up in the second) into one
-  [pairs, 2F] buffer, and the down product forms silu(gate) * up as it loads its activations;
+  q4_0, q8_0, MLX 4-bit; q6_k, iq4_nl, iq4_xs and mxfp4 with 16-byte aligned rows), taken once pairs would share
+  experts 1.25 times on average, and from one pair for the formats without an m1 kernel (gpt-oss's mxfp4). Grids
+  with few busy programs (one token's pairs) split K (``route.moe_tc_split``). In moe_ffn, and in moe_pairs with
+  ``up``, gate and up run in one grid (the gate stack in the first half, up in the second) into one [pairs, 2F]
+  buffer; moe_ffn's down product forms silu(gate) * up as it loads its activations;
 - ``route.moe_grouped``: the other formats, tiles dequantized by ``dequant_tile`` (once pairs outnumber experts).
 """
 from __future__ import annotations
