@@ -203,3 +203,20 @@ def test_moe_tc_rule():
     with route.override(exclude={"moe_gemv", "moe_grouped"}):
         assert route.moe_tc(2, 128)
     assert [route.moe_tc_rows(p, 128) for p in (8, 512, 2048, 4096, 32768)] == [16, 16, 16, 32, 32]
+    # formats without an m1 kernel (the per-pair GEMV would be the generic kernel): from one pair, unless excluded
+    assert route.moe_tc(1, 32, per_pair_m1=False) and route.moe_tc(4, 128, per_pair_m1=False)
+    assert not route.moe_tc(0, 32, per_pair_m1=False)
+    with route.override(exclude={"moe_tc"}):
+        assert not route.moe_tc(4, 32, per_pair_m1=False)
+
+
+def test_moe_tc_split_rule():
+    """Small tensor-core MoE grids split K until about MOE_TC_WAVES busy programs per SM, at most MOE_TC_MAX_SPLIT
+    ways, each split keeping MOE_TC_MIN_STEPS steps: gpt-oss's one-token down (45 tiles x 4 experts, 12 steps) on
+    132 SMs splits 2 ways, its fused gate/up (90 tiles x 4) and any grid past 2 x 132 programs not at all, a
+    3-step row (Qwen3-MoE's down, K = 768) never; never under the interpreter."""
+    assert route.moe_tc_split(180, 12, 132) == 2
+    assert route.moe_tc_split(360, 12, 132) == 1 and route.moe_tc_split(264, 12, 132) == 1
+    assert route.moe_tc_split(20, 12, 132) == route.MOE_TC_MAX_SPLIT
+    assert route.moe_tc_split(20, 6, 132) == 2 and route.moe_tc_split(20, 3, 132) == 1
+    assert route.moe_tc_split(180, 12, 132, interpreter=True) == 1 and route.moe_tc_split(0, 12, 132) == 1
