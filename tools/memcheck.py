@@ -1,6 +1,6 @@
 """Every kernel once on small odd shapes, for ``compute-sanitizer --tool memcheck python tools/memcheck.py``
-(``... memcheck.py moe`` for the MoE kernels alone; ``... --target-processes all python tools/memcheck.py tp`` for
-tensor parallelism on 2 GPUs).
+(``... memcheck.py moe`` for the MoE kernels alone, and so for the other parts the usage line names, ``codebook``
+among them; ``... --target-processes all python tools/memcheck.py tp`` for tensor parallelism on 2 GPUs).
 
 Shapes are chosen to hit the edges: lengths not multiple of any block, page size 1 and 3, groups of 7, empty
 sequences, K-quant and MLX 3-bit rows, M = 1 and 7, split-K and split-KV.
