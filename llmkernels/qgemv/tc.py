@@ -419,6 +419,22 @@ def _lane_blocks(vecs, t4, NV: tl.constexpr, NW: tl.constexpr, UNPACK: tl.conste
 
 
 @triton.jit
+def _word_shift(vecs, ws):
+    """Words ws .. ws + 8 (ws 0..3, per thread or uniform) of three 16-byte vectors (int32 [4, 8, A, 2, 4] each,
+    _lane_load), as a tuple of 9 [4, 8, A, 2] tiles: two levels of selects."""
+    w = ()
+    for v in tl.static_range(3):
+        w = w + _words4(vecs[v])
+    a = ()
+    for j in tl.static_range(10):
+        a = a + (tl.where(ws >= 2, w[j + 2], w[j]), )
+    b = ()
+    for j in tl.static_range(9):
+        b = b + (tl.where((ws & 1) != 0, a[j + 1], a[j]), )
+    return b
+
+
+@triton.jit
 def _prmt(a, b, sel, UNPACK: tl.constexpr):
     """Bytes of the pair (a, b) (a's bytes 0-3, b's 4-7) picked by the selector nibbles of ``sel`` (each 0..7): here
     only the 4 consecutive bytes from byte o, sel = 0x3210 + 0x1111 o."""
@@ -436,16 +452,7 @@ def _mx_lane_blocks(vecs, s, UNPACK: tl.constexpr):
     (_lane_load) holding them from byte s (even, 0..14: 17-byte blocks keep only 2-byte alignment). Returns (the
     exponent bytes as int32 [4, 8, A, 2, 2 blocks], the code words [4, 8, A, 2, 2 blocks, 4]). The word shift is
     two levels of per-thread selects, the byte shifts one byte permute per word."""
-    L = ()
-    for v in tl.static_range(3):
-        L = L + _words4(vecs[v])
-    ws = s // 4
-    a = ()
-    for i in tl.static_range(10):
-        a = a + (tl.where(ws >= 2, L[i + 2], L[i]), )
-    b = ()
-    for i in tl.static_range(9):
-        b = b + (tl.where((ws & 1) != 0, a[i + 1], a[i]), )
+    b = _word_shift(vecs, s // 4)
     hb = s & 2  # the blocks start at byte hb of b[0]: codes at hb + 1 (word 0) and hb + 18 (word 4)
     sel0 = 0x4321 + hb * 0x1111
     sel1 = 0x5432 + hb * 0x1111
@@ -476,15 +483,7 @@ def _shift_words(vecs, s, odd, UNPACK: tl.constexpr):
     """q6_k: the 8 words at byte 4 s + 2 odd of three 16-byte vectors (int32 [4, 8, A, 2, 4] each, _lane_load), as a
     tuple of [4, 8, A, 2] tiles. s (0..3) and odd are the same for the whole program (the block's start modulo 16),
     so the word shift is two levels of uniform selects and the half-word shift one byte permute per word."""
-    w = ()
-    for v in tl.static_range(3):
-        w = w + _words4(vecs[v])
-    a = ()
-    for j in tl.static_range(10):
-        a = a + (tl.where(s >= 2, w[j + 2], w[j]), )
-    b = ()
-    for j in tl.static_range(9):
-        b = b + (tl.where((s & 1) != 0, a[j + 1], a[j]), )
+    b = _word_shift(vecs, s)
     out = ()
     for j in tl.static_range(8):
         if UNPACK == 2:  # selector 0x3210 keeps b[j], 0x5432 takes its high half and b[j + 1]'s low half
