@@ -118,5 +118,5 @@ def test_memcheck_refuses_an_unknown_part():
     tool = Path(__file__).parents[1] / "tools" / "memcheck.py"
     r = subprocess.run([sys.executable, str(tool), "everything"], capture_output=True, text=True, timeout=300)
     usage = ("usage: python tools/memcheck.py [tp | moe | prefill_ws | prefill_persist | prefill_rowsum | "
-             "decode_ws | engine | megakernel | gemv], got 'everything'")
+             "decode_ws | engine | megakernel | gemv | codebook], got 'everything'")
     assert r.returncode != 0 and usage in r.stderr
