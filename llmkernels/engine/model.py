@@ -274,7 +274,7 @@ class Model:
         for L in self.layers:
             L.qkv, L.gate_up = [pad(m) for m in L.qkv], [pad(m) for m in L.gate_up]
             L.wo, L.down = pad(L.wo), pad(L.down)
-            if L.moe is not None:  # q6_k, iq4_nl and mxfp4 expert stacks (Qwen3-MoE's q6_k downs, K = 768;
+            if L.moe is not None:  # q6_k, iq4_nl, iq4_xs and mxfp4 expert stacks (Qwen3-MoE's q6_k downs, K = 768;
                 # gpt-oss's mxfp4, K = 2880): rows padded to 16 bytes for the tensor cores (1.6% and 0.4% more
                 # there); the MoE kernels read rows by their stride
                 L.moe = L.moe[:1] + tuple(pad_rows(m) if m.format in ROW_STRIDE_FORMATS else m for m in L.moe[1:])
