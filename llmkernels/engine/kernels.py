@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import check_tensor
 from .._pdl import pdl_options, pdl_supported, pdl_trigger, pdl_wait
 from ..kv_cache import FP8_DTYPES
 from ..qgemv.int8 import i8_lane_base, quantize_blocks
@@ -22,10 +23,12 @@ from .config import OSS_ALPHA, OSS_LIMIT
 def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y, stride_yl, stride_ds, H, y_width,
                         eps, HAS_RES: tl.constexpr, LANES: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr, PRE: tl.constexpr = False, TOPK: tl.constexpr = 0, PTRS=None, CNT=None,
-                        peer_rows=0, flag_off=0, rank=0, WORLD: tl.constexpr = 0, SPIN: tl.constexpr = 1):
+                        peer_rows=0, flag_off=0, rank=0, WORLD: tl.constexpr = 0, SPIN: tl.constexpr = 1, XB=None,
+                        XBI=None):
     """One row: y = rmsnorm(r + x) * w (r += x first with HAS_RES; with PRE, x is first replaced by rmsnorm(x) * pw,
     rounded to the activation dtype as a separate call would write it; with TOPK, x is the sum of rows row * TOPK ..
-    of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). With I8 the row
+    of X weighted by XW [rows, TOPK] in float32, rounded to X's dtype as moe_combine would write it). XB: a bias added to x first, the sum rounded to X's dtype
+    (XB [H]; with TOPK, XB [E, H] whose row XBI[p] joins row p of X: gpt-oss's per-expert down bias). With I8 the row
     is a tile [BLOCK / 32, 2, 16] (blocks of 32 as two halves), the shape the rounding per block and its 16-byte
     stores in i8 lane order need; otherwise a vector (the 3-D tile measured slower there: engine q4_k batch 1 354
     against 364-365 tok/s, H100). Y's row is y_width >= H wide: its columns past H get zeros (every term there is
@@ -44,11 +47,16 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
     if TOPK > 0:  # a mixture-of-experts FFN's pair products, summed here instead of by a launch of their own
         acc = tl.zeros(cols.shape, dtype=tl.float32)
         for j in tl.static_range(TOPK):
-            acc += tl.load(XW + row * TOPK + j) * tl.load(X + (row * TOPK + j) * stride_x + cols, mask=mask,
-                                                          other=0.0).to(tl.float32)
+            xj = tl.load(X + (row * TOPK + j) * stride_x + cols, mask=mask, other=0.0)
+            if XB is not None:
+                bj = tl.load(XB + tl.load(XBI + row * TOPK + j).to(tl.int64) * H + cols, mask=mask, other=0.0)
+                xj = (xj.to(tl.float32) + bj.to(tl.float32)).to(X.dtype.element_ty)
+            acc += tl.load(XW + row * TOPK + j) * xj.to(tl.float32)
         x = acc.to(X.dtype.element_ty)
     else:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if XB is not None:
+            x = (x.to(tl.float32) + tl.load(XB + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
     if WORLD > 0:  # a tensor-parallel row-parallel product's partials: the all-reduce happens here
         x = peer_sum(x, row, cols, mask, H, PTRS, CNT, peer_rows, flag_off, rank, WORLD, SPIN)
     if PRE:  # a post-norm (Gemma 2/3) of the block's output before it joins the residual stream
@@ -76,11 +84,15 @@ def _add_rmsnorm_kernel(X, XW, R, W, PW, Y, YL, DS, stride_x, stride_r, stride_y
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, lanes: bool = False, i8: bool = False,
-                pre_weight: torch.Tensor | None = None, x_weights: torch.Tensor | None = None, peers=None):
+                pre_weight: torch.Tensor | None = None, x_weights: torch.Tensor | None = None, peers=None,
+                x_bias: torch.Tensor | None = None, x_bias_ids: torch.Tensor | None = None):
     """y = rmsnorm(residual + x) * weight; with ``residual`` given, residual += x in place first. With ``pre_weight``
     ([H], a post-norm such as Gemma's), x stands for rmsnorm(x) * pre_weight in all of that (x is not written).
     With ``x_weights`` (float32 [T, k], contiguous), x is [T * k, H] and row t stands for the weighted sum of its
     rows t * k .. t * k + k - 1, as qgemv.moe.moe_combine computes it (a mixture-of-experts FFN's pair products).
+    ``x_bias`` (x's dtype or float32): [H] added to x's rows first, each sum taken in float32 and rounded to x's
+    dtype (an output projection's bias); with ``x_weights``, [E, H] with ``x_bias_ids`` (int32/int64 [T * k], values in
+    [0, E), not checked: made on the device) giving the row added to each of x's rows (per-expert biases).
 
     x, residual: [T, H] fp16/bf16/fp32 (last dim contiguous); weight: [H] any float dtype. Returns y [T, H], and with
     ``lanes`` (y, y in lane order [T, lanes_width(H)]) for qgemv.ops.gemv_lanes; with ``i8`` (H a multiple of 32)
@@ -114,6 +126,15 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         yl = torch.empty(T, lanes_width(H), dtype=torch.int8 if i8 else y.dtype, device=y.device)
     if i8:
         ds = torch.empty(T, H // 32, 2, dtype=torch.float32, device=y.device)
+    if x_bias is not None:
+        check_tensor("x_bias", x_bias, dtypes=(x.dtype, torch.float32), shape=(None, H) if k else (H,), contiguous=True)
+        if k:
+            check_tensor("x_bias_ids", x_bias_ids, dtypes=(torch.int32, torch.int64), shape=(T * k,),
+                         contiguous=True)
+        elif x_bias_ids is not None:
+            raise ValueError("add_rmsnorm: x_bias_ids goes with x_weights (per-expert biases)")
+    elif x_bias_ids is not None:
+        raise ValueError("add_rmsnorm: x_bias_ids given without x_bias")
     if peers is not None and (x_weights is not None or not peers.fits(x)):
         raise ValueError(f"add_rmsnorm: peers sums [<= {peers.rows}, {peers.hidden}] {peers.dtype} rows without "
                          f"x_weights, got x {x.dtype} {tuple(x.shape)}")
@@ -133,7 +154,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
                                   eps,
                                   HAS_RES=residual is not None, LANES=lanes, I8=i8, BLOCK=BLOCK, PDL=pdl,
                                   PRE=pre_weight is not None, TOPK=k, num_warps=min(16, max(4, BLOCK // 256)),
-                                  **fused, **pdl_options(pdl))
+                                  XB=x_bias, XBI=x_bias_ids if k else None, **fused, **pdl_options(pdl))
     y = y[:, :H] if y_width > H else y
     if i8:
         return y, (yl, ds)

@@ -16,7 +16,7 @@ import torch
 
 from .._runtime import empty
 from ..attention.paged import paged_attention
-from ..qgemv.moe import moe_combine, moe_ffn, moe_pairs, moe_route
+from ..qgemv.moe import moe_combine, moe_ffn, moe_pairs, moe_route, pair_groups
 from ..qgemv.ops import embedding, route_table, run_route, table_route, tc_padding
 from ..qgemv.tc import ROW_STRIDE_FORMATS
 from ..quant.tensor import QuantizedTensor, cat_rows, dequantize, pad_k, pad_rows
@@ -59,7 +59,6 @@ class Layer:
     post_ffn_norm: torch.Tensor | None = None  # gemma: the same for the FFN output
     moe: tuple | None = None  # (router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F]) in place of gate_up/down
     moe_bias: tuple | None = None  # gpt-oss: float32 (router [E], gate [E, F], up [E, F], down [E, H]) biases
-    moe_bias_act: tuple | None = None  # gpt-oss: the router and down biases in the activation dtype (no cast per step)
     o_bias: torch.Tensor | None = None  # gpt-oss: the attention output projection's bias
     sinks: torch.Tensor | None = None  # gpt-oss: float32 [heads], each head's sink logit
     window: int = -1  # left edge of the sliding window (-1: the whole context)
@@ -68,9 +67,19 @@ class Layer:
 
 class _Pairs(NamedTuple):
     """A mixture-of-experts FFN's output before its weighted sum: the pairs' products y [T * top_k, H] and their
-    weights w float32 [T, top_k] (qgemv.moe.moe_ffn with combine=False)."""
+    weights w float32 [T, top_k] (qgemv.moe.moe_ffn with combine=False); gpt-oss: the experts' down biases [E, H]
+    and each pair's expert [T * top_k], added to the products as the sum loads them."""
     y: torch.Tensor
     w: torch.Tensor
+    bias: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+
+    def combined(self) -> torch.Tensor:
+        """The weighted sum [T, H] by a launch of its own."""
+        y = self.y
+        if self.bias is not None:
+            y = (y.float() + self.bias.index_select(0, self.ids)).to(y.dtype)
+        return moe_combine(y, self.w)
 
 
 def stack_runs(qts: list) -> list:
@@ -214,7 +223,6 @@ class Model:
                 stacks = [_vector(tensors[p + n + ".bias"], self.device).reshape(E, -1)
                           for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
                 layer.moe_bias = (_vector(tensors[p + "ffn_gate_inp.bias"], self.device), *stacks)
-                layer.moe_bias_act = (layer.moe_bias[0].to(self.dtype), stacks[2].to(self.dtype))
             self.layers.append(layer)
         freqs = tensors.get("rope_freqs.weight")
         if isinstance(freqs, QuantizedTensor):
@@ -364,7 +372,7 @@ class Model:
         """add_rmsnorm, -> (x, x in lane order, or (q, ds) of x rounded to int8 in i8 lane order, or None). x may be
         a mixture-of-experts FFN's _Pairs, which the norm's kernel sums."""
         if isinstance(x, _Pairs):
-            x, kw = x.y, dict(kw, x_weights=x.w)
+            x, kw = x.y, dict(kw, x_weights=x.w, x_bias=x.bias, x_bias_ids=x.ids)
         if kw.get("peers") is not None and not kw["peers"].fits(x):  # shapes alike on every rank: all take this
             x, kw = self._reduce(x), dict(kw, peers=None)
         args = (x, *args)
@@ -402,30 +410,32 @@ class Model:
         ``combine`` off, the pairs' products and weights (_Pairs) for the next add_rmsnorm to sum."""
         router, gate, up, down = layer.moe
         logits = self._gemv(x, None, router, False)
-        if layer.moe_bias is not None:
-            logits = logits + layer.moe_bias_act[0]
-        w, e = moe_route(logits, self.cfg.n_experts_used, self.cfg.expert_norm)
+        bias = layer.moe_bias
+        w, e = moe_route(logits, self.cfg.n_experts_used, self.cfg.expert_norm,
+                         bias=bias[0] if bias is not None else None)
         if self.tp is not None:  # this rank's experts: the others' pairs weigh 0 here (tp.local_pairs)
             w, e = local_pairs(w, e, *self.tp.experts)
-        if layer.moe_bias is not None:
-            y = self._moe_oss(x, e, layer)
-            return _Pairs(y, w.float().contiguous()) if self.tp is None and not combine else moe_combine(y, w)
+        if bias is not None:  # the down biases join the products where they are summed
+            y, ex = self._moe_oss(x, e, layer)
+            pairs = _Pairs(y, w.float().contiguous(), bias[3], ex)
+            return pairs if self.tp is None and not combine else pairs.combined()
         if self.tp is not None or combine:
             return moe_ffn(x, w, e, gate, up, down, self.local_experts)
         return _Pairs(*moe_ffn(x, w, e, gate, up, down, self.local_experts, combine=False))
 
     def _moe_oss(self, x, e, layer):
         """gpt-oss's experts for the pairs of ``e`` [T, top_k]: gate and up products plus their biases, the clamped
-        SwiGLU (kernels.swiglu_oai), the down product plus its bias -> [T * top_k, H] in x's dtype."""
+        SwiGLU (kernels.swiglu_oai), the down product -> (products [T * top_k, H] in x's dtype, without the down
+        bias; each pair's expert [T * top_k])."""
         _, gate, up, down = layer.moe
         _, bg, bu, _ = layer.moe_bias
-        bd = layer.moe_bias_act[1]
         E = self.local_experts
         ex = e.reshape(-1).contiguous()  # token t's experts are pairs t * top_k ..
-        gu = moe_pairs(x, gate, E, ex, e.shape[1], up=up)  # both stacks in one launch on the tensor cores
+        groups = pair_groups(ex, E)  # grouped once for both products
+        gu = moe_pairs(x, gate, E, ex, e.shape[1], up=up, groups=groups)  # both stacks in one launch
         F = gu.shape[1] // 2
         a = swiglu_oai(gu[:, :F], gu[:, F:], ex, bg, bu)
-        return moe_pairs(a, down, E, ex) + bd.index_select(0, ex)
+        return moe_pairs(a, down, E, ex, groups=groups), ex
 
     def _mlp(self, x, layer, xl, i8: bool):
         if layer.moe is not None:  # on one rank the weighted sum is left to the next add_rmsnorm (a launch fewer)
@@ -488,10 +498,9 @@ class Model:
                                 window_size=(layer.window, -1), softcap=cfg.attn_softcap, sinks=layer.sinks,
                                 k_scale=kv_scales[0] if fp8 else None, v_scale=kv_scales[1] if fp8 else None)
             delta = reduce(self._gemv(o.reshape(T, cfg.n_heads * cfg.head_dim), None, layer.wo, i8))
-            if layer.o_bias is not None:
-                delta = delta + layer.o_bias.to(delta.dtype)
+            # gpt-oss's O bias joins delta in the norm's kernel
             x, xl = self._norm(T, i8, layer.gate_up or [layer.moe[0]], delta, layer.ffn_norm, cfg.rms_eps,
-                               residual=h, pre_weight=layer.post_attn_norm, peers=fused)
+                               residual=h, pre_weight=layer.post_attn_norm, peers=fused, x_bias=layer.o_bias)
             delta = reduce(self._mlp(x, layer, xl, i8))
             post = layer.post_ffn_norm
         if fused is not None and delta is not None:  # the last layer's partials: no norm of theirs sums them
@@ -500,7 +509,7 @@ class Model:
         if inp.logits_idx.numel() == 0:  # a step of prompt chunks only: nothing to sample yet
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=h.device)
         if isinstance(delta, _Pairs):
-            delta = moe_combine(delta.y, delta.w)
+            delta = delta.combined()
         hs, ds = h.index_select(0, inp.logits_idx), delta.index_select(0, inp.logits_idx)
         if self.output_pad:  # the output matrix padded with zero blocks along K (see _pad_output): x padded to match
             x = empty(hs.shape[0], self.output.shape[1], dtype=hs.dtype, device=hs.device)

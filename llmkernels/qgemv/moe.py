@@ -187,13 +187,17 @@ def group_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def moe_route_kernel(LOGITS, W, IDS, E, stride_l, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
-    """Program t: softmax over token t's E router logits, its TOP_K largest (first index among ties) with their
-    probabilities, renormalized to sum to 1 with RENORM."""
+                     BLOCK_K: tl.constexpr, RENORM: tl.constexpr, BIAS=None):
+    """Program t: softmax over token t's E router logits (plus BIAS [E], each sum rounded to the logits' dtype),
+    its TOP_K largest (first index among ties) with their probabilities, renormalized
+    to sum to 1 with RENORM."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    z = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    z = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf"))
+    if BIAS is not None:
+        z = (z.to(tl.float32) + tl.load(BIAS + offs, mask=ok, other=0.0).to(tl.float32)).to(LOGITS.dtype.element_ty)
+    z = z.to(tl.float32)
     w, ids = route_top_k(z, ok, TOP_K, BLOCK_K, RENORM)
     ks = tl.arange(0, BLOCK_K)
     tl.store(W + t * TOP_K + ks, w, mask=ks < TOP_K)
@@ -237,7 +241,9 @@ def moe_combine_kernel(Y, WEIGHTS, OUT, H, TOP_K: tl.constexpr, BLOCK_H: tl.cons
     tl.store(OUT + t * H + h, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
-def _route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+def _route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool, bias=None):
+    if bias is not None:
+        router_logits = (router_logits.float() + bias.float()).to(router_logits.dtype)
     p = torch.softmax(router_logits.float(), dim=-1)
     w, ids = torch.topk(p, top_k, dim=-1, sorted=True)
     if renormalize:
@@ -245,7 +251,7 @@ def _route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return w, ids.to(torch.int32)
 
 
-def _route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+def _route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool, bias=None):
     """moe_route in one launch (moe_route_kernel)."""
     T, E = router_logits.shape
     w = empty(T, top_k, dtype=torch.float32, device=router_logits.device)
@@ -254,14 +260,15 @@ def _route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool):
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         moe_route_kernel[(T,)](logits, w, ids, E, logits.stride(0), BLOCK_E=triton.next_power_of_2(E),
                                TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
-                               num_warps=1 if E <= 256 else 4)
+                               BIAS=bias, num_warps=1 if E <= 256 else 4)
     return w, ids
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, bias: torch.Tensor | None = None):
     """The experts of each token and their weights: softmax over all experts, the ``top_k`` largest, renormalized
     to sum to 1 when ``renormalize`` (Mixtral, whose softmax over the top-k logits is the same thing, and Qwen3-MoE
-    with ``norm_topk_prob``). router_logits: [T, n_expert]. Returns (weights float32 [T, top_k], experts int32
+    with ``norm_topk_prob``). router_logits: [T, n_expert]; ``bias`` (gpt-oss's router bias): float [n_expert],
+    added to every row first, each sum taken in float32 and rounded to the logits' dtype. Returns (weights float32 [T, top_k], experts int32
     [T, top_k]), largest weight first (tied experts: the lowest index first on a GPU, torch.topk's order on the
     CPU). On a GPU it is one launch."""
     check_tensor("router_logits", router_logits, ndim=2)
@@ -270,9 +277,14 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True)
     check_positive_int("top_k", top_k)
     if top_k > router_logits.shape[1]:
         raise ValueError(f"top_k ({top_k}) must be at most the number of experts ({router_logits.shape[1]})")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(torch.float16, torch.bfloat16, torch.float32),
+                     shape=(router_logits.shape[1],))
+        check_device(router_logits=router_logits, bias=bias)
+        bias = bias.contiguous()
     if router_logits.is_cuda:  # one launch in place of softmax, top-k, renormalization and casts
-        return _route_fused(router_logits, top_k, renormalize)
-    return _route_torch(router_logits, top_k, renormalize)
+        return _route_fused(router_logits, top_k, renormalize, bias)
+    return _route_torch(router_logits, top_k, renormalize, bias)
 
 
 def _check_stack(name: str, qt, num_experts: int) -> int:
@@ -354,13 +366,15 @@ def _silu_mul(gu, N: int):
     return (torch.nn.functional.silu(gu[:, :N].float()) * gu[:, N:].float()).to(gu.dtype)
 
 
-def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1):
-    """The pairs' products; ``token_ids`` None: pair p reads row p // top_k of x."""
+def _launch(x, qt, qt_up, N, num_experts, expert_ids, token_ids, top_k=1, groups=None):
+    """The pairs' products; ``token_ids`` None: pair p reads row p // top_k of x. ``groups``: _groups of the ids,
+    if made already."""
     P = expert_ids.shape[0]
     per_pair_m1 = route.moe_m1(qt.format, qt_up is not None, x.dtype)
     if (P and route.moe_tc(P, num_experts, per_pair_m1) and _tc_reads(x, qt)
             and (qt_up is None or _tc_reads(x, qt_up))):
-        y = _tc_products(x, qt, qt_up, N, num_experts, _groups(expert_ids, num_experts), P, token_ids, top_k)
+        y = _tc_products(x, qt, qt_up, N, num_experts, groups or _groups(expert_ids, num_experts), P, token_ids,
+                         top_k)
         return y if qt_up is None else _silu_mul(y, N)
     if P and route.moe_grouped(P, num_experts):
         return _launch_grouped(x, qt, qt_up, N, num_experts, expert_ids, token_ids,
@@ -441,16 +455,23 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
     return _launch(x, qt, None, N, num_experts, expert_ids, token_ids)
 
 
+def pair_groups(expert_ids: torch.Tensor, num_experts: int) -> tuple:
+    """The pairs of ``expert_ids`` [P] grouped by expert as the tensor-core MoE kernel reads them, for calls of
+    ``moe_pairs(..., groups=)`` over the same ids (one grouping launch for several products)."""
+    return _groups(expert_ids.contiguous(), num_experts)
+
+
 def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids: torch.Tensor,
-              top_k: int = 1, up: QuantizedTensor | None = None) -> torch.Tensor:
+              top_k: int = 1, up: QuantizedTensor | None = None, groups: tuple | None = None) -> torch.Tensor:
     """moe_gemv for ids that moe_route made, without its host-side range checks (no synchronisation, so it runs
     inside CUDA graphs): pair p reads row p // top_k of x. Returns [P, N] in x's dtype; with ``up`` (a stack of
     qt's shape and format) [P, 2N], the up products in columns N .. 2N - 1, both stacks read in one launch where
-    the tensor-core kernel reads them (an activation of the caller's own in between, as gpt-oss's clamped SwiGLU)."""
+    the tensor-core kernel reads them (an activation of the caller's own in between, as gpt-oss's clamped SwiGLU).
+    ``groups``: ``pair_groups(expert_ids, num_experts)``, where the tensor-core kernel takes the products."""
     N = _check_stack("qt", qt, num_experts)
     e = expert_ids.contiguous()
     if up is None:
-        return _launch(x, qt, None, N, num_experts, e, None, top_k)
+        return _launch(x, qt, None, N, num_experts, e, None, top_k, groups)
     if _check_stack("up", up, num_experts) != N or up.shape != qt.shape or (up.format, up.bits, up.group_size) != (
             qt.format, qt.bits, qt.group_size):
         raise ValueError(f"up must have qt's shape {tuple(qt.shape)} and format {qt.format}, got {tuple(up.shape)} "
@@ -458,7 +479,7 @@ def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids
     P = e.shape[0]
     if (P and route.moe_tc(P, num_experts, route.moe_m1(qt.format, True, x.dtype)) and _tc_reads(x, qt)
             and _tc_reads(x, up)):
-        return _tc_products(x, qt, up, N, num_experts, _groups(e, num_experts), P, None, top_k)
+        return _tc_products(x, qt, up, N, num_experts, groups or _groups(e, num_experts), P, None, top_k)
     return torch.cat([_launch(x, q, None, N, num_experts, e, None, top_k) for q in (qt, up)], 1)
 
 

@@ -183,18 +183,25 @@ def route_table(qt: QuantizedTensor, dtype: torch.dtype, ops=("gemv", "lanes", "
             for op in ops for act in (False, True)}
 
 
+# K multiple that gives each format 16-byte aligned rows the tensor-core kernel reads (q4_0 / q8_0 also need whole
+# 256-weight steps)
+PAD_K_MULTIPLE = {"q6_k": 2048, "q4_0": 256, "q8_0": 256}
+
+
 def tc_padding(qt: QuantizedTensor, dtype: torch.dtype) -> int | None:
     """A K to pad ``qt``'s rows to (with zero blocks, quant.tensor.pad_k) so that its batch-1 gemv takes the
-    tensor-core kernel, or None. Only q6_k matrices of route.PAD_MIN_WEIGHTS or more whose K is not a multiple of
-    2048 qualify: their 210-byte-block rows are not 16-byte aligned, which the tensor-core kernel needs, and the
-    kernels that read them unaligned are slower at every M, by far from M = 8 on (the generic kernel; H200: 1.0-1.5x
-    at M = 1, 3-7x at M = 64 with x padded in a launch of its own, bench/lab/pad_lab.py); the padding adds
-    (2048 - K % 2048) / K to the bytes read. Never under the interpreter."""
+    tensor-core kernel, or None. Matrices of route.PAD_MIN_WEIGHTS or more qualify whose rows that kernel cannot
+    read as stored: q6_k with K not a multiple of 2048 (210-byte blocks: rows not 16-byte aligned; a Q4_K_M file's
+    V and down in Gemma 2 and Qwen2), q4_0 / q8_0 with K not a multiple of 256 (gpt-oss's K = 2880). The kernels
+    that read them as stored are slower (q6_k: the generic kernel, 1.0-1.5x at M = 1 and 3-7x at M = 64 on the
+    H200; q8_0 [5120, 2880]: bit planes; bench/NOTES.md); the padding adds (multiple - K % multiple) / K to the
+    bytes read. Never under the interpreter."""
     data, scales, biases, fmt, N, K, bits, group_size = _qt_args(qt)
     t = target(data.device)
-    if fmt != "q6_k" or K % 2048 == 0 or t.interpreter or N * K < route.PAD_MIN_WEIGHTS:
+    step = PAD_K_MULTIPLE.get(fmt)
+    if step is None or K % step == 0 or t.interpreter or N * K < route.PAD_MIN_WEIGHTS:
         return None
-    Kp = -(-K // 2048) * 2048
+    Kp = -(-K // step) * step
     o = operands("gemv", torch.empty(1, Kp, dtype=dtype, device=data.device), None, data, None, None, None, fmt, 0,
                  Kp)
     return Kp if route.choose("gemv", fmt, 1, N, Kp, dtype, operands=o, target=t).kernel == "tc" else None

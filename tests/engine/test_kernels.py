@@ -117,6 +117,54 @@ def test_add_rmsnorm_sums_expert_pairs(dtype, device):
             add_rmsnorm(pairs, w, 1e-6, x_weights=bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_rmsnorm_adds_biases(dtype, device):
+    """x_bias: an output projection's bias [H] (float32 or x's dtype) joins x, the sum rounded to x's dtype as the
+    engine's reference rounds it; with x_weights, per-expert biases [E, H] picked by x_bias_ids join each pair's
+    product before the weighted sum. Same bits as the separate adds; bad biases and ids are refused."""
+    from llmkernels.qgemv.moe import moe_combine
+
+    # Triton's interpreter rounds float32 -> bf16 toward zero (a GPU to nearest), so there bf16 is compared within
+    # its tolerance; fp16 everywhere and bf16 on a GPU bit for bit
+    same = torch.equal if dtype == torch.float16 or device.type == "cuda" else (
+        lambda a, b: assert_close(a, b.double(), dtype) or True)
+    T, k, H, E = 3, 4, 160, 6
+    x = torch.randn(T, H, dtype=dtype, device=device)
+    w = torch.randn(H, device=device)
+    r = torch.randn(T, H, dtype=dtype, device=device)
+    for b in (torch.randn(H, device=device), torch.randn(H, device=device).to(dtype)):
+        r1, r2 = r.clone(), r.clone()
+        y = add_rmsnorm(x, w, 1e-6, residual=r1, x_bias=b)
+        want = add_rmsnorm((x.float() + b.float()).to(dtype), w, 1e-6, residual=r2)
+        assert same(y, want) and same(r1, r2)
+        y, (q, ds) = add_rmsnorm(x, w, 1e-6, x_bias=b, i8=True)
+        assert same(y, add_rmsnorm((x.float() + b.float()).to(dtype), w, 1e-6))
+    pairs = torch.randn(T * k, H, dtype=dtype, device=device)
+    xw = torch.softmax(torch.randn(T, k, device=device), -1)
+    bias = torch.randn(E, H, device=device)
+    ids = torch.randint(0, E, (T * k,), dtype=torch.int32, device=device)
+    y = add_rmsnorm(pairs, w, 1e-6, x_weights=xw, x_bias=bias, x_bias_ids=ids)
+    biased = (pairs.float() + bias[ids.long()]).to(dtype)
+    assert same(y, add_rmsnorm(moe_combine(biased, xw), w, 1e-6))
+    assert (y.float() - add_rmsnorm(moe_combine(pairs, xw), w, 1e-6).float()).abs().max() > 0.1  # biases count
+    with pytest.raises(ValueError, match=r"x_bias must have shape \(160,\)"):
+        add_rmsnorm(x, w, 1e-6, x_bias=torch.randn(H + 1, device=device))
+    with pytest.raises(TypeError, match="x_bias must have dtype"):
+        add_rmsnorm(x, w, 1e-6, x_bias=torch.randn(H, device=device).double())
+    with pytest.raises(TypeError, match="x_bias must be a torch.Tensor"):
+        add_rmsnorm(x, w, 1e-6, x_bias=[0.0] * H)
+    with pytest.raises(ValueError, match=r"x_bias must have shape \('\*', 160\)"):
+        add_rmsnorm(pairs, w, 1e-6, x_weights=xw, x_bias=bias[0], x_bias_ids=ids)
+    with pytest.raises(ValueError, match=r"x_bias_ids must have shape \(12,\)"):
+        add_rmsnorm(pairs, w, 1e-6, x_weights=xw, x_bias=bias, x_bias_ids=ids[:5])
+    with pytest.raises(TypeError, match="x_bias_ids must have dtype"):
+        add_rmsnorm(pairs, w, 1e-6, x_weights=xw, x_bias=bias, x_bias_ids=ids.float())
+    with pytest.raises(ValueError, match="x_bias_ids given without x_bias"):
+        add_rmsnorm(x, w, 1e-6, x_bias_ids=ids)
+    with pytest.raises(ValueError, match="x_bias_ids goes with x_weights"):
+        add_rmsnorm(x, w, 1e-6, x_bias=bias[0], x_bias_ids=ids)
+
+
 @pytest.mark.parametrize("H", [96, 4096])
 def test_add_rmsnorm_i8(H, device):
     """i8=True: y as without it (to rounding: the sum of squares runs over another tile shape), and y rounded to

@@ -185,6 +185,24 @@ def test_fused_route_matches_torch(T, E, k, device):
         assert torch.allclose(w, rw, atol=1e-6, rtol=1e-5)
         same = torch.gather(torch.softmax(logits.float(), -1), 1, e.long())  # ties may order differently
         assert torch.allclose(same, torch.gather(torch.softmax(logits.float(), -1), 1, re.long()), atol=1e-7)
+    # gpt-oss's router bias: added in float32, rounded to the logits' dtype (fp16: the interpreter rounds bf16
+    # toward zero, a GPU to nearest)
+    bias, lh = torch.randn(E, device=device), logits.to(torch.float16)
+    w, e = _route_fused(lh, k, True, bias)
+    rw, re = _route_torch((lh.float() + bias).half(), k, True)
+    assert torch.allclose(w, rw, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(moe_route(lh, k, bias=bias)[0], rw, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(_route_torch(lh, k, True, bias)[0], rw)
+
+
+def test_moe_route_bias_is_checked(device):
+    logits = torch.randn(2, 4, device=device)
+    with pytest.raises(ValueError, match="bias must have shape \\(4,\\)"):
+        moe_route(logits, 2, bias=torch.zeros(5, device=device))
+    with pytest.raises(TypeError, match="bias must have dtype"):
+        moe_route(logits, 2, bias=torch.zeros(4, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        moe_route(logits, 2, bias=[0.0] * 4)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k"])

@@ -131,8 +131,8 @@ def test_route_table_holds_what_choose_says(fmt, N, K):
 
 def test_tc_padding(monkeypatch):
     """Which matrices the engine pads along K (ops.tc_padding): large q6_k ones whose K is not a multiple of 2048
-    (rows not 16-byte aligned), to the next multiple, where the padded shape takes the tensor-core kernel; nothing
-    else, and nothing under the interpreter."""
+    (rows not 16-byte aligned) and q4_0 / q8_0 ones whose K is not a multiple of 256, to the next multiple, where
+    the padded shape takes the tensor-core kernel; nothing else, and nothing under the interpreter."""
     from llmkernels.qgemv import ops
     from llmkernels.quant.tensor import QuantizedTensor
 
@@ -151,6 +151,13 @@ def test_tc_padding(monkeypatch):
     assert ops.tc_padding(qt("q6_k", 512, 3584), torch.bfloat16) is None  # small: not worth a launch for x
     assert ops.tc_padding(qt("q4_k", 256000, 3584), torch.bfloat16) is None  # 144-byte blocks: always aligned
     assert ops.tc_padding(qt("q6_k", 256000, 3584), torch.float32) is None  # float32 x: no tensor-core route
+    # q4_0 / q8_0 with K not a multiple of 256 (gpt-oss: K = 2880): whole 256-weight steps, 16-byte aligned rows
+    assert ops.tc_padding(qt("q8_0", 5120, 2880), torch.bfloat16) == 3072  # gpt-oss's QKV
+    assert ops.tc_padding(qt("q8_0", 201088, 2880), torch.float16) == 3072  # its output matrix
+    assert ops.tc_padding(qt("q4_0", 5120, 2880), torch.bfloat16) == 3072
+    assert ops.tc_padding(qt("q8_0", 2880, 4096), torch.bfloat16) is None  # K whole steps already
+    assert ops.tc_padding(qt("q8_0", 512, 2880), torch.bfloat16) is None  # small
+    assert ops.tc_padding(qt("iq4_nl", 5120, 2880), torch.bfloat16) is None  # not padded along K
 
 
 def test_moe_config_reads_the_table_then_falls_back(monkeypatch):
