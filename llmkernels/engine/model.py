@@ -431,7 +431,7 @@ class Model:
         _, bg, bu, _ = layer.moe_bias
         E = self.local_experts
         ex = e.reshape(-1).contiguous()  # token t's experts are pairs t * top_k ..
-        groups = pair_groups(ex, E)  # grouped once for both products
+        groups = pair_groups(ex, E, one_token=e.shape[0] == 1)  # grouped once for both products
         gu = moe_pairs(x, gate, E, ex, e.shape[1], up=up, groups=groups)  # both stacks in one launch
         F = gu.shape[1] // 2
         a = swiglu_oai(gu[:, :F], gu[:, F:], ex, bg, bu)

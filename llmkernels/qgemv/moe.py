@@ -349,7 +349,7 @@ def _tc_products(x, qt, qt_up, N, num_experts, groups, P, token_ids, top_k, x2=N
         y = launch_tc_moe(x, qt.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack,
                           up=qt_up.data if qt_up is not None else None, scales=qt.scales, biases=qt.biases,
                           split=split, **kw)
-        return _finish(y, x.dtype) if split > 1 else y
+        return _finish(y, x.dtype) if y.dim() == 3 else y  # partials where K split (at most its steps)
     y = empty(P, 2 * N, dtype=x.dtype, device=x.device)
     for half, q in ((y[:, :N], qt), (y[:, N:], qt_up)):
         launch_tc_moe(x, q.data, N, K, config, P, pairs, block_expert, block_m, top_k, num_experts, unpack, y=half,
@@ -455,10 +455,28 @@ def moe_gemv(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids:
     return _launch(x, qt, None, N, num_experts, expert_ids, token_ids)
 
 
-def pair_groups(expert_ids: torch.Tensor, num_experts: int) -> tuple:
+_ONE_TOKEN_SLOTS = {}  # (pairs, block_m, device) -> pair b in slot 0 of block b, -1 elsewhere
+
+
+def pair_groups(expert_ids: torch.Tensor, num_experts: int, one_token: bool = False) -> tuple:
     """The pairs of ``expert_ids`` [P] grouped by expert as the tensor-core MoE kernel reads them, for calls of
-    ``moe_pairs(..., groups=)`` over the same ids (one grouping launch for several products)."""
-    return _groups(expert_ids.contiguous(), num_experts)
+    ``moe_pairs(..., groups=)`` over the same ids (one grouping launch for several products). ``one_token``: the
+    ids are one token's distinct experts (moe_route's top k), so each pair is a block of its own and no launch
+    groups them (a constant slot table, made outside CUDA-graph capture)."""
+    e = expert_ids.contiguous()
+    if not one_token:
+        return _groups(e, num_experts)
+    P = e.shape[0]
+    block_m = route.moe_tc_rows(P, num_experts)
+    key = (P, block_m, e.device)
+    slots = _ONE_TOKEN_SLOTS.get(key)
+    if slots is None:
+        if e.is_cuda and torch.cuda.is_current_stream_capturing():  # no allocation to keep from a graph's pool
+            return _groups(e, num_experts)
+        slots = torch.full((P, block_m), -1, dtype=torch.int32, device=e.device)
+        slots[:, 0] = torch.arange(P, dtype=torch.int32, device=e.device)
+        slots = _ONE_TOKEN_SLOTS.setdefault(key, slots.reshape(-1))
+    return slots, e.to(torch.int32), block_m
 
 
 def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids: torch.Tensor,

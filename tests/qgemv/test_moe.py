@@ -370,6 +370,18 @@ def test_moe_pairs_gate_and_up_in_one_launch(split, device, monkeypatch):
         rel_close(gu[:, :F], moe_gemv_ref(x, gate, E, ex, tok), torch.float16)
         rel_close(gu[:, F:], moe_gemv_ref(x, up, E, ex, tok), torch.float16)
     assert calls == [split]
+    # one token's distinct experts: each pair a block of its own, no grouping launch; the same products
+    down_plain = stacked("mxfp4", {}, E, H, 64, device)
+    gate, up = (pad_rows(stacked("mxfp4", {}, E, 64, H, device)) for _ in range(2))
+    down = pad_rows(down_plain)
+    x1, e1 = x[:1], e[:1].flatten()
+    groups = moe.pair_groups(e1, E, one_token=True)
+    assert groups[0].tolist() == sum(([p] + [-1] * (groups[2] - 1) for p in range(k)), [])
+    assert torch.equal(groups[1], e1) and groups[2] == route.moe_tc_rows(k, E)
+    assert torch.equal(moe_pairs(x1, gate, E, e1, k, up=up, groups=groups), moe_pairs(x1, gate, E, e1, k, up=up))
+    h = torch.randn(k, 64, dtype=torch.float16, device=device)
+    assert torch.equal(moe_pairs(h, down, E, e1, groups=groups), moe_pairs(h, down, E, e1))
+    rel_close(moe_pairs(h, down, E, e1, groups=groups), moe_gemv_ref(h, down_plain, E, e1), torch.float16)
     with pytest.raises(ValueError, match="up must have qt's shape"):
         moe_pairs(x, gate, E, ex, k, up=stacked("q4_1", {}, E, F + 1, H, device))
     with pytest.raises(ValueError, match="up must have qt's shape"):
