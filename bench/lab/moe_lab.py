@@ -5,7 +5,7 @@ each config of the m1 kernel's MoE build against a dense product of the same byt
 - down (q4_k and q6_k): 8 pairs of [2048, 768] against a dense [2048, 6144];
 - the whole moe_ffn, and a graph of empty launches (the floor of a launch inside a graph);
 - ``ffn``: moe_ffn for 1 to 512 tokens, pairs grouped on the tensor cores (moe_tc) against the per-pair and grouped
-  kernels without it, q4_k gate/up with q4_k and q6_k downs (q6_k rows padded to 16 bytes, as the engine does);
+  kernels without it, and the tensor cores forced at every token count, q4_k gate/up with q4_k and q6_k downs (q6_k rows padded to 16 bytes, as the engine does);
 - ``sweep``: the tensor-core configs (BLOCK_N, warps, stages, waves) of the gate/up and the down products at 16, 64
   and 512 tokens, and where one moe_ffn's time goes (torch profiler).
 
@@ -118,9 +118,11 @@ def ffn():
                 old = moe_mod.moe_ffn(x, w, ids[0], gate, up, down, E).float()
                 t0 = _us([lambda e=e: moe_mod.moe_ffn(x, w, e, gate, up, down, E) for e in ids])
             t1 = _us([lambda e=e: moe_mod.moe_ffn(x, w, e, gate, up, down, E) for e in ids])
+            with route.override(exclude={"moe_gemv", "moe_grouped"}):  # the tensor cores at every T
+                t2 = _us([lambda e=e: moe_mod.moe_ffn(x, w, e, gate, up, down, E) for e in ids])
             err = ((ref - old).abs().max() / old.abs().max()).item()
             print(f"moe_ffn q4_k/{fmt} T={T}: without moe_tc {t0:8.1f} us | default {t1:8.1f} us ({t0 / t1:.2f}x, "
-                  f"diff {err:.1e})", flush=True)
+                  f"diff {err:.1e}) | tensor cores {t2:8.1f} us", flush=True)
 
 
 TC_CONFIGS = [(32, 4, 1, 1), (64, 4, 1, 1), (128, 4, 1, 1), (64, 8, 1, 1), (128, 8, 1, 1), (256, 8, 1, 1),

@@ -460,9 +460,9 @@ _ONE_TOKEN_SLOTS = {}  # (pairs, block_m, device) -> pair b in slot 0 of block b
 
 def pair_groups(expert_ids: torch.Tensor, num_experts: int, one_token: bool = False) -> tuple:
     """The pairs of ``expert_ids`` [P] grouped by expert as the tensor-core MoE kernel reads them, for calls of
-    ``moe_pairs(..., groups=)`` over the same ids (one grouping launch for several products). ``one_token``: the
-    ids are one token's distinct experts (moe_route's top k), so each pair is a block of its own and no launch
-    groups them (a constant slot table, made outside CUDA-graph capture)."""
+    ``moe_pairs(..., groups=)`` over the same ids (one grouping launch for several products). ``one_token``: each
+    pair a block of its own, with no launch (a constant slot table, made outside CUDA-graph capture): right for
+    any ids, and as cheap to read as a grouping where they are distinct, as one token's top k are."""
     e = expert_ids.contiguous()
     if not one_token:
         return _groups(e, num_experts)
@@ -536,7 +536,7 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate:
             and _tc_reads(x, up)
             and (gate.format, gate.bits, gate.group_size) == (up.format, up.bits, up.group_size)):
         # the pairs grouped once for both products; silu(gate) * up formed as the down product loads it
-        groups = _groups(e, num_experts)
+        groups = pair_groups(e, num_experts, one_token=T == 1)
         gu = _tc_products(x, gate, up, F, num_experts, groups, P, None, k)
         if _tc_reads(gu, down):
             y = _tc_products(gu[:, :F], down, None, H, num_experts, groups, P, None, 1, x2=gu[:, F:])

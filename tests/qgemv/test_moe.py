@@ -386,3 +386,26 @@ def test_moe_pairs_gate_and_up_in_one_launch(split, device, monkeypatch):
         moe_pairs(x, gate, E, ex, k, up=stacked("q4_1", {}, E, F + 1, H, device))
     with pytest.raises(ValueError, match="up must have qt's shape"):
         moe_pairs(x, gate, E, ex, k, up=stacked("q8_0", {}, E, F, H, device))
+
+
+def test_moe_ffn_one_token_pairs_each_a_block(device, monkeypatch):
+    """moe_ffn at one token gives each pair a block of its own on the tensor cores (no grouping launch), which is
+    right for any ids: a row that names one expert twice, against float64 per-pair products; the output starts as
+    NaN."""
+    import llmkernels.qgemv.moe as moe
+
+    launched = []
+    real = moe.group_pairs
+    monkeypatch.setattr(moe, "group_pairs", lambda *a: launched.append(1) or real(*a))
+    E, F, H = 6, 64, 256
+    gate, up, down = (stacked("q8_0", {}, E, n, k, device) for n, k in ((F, H), (F, H), (H, F)))
+    x = torch.randn(1, H, dtype=torch.float16, device=device)
+    e = torch.tensor([[2, 5, 2]], dtype=torch.int32, device=device)
+    w = torch.tensor([[0.5, 0.3, 0.2]], device=device)
+    h = moe_gate_up_silu_ref(x, gate, up, E, e.flatten(), torch.zeros(3, dtype=torch.int32, device=device))
+    y = moe_gemv_ref(h.to(torch.float16), down, E, e.flatten())
+    ref = (y * w.double().reshape(3, 1)).sum(0, keepdim=True)
+    with route.override(exclude={"moe_gemv", "moe_grouped"}):
+        out = moe_ffn(x, w, e, gate, up, down, E)
+    assert not launched and not out.isnan().any()
+    rel_close(out, ref, torch.float16)
