@@ -463,7 +463,8 @@ def pair_groups(expert_ids: torch.Tensor, num_experts: int, one_token: bool = Fa
     ``moe_pairs(..., groups=)`` over the same ids (one grouping launch for several products). ``one_token``: each
     pair a block of its own, with no launch (a constant slot table, made outside CUDA-graph capture): right for
     any ids, and as cheap to read as a grouping where they are distinct, as one token's top k are."""
-    e = expert_ids.contiguous()
+    check_positive_int("num_experts", num_experts)
+    e = check_tensor("expert_ids", expert_ids, dtypes=(torch.int32, torch.int64), ndim=1).contiguous()
     if not one_token:
         return _groups(e, num_experts)
     P = e.shape[0]
@@ -479,6 +480,18 @@ def pair_groups(expert_ids: torch.Tensor, num_experts: int, one_token: bool = Fa
     return slots, e.to(torch.int32), block_m
 
 
+def _check_groups(groups, P: int, num_experts: int) -> None:
+    """pair_groups' output for P pairs (so the kernel's slots name pairs of this call only)."""
+    ok = isinstance(groups, tuple) and len(groups) == 3 and isinstance(groups[2], int)
+    if ok:
+        pairs, block_expert, block_m = groups
+        blocks = block_expert.shape[0]
+        ok = (pairs.shape == (blocks * block_m,) and block_m == route.moe_tc_rows(P, num_experts)
+              and blocks in (P, -(-P // block_m) + min(num_experts, P)))
+    if not ok:
+        raise ValueError(f"groups must be pair_groups(expert_ids, {num_experts}) for these {P} pairs")
+
+
 def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids: torch.Tensor,
               top_k: int = 1, up: QuantizedTensor | None = None, groups: tuple | None = None) -> torch.Tensor:
     """moe_gemv for ids that moe_route made, without its host-side range checks (no synchronisation, so it runs
@@ -488,6 +501,8 @@ def moe_pairs(x: torch.Tensor, qt: QuantizedTensor, num_experts: int, expert_ids
     ``groups``: ``pair_groups(expert_ids, num_experts)``, where the tensor-core kernel takes the products."""
     N = _check_stack("qt", qt, num_experts)
     e = expert_ids.contiguous()
+    if groups is not None:
+        _check_groups(groups, e.shape[0], num_experts)
     if up is None:
         return _launch(x, qt, None, N, num_experts, e, None, top_k, groups)
     if _check_stack("up", up, num_experts) != N or up.shape != qt.shape or (up.format, up.bits, up.group_size) != (

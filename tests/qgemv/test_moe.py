@@ -382,6 +382,14 @@ def test_moe_pairs_gate_and_up_in_one_launch(split, device, monkeypatch):
     h = torch.randn(k, 64, dtype=torch.float16, device=device)
     assert torch.equal(moe_pairs(h, down, E, e1, groups=groups), moe_pairs(h, down, E, e1))
     rel_close(moe_pairs(h, down, E, e1, groups=groups), moe_gemv_ref(h, down_plain, E, e1), torch.float16)
+    with pytest.raises(ValueError, match="groups must be pair_groups"):  # made for other pairs
+        moe_pairs(x, gate, E, ex, k, up=up, groups=groups)
+    with pytest.raises(ValueError, match="groups must be pair_groups"):
+        moe_pairs(h, down, E, e1, groups=groups[:2])
+    with pytest.raises(TypeError, match="expert_ids must have dtype"):
+        moe.pair_groups(e1.float(), E)
+    with pytest.raises(ValueError, match="num_experts must be"):
+        moe.pair_groups(e1, 0, one_token=True)
     with pytest.raises(ValueError, match="up must have qt's shape"):
         moe_pairs(x, gate, E, ex, k, up=stacked("q4_1", {}, E, F + 1, H, device))
     with pytest.raises(ValueError, match="up must have qt's shape"):
